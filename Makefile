@@ -1,0 +1,17 @@
+# LongStraw: `make demo` runs the main job on its embedded default; `make test` runs the CPU suite.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+
+.PHONY: setup test demo
+
+# Installs into the current Python. torch is installed only where it is missing (never replace a user's torch),
+# pinned to the CPU build that lies on the test machines; no triton/fla on CPU (they break transformers there).
+setup:
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "torch==2.13.0"
+	$(PIP) install -q -e ".[test,plot,math]"
+
+test: setup
+	$(PYTHON) -m pytest -q tests
+
+demo: setup
+	$(PYTHON) -m longstraw_cli demo

@@ -1,0 +1,128 @@
+"""Torch reference for the gated delta rule (GDN), the linear-attention mixer of Qwen3.5/3.6.
+
+Two implementations of one recurrence, per value head with a state S [K, V]:
+
+    S <- S * exp(g_t);  delta_t = beta_t (v_t - S^T k_t);  S <- S + k_t delta_t^T;  o_t = S^T (scale q_t)
+
+`gdn_recurrent` runs it token by token; `gdn_chunked` solves each chunk at once with the WY/UT transform and
+scans sequentially over chunks (derivation in README.md beside this file). Both match Hugging Face's
+`torch_recurrent_gated_delta_rule` / `torch_chunk_gated_delta_rule` with use_qk_l2norm_in_kernel=False.
+
+Simplifications against the fused kernels: q and k must come in L2-normalised (no in-kernel norm), no
+variable-length packing (cu_seqlens), and the chunked form keeps every chunk's [C, C] matrices in memory.
+Everything is out-of-place, so plain autograd gives the backward.
+
+Shape legend:
+    B batch, T time, H key heads, G value heads (a multiple of H; value head j reads key head j // (G // H)),
+    K key dim, V value dim, N number of chunks, C chunk size.
+"""
+
+import functools
+
+import torch
+
+
+def _compute_dtype(*tensors):
+    # fp32 is the floor: bf16/fp16 inputs are computed in fp32, fp64 inputs stay fp64.
+    dtypes = [t.dtype for t in tensors if t is not None]
+    return functools.reduce(torch.promote_types, dtypes, torch.float32)
+
+
+def _prepare(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV, scale):
+    """Validate shapes, cast to the compute dtype, expand key heads to value heads, move time to dim 2."""
+    if q_BTHK.dim() != 4 or q_BTHK.shape != k_BTHK.shape:
+        raise ValueError(f"q and k must both be [B, T, H, K], got {tuple(q_BTHK.shape)} and {tuple(k_BTHK.shape)}")
+    B, T, H, K = k_BTHK.shape
+    if v_BTGV.dim() != 4 or v_BTGV.shape[:2] != (B, T):
+        raise ValueError(f"v must be [B={B}, T={T}, G, V], got {tuple(v_BTGV.shape)}")
+    G, V = v_BTGV.shape[2:]
+    if G % H != 0:
+        raise ValueError(f"value heads G={G} must be a multiple of key heads H={H}")
+    for name, t in (("g", g_BTG), ("beta", beta_BTG)):
+        if t.shape != (B, T, G):
+            raise ValueError(f"{name} must be [B={B}, T={T}, G={G}], got {tuple(t.shape)}")
+    if initial_state_BGKV is not None and initial_state_BGKV.shape != (B, G, K, V):
+        raise ValueError(f"initial_state must be [B={B}, G={G}, K={K}, V={V}], got {tuple(initial_state_BGKV.shape)}")
+
+    dtype = _compute_dtype(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV)
+    scale = K**-0.5 if scale is None else scale
+    q_BGTK = (q_BTHK.to(dtype) * scale).repeat_interleave(G // H, dim=2).transpose(1, 2)
+    k_BGTK = k_BTHK.to(dtype).repeat_interleave(G // H, dim=2).transpose(1, 2)
+    v_BGTV = v_BTGV.to(dtype).transpose(1, 2)
+    g_BGT = g_BTG.to(dtype).transpose(1, 2)
+    beta_BGT = beta_BTG.to(dtype).transpose(1, 2)
+    if initial_state_BGKV is None:
+        state_BGKV = torch.zeros(B, G, K, V, dtype=dtype, device=v_BTGV.device)
+    else:
+        state_BGKV = initial_state_BGKV.to(dtype)
+    return q_BGTK, k_BGTK, v_BGTV, g_BGT, beta_BGT, state_BGKV
+
+
+def gdn_recurrent(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV=None, scale=None):
+    """Token-by-token gated delta rule; returns (o_BTGV in v's dtype, final_state_BGKV in the compute dtype)."""
+    q_BGTK, k_BGTK, v_BGTV, g_BGT, beta_BGT, state_BGKV = _prepare(
+        q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV, scale
+    )
+    o_list_BGV = []
+    for t in range(v_BGTV.shape[2]):
+        k_BGK = k_BGTK[:, :, t]
+        state_BGKV = state_BGKV * g_BGT[:, :, t].exp()[..., None, None]
+        predicted_BGV = torch.einsum("bgk,bgkv->bgv", k_BGK, state_BGKV)
+        delta_BGV = beta_BGT[:, :, t, None] * (v_BGTV[:, :, t] - predicted_BGV)
+        state_BGKV = state_BGKV + k_BGK[..., :, None] * delta_BGV[..., None, :]
+        o_list_BGV.append(torch.einsum("bgk,bgkv->bgv", q_BGTK[:, :, t], state_BGKV))
+    if not o_list_BGV:
+        return v_BTGV.new_zeros(v_BTGV.shape), state_BGKV
+    o_BTGV = torch.stack(o_list_BGV, dim=1)
+    return o_BTGV.to(v_BTGV.dtype), state_BGKV
+
+
+def gdn_chunked(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV=None, scale=None, chunk_size=64):
+    """Same result as `gdn_recurrent`: WY/UT transform within chunks of `chunk_size`, sequential over chunks."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size}")
+    q_BGTK, k_BGTK, v_BGTV, g_BGT, beta_BGT, state_BGKV = _prepare(
+        q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV, scale
+    )
+    B, G, T, _ = k_BGTK.shape
+    if T == 0:
+        return v_BTGV.new_zeros(v_BTGV.shape), state_BGKV
+
+    # Padded tokens have g = 0 (no decay) and beta = k = 0 (no write), so they leave the state untouched.
+    C = chunk_size
+    N = -(-T // C)
+    pad = N * C - T
+    q_BGNCK, k_BGNCK, v_BGNCV = (
+        torch.nn.functional.pad(x, (0, 0, 0, pad)).reshape(B, G, N, C, x.shape[-1]) for x in (q_BGTK, k_BGTK, v_BGTV)
+    )
+    g_BGNC, beta_BGNC = (torch.nn.functional.pad(x, (0, pad)).reshape(B, G, N, C) for x in (g_BGT, beta_BGT))
+
+    # b_i = log of the decay from the chunk start through token i (inclusive).
+    b_BGNC = g_BGNC.cumsum(dim=-1)
+    # decay_ij = exp(b_i - b_j) for j <= i; the upper triangle is masked before exp so it cannot overflow.
+    upper_CC = torch.ones(C, C, dtype=torch.bool, device=b_BGNC.device).triu(1)
+    decay_BGNCC = (b_BGNC[..., :, None] - b_BGNC[..., None, :]).masked_fill(upper_CC, float("-inf")).exp()
+
+    # (I + A) U = beta V - beta exp(b) K S0 with A_ij = beta_i decay_ij k_i.k_j strictly below the diagonal;
+    # the solve is unitriangular, so A's diagonal is ignored.
+    kbeta_BGNCK = k_BGNCK * beta_BGNC[..., None]
+    a_BGNCC = (kbeta_BGNCK @ k_BGNCK.transpose(-1, -2)) * decay_BGNCC
+    w_v_BGNCV = torch.linalg.solve_triangular(a_BGNCC, v_BGNCV * beta_BGNC[..., None], upper=False, unitriangular=True)
+    w_k_BGNCK = torch.linalg.solve_triangular(
+        a_BGNCC, kbeta_BGNCK * b_BGNC.exp()[..., None], upper=False, unitriangular=True
+    )
+
+    # Intra-chunk attention includes the diagonal: o_i sees its own write u_i.
+    attn_BGNCC = (q_BGNCK @ k_BGNCK.transpose(-1, -2)) * decay_BGNCC
+    q_decayed_BGNCK = q_BGNCK * b_BGNC.exp()[..., None]
+    k_to_end_BGNCK = k_BGNCK * (b_BGNC[..., -1:] - b_BGNC).exp()[..., None]
+    chunk_decay_BGN = b_BGNC[..., -1].exp()
+
+    o_list_BGCV = []
+    for n in range(N):
+        u_BGCV = w_v_BGNCV[:, :, n] - w_k_BGNCK[:, :, n] @ state_BGKV
+        o_list_BGCV.append(q_decayed_BGNCK[:, :, n] @ state_BGKV + attn_BGNCC[:, :, n] @ u_BGCV)
+        write_BGKV = k_to_end_BGNCK[:, :, n].transpose(-1, -2) @ u_BGCV
+        state_BGKV = state_BGKV * chunk_decay_BGN[:, :, n, None, None] + write_BGKV
+    o_BGTV = torch.cat(o_list_BGCV, dim=2)[:, :, :T]
+    return o_BGTV.transpose(1, 2).contiguous().to(v_BTGV.dtype), state_BGKV
