@@ -1,0 +1,100 @@
+"""Memory and time by phase.
+
+`GraphMemory` is the project's own accounting of autograd graph memory, valid on any device: it counts the bytes
+of the storages that autograd saves for backward while they are alive, skipping the storages that are accounted
+for elsewhere (parameters, the resident state). A graph freed by its backward drops back to zero, so a graph
+that outlives its replay shows up as live bytes. On CUDA `PhaseClock` also records the allocator's peak.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from contextlib import contextmanager
+
+import torch
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    return (str(t.device), t.untyped_storage().data_ptr())
+
+
+class _Saved:
+    __slots__ = ("tensor", "meter", "key", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor, meter: "GraphMemory", key):
+        self.tensor, self.meter, self.key = tensor, meter, key
+
+    def __del__(self):
+        self.meter._release(self.key)
+
+
+class GraphMemory:
+    """Live and peak bytes of autograd-saved storages inside `with meter:` (parameters/resident excluded)."""
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()):
+        self.excluded = {_storage_key(t) for t in exclude}
+        self.refs: dict[tuple[str, int], int] = {}
+        self.sizes: dict[tuple[str, int], int] = {}
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor):
+        key = _storage_key(t)
+        if key in self.excluded or t.device.type == "meta":
+            return t
+        if self.refs.get(key, 0) == 0:
+            self.sizes[key] = t.untyped_storage().nbytes()
+            self.live_bytes += self.sizes[key]
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self.refs[key] = self.refs.get(key, 0) + 1
+        # detached: a saved OUTPUT kept with its grad_fn would form a node -> holder -> tensor -> node cycle
+        # through C++ that Python's collector cannot break, and the graph would never be freed
+        return _Saved(t.detach(), self, key)
+
+    @staticmethod
+    def _unpack(saved):
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+    def _release(self, key):
+        self.refs[key] -= 1
+        if self.refs[key] == 0:
+            del self.refs[key]
+            self.live_bytes -= self.sizes.pop(key)
+
+    @property
+    def live_tensors(self) -> int:
+        return sum(self.refs.values())
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+
+class PhaseClock:
+    """Wall time (and CUDA peak memory, where there is CUDA) of named phases; repeated phases accumulate."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.seconds: dict[str, float] = {}
+        self.cuda_peak_bytes: dict[str, int] = {}
+
+    @contextmanager
+    def phase(self, name: str):
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if cuda:
+                torch.cuda.synchronize(self.device)
+                peak = torch.cuda.max_memory_allocated(self.device)
+                self.cuda_peak_bytes[name] = max(self.cuda_peak_bytes.get(name, 0), peak)
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start

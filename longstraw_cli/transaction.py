@@ -1,0 +1,149 @@
+"""One GRPO transaction for one prompt, model-agnostic:
+
+    capture -> score (old, reference) -> replay x G -> finalize -> step
+
+The prompt is captured once without autograd; old-policy and reference log-probs are scored graph-free from a
+resident state; each response is replayed alone with autograd and its loss backpropagated at once, so at most one
+response graph is alive; gradients accumulate in .grad, are finalized once (the one distributed reduction, a
+no-op on one rank) and one optimizer step is taken.
+
+Simplifications: response_only gradients (the resident state is a constant); one prompt per transaction (data
+parallelism across prompts sits above, in the finalize hook).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from longstraw_cli.rl.advantages import get_advantage
+from longstraw_cli.rl.losses import GroupShape, LossConfig, response_loss, sum_stats, summarize_stats
+from longstraw_cli.telemetry.memory import GraphMemory, PhaseClock
+
+
+@dataclass(frozen=True)
+class TransactionConfig:
+    block_size: int = 4096
+    # responses scored together (graph-free) in one batched replay
+    score_batch: int = 8
+    logprob_chunk: int = 1024
+    advantage: str = "grpo"
+    max_grad_norm: float | None = 1.0
+
+    def __post_init__(self):
+        for name in ("block_size", "score_batch", "logprob_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        get_advantage(self.advantage)
+
+
+@dataclass
+class TransactionResult:
+    stats: dict[str, float]
+    advantages: list[float]
+    seconds: dict[str, float]
+    resident_bytes: dict[str, int]
+    # the project's own accounting: peak bytes of autograd-saved storages over all replays
+    graph_peak_bytes: int
+    # saved storages still alive after the last replay (0 unless a graph leaked)
+    graph_live_bytes_after: int
+    cuda_peak_bytes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def accounted_peak_bytes(self) -> int:
+        return self.resident_bytes["total"] + self.graph_peak_bytes
+
+
+def _no_finalize(model: torch.nn.Module) -> None:
+    return None
+
+
+class Transaction:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_cfg: LossConfig,
+                 cfg: TransactionConfig = TransactionConfig(), *, ref_model: torch.nn.Module | None = None,
+                 finalize_grads: Callable[[torch.nn.Module], None] = _no_finalize):
+        if loss_cfg.kl_coef > 0 and ref_model is None:
+            raise ValueError(f"kl_coef={loss_cfg.kl_coef} needs a reference model (kl_coef=0 skips it)")
+        self.model, self.optimizer, self.loss_cfg, self.cfg = model, optimizer, loss_cfg, cfg
+        self.ref_model = ref_model if loss_cfg.kl_coef > 0 else None
+        self.finalize_grads = finalize_grads
+        self.params = [p for p in model.parameters() if p.requires_grad]
+
+    # -- phases -----------------------------------------------------------------------------------------------
+    def capture(self, model: torch.nn.Module, prompt_ids: torch.Tensor):
+        return model.capture(prompt_ids, block_size=self.cfg.block_size)
+
+    @torch.no_grad()
+    def score(self, model: torch.nn.Module, resident, responses: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Graph-free log-probs of each response, batched with right padding (causal: padding is harmless)."""
+        out = []
+        for start in range(0, len(responses), self.cfg.score_batch):
+            batch = responses[start : start + self.cfg.score_batch]
+            padded = torch.nn.utils.rnn.pad_sequence(list(batch), batch_first=True, padding_value=0)
+            logp = model.logprobs(resident, padded, grad=False, chunk_size=self.cfg.logprob_chunk)
+            out += [logp[i, : len(r)] for i, r in enumerate(batch)]
+        return out
+
+    def replay(self, resident, responses, old_logprobs, ref_logprobs, advantages) -> tuple[list[dict], GraphMemory]:
+        """One response at a time: forward with autograd, loss, backward, graph freed."""
+        group = GroupShape.from_lengths([len(r) for r in responses])
+        meter = GraphMemory(exclude=[*self.model.parameters(), *resident.tensors()])
+        stats = []
+        with meter:
+            for i, response in enumerate(responses):
+                logp = self.model.logprobs(resident, response, grad=True, chunk_size=self.cfg.logprob_chunk)
+                ref = None if ref_logprobs is None else ref_logprobs[i]
+                loss, s = response_loss(self.loss_cfg, logp, old_logprobs[i], advantages[i], group, ref)
+                loss.backward()
+                del logp, loss
+                stats.append(s)
+        return stats, meter
+
+    def finalize(self) -> float:
+        self.finalize_grads(self.model)
+        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else float("inf")
+        return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # -- the transaction --------------------------------------------------------------------------------------
+    def run(self, prompt_ids: torch.Tensor, responses: Sequence[torch.Tensor], rewards: torch.Tensor, *,
+            resident=None, old_logprobs: Sequence[torch.Tensor] | None = None) -> TransactionResult:
+        """`resident`/`old_logprobs` may come from the rollout that sampled the responses from the same state."""
+        if len(responses) < 2:
+            raise ValueError(f"a GRPO group needs >= 2 responses, got {len(responses)}")
+        if any(len(r) == 0 for r in responses):
+            raise ValueError("every response needs at least one token")
+        device = prompt_ids.device
+        clock = PhaseClock(device)
+        self.optimizer.zero_grad(set_to_none=True)
+        if resident is None:
+            with clock.phase("capture"):
+                resident = self.capture(self.model, prompt_ids)
+        with clock.phase("score"):
+            if old_logprobs is None:
+                old_logprobs = self.score(self.model, resident, responses)
+            ref_logprobs = None
+            if self.ref_model is not None:
+                ref_resident = self.capture(self.ref_model, prompt_ids)
+                ref_logprobs = self.score(self.ref_model, ref_resident, responses)
+                del ref_resident
+        advantages = get_advantage(self.cfg.advantage)(rewards.double()).tolist()
+        with clock.phase("replay"):
+            per_response, meter = self.replay(resident, responses, old_logprobs, ref_logprobs, advantages)
+        with clock.phase("finalize"):
+            grad_norm = self.finalize()
+        with clock.phase("step"):
+            self.step()
+        stats = summarize_stats(sum_stats(per_response))
+        stats.update(grad_norm=grad_norm, reward_mean=float(rewards.float().mean()),
+                     reward_std=float(rewards.float().std()))
+        return TransactionResult(
+            stats=stats, advantages=advantages, seconds=clock.seconds, resident_bytes=resident.nbytes(),
+            graph_peak_bytes=meter.peak_bytes, graph_live_bytes_after=meter.live_bytes,
+            cuda_peak_bytes=clock.cuda_peak_bytes,
+        )
