@@ -9,7 +9,7 @@ G value heads of a recurrent layer, Dk/Dv its key/value head dims.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -39,9 +39,6 @@ class Resident:
     layers: list[AttentionPages | RecurrentState]
     num_tokens: int
     last_token: int
-    # tokens of this prompt that precede the captured span on other ranks (context parallel); 0 on one rank
-    position_offset: int = 0
-    extra: dict = field(default_factory=dict)
 
     def nbytes(self) -> dict[str, int]:
         """Bytes by component, as allocated."""
