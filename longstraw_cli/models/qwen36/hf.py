@@ -63,3 +63,35 @@ def hf_to_local_name(name: str) -> str | None:
     if name.startswith(("model.visual.", "mtp.", "visual.")):
         return None
     return name
+
+
+def config_to_hf(cfg: Qwen36Config) -> dict:
+    """config.json dict (model_type qwen3_5_text) of a Qwen36Config: the inverse of `config_from_hf`."""
+    return {
+        "model_type": "qwen3_5_text",
+        "architectures": ["Qwen3_5ForCausalLM"],
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "linear_num_key_heads": cfg.linear_num_key_heads,
+        "linear_num_value_heads": cfg.linear_num_value_heads,
+        "linear_key_head_dim": cfg.linear_key_head_dim,
+        "linear_value_head_dim": cfg.linear_value_head_dim,
+        "linear_conv_kernel_dim": cfg.linear_conv_kernel_dim,
+        "full_attention_interval": cfg.full_attention_interval,
+        "layer_types": list(cfg.layer_types),
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": cfg.rope_theta,
+            "partial_rotary_factor": cfg.partial_rotary_factor,
+        },
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+    }

@@ -1,0 +1,311 @@
+"""LoRA adapters on a model's nn.Linear layers: the optimizer holds the adapters, the base stays frozen.
+
+A targeted linear becomes a `LoraLinear` that keeps its base `weight` (the same Parameter, under the same name,
+so checkpoints and HF names do not change) and adds `lora_A` [r, in] and `lora_B` [out, r]:
+
+    y = x W^T + (alpha / r) * dropout(x) A^T B^T
+
+B starts at zero, so a fresh adapter is an exact no-op. The reference policy is the same module with its adapters
+switched off (`adapters_disabled`, `ReferencePolicy`): no second copy of the base weights is held.
+
+Simplifications (peft has them, we do not): no rsLoRA or DoRA, no adapters on biases, embeddings or lm_head,
+one rank and alpha for every target.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj", "gate_proj",
+                   "up_proj", "down_proj")
+# tied to the vocabulary (and possibly to each other): adapting them is a different method, not a target
+NEVER_TARGETED = ("lm_head", "embed_tokens")
+ADAPTER_NAMES = ("lora_A", "lora_B")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    # 0: LoRA off (full fine-tuning); the paper trains Qwen at 16, GLM at 8
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    # matched against the module path: the last component, or a dotted suffix ("mlp.down_proj")
+    target_modules: tuple[str, ...] = DEFAULT_TARGETS
+
+    def __post_init__(self):
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
+            raise ValueError(f"lora rank must be an int >= 0 (0 = LoRA off), got {self.rank!r}")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not (
+            math.isfinite(self.alpha) and self.alpha > 0
+        ):
+            raise ValueError(f"lora alpha must be a finite number > 0, got {self.alpha!r}")
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not (
+            0 <= self.dropout < 1
+        ):
+            raise ValueError(f"lora dropout must be in [0, 1), got {self.dropout!r}")
+        if isinstance(self.target_modules, str) or not isinstance(self.target_modules, (list, tuple)):
+            raise ValueError(
+                f"lora target_modules must be a list of module names, got {self.target_modules!r}; "
+                f"qwen36 has {list(DEFAULT_TARGETS)}"
+            )
+        # a list from the config composer becomes the tuple a frozen config should hold
+        object.__setattr__(self, "target_modules", tuple(self.target_modules))
+        for target in self.target_modules:
+            if not isinstance(target, str) or not target or target.split(".")[-1] in NEVER_TARGETED:
+                raise ValueError(
+                    f"lora target {target!r} is not allowed ({list(NEVER_TARGETED)} are never targeted); "
+                    f"qwen36 has {list(DEFAULT_TARGETS)}"
+                )
+        duplicates = sorted({t for t in self.target_modules if self.target_modules.count(t) > 1})
+        if duplicates:
+            raise ValueError(f"lora target_modules lists {duplicates} more than once")
+        if self.rank > 0 and not self.target_modules:
+            raise ValueError(f"lora rank={self.rank} with no target_modules; qwen36 has {list(DEFAULT_TARGETS)}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+class LoraLinear(nn.Linear):
+    """nn.Linear plus a low-rank update; `weight` and `bias` are the wrapped linear's own Parameters."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0,
+                 dtype: torch.dtype | None = None):
+        # nn.Linear.__init__ would allocate a new weight; the base's Parameters are adopted instead
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.register_parameter("bias", base.bias)
+        self.rank, self.alpha, self.scaling = rank, float(alpha), alpha / rank
+        w = base.weight
+        dtype = dtype or w.dtype
+        self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, dtype=dtype, device=w.device))
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, dtype=dtype, device=w.device))
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.adapter_enabled = True
+        self.train(base.training)
+        self.reset_lora_parameters()
+
+    @torch.no_grad()
+    def reset_lora_parameters(self) -> None:
+        # peft's init: A like nn.Linear's default, B zero, so the update B A starts at exactly zero
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        self.lora_B.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        if not self.adapter_enabled:
+            return out
+        h = self.lora_dropout(x).to(self.lora_A.dtype)
+        delta = F.linear(F.linear(h, self.lora_A), self.lora_B) * self.scaling
+        return out + delta.to(out.dtype)
+
+    @torch.no_grad()
+    def merged_weight(self) -> torch.Tensor:
+        """W + scale * B @ A, computed in at least fp32 and rounded once to W's dtype."""
+        w = self.weight
+        dtype = torch.promote_types(torch.promote_types(w.dtype, self.lora_A.dtype), torch.float32)
+        delta = self.lora_B.to(dtype) @ self.lora_A.to(dtype)
+        return (w.to(dtype) + self.scaling * delta).to(w.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, rank={self.rank}, alpha={self.alpha:g}, adapter_enabled={self.adapter_enabled}"
+
+
+def lora_layers(model: nn.Module) -> dict[str, LoraLinear]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoraLinear)}
+
+
+def _matches(name: str, target: str) -> bool:
+    return name == target or name.endswith("." + target)
+
+
+def _candidate_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    """Every nn.Linear that may carry an adapter: not lm_head, not one sharing an embedding's weight."""
+    embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    return {
+        name: m for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and name.split(".")[-1] not in NEVER_TARGETED
+        and id(m.weight) not in embedding_weights
+    }
+
+
+def apply_lora(model: nn.Module, cfg: LoraConfig, *, dtype: torch.dtype | None = None) -> list[nn.Parameter]:
+    """Swap every targeted nn.Linear for a LoraLinear in place, freeze everything else; -> the parameters to train.
+
+    With cfg.rank > 0 those are the adapters only (build the optimizer from them). With rank 0 (LoRA off) the
+    model is left untouched and its trainable parameters are returned: full fine-tuning. Adapters are created on
+    each base weight's device, in `dtype` (None: the base weight's dtype; fp32 adapters on a bf16 base as peft's
+    default are `dtype=torch.float32`)."""
+    if not cfg.enabled:
+        return [p for p in model.parameters() if p.requires_grad]
+    if lora_layers(model):
+        raise ValueError("model already has LoRA adapters; apply_lora once per model")
+    candidates = _candidate_linears(model)
+    unknown = [t for t in cfg.target_modules if not any(_matches(name, t) for name in candidates)]
+    if unknown:
+        names = sorted({name.split(".")[-1] for name in candidates})
+        raise ValueError(f"lora target_modules {unknown} match no nn.Linear of the model; its linears: {names}")
+    targeted = [name for name in candidates if any(_matches(name, t) for t in cfg.target_modules)]
+    for name in targeted:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        # setattr on a ModuleList with a digit name replaces that entry
+        setattr(parent, child, LoraLinear(candidates[name], cfg.rank, cfg.alpha, cfg.dropout, dtype))
+    model.requires_grad_(False)
+    adapters = []
+    for layer in lora_layers(model).values():
+        for p in (layer.lora_A, layer.lora_B):
+            p.requires_grad_(True)
+            adapters.append(p)
+    return adapters
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
+    """The base model (the reference policy) inside the block; each adapter's flag is restored on exit."""
+    layers = list(lora_layers(model).values())
+    if not layers:
+        # a no-op here would make the "reference" the trained policy itself and every KL silently zero
+        raise ValueError("model has no LoRA adapters to disable; a reference policy needs its own model")
+    previous = [layer.adapter_enabled for layer in layers]
+    for layer in layers:
+        layer.adapter_enabled = False
+    try:
+        yield model
+    finally:
+        for layer, flag in zip(layers, previous):
+            layer.adapter_enabled = flag
+
+
+class ReferencePolicy:
+    """A LoRA model seen with its adapters off: pass as Transaction(ref_model=...), it shares every weight."""
+
+    def __init__(self, model: nn.Module):
+        if not lora_layers(model):
+            raise ValueError("ReferencePolicy needs a model with LoRA adapters (apply_lora with rank > 0)")
+        self.model = model
+
+    def __call__(self, *args, **kwargs):
+        with adapters_disabled(self.model):
+            return self.model(*args, **kwargs)
+
+    def capture(self, *args, **kwargs):
+        with adapters_disabled(self.model):
+            return self.model.capture(*args, **kwargs)
+
+    def logprobs(self, *args, **kwargs):
+        with adapters_disabled(self.model):
+            return self.model.logprobs(*args, **kwargs)
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Adapter tensors only, by full name (`...q_proj.lora_A`); detached, sharing storage like state_dict()."""
+    layers = lora_layers(model)
+    if not layers:
+        raise ValueError("model has no LoRA adapters (apply_lora with rank > 0 first)")
+    return {f"{name}.{key}": getattr(layer, key).detach() for name, layer in layers.items() for key in ADAPTER_NAMES}
+
+
+@torch.no_grad()
+def load_lora_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Copy adapter tensors in; the key sets must match exactly and every shape must agree."""
+    own = lora_state_dict(model)
+    missing = sorted(set(own) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(own))
+    if missing or unexpected:
+        raise ValueError(
+            f"lora state dict does not fit the model: {len(missing)} missing, e.g. {missing[:3]}; "
+            f"{len(unexpected)} unexpected, e.g. {unexpected[:3]}"
+        )
+    for key, tensor in state_dict.items():
+        if tuple(tensor.shape) != tuple(own[key].shape):
+            raise ValueError(
+                f"lora tensor {key} has shape {tuple(tensor.shape)}, the model's is {tuple(own[key].shape)}"
+            )
+    for key, tensor in state_dict.items():
+        own[key].copy_(tensor)
+
+
+@torch.no_grad()
+def merged_state_dict(model: nn.Module, device: str | torch.device | None = None) -> dict[str, torch.Tensor]:
+    """Every state_dict entry under its normal (HF) name, adapters merged into `weight`, no lora_* keys.
+
+    device: where each tensor goes right after it is formed ("cpu" keeps the accelerator's extra memory to one
+    merged weight at a time); None leaves tensors where they are."""
+    layers = lora_layers(model)
+    out = {}
+    for key, tensor in model.state_dict().items():
+        module_name, _, leaf = key.rpartition(".")
+        if leaf in ADAPTER_NAMES and module_name in layers:
+            continue
+        if leaf == "weight" and module_name in layers:
+            tensor = layers[module_name].merged_weight()
+        out[key] = tensor if device is None else tensor.to(device)
+    return out
+
+
+def export_hf(model: nn.Module, out_dir: str | Path) -> Path:
+    """Write a qwen36 model, adapters merged, as an HF `qwen3_5_text` directory (config.json + model.safetensors).
+
+    The directory appears whole or not at all: files are written into a temp dir beside it, then renamed; an
+    existing out_dir is replaced."""
+    from safetensors.torch import save_file
+
+    from longstraw_cli.models.qwen36.hf import config_to_hf
+
+    if getattr(model, "family", None) != "qwen36":
+        raise ValueError(f"export_hf writes qwen36 models; got family {getattr(model, 'family', None)!r}")
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"export target {out} exists and is not a directory")
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError("export_hf needs materialised weights; the model has meta parameters")
+    tensors = merged_state_dict(model, device="cpu")
+    if model.config.tie_word_embeddings:
+        # HF re-ties lm_head to embed_tokens on load; safetensors refuses two names for one storage anyway
+        tensors.pop("lm_head.weight", None)
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    hf_config = config_to_hf(model.config)
+    hf_config["dtype"] = str(tensors["model.embed_tokens.weight"].dtype).removeprefix("torch.")
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        os.chmod(tmp, 0o755)
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return out
+
+
+__all__ = [
+    "DEFAULT_TARGETS", "LoraConfig", "LoraLinear", "ReferencePolicy", "adapters_disabled", "apply_lora",
+    "export_hf", "load_lora_state_dict", "lora_layers", "lora_state_dict", "merged_state_dict",
+]
