@@ -1,0 +1,202 @@
+"""Per-step metrics: run_dir/metrics.jsonl (the record), a one-line console summary, optionally Weights & Biases.
+
+metrics.jsonl holds one JSON object per line, `{"step": step, **metrics}`, each row flushed and fsynced. A
+resumed run passes `resume_step` (the first step it will log): rows with step >= resume_step, logged after the
+checkpoint by the killed process, are dropped before logging starts, so the resumed file equals the one an
+uninterrupted run writes. A fresh run (resume_step None) replaces an existing metrics.jsonl.
+
+Key conventions the console and `plot_memory` rely on: `time/<phase>` in seconds, `mem/<what>` in bytes.
+Only rank 0 logs; on other ranks every method is a no-op and nothing is created.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+
+WANDB_MODES = ("offline", "online", "disabled")
+BACKENDS = ("console", "jsonl", "wandb")
+METRICS_FILE = "metrics.jsonl"
+
+# console order: training signal first, then time by phase in the trainer's order, then memory
+_HEAD_KEYS = ("reward_mean", "reward_std", "loss", "pg_loss", "kl_loss", "kl_mean", "ppo_kl", "clip_frac",
+              "ratio_mean", "grad_norm", "num_tokens", "tokens")
+_PHASES = ("rollout", "reward", "capture", "score", "replay", "finalize", "step")
+
+
+@dataclass(frozen=True)
+class WandbConfig:
+    project: str = "longstraw"
+    mode: str = "offline"
+    name: str | None = None
+    # None: the run directory
+    dir: str | None = None
+
+    def __post_init__(self):
+        if self.mode not in WANDB_MODES:
+            raise ValueError(f"WandbConfig.mode must be one of {', '.join(map(repr, WANDB_MODES))}; got {self.mode!r}")
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """Rows of a metrics.jsonl. A torn last line (the process was killed mid-write) is skipped; a bad line
+    anywhere else is an error naming the file and line."""
+    path = Path(path)
+    lines = path.read_text().split("\n")
+    rows = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            # the last line has no newline after it only if its write was cut short
+            if i == len(lines) - 1:
+                break
+            raise ValueError(f"{path}:{i + 1}: not a JSON row ({e})") from e
+    return rows
+
+
+def _to_number(name: str, value):
+    if hasattr(value, "item"):  # 0-d tensors and numpy scalars
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"metric {name!r} must be a number, got {type(value).__name__}: {value!r}")
+    return value
+
+
+def _fmt_bytes(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _fmt_value(v: float) -> str:
+    return str(v) if isinstance(v, int) else f"{v:.4g}"
+
+
+def _console_order(keys) -> list[str]:
+    keys = list(keys)
+    head = [k for k in _HEAD_KEYS if k in keys]
+    phase_rank = {f"time/{p}": i for i, p in enumerate(_PHASES)}
+    times = sorted((k for k in keys if k.startswith("time/")), key=lambda k: (phase_rank.get(k, len(_PHASES)), k))
+    mems = sorted((k for k in keys if k.startswith("mem/")), key=lambda k: (k != "mem/resident", k))
+    rest = sorted(set(keys) - set(head) - set(times) - set(mems))
+    return head + rest + times + mems
+
+
+def format_line(step: int, metrics: dict[str, float]) -> str:
+    """One compact line (rich markup): `step 12 | reward_mean 0.5 loss ... | capture 1.20s ... | resident 1.2 GiB`."""
+    signal, times, mems = [], [], []
+    for k in _console_order(metrics):
+        v = metrics[k]
+        if k.startswith("time/"):
+            times.append(f"{escape(k[5:])} {v:.2f}s")
+        elif k.startswith("mem/"):
+            mems.append(f"{escape(k[4:])} {_fmt_bytes(v)}")
+        else:
+            signal.append(f"[dim]{escape(k)}[/] {_fmt_value(v)}")
+    groups = [f"[bold]step {step}[/]"] + [" ".join(g) for g in (signal, times, mems) if g]
+    return " [dim]|[/] ".join(groups)
+
+
+class MetricsLogger:
+    """Logs `{"step": step, **metrics}` per step to the chosen backends ("console", "jsonl", "wandb").
+
+    `config` (a plain dict) is the run configuration handed to wandb.init. Usable as a context manager."""
+
+    def __init__(self, run_dir: Path, *, backends: Sequence[str] = ("console", "jsonl"), rank: int = 0,
+                 wandb_cfg: WandbConfig | None = None, resume_step: int | None = None, config: dict | None = None):
+        if isinstance(backends, str):
+            backends = (backends,)
+        unknown = [b for b in backends if b not in BACKENDS]
+        if unknown:
+            raise ValueError(f"unknown metrics backend(s) {unknown}; valid: {list(BACKENDS)}")
+        if resume_step is not None and resume_step < 0:
+            raise ValueError(f"resume_step must be >= 0, got {resume_step}")
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / METRICS_FILE
+        self.active = rank == 0
+        self.backends = tuple(backends)
+        self.last_step: int | None = None
+        self._file = None
+        self._console = None
+        self._wandb_run = None
+        if not self.active:
+            return
+
+        if "wandb" in self.backends:
+            # before touching any file: a missing package should fail the run at once, not at the first log
+            wandb = _import_wandb()
+        if "jsonl" in self.backends:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._truncate(resume_step)
+            self._file = open(self.path, "a")
+        if "console" in self.backends:
+            self._console = Console(highlight=False)
+        if "wandb" in self.backends:
+            cfg = wandb_cfg or WandbConfig()
+            self._wandb_run = wandb.init(project=cfg.project, name=cfg.name, mode=cfg.mode,
+                                         dir=cfg.dir or str(self.run_dir), config=dict(config or {}))
+
+    def _truncate(self, resume_step: int | None) -> None:
+        """Keeps rows with step < resume_step (none for a fresh run), rewritten atomically."""
+        for stale in self.run_dir.glob(f"{METRICS_FILE}.tmp-*"):
+            stale.unlink()
+        kept = []
+        if resume_step is not None and self.path.exists():
+            kept = [row for row in read_metrics(self.path) if row["step"] < resume_step]
+        tmp = self.path.with_name(f"{METRICS_FILE}.tmp-{os.getpid()}")
+        with open(tmp, "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        if kept:
+            self.last_step = kept[-1]["step"]
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.active:
+            return
+        if "step" in metrics:
+            raise ValueError("'step' is the row's own key; pass it as the step argument, not in metrics")
+        if self.last_step is not None and step < self.last_step:
+            raise ValueError(f"steps must not decrease: got step {step} after step {self.last_step}")
+        self.last_step = step
+        values = {k: _to_number(k, v) for k, v in metrics.items()}
+        if self._file is not None:
+            self._file.write(json.dumps({"step": step, **values}) + "\n")
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        if self._console is not None:
+            # soft_wrap: one line per step whatever the terminal width
+            self._console.print(format_line(step, values), soft_wrap=True)
+        if self._wandb_run is not None:
+            self._wandb_run.log(values, step=step)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._wandb_run is not None:
+            self._wandb_run.finish()
+            self._wandb_run = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _import_wandb():
+    try:
+        import wandb
+    except ImportError as e:
+        raise ImportError(
+            "the 'wandb' metrics backend needs the wandb package: pip install longstraw[wandb]"
+        ) from e
+    return wandb
