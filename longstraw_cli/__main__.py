@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-COMMANDS = ("demo",)
+COMMANDS = ("train", "demo")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -13,6 +13,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"usage: longstraw <command> [args]\ncommands: {', '.join(COMMANDS)}")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
+    if command == "train":
+        from longstraw_cli.cli import train
+
+        return train(rest)
     if command == "demo":
         from longstraw_cli.demo import main as demo
 

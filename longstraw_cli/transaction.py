@@ -13,6 +13,8 @@ parallelism across prompts sits above, in the finalize hook).
 
 from __future__ import annotations
 
+import contextlib
+
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -60,31 +62,51 @@ def _no_finalize(model: torch.nn.Module) -> None:
     return None
 
 
+class Reference:
+    """Reference log-probs, graph-free, from the reference policy's own capture of the prompt. `context` puts
+    the model into its reference form (with LoRA: the same weights with the adapters disabled)."""
+
+    def __init__(self, model: torch.nn.Module, cfg: TransactionConfig, context: Callable = contextlib.nullcontext):
+        self.model, self.cfg, self.context = model, cfg, context
+
+    @torch.no_grad()
+    def __call__(self, prompt_ids: torch.Tensor, responses: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        with self.context():
+            resident = self.model.capture(prompt_ids, block_size=self.cfg.block_size)
+            return score(self.model, resident, responses, self.cfg)
+
+
+@torch.no_grad()
+def score(model: torch.nn.Module, resident, responses: Sequence[torch.Tensor],
+          cfg: TransactionConfig) -> list[torch.Tensor]:
+    """Graph-free log-probs of each response, batched with right padding (causal: padding is harmless)."""
+    out = []
+    for start in range(0, len(responses), cfg.score_batch):
+        batch = responses[start : start + cfg.score_batch]
+        padded = torch.nn.utils.rnn.pad_sequence(list(batch), batch_first=True, padding_value=0)
+        logp = model.logprobs(resident, padded, grad=False, chunk_size=cfg.logprob_chunk)
+        out += [logp[i, : len(r)] for i, r in enumerate(batch)]
+    return out
+
+
 class Transaction:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_cfg: LossConfig,
-                 cfg: TransactionConfig = TransactionConfig(), *, ref_model: torch.nn.Module | None = None,
+                 cfg: TransactionConfig = TransactionConfig(), *, reference: Reference | None = None,
                  finalize_grads: Callable[[torch.nn.Module], None] = _no_finalize):
-        if loss_cfg.kl_coef > 0 and ref_model is None:
-            raise ValueError(f"kl_coef={loss_cfg.kl_coef} needs a reference model (kl_coef=0 skips it)")
+        if loss_cfg.kl_coef > 0 and reference is None:
+            raise ValueError(f"kl_coef={loss_cfg.kl_coef} needs a reference policy (kl_coef=0 skips it)")
         self.model, self.optimizer, self.loss_cfg, self.cfg = model, optimizer, loss_cfg, cfg
-        self.ref_model = ref_model if loss_cfg.kl_coef > 0 else None
+        # kl_coef 0 skips the reference entirely: no capture, no scoring
+        self.reference = reference if loss_cfg.kl_coef > 0 else None
         self.finalize_grads = finalize_grads
         self.params = [p for p in model.parameters() if p.requires_grad]
 
     # -- phases -----------------------------------------------------------------------------------------------
-    def capture(self, model: torch.nn.Module, prompt_ids: torch.Tensor):
-        return model.capture(prompt_ids, block_size=self.cfg.block_size)
+    def capture(self, prompt_ids: torch.Tensor):
+        return self.model.capture(prompt_ids, block_size=self.cfg.block_size)
 
-    @torch.no_grad()
-    def score(self, model: torch.nn.Module, resident, responses: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Graph-free log-probs of each response, batched with right padding (causal: padding is harmless)."""
-        out = []
-        for start in range(0, len(responses), self.cfg.score_batch):
-            batch = responses[start : start + self.cfg.score_batch]
-            padded = torch.nn.utils.rnn.pad_sequence(list(batch), batch_first=True, padding_value=0)
-            logp = model.logprobs(resident, padded, grad=False, chunk_size=self.cfg.logprob_chunk)
-            out += [logp[i, : len(r)] for i, r in enumerate(batch)]
-        return out
+    def score(self, resident, responses: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return score(self.model, resident, responses, self.cfg)
 
     def replay(self, resident, responses, old_logprobs, ref_logprobs, advantages) -> tuple[list[dict], GraphMemory]:
         """One response at a time: forward with autograd, loss, backward, graph freed."""
@@ -123,15 +145,11 @@ class Transaction:
         self.optimizer.zero_grad(set_to_none=True)
         if resident is None:
             with clock.phase("capture"):
-                resident = self.capture(self.model, prompt_ids)
+                resident = self.capture(prompt_ids)
         with clock.phase("score"):
             if old_logprobs is None:
-                old_logprobs = self.score(self.model, resident, responses)
-            ref_logprobs = None
-            if self.ref_model is not None:
-                ref_resident = self.capture(self.ref_model, prompt_ids)
-                ref_logprobs = self.score(self.ref_model, ref_resident, responses)
-                del ref_resident
+                old_logprobs = self.score(resident, responses)
+            ref_logprobs = None if self.reference is None else self.reference(prompt_ids, responses)
         advantages = get_advantage(self.cfg.advantage)(rewards.double()).tolist()
         with clock.phase("replay"):
             per_response, meter = self.replay(resident, responses, old_logprobs, ref_logprobs, advantages)

@@ -31,7 +31,10 @@ class SamplingConfig:
 @dataclass
 class Rollout:
     responses: list[torch.Tensor]
+    # log p of each sampled token under the policy (temperature 1), graph-free: the on-policy old log-probs
     logprobs: list[torch.Tensor]
+    # entropy of the policy's next-token distribution at each sampled position (None where unknown)
+    entropies: list[torch.Tensor] | None = None
 
 
 def _sample(logits_BV: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
@@ -58,17 +61,23 @@ def generate(model, resident, num_responses: int, cfg: SamplingConfig,
     stop_S = torch.tensor(cfg.stop_token_ids, dtype=torch.long, device=device)
     done_B = torch.zeros(num_responses, dtype=torch.bool, device=device)
     lengths_B = torch.full((num_responses,), cfg.max_new_tokens, dtype=torch.long, device=device)
-    sampled, logps = [], []
+    sampled, logps, entropies = [], [], []
     for step in range(cfg.max_new_tokens):
         logits_BV = model.decode_step(resident, decode, tokens_B)
         tokens_B = _sample(logits_BV, cfg, generator)
-        logps.append(torch.log_softmax(logits_BV, -1).gather(-1, tokens_B[:, None])[:, 0])
+        logp_BV = torch.log_softmax(logits_BV, -1)
+        logps.append(logp_BV.gather(-1, tokens_B[:, None])[:, 0])
+        entropies.append(-(logp_BV.exp() * logp_BV).sum(-1))
         sampled.append(tokens_B)
         stopped_B = torch.isin(tokens_B, stop_S) & ~done_B
         lengths_B = torch.where(stopped_B, step + 1, lengths_B)
         done_B |= stopped_B
         if bool(done_B.all()):
             break
-    tokens_BR, logp_BR = torch.stack(sampled, 1), torch.stack(logps, 1)
-    lengths = lengths_B.clamp(max=tokens_BR.shape[1]).tolist()
-    return Rollout([tokens_BR[i, :n] for i, n in enumerate(lengths)], [logp_BR[i, :n] for i, n in enumerate(lengths)])
+    lengths = lengths_B.clamp(max=len(sampled)).tolist()
+
+    def split(steps: list[torch.Tensor]) -> list[torch.Tensor]:
+        stacked_BR = torch.stack(steps, 1)
+        return [stacked_BR[i, :n] for i, n in enumerate(lengths)]
+
+    return Rollout(split(sampled), split(logps), split(entropies))

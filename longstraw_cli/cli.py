@@ -1,0 +1,131 @@
+"""`longstraw train [overrides]`: Hydra at the edge.
+
+Overrides are checked before Hydra composes (unknown keys, bad group options: one line naming the bad value
+and the valid choices), the composed config becomes a TrainConfig once, and the Trainer sees nothing else.
+`-m` sweeps, `--cfg job`, `--help` and `hydra.*` overrides are Hydra's own. Under torchrun every rank runs
+Hydra with one shared run dir; rank 0 alone writes `.hydra/`, and every rank logs to `train_rank{RANK}.log`.
+Set HYDRA_FULL_ERROR=1 for tracebacks.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from datetime import datetime
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+GROUPS = ("model", "task", "algo", "rollout", "logger")
+
+
+def _run_id() -> str:
+    """One id shared by all ranks of a launch: torchrun's rendezvous id (unique with --standalone), else the
+    slurm job, else the master endpoint under torchrun, else the local time."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    if run_id and run_id != "none":
+        return run_id
+    if "SLURM_JOB_ID" in os.environ:
+        return f"slurm-{os.environ['SLURM_JOB_ID']}"
+    if "WORLD_SIZE" in os.environ:
+        return f"torchrun-{os.environ.get('MASTER_ADDR', 'local')}-{os.environ.get('MASTER_PORT', '0')}"
+    return datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def _hydra_subdir() -> str | None:
+    return ".hydra" if os.environ.get("RANK", "0") == "0" else None
+
+
+OmegaConf.register_new_resolver("longstraw_run_id", _run_id, replace=True, use_cache=True)
+OmegaConf.register_new_resolver("longstraw_hydra_subdir", _hydra_subdir, replace=True)
+
+
+def group_options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def check_overrides(overrides: list[str]) -> str | None:
+    """The first problem with the command-line overrides as one line, or None."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException as e:
+        return f"cannot parse overrides {overrides}: {str(e).splitlines()[0]}"
+    chosen = []
+    for o in parsed:
+        key = o.key_or_group
+        values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.get_value_element_as_str()]
+        if key in GROUPS:
+            for v in values:
+                if v not in group_options(key):
+                    return f"{key}={v} is not a {key} option; valid: {group_options(key)}"
+            chosen.append(f"{key}={values[0]}")
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=chosen)
+    for o in parsed:
+        key = o.key_or_group
+        if key in GROUPS or key.startswith("hydra.") or key == "hydra" or o.is_add() or o.is_delete():
+            continue
+        parent, _, leaf = key.rpartition(".")
+        node = OmegaConf.select(cfg, parent) if parent else cfg
+        # keys(), not `in`: a mandatory value (???) is "not in" a DictConfig but is a valid key to set
+        if not OmegaConf.is_dict(node) or leaf not in node.keys():
+            where = f"under {parent!r}" if parent and OmegaConf.is_dict(node) else "at the top level"
+            valid = sorted(node.keys()) if OmegaConf.is_dict(node) else sorted(cfg.keys())
+            return f"unknown config key {key!r}; valid keys {where}: {[str(k) for k in valid if k != 'hydra']}"
+    return None
+
+
+def _fail(message: str, code: int = 2):
+    print(f"longstraw: error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def _task(cfg) -> None:
+    from longstraw_cli.config import ConfigError, train_config
+
+    full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    missing = sorted(k for k in OmegaConf.missing_keys(cfg) if not k.startswith("hydra"))
+    if missing:
+        _fail(f"missing value(s) for {missing}: set them on the command line, e.g. {missing[0]}=...")
+    try:
+        train_cfg = train_config(OmegaConf.to_container(cfg, resolve=True))
+    except ConfigError as e:
+        if full_error:
+            raise
+        _fail(str(e))
+    from longstraw_cli.trainer import Trainer, TrainerError
+
+    # set-up errors (a bad file, tokenizer, reward spec) are the user's input: one line; errors while training
+    # are not, and keep their traceback
+    try:
+        trainer = Trainer(train_cfg)
+    except (TrainerError, ValueError) as e:
+        if full_error:
+            raise
+        _fail(str(e))
+    try:
+        trainer.train()
+    except TrainerError as e:
+        if full_error:
+            raise
+        _fail(str(e))
+
+
+def train(argv: list[str]) -> int:
+    import hydra
+    from hydra._internal.utils import get_args_parser
+
+    args, _ = get_args_parser().parse_known_args(argv)
+    if not (args.help or args.hydra_help):
+        problem = check_overrides(args.overrides)
+        if problem:
+            _fail(problem)
+    sys.argv = ["longstraw-train", *argv]
+    main = hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(_task)
+    main()
+    return 0

@@ -1,0 +1,209 @@
+"""The composed Hydra config becomes typed, frozen dataclasses here, once; nothing past the entrypoint sees a
+DictConfig. Each component's config is the dataclass its module owns (LossConfig, TaskConfig, SamplingConfig,
+LoraConfig, ...), so `GRPOLoss(loss_cfg)`, never `GRPOLoss(cfg)`.
+
+Every value a user can get wrong is checked here and reported as a `ConfigError` naming the value and the
+valid choices; the CLI prints it as one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from longstraw_cli.lora import LoraConfig
+from longstraw_cli.models import MODEL_NAMES
+from longstraw_cli.rl.losses import LossConfig
+from longstraw_cli.rl.tasks import TaskConfig
+from longstraw_cli.rollout.native import SamplingConfig
+from longstraw_cli.rollout.vllm_engine import VllmConfig
+from longstraw_cli.telemetry.metrics import WandbConfig
+from longstraw_cli.transaction import TransactionConfig
+
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+ENGINES = ("native", "vllm")
+BACKENDS = ("console", "jsonl", "wandb")
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration error: one line, naming the bad value and the valid choices."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = "qwen36_tiny"
+    path: str | None = None
+    dtype: str = "float32"
+    tokenizer: str = "byte"
+
+    def __post_init__(self):
+        if self.path is None and self.name not in MODEL_NAMES:
+            raise ConfigError(f"model.name={self.name!r} is not a named model; valid: {MODEL_NAMES}")
+        if self.path is not None and not (Path(self.path) / "config.json").exists():
+            raise ConfigError(f"model.path={self.path!r} is not an HF model directory (no config.json)")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"model.dtype={self.dtype!r}; valid: {list(DTYPES)}")
+
+    def max_positions(self) -> int:
+        if self.path is not None:
+            from longstraw_cli.models.qwen36.hf import config_from_hf
+
+            return config_from_hf(json.loads((Path(self.path) / "config.json").read_text())).max_position_embeddings
+        from longstraw_cli.models.qwen36.config import NAMED_CONFIGS
+
+        return NAMED_CONFIGS[self.name].max_position_embeddings
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-2
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    max_grad_norm: float | None = 1.0
+
+    def __post_init__(self):
+        if self.lr <= 0:
+            raise ConfigError(f"optim.lr must be > 0, got {self.lr}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {list(self.betas)}")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 10
+    keep: int = 2
+
+    def __post_init__(self):
+        if self.every < 0 or self.keep < 1:
+            raise ConfigError(f"checkpoint.every must be >= 0 and keep >= 1, got every={self.every} keep={self.keep}")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    engine: str
+    sampling: SamplingConfig
+    vllm: VllmConfig | None = None
+
+
+@dataclass(frozen=True)
+class LoggerConfig:
+    backends: tuple[str, ...] = ("console", "jsonl")
+    wandb: WandbConfig | None = None
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: ModelConfig
+    task: TaskConfig
+    reward: str | None
+    loss: LossConfig
+    transaction: TransactionConfig
+    rollout: RolloutConfig
+    logger: LoggerConfig
+    optim: OptimConfig
+    lora: LoraConfig
+    checkpoint: CheckpointConfig
+    cp: int = 1
+    ep: int = 1
+    group_size: int = 8
+    steps: int = 30
+    prompt_tokens: int = 1024
+    response_tokens: int = 16
+    seed: int = 0
+    device: str = "cpu"
+    run_dir: str = "runs/local"
+    resume: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _take(node: dict, where: str, allowed: set[str]) -> dict:
+    unknown = sorted(set(node) - allowed)
+    if unknown:
+        raise ConfigError(f"unknown key(s) {unknown} in {where}; valid: {sorted(allowed)}")
+    return node
+
+
+def _build(cls, node: dict, where: str, **extra):
+    """cls(**node) for a dataclass, with unknown keys and bad values reported as ConfigError."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    _take(node, where, fields - set(extra))
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in node.items()}
+    try:
+        return cls(**values, **extra)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def _positive(name: str, value: Any, minimum: int = 1) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
+    """TrainConfig from the resolved container of the composed config (hydra node removed)."""
+    d = dict(d)
+    d.pop("hydra", None)
+    top = {f.name for f in dataclasses.fields(TrainConfig)} - {"loss", "transaction", "reward"}
+    _take(d, "the config", top | {"algo", "capture"})
+    for name in ("cp", "ep", "group_size", "steps", "prompt_tokens", "response_tokens"):
+        _positive(name, d[name], 2 if name == "group_size" else 1)
+    world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    if world_size % d["cp"]:
+        raise ConfigError(f"cp={d['cp']} does not divide the world size {world_size}; valid cp: "
+                          f"{[n for n in range(1, world_size + 1) if world_size % n == 0]}")
+    device = str(d["device"])
+    if device.split(":")[0] not in ("cpu", "cuda"):
+        raise ConfigError(f"device={device!r}; valid: ['cpu', 'cuda', 'cuda:N']")
+
+    model = _build(ModelConfig, d["model"], "model")
+    if d["prompt_tokens"] + d["response_tokens"] > model.max_positions():
+        raise ConfigError(
+            f"prompt_tokens={d['prompt_tokens']} + response_tokens={d['response_tokens']} exceeds the model's "
+            f"{model.max_positions()} positions (model={model.path or model.name})"
+        )
+    task_node = dict(d["task"])
+    reward = task_node.pop("reward", None)
+    task = _build(TaskConfig, task_node, "task", prompt_tokens=d["prompt_tokens"], seed=d["seed"])
+    algo = dict(d["algo"])
+    advantage = algo.pop("advantage", "grpo")
+    loss = _build(LossConfig, algo, "algo", max_response_tokens=d["response_tokens"])
+    capture = _take(dict(d["capture"]), "capture", {"block_size", "score_batch", "logprob_chunk"})
+    optim = _build(OptimConfig, d["optim"], "optim")
+    transaction = _build(TransactionConfig, capture, "capture", advantage=advantage,
+                         max_grad_norm=optim.max_grad_norm)
+
+    rollout_node = dict(d["rollout"])
+    engine = rollout_node.pop("engine")
+    if engine not in ENGINES:
+        raise ConfigError(f"rollout.engine={engine!r}; valid: {list(ENGINES)}")
+    vllm_node = rollout_node.pop("vllm", None)
+    sampling = _build(SamplingConfig, rollout_node, "rollout", max_new_tokens=d["response_tokens"])
+    vllm = _build(VllmConfig, vllm_node, "rollout.vllm") if vllm_node is not None else None
+    if engine == "vllm" and vllm is None:
+        vllm = VllmConfig()
+
+    logger_node = dict(d["logger"])
+    backends = tuple(logger_node.pop("backends", ("console", "jsonl")))
+    bad = [b for b in backends if b not in BACKENDS]
+    if bad:
+        raise ConfigError(f"logger.backends has {bad}; valid: {list(BACKENDS)}")
+    wandb_node = logger_node.pop("wandb", None)
+    _take(logger_node, "logger", set())
+    wandb = _build(WandbConfig, wandb_node, "logger.wandb") if wandb_node is not None else None
+
+    return TrainConfig(
+        model=model, task=task, reward=reward, loss=loss, transaction=transaction,
+        rollout=RolloutConfig(engine, sampling, vllm), logger=LoggerConfig(backends, wandb), optim=optim,
+        lora=_build(LoraConfig, d["lora"], "lora"), checkpoint=_build(CheckpointConfig, d["checkpoint"], "checkpoint"),
+        cp=d["cp"], ep=d["ep"], group_size=d["group_size"], steps=d["steps"], prompt_tokens=d["prompt_tokens"],
+        response_tokens=d["response_tokens"], seed=d["seed"], device=device, run_dir=str(d["run_dir"]),
+        resume=bool(d["resume"]),
+    )

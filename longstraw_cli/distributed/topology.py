@@ -1,0 +1,48 @@
+"""One validated topology: cp x dp = world size (ep splits experts inside the same ranks), checked once at start.
+
+Ranks are laid out cp-fastest: rank = dp_rank * cp + cp_rank, so the ranks of one prompt's context-parallel
+group are neighbours (same node first).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    world_size: int
+    cp: int = 1
+    ep: int = 1
+
+    def __post_init__(self):
+        if self.world_size < 1:
+            raise ValueError(f"world size must be >= 1, got {self.world_size}")
+        for name in ("cp", "ep"):
+            value = getattr(self, name)
+            if value < 1 or self.world_size % value:
+                divisors = [n for n in range(1, self.world_size + 1) if self.world_size % n == 0]
+                raise ValueError(f"{name}={value} does not divide the world size {self.world_size}; valid: {divisors}")
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // self.cp
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        """(dp_rank, cp_rank) of a global rank."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside world size {self.world_size}")
+        return rank // self.cp, rank % self.cp
+
+    def cp_group_ranks(self, dp_rank: int) -> list[int]:
+        return [dp_rank * self.cp + i for i in range(self.cp)]
+
+    def dp_group_ranks(self, cp_rank: int) -> list[int]:
+        return [d * self.cp + cp_rank for d in range(self.dp)]
+
+
+def env_rank_world() -> tuple[int, int, int]:
+    """(rank, local_rank, world_size) from torchrun's environment; (0, 0, 1) outside torchrun."""
+    return (int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)),
+            int(os.environ.get("WORLD_SIZE", 1)))

@@ -1,0 +1,257 @@
+"""The trainer: one iteration per optimizer step, read like the algorithm.
+
+    example -> capture -> rollout -> reward -> transaction (score, replay x G, finalize, step) -> log, checkpoint
+
+With the native engine the prompt is captured once per iteration and that one resident state serves rollout,
+scoring and replay. With vLLM the rollout runs in vLLM (weights pushed first) and the transaction captures.
+Data parallel ranks take different prompts (example index step * dp + dp_rank) and finalize gradients once per
+step with one all-reduce.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import json
+import logging
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from longstraw_cli.checkpoint import CheckpointManager, capture_rng, restore_rng
+from longstraw_cli.config import TrainConfig
+from longstraw_cli.distributed.topology import ParallelDims, env_rank_world
+from longstraw_cli.lora import adapters_disabled, apply_lora
+from longstraw_cli.models import build_model, from_pretrained
+from longstraw_cli.rl.rewards import get_reward
+from longstraw_cli.rl.tasks import make_task
+from longstraw_cli.rollout.native import Rollout, generate
+from longstraw_cli.telemetry.metrics import MetricsLogger
+from longstraw_cli.tokenizer import load_tokenizer
+from longstraw_cli.transaction import Reference, Transaction
+
+log = logging.getLogger("longstraw")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+class TrainerError(RuntimeError):
+    """A problem with the run the user asked for (reported as one line by the CLI)."""
+
+
+def _rss_peak_bytes() -> int:
+    # ru_maxrss is KiB on Linux, bytes on macOS
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.rank, local_rank, world_size = env_rank_world()
+        try:
+            self.dims = ParallelDims(world_size, cp=cfg.cp, ep=cfg.ep)
+        except ValueError as e:
+            raise TrainerError(str(e)) from None
+        if cfg.cp > 1:
+            raise TrainerError(f"cp={cfg.cp}: context parallel has not landed yet; valid: cp=1")
+        self.dp_rank, _ = self.dims.coords(self.rank)
+        self.device = torch.device(cfg.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", local_rank)
+        if world_size > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        self.run_dir = Path(cfg.run_dir)
+        self.checkpoints = CheckpointManager(self.run_dir, keep=cfg.checkpoint.keep, rank=self.rank)
+        if not cfg.resume and self.checkpoints.latest() is not None:
+            raise TrainerError(f"run_dir {self.run_dir} already holds {self.checkpoints.latest().name}; "
+                               f"pass resume=true to continue it, or choose another run_dir")
+
+        torch.manual_seed(cfg.seed)
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer)
+        self.model = self._build_model()
+        if cfg.lora.rank > 0:
+            trainable = apply_lora(self.model, cfg.lora)
+        else:
+            trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+                                           weight_decay=cfg.optim.weight_decay)
+        self.transaction = Transaction(self.model, self.optimizer, cfg.loss, cfg.transaction,
+                                       reference=self._reference(), finalize_grads=self._finalize_grads)
+        self.task = make_task(cfg.task, self.tokenizer)
+        self.reward_fn = get_reward(cfg.reward or self.task.default_reward)
+        self.sampling = dataclasses.replace(cfg.rollout.sampling, stop_token_ids=(self.tokenizer.eos_token_id,))
+        self.generator = torch.Generator(self.device).manual_seed(cfg.seed * 1000 + self.rank)
+        self.engine = self._vllm_engine() if cfg.rollout.engine == "vllm" else None
+        self.start_step = self._resume() if cfg.resume else 0
+        log.info("rank %d of %d (%s), starting at step %d of %d", self.rank, world_size, self.dims, self.start_step,
+                 cfg.steps)
+        self.metrics = MetricsLogger(
+            self.run_dir, backends=cfg.logger.backends, rank=self.rank, wandb_cfg=cfg.logger.wandb,
+            resume_step=self.start_step if cfg.resume else None, config=cfg.as_dict(),
+        )
+
+    # -- set-up -----------------------------------------------------------------------------------------------
+    def _build_model(self) -> torch.nn.Module:
+        m, dtype = self.cfg.model, DTYPES[self.cfg.model.dtype]
+        if m.path is not None:
+            model = from_pretrained(m.path, dtype=dtype, device=self.device)
+        else:
+            model = build_model(m.name, dtype=dtype, device=self.device, seed=self.cfg.seed)
+        if self.tokenizer.vocab_size > model.config.vocab_size:
+            raise TrainerError(f"tokenizer {m.tokenizer!r} has {self.tokenizer.vocab_size} ids but the model's "
+                               f"vocab is {model.config.vocab_size}")
+        return model
+
+    def _reference(self) -> Reference | None:
+        """The KL reference: with LoRA the same weights with adapters off, else a frozen copy of the start."""
+        if self.cfg.loss.kl_coef == 0:
+            return None
+        if self.cfg.lora.rank > 0:
+            return Reference(self.model, self.cfg.transaction, context=lambda: adapters_disabled(self.model))
+        frozen = copy.deepcopy(self.model).requires_grad_(False)
+        return Reference(frozen, self.cfg.transaction)
+
+    def _vllm_engine(self):
+        from longstraw_cli.lora import export_hf
+        from longstraw_cli.rollout.vllm_engine import VllmEngine
+
+        export_dir = self.run_dir / "vllm_init"
+        if self.rank == 0:
+            export_hf(self.model, export_dir)
+        if dist.is_initialized():
+            dist.barrier()
+        return VllmEngine(str(export_dir), self.cfg.rollout.vllm)
+
+    def _finalize_grads(self, model: torch.nn.Module) -> None:
+        """The one reduction per optimizer step: average gradients over the data-parallel ranks."""
+        if self.dims.dp == 1:
+            return
+        for p in self.optimizer.param_groups[0]["params"]:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad)
+            p.grad /= self.dims.dp
+
+    # -- checkpoints ------------------------------------------------------------------------------------------
+    def _trainable_state(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad}
+
+    def _save(self, step: int) -> None:
+        self.checkpoints.save(
+            step, model_state=self._trainable_state(), optimizer_state=self.optimizer.state_dict(),
+            trainer_state={"step": step, "rng": capture_rng({"sampling": self.generator})},
+        )
+
+    def _resume(self) -> int:
+        latest = self.checkpoints.latest()
+        if latest is None:
+            return 0
+        model_state, optimizer_state, trainer_state = self.checkpoints.load(latest, map_location=self.device)
+        expected = set(self._trainable_state())
+        if set(model_state) != expected:
+            raise TrainerError(f"{latest} does not match this model's trainable parameters "
+                               f"(e.g. {sorted(set(model_state) ^ expected)[:3]})")
+        with torch.no_grad():
+            params = dict(self.model.named_parameters())
+            for name, tensor in model_state.items():
+                params[name].copy_(tensor)
+        self.optimizer.load_state_dict(optimizer_state)
+        restore_rng(trainer_state["rng"], {"sampling": self.generator})
+        return int(trainer_state["step"])
+
+    # -- one iteration ----------------------------------------------------------------------------------------
+    def example(self, step: int):
+        example = self.task.example(step * self.dims.dp + self.dp_rank)
+        ids = torch.tensor(self.tokenizer.encode(example.prompt), dtype=torch.long, device=self.device)
+        return example, ids
+
+    def capture(self, prompt_ids):
+        return self.transaction.capture(prompt_ids) if self.engine is None else None
+
+    def rollout(self, resident, prompt_ids) -> Rollout:
+        if self.engine is None:
+            return generate(self.model, resident, self.cfg.group_size, self.sampling, self.generator)
+        self.engine.update_weights(self.model)
+        # vLLM gives response i of a request seed + i: draw request seeds far apart
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator, device=self.device)) * 1024 % (2**31)
+        rollout = self.engine.generate(prompt_ids.tolist(), self.cfg.group_size, self.sampling, seed)
+        # free vLLM's weights and KV cache while the transaction runs (a no-op unless configured)
+        self.engine.sleep()
+        return Rollout([r.to(self.device) for r in rollout.responses], [l.to(self.device) for l in rollout.logprobs])
+
+    def reward(self, example, rollout: Rollout) -> torch.Tensor:
+        texts = [self.tokenizer.decode(r.tolist()) for r in rollout.responses]
+        return torch.tensor([float(self.reward_fn(t, example)) for t in texts], dtype=torch.float64)
+
+    def iteration(self, step: int) -> dict[str, float]:
+        times: dict[str, float] = {}
+
+        def timed(name, fn, *args):
+            start = time.perf_counter()
+            out = fn(*args)
+            times[name] = time.perf_counter() - start
+            return out
+
+        example, prompt_ids = self.example(step)
+        resident = timed("capture", self.capture, prompt_ids)
+        rollout = timed("rollout", self.rollout, resident, prompt_ids)
+        rewards = timed("reward", self.reward, example, rollout)
+        # native rollout's log-probs are the graph-free on-policy scores of the same resident state; vLLM's come
+        # from its own kernels and precision, so the transaction re-scores them from our resident state
+        old = rollout.logprobs if self.engine is None else None
+        result = self.transaction.run(prompt_ids, rollout.responses, rewards, resident=resident, old_logprobs=old)
+        times.update(result.seconds)
+
+        metrics = dict(result.stats)
+        if rollout.entropies is not None:
+            metrics["entropy"] = float(torch.cat(rollout.entropies).mean())
+        metrics["prompt_tokens"] = prompt_ids.numel()
+        metrics["response_tokens"] = sum(len(r) for r in rollout.responses)
+        metrics.update({f"time/{k}": v for k, v in times.items()})
+        metrics["mem/resident"] = result.resident_bytes["total"]
+        metrics["mem/graph_peak"] = result.graph_peak_bytes
+        metrics["mem/accounted_peak"] = result.accounted_peak_bytes
+        metrics.update({f"mem/peak_{k}": v for k, v in result.cuda_peak_bytes.items()})
+        metrics["mem/rss_peak"] = _rss_peak_bytes()
+        return metrics
+
+    def _across_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Data-parallel runs log the mean over ranks of each number, and the max of times and memory."""
+        if self.dims.dp == 1:
+            return metrics
+        keys = sorted(metrics)
+        worst = [k for k in keys if k.startswith(("time/", "mem/"))]
+        mean = [k for k in keys if k not in worst]
+        values = torch.tensor([float(metrics[k]) for k in mean], dtype=torch.float64, device=self.device)
+        peaks = torch.tensor([float(metrics[k]) for k in worst], dtype=torch.float64, device=self.device)
+        dist.all_reduce(values)
+        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+        out = {k: v / self.dims.world_size for k, v in zip(mean, values.tolist())}
+        out.update(zip(worst, peaks.tolist()))
+        return out
+
+    def train(self) -> None:
+        every = self.cfg.checkpoint.every
+        try:
+            for step in range(self.start_step, self.cfg.steps):
+                metrics = self._across_ranks(self.iteration(step))
+                self.metrics.log(step, metrics)
+                log.info("rank %d step %d %s", self.rank, step, json.dumps(metrics))
+                done = step + 1
+                if (every and done % every == 0) or done == self.cfg.steps:
+                    self._save(done)
+        finally:
+            self.metrics.close()
+        if self.rank == 0 and "jsonl" in self.cfg.logger.backends:
+            with contextlib.suppress(ImportError):
+                from longstraw_cli.telemetry.plot import plot_memory
+
+                plot_memory(self.metrics.path, self.run_dir / "memory.png")
+        if dist.is_initialized():
+            dist.destroy_process_group()

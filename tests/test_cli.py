@@ -1,0 +1,149 @@
+"""`longstraw train` end to end: good and bad input, Hydra behaviour, resume after a kill, learning, torchrun."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from longstraw_cli.cli import check_overrides
+from longstraw_cli.config import ConfigError
+
+SMALL = ["prompt_tokens=256", "response_tokens=8", "group_size=4", "logger.backends=[jsonl]"]
+DETERMINISTIC = ("reward_mean", "reward_std", "loss", "pg_loss", "grad_norm", "entropy", "num_tokens", "clip_frac")
+
+
+def longstraw(args, cwd, env=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "longstraw_cli", "train", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("model=qwen99", "model=qwen99 is not a model option; valid: ['qwen36', 'qwen36_mini', 'qwen36_tiny']"),
+    ("foo=1", "unknown config key 'foo'; valid keys at the top level"),
+    ("optim.lrr=3", "unknown config key 'optim.lrr'; valid keys under 'optim': ['betas', 'lr'"),
+    ("algo=ppo", "algo=ppo is not a algo option; valid: ['dapo', 'dr_grpo', 'grpo', 'gspo']"),
+])
+def test_bad_keys_and_group_options_are_caught_before_hydra(override, expected):
+    assert expected in check_overrides([override])
+    assert check_overrides(["model=qwen36_tiny", "group_size=3", "optim.lr=0.1", "hydra.run.dir=x"]) is None
+    # sweeps are checked value by value
+    assert "model=nope" in check_overrides(["model=qwen36_tiny,nope"])
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["group_size=1"], "group_size must be an integer >= 2, got 1"),
+    (["cp=2"], "cp=2 does not divide the world size 1; valid cp: [1]"),
+    (["prompt_tokens=70000"], "exceeds the model's 65536 positions"),
+    (["model=qwen36_tiny", "foo=1"], "unknown config key 'foo'"),
+    (["task=jsonl"], "missing value(s) for ['task.path']"),
+    (["algo.kl_estimator=k9"], "unknown kl_estimator 'k9'; valid choices: ['k1', 'k2', 'k3']"),
+])
+def test_bad_input_exits_nonzero_with_one_line(tmp_path, args, expected):
+    out = longstraw([*args, f"run_dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert out.returncode != 0
+    assert "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0], out.stderr
+
+
+def test_bad_jsonl_row_names_file_and_line(tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "p", "answer": "a"}\n{"prompt": "p"}\n')
+    out = longstraw(["task=jsonl", f"task.path={data}", f"run_dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert f"{data}:2" in out.stderr
+
+
+def test_cfg_job_prints_and_does_not_run(tmp_path):
+    out = longstraw(["--cfg", "job", "group_size=3"], cwd=tmp_path)
+    assert out.returncode == 0
+    assert "group_size: 3" in out.stdout and not (tmp_path / "runs").exists()
+
+
+def test_multirun_sweep_runs_each_job(tmp_path):
+    out = longstraw(["-m", "group_size=2,3", "steps=1", *SMALL[:2], "logger.backends=[jsonl]",
+                     f"hydra.sweep.dir={tmp_path / 'sweep'}", "run_dir=${hydra:runtime.output_dir}"], cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    for job, g in (("0", 2), ("1", 3)):
+        [row] = rows(tmp_path / "sweep" / job)
+        assert row["num_tokens"] <= 8 * g
+
+
+def test_train_config_is_typed_and_frozen():
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from longstraw_cli.cli import CONF_DIR
+    from longstraw_cli.config import train_config
+
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["algo=dapo", "lora.rank=4", "group_size=6", "run_dir=x"])
+    tc = train_config(OmegaConf.to_container(cfg, resolve=True))
+    assert tc.loss.name == "dapo" and tc.loss.clip_high == 0.28 and tc.lora.rank == 4 and tc.group_size == 6
+    assert tc.rollout.sampling.max_new_tokens == tc.response_tokens
+    with pytest.raises(Exception):
+        tc.group_size = 3
+    with pytest.raises(ConfigError, match="cp=3 does not divide the world size 4"):
+        train_config({**OmegaConf.to_container(cfg, resolve=True), "cp": 3}, world_size=4)
+
+
+def test_resume_after_kill_continues_with_uninterrupted_metrics(tmp_path):
+    common = [*SMALL, "steps=10", "checkpoint.every=1"]
+    full = longstraw([*common, f"run_dir={tmp_path / 'full'}"], cwd=tmp_path)
+    assert full.returncode == 0, full.stderr
+
+    run = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "longstraw_cli", "train", *common, f"run_dir={run}"],
+                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    def newest_checkpoint() -> int:
+        steps = [int(p.parent.name[len("step_"):]) for p in (run / "checkpoints").glob("step_*/COMPLETE")]
+        return max(steps, default=0)
+
+    deadline = time.time() + 240
+    while time.time() < deadline and newest_checkpoint() < 3 and proc.poll() is None:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be killed: the test would prove nothing"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = len(rows(run))
+    assert killed_at < 10
+
+    again = longstraw([*common, f"run_dir={run}"], cwd=tmp_path)
+    assert again.returncode != 0 and "resume=true" in again.stderr
+    resumed = longstraw([*common, f"run_dir={run}", "resume=true"], cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    got, want = rows(run), rows(tmp_path / "full")
+    assert [r["step"] for r in got] == list(range(10))
+    for a, b in zip(got, want):
+        assert {k: a[k] for k in DETERMINISTIC} == {k: b[k] for k in DETERMINISTIC}
+
+
+def test_learning_raises_mean_reward(tmp_path):
+    out = longstraw(["steps=20", "prompt_tokens=256", "logger.backends=[jsonl]", f"run_dir={tmp_path / 'run'}"],
+                    cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    reward = [r["reward_mean"] for r in rows(tmp_path / "run")]
+    first, last = sum(reward[:4]) / 4, sum(reward[-4:]) / 4
+    print(f"mean reward first 4 steps {first:.3f}, last 4 steps {last:.3f}")
+    assert first < 0.05 and last > 0.5
+    assert (tmp_path / "run" / "memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_torchrun_ranks_share_one_run_dir(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "longstraw_cli", "train", *SMALL, "steps=2"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    [run] = list((tmp_path / "runs").iterdir())
+    assert (run / ".hydra" / "config.yaml").exists()
+    assert (run / "train_rank0.log").exists() and (run / "train_rank1.log").exists()
+    assert [r["step"] for r in rows(run)] == [0, 1]
