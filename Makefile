@@ -14,4 +14,4 @@ test: setup
 	$(PYTHON) -m pytest -q tests
 
 demo: setup
-	$(PYTHON) -m longstraw_cli demo
+	$(PYTHON) -m longstraw_cli train

@@ -1,27 +1,24 @@
-"""`longstraw <command>`; `python -m longstraw_cli <command>` is the same program."""
+"""`longstraw <command>`; `python -m longstraw_cli <command>` is the same program (so torchrun -m works)."""
 
 from __future__ import annotations
 
 import sys
 
-COMMANDS = ("train", "demo")
+COMMANDS = ("train",)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print(f"usage: longstraw <command> [args]\ncommands: {', '.join(COMMANDS)}")
+        print(f"usage: longstraw <command> [overrides]\ncommands: {', '.join(COMMANDS)}\n"
+              "  longstraw train --help    the config groups and their options")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "train":
         from longstraw_cli.cli import train
 
         return train(rest)
-    if command == "demo":
-        from longstraw_cli.demo import main as demo
-
-        return demo(rest)
-    print(f"longstraw: unknown command {command!r}; valid: {list(COMMANDS)}", file=sys.stderr)
+    print(f"longstraw: error: unknown command {command!r}; valid: {list(COMMANDS)}", file=sys.stderr)
     return 2
 
 

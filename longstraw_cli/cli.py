@@ -37,7 +37,12 @@ def _hydra_subdir() -> str | None:
     return ".hydra" if os.environ.get("RANK", "0") == "0" else None
 
 
+def _run_dir(run_dir: str | None) -> str:
+    return run_dir if run_dir else f"runs/{_run_id()}"
+
+
 OmegaConf.register_new_resolver("longstraw_run_id", _run_id, replace=True, use_cache=True)
+OmegaConf.register_new_resolver("longstraw_run_dir", _run_dir, replace=True)
 OmegaConf.register_new_resolver("longstraw_hydra_subdir", _hydra_subdir, replace=True)
 
 
@@ -92,8 +97,13 @@ def _task(cfg) -> None:
     missing = sorted(k for k in OmegaConf.missing_keys(cfg) if not k.startswith("hydra"))
     if missing:
         _fail(f"missing value(s) for {missing}: set them on the command line, e.g. {missing[0]}=...")
+    from hydra.core.hydra_config import HydraConfig
+
+    container = OmegaConf.to_container(cfg, resolve=True)
+    if container["run_dir"] is None:
+        container["run_dir"] = HydraConfig.get().runtime.output_dir
     try:
-        train_cfg = train_config(OmegaConf.to_container(cfg, resolve=True))
+        train_cfg = train_config(container)
     except ConfigError as e:
         if full_error:
             raise
@@ -104,7 +114,7 @@ def _task(cfg) -> None:
     # are not, and keep their traceback
     try:
         trainer = Trainer(train_cfg)
-    except (TrainerError, ValueError) as e:
+    except (TrainerError, ValueError, ImportError) as e:
         if full_error:
             raise
         _fail(str(e))

@@ -117,6 +117,7 @@ class TrainConfig:
     device: str = "cpu"
     run_dir: str = "runs/local"
     resume: bool = False
+    export_hf: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -205,5 +206,5 @@ def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
         lora=_build(LoraConfig, d["lora"], "lora"), checkpoint=_build(CheckpointConfig, d["checkpoint"], "checkpoint"),
         cp=d["cp"], ep=d["ep"], group_size=d["group_size"], steps=d["steps"], prompt_tokens=d["prompt_tokens"],
         response_tokens=d["response_tokens"], seed=d["seed"], device=device, run_dir=str(d["run_dir"]),
-        resume=bool(d["resume"]),
+        resume=bool(d["resume"]), export_hf=bool(d["export_hf"]),
     )

@@ -248,6 +248,10 @@ class Trainer:
                     self._save(done)
         finally:
             self.metrics.close()
+        if self.rank == 0 and self.cfg.export_hf:
+            from longstraw_cli.lora import export_hf
+
+            export_hf(self.model, self.run_dir / "hf")
         if self.rank == 0 and "jsonl" in self.cfg.logger.backends:
             with contextlib.suppress(ImportError):
                 from longstraw_cli.telemetry.plot import plot_memory

@@ -71,7 +71,7 @@ def test_cfg_job_prints_and_does_not_run(tmp_path):
 
 def test_multirun_sweep_runs_each_job(tmp_path):
     out = longstraw(["-m", "group_size=2,3", "steps=1", *SMALL[:2], "logger.backends=[jsonl]",
-                     f"hydra.sweep.dir={tmp_path / 'sweep'}", "run_dir=${hydra:runtime.output_dir}"], cwd=tmp_path)
+                     f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     for job, g in (("0", 2), ("1", 3)):
         [row] = rows(tmp_path / "sweep" / job)
@@ -147,3 +147,21 @@ def test_torchrun_ranks_share_one_run_dir(tmp_path):
     assert (run / ".hydra" / "config.yaml").exists()
     assert (run / "train_rank0.log").exists() and (run / "train_rank1.log").exists()
     assert [r["step"] for r in rows(run)] == [0, 1]
+
+
+def test_lora_with_kl_reference_trains_adapters_only_and_exports_hf(tmp_path):
+    run = tmp_path / "run"
+    out = longstraw([*SMALL, "steps=2", "lora.rank=4", "algo.kl_coef=0.05", "export_hf=true", f"run_dir={run}"],
+                    cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    first, second = rows(run)
+    # fresh adapters are a no-op: the policy is the reference, so the KL starts at exactly zero
+    assert first["kl_mean"] == 0.0 and second["kl_mean"] > 0
+    from safetensors import safe_open
+
+    with safe_open(str(run / "checkpoints" / "step_00000002" / "model.safetensors"), "pt") as f:
+        assert f.keys() and all(".lora_" in k for k in f.keys())
+    from longstraw_cli.models import from_pretrained
+
+    merged = from_pretrained(run / "hf")
+    assert not any("lora" in n for n, _ in merged.named_parameters())
