@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from longstraw_cli.checkpoint import CheckpointManager, capture_rng, restore_rng
 from longstraw_cli.config import TrainConfig
+from longstraw_cli.distributed.cp import apply_context_parallel
 from longstraw_cli.distributed.topology import ParallelDims, env_rank_world
 from longstraw_cli.lora import adapters_disabled, apply_lora
 from longstraw_cli.models import build_model, from_pretrained
@@ -58,14 +59,15 @@ class Trainer:
             self.dims = ParallelDims(world_size, cp=cfg.cp, ep=cfg.ep)
         except ValueError as e:
             raise TrainerError(str(e)) from None
-        if cfg.cp > 1:
-            raise TrainerError(f"cp={cfg.cp}: context parallel has not landed yet; valid: cp=1")
-        self.dp_rank, _ = self.dims.coords(self.rank)
+        self.dp_rank, self.cp_rank = self.dims.coords(self.rank)
         self.device = torch.device(cfg.device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", local_rank)
-        if world_size > 1 and not dist.is_initialized():
-            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        self.cp_group = self.dp_group = None
+        if world_size > 1:
+            if not dist.is_initialized():
+                dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+            self.cp_group, self.dp_group = self._groups()
         self.run_dir = Path(cfg.run_dir)
         self.checkpoints = CheckpointManager(self.run_dir, keep=cfg.checkpoint.keep, rank=self.rank)
         if not cfg.resume and self.checkpoints.latest() is not None:
@@ -75,6 +77,8 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer)
         self.model = self._build_model()
+        if cfg.cp > 1:
+            apply_context_parallel(self.model, self.cp_group)
         if cfg.lora.rank > 0:
             trainable = apply_lora(self.model, cfg.lora)
         else:
@@ -86,7 +90,8 @@ class Trainer:
         self.task = make_task(cfg.task, self.tokenizer)
         self.reward_fn = get_reward(cfg.reward or self.task.default_reward)
         self.sampling = dataclasses.replace(cfg.rollout.sampling, stop_token_ids=(self.tokenizer.eos_token_id,))
-        self.generator = torch.Generator(self.device).manual_seed(cfg.seed * 1000 + self.rank)
+        # the ranks of one CP group sample the same responses: they share the generator's seed
+        self.generator = torch.Generator(self.device).manual_seed(cfg.seed * 1000 + self.dp_rank)
         self.engine = self._vllm_engine() if cfg.rollout.engine == "vllm" else None
         self.start_step = self._resume() if cfg.resume else 0
         log.info("rank %d of %d (%s), starting at step %d of %d", self.rank, world_size, self.dims, self.start_step,
@@ -128,14 +133,21 @@ class Trainer:
             dist.barrier()
         return VllmEngine(str(export_dir), self.cfg.rollout.vllm)
 
+    def _groups(self):
+        """(this rank's CP group, its DP group). new_group is collective: every rank creates every group."""
+        cp_groups = [dist.new_group(self.dims.cp_group_ranks(d)) for d in range(self.dims.dp)]
+        dp_groups = [dist.new_group(self.dims.dp_group_ranks(c)) for c in range(self.dims.cp)]
+        return cp_groups[self.dp_rank], dp_groups[self.cp_rank]
+
     def _finalize_grads(self, model: torch.nn.Module) -> None:
-        """The one reduction per optimizer step: average gradients over the data-parallel ranks."""
+        """The one reduction per optimizer step: average gradients over the data-parallel ranks. The ranks of a
+        CP group already hold identical gradients (replay all-reduces dq inside attention)."""
         if self.dims.dp == 1:
             return
         for p in self.optimizer.param_groups[0]["params"]:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad)
+            dist.all_reduce(p.grad, group=self.dp_group)
             p.grad /= self.dims.dp
 
     # -- checkpoints ------------------------------------------------------------------------------------------

@@ -89,6 +89,37 @@ def test_matches_naive_float64(P, R, extra, B, Q, K, D, block_size, pages_need_g
         assert rel_err(grads[n], ref_grads[n]) <= 1e-10, n
 
 
+# (P, R, B, Q, K, D, block_size, pages_need_grad) with S == 0: pages only, as one context-parallel shard.
+PAGES_ONLY_CASES = [
+    (1, 1, 1, 4, 2, 16, 64, True),
+    (1, 65, 3, 6, 1, 32, 100, False),
+    (63, 7, 3, 4, 2, 16, 17, True),
+    (63, 1, 1, 2, 2, 32, 64, False),
+    (1000, 65, 1, 4, 2, 16, 64, True),
+    (1000, 7, 3, 6, 1, 32, 4096, False),
+]
+
+
+@pytest.mark.parametrize("P,R,B,Q,K,D,block_size,pages_need_grad", PAGES_ONLY_CASES)
+def test_pages_only_matches_naive_float64(P, R, B, Q, K, D, block_size, pages_need_grad):
+    inputs = make_inputs(P, R, 0, B, Q, K, D)
+    g = torch.Generator().manual_seed(3)
+    dout = torch.randn(B, R, Q, D, generator=g, dtype=torch.float64)
+    dlse = torch.randn(B, Q, R, generator=g, dtype=torch.float64)
+    # The empty new keys have nothing to compare: q and (optionally) the pages carry the gradients.
+    names = ("q_BRQD",) + (PAGE_NAMES if pages_need_grad else ())
+    scale = D**-0.5
+
+    out, lse, grads = run_with_grads(replay_with_lse, inputs, names, dout, dlse, scale=scale, block_size=block_size)
+    ref_out, ref_lse, ref_grads = run_with_grads(naive_attention, inputs, names, dout, dlse, scale=scale)
+
+    assert torch.isfinite(lse).all()
+    assert rel_err(out, ref_out) <= 1e-10
+    assert rel_err(lse, ref_lse) <= 1e-10
+    for n in names:
+        assert rel_err(grads[n], ref_grads[n]) <= 1e-10, n
+
+
 def test_no_grad_forward_is_bitwise_identical():
     inputs = make_inputs(1000, 7, 12, 3, 4, 2, 32, dtype=torch.float32)
     leaves = {n: t.clone().requires_grad_() for n, t in inputs.items()}
@@ -177,4 +208,7 @@ def test_rejects_bad_shapes():
         replay_attention(**inputs, scale=1.0)
     inputs = make_inputs(10, 7, 7, 1, 3, 2, 16)
     with pytest.raises(ValueError, match="multiple of kv heads"):
+        replay_attention(**inputs, scale=1.0)
+    inputs = make_inputs(0, 7, 0, 1, 4, 2, 16)
+    with pytest.raises(ValueError, match="P=0, S=0"):
         replay_attention(**inputs, scale=1.0)

@@ -165,3 +165,20 @@ def test_lora_with_kl_reference_trains_adapters_only_and_exports_hf(tmp_path):
 
     merged = from_pretrained(run / "hf")
     assert not any("lora" in n for n, _ in merged.named_parameters())
+
+
+def test_cp2_train_step_matches_cp1(tmp_path):
+    args = ["steps=2", "prompt_tokens=256", "response_tokens=8", "group_size=4", "model.dtype=float64",
+            "logger.backends=[jsonl]"]
+    one = longstraw([*args, f"run_dir={tmp_path / 'cp1'}"], cwd=tmp_path)
+    assert one.returncode == 0, one.stderr
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "longstraw_cli", "train", *args, "cp=2", f"run_dir={tmp_path / 'cp2'}"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stderr[-2000:]
+    for a, b in zip(rows(tmp_path / "cp2"), rows(tmp_path / "cp1")):
+        assert abs(a["loss"] - b["loss"]) <= 1e-9 * max(1.0, abs(b["loss"]))
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-9 * max(1.0, b["grad_norm"])
+        assert a["reward_mean"] == b["reward_mean"]
+        assert a["mem/resident"] < b["mem/resident"]
+    assert rows(tmp_path / "cp1")[0]["grad_norm"] > 0

@@ -169,3 +169,16 @@ def test_transaction_rejects_bad_groups():
         tx.run(prompt, responses[:1], rewards[:1])
     with pytest.raises(ValueError, match="kl_coef"):
         Transaction(model, torch.optim.SGD(model.parameters(), lr=0.0), LossConfig(kl_coef=0.1))
+
+
+@pytest.mark.parametrize("block_size", [16, 25, 1000])
+def test_layer_by_layer_span_capture_equals_block_capture(block_size):
+    model = tiny()
+    prompt = torch.randint(0, 259, (83,), generator=torch.Generator().manual_seed(9))
+    blockwise = model.capture(prompt, block_size=block_size)
+    span = model.capture_span(prompt[:-1], start=0, num_tokens=82, last_token=int(prompt[-1]), block_size=block_size)
+    assert span.num_tokens == blockwise.num_tokens and span.last_token == blockwise.last_token
+    for a, b in zip(span.tensors(), blockwise.tensors()):
+        assert rel_err(a, b) < 1e-12
+    response = torch.randint(0, 259, (7,), generator=torch.Generator().manual_seed(10))
+    assert rel_err(model.logprobs(span, response), model.logprobs(blockwise, response)) < 1e-12

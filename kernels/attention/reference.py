@@ -12,7 +12,7 @@ batch (one prompt); the compute is unfused matmuls in float32 (float64 when an i
 
 Shape legend:
     B  batch (sequences)            R  queries per sequence
-    S  new keys per sequence (S >= R; query i sees new key j iff j <= i + S - R)
+    S  new keys per sequence (S >= R, query i sees new key j iff j <= i + S - R; or S == 0: pages only)
     P  prompt pages (tokens)        N  pages in one block
     Q  query heads                  K  kv heads (query head h uses kv head h // G)
     G  query heads per kv head      M  G * R: a kv group's query heads folded into the query axis
@@ -71,7 +71,8 @@ class _ReplayAttention(torch.autograd.Function):
         qs_BKMD = _fold_heads(q_BRQD, K, dtype) * scale
 
         # The new-key block goes first: S >= R, so every row sees at least one new key and its lse is finite,
-        # which keeps the running lse finite for P == 0 and for every merge after it.
+        # which keeps the running lse finite for P == 0 and for every merge after it. With S == 0 (pages only,
+        # so P > 0) the block is empty: lse -inf and out 0, which the first page block's merge replaces exactly.
         mask_MS = _causal_mask_MS(R, S, Q // K, q_BRQD.device)
         scores_BKMS, _ = _new_key_scores(qs_BKMD, k_new_BSKD, mask_MS)
         lse_BKM = torch.logsumexp(scores_BKMS, dim=-1)
@@ -174,8 +175,12 @@ def _check_shapes(q_BRQD, k_pages_PKD, v_pages_PKD, k_new_BSKD, v_new_BSKD, bloc
         raise ValueError(f"new k {tuple(k_new_BSKD.shape)} / v {tuple(v_new_BSKD.shape)} must both be [{B}, S, K, {D}]")
     if Q % K != 0:
         raise ValueError(f"query heads ({Q}) must be a multiple of kv heads ({K})")
-    if S < R:
-        raise ValueError(f"need at least as many new keys as queries (bottom-right causal); got S={S} < R={R}")
+    if S == 0 and k_pages_PKD.shape[0] == 0:
+        raise ValueError("no keys to attend: need prompt pages (P > 0) or new keys (S > 0); got P=0, S=0")
+    if 0 < S < R:
+        raise ValueError(
+            f"need at least as many new keys as queries (bottom-right causal) or none (S=0); got S={S} < R={R}"
+        )
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
 
@@ -185,8 +190,9 @@ def replay_attention(
 ):
     """-> out_BRQD (q's dtype) [, lse_BQR float32, float64 when an input is float64].
 
-    Queries attend to every page (shared by the batch, no mask) and causally to the new keys. The lse is
-    differentiable, so partial results can be merged by LSE outside (context parallelism) with autograd.
+    Queries attend to every page (shared by the batch, no mask) and causally to the new keys; with S == 0
+    they see the pages only (a partial result, e.g. one context-parallel shard). The lse is differentiable,
+    so partial results can be merged by LSE outside (context parallelism) with autograd.
     """
     _check_shapes(q_BRQD, k_pages_PKD, v_pages_PKD, k_new_BSKD, v_new_BSKD, block_size)
     out_BRQD, lse_BQR = _ReplayAttention.apply(

@@ -24,7 +24,7 @@ from torch import nn
 from longstraw_cli.models.logprobs import token_logprobs
 from longstraw_cli.models.qwen36.config import Qwen36Config
 from longstraw_cli.resident import AttentionPages, RecurrentState, Resident
-from longstraw_kernels.attention import replay_attention
+from longstraw_kernels.attention import blockwise_causal_attention, replay_attention
 from longstraw_kernels.gdn import gdn_chunked
 
 
@@ -130,8 +130,11 @@ class GatedAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_q * self.head_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        # swapped from outside (GPU kernels, context parallel); the model only calls it
+        # swapped from outside (GPU kernels, context parallel); the model only calls them.
+        # attention_fn: replay, scoring, decode and block-by-block capture; span_attention_fn: a whole span's
+        # causal self-attention in the layer-by-layer capture (context parallel swaps in its ring version)
         self.attention_fn = replay_attention
+        self.span_attention_fn = blockwise_causal_attention
 
     def project(self, x_BTC: torch.Tensor, positions_T: torch.Tensor):
         B, T, _ = x_BTC.shape
@@ -149,9 +152,10 @@ class GatedAttention(nn.Module):
 
     def forward(self, x_BTC, positions_T, pages: AttentionPages | None = None, num_cached: int = 0,
                 write: bool = False, grad_prefix: int = 0, decode: DecodeKV | None = None):
-        """pages None: full causal attention over x. Otherwise attend to pages[:num_cached] (no mask) plus x's
-        own keys (causal); with write=True x's keys are first stored as pages num_cached.. (capture). With a
-        decode cache, x's keys are appended to the per-sequence response keys, and all of those are attended."""
+        """pages None: full causal attention over x. Otherwise attend to the pages (no mask) plus x's own keys
+        (causal); with write=True x's keys are first stored as pages num_cached.. and only the pages before
+        them are attended (block-by-block capture). With a decode cache, x's keys are appended to the
+        per-sequence response keys, and all of those are attended."""
         q_BTQD, k_BTKD, v_BTKD, gate_BTQD = self.project(x_BTC, positions_T)
         if pages is None:
             k_BTKD, v_BTKD = stop_grad_prefix(k_BTKD, grad_prefix), stop_grad_prefix(v_BTKD, grad_prefix)
@@ -160,7 +164,9 @@ class GatedAttention(nn.Module):
                 is_causal=True, scale=self.scale, enable_gqa=True,
             )
             return self.output(o_BQTD.transpose(1, 2), gate_BTQD)
-        if write:
+        if not write:
+            num_cached = pages.k_PKD.shape[0]
+        else:
             end = num_cached + x_BTC.shape[1]
             pages.k_PKD[num_cached:end].copy_(k_BTKD[0])
             pages.v_PKD[num_cached:end].copy_(v_BTKD[0])
@@ -172,6 +178,20 @@ class GatedAttention(nn.Module):
             q_BTQD, pages.k_PKD[:num_cached], pages.v_PKD[:num_cached], k_BTKD, v_BTKD, scale=self.scale
         )
         return self.output(o_BTQD, gate_BTQD)
+
+    def capture_span(self, x_BTC, positions_T, pages: AttentionPages, block_size: int):
+        """Layer-by-layer capture: the whole span's keys become the pages, then causal attention over them."""
+        q_BTQD, k_BTKD, v_BTKD, gate_BTQD = self.project(x_BTC, positions_T)
+        pages.k_PKD.copy_(k_BTKD[0])
+        pages.v_PKD.copy_(v_BTKD[0])
+        o_BTQD = self.span_attention_fn(q_BTQD, pages.k_PKD, pages.v_PKD, scale=self.scale, block_size=block_size)
+        return self.output(o_BTQD, gate_BTQD)
+
+
+def local_conv_window(mixed_BTX: torch.Tensor, window_BXW: torch.Tensor):
+    """(window before the span, window after it): the conv inputs that precede and end the span."""
+    full_BXS = torch.cat([window_BXW, mixed_BTX.transpose(1, 2)], dim=-1)
+    return window_BXW, full_BXS[..., full_BXS.shape[-1] - window_BXW.shape[-1] :]
 
 
 class GatedDeltaNet(nn.Module):
@@ -194,12 +214,16 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(self.num_v).uniform_(0.01, 16).log())
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
-        # swapped from outside (GPU kernels, context parallel); the model only calls it
+        # swapped from outside (GPU kernels, context parallel); the model only calls them.
+        # gdn_fn: replay, scoring, decode, block-by-block capture; span_gdn_fn and window_fn: the layer-by-layer
+        # capture of a span, whose state context parallel composes across ranks
         self.gdn_fn = gdn_chunked
+        self.span_gdn_fn = gdn_chunked
+        self.window_fn = local_conv_window
 
     def forward(self, x_BTC, state: RecurrentState | None = None, grad_prefix: int = 0):
         """-> (y_BTC, conv_BXW, ssm_BGKV): output and the state after x. `state` is read, never written."""
-        B, T, _ = x_BTC.shape
+        B = x_BTC.shape[0]
         mixed_BTX = stop_grad_prefix(self.in_proj_qkv(x_BTC), grad_prefix)
         if state is None:
             window_BXW = mixed_BTX.new_zeros(B, self.conv_dim, self.window)
@@ -207,6 +231,22 @@ class GatedDeltaNet(nn.Module):
         else:
             window_BXW = state.conv_CW.to(mixed_BTX.dtype).expand(B, -1, -1)
             ssm_BGKV = state.ssm_GKV.expand(B, -1, -1, -1)
+        y_BTC, ssm_BGKV = self.mix(x_BTC, mixed_BTX, window_BXW, ssm_BGKV, self.gdn_fn, grad_prefix)
+        _, window_BXW = local_conv_window(mixed_BTX, window_BXW)
+        return y_BTC, window_BXW, ssm_BGKV
+
+    def capture_span(self, x_BTC, state: RecurrentState):
+        """Layer-by-layer capture of a span: output, and `state` advanced to the end of the span."""
+        mixed_BTX = self.in_proj_qkv(x_BTC)
+        window_in_BXW, window_out_BXW = self.window_fn(mixed_BTX, state.conv_CW.to(mixed_BTX.dtype)[None])
+        y_BTC, ssm_BGKV = self.mix(x_BTC, mixed_BTX, window_in_BXW, state.ssm_GKV[None], self.span_gdn_fn)
+        state.conv_CW.copy_(window_out_BXW[0])
+        state.ssm_GKV.copy_(ssm_BGKV[0])
+        return y_BTC
+
+    def mix(self, x_BTC, mixed_BTX, window_BXW, ssm_BGKV, gdn_fn, grad_prefix: int = 0):
+        """Conv over (window, mixed), gates, the gated delta rule from ssm, gated norm, out_proj."""
+        B, T, _ = x_BTC.shape
         full_BXS = torch.cat([window_BXW, mixed_BTX.transpose(1, 2)], dim=-1)
         conv_BXT = F.silu(F.conv1d(full_BXS, self.conv1d.weight, groups=self.conv_dim))
         q, k, v = torch.split(conv_BXT.transpose(1, 2), [self.key_dim, self.key_dim, self.value_dim], dim=-1)
@@ -216,10 +256,9 @@ class GatedDeltaNet(nn.Module):
         beta_BTG = stop_grad_prefix(self.in_proj_b(x_BTC).sigmoid(), grad_prefix)
         g_BTG = -at_least_fp32(self.A_log).exp() * F.softplus(at_least_fp32(self.in_proj_a(x_BTC)) + self.dt_bias)
         g_BTG = stop_grad_prefix(g_BTG, grad_prefix)
-        o_BTGV, new_ssm_BGKV = self.gdn_fn(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, ssm_BGKV)
+        o_BTGV, new_ssm_BGKV = gdn_fn(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, ssm_BGKV)
         z_BTGV = self.in_proj_z(x_BTC).reshape(B, T, self.num_v, self.dv)
-        y_BTC = self.out_proj(self.norm(o_BTGV, z_BTGV).reshape(B, T, self.value_dim))
-        return y_BTC, full_BXS[..., full_BXS.shape[-1] - self.window :], new_ssm_BGKV
+        return self.out_proj(self.norm(o_BTGV, z_BTGV).reshape(B, T, self.value_dim)), new_ssm_BGKV
 
 
 class MLP(nn.Module):
@@ -262,6 +301,19 @@ class DecoderLayer(nn.Module):
             new_state = (conv_BXW, ssm_BGKV)
         x_BTC = x_BTC + h
         return x_BTC + self.mlp(self.post_attention_layernorm(x_BTC)), new_state
+
+
+    def capture_span(self, x_BTC, positions_T, state, block_size: int):
+        """Layer-by-layer capture over a whole span; the MLP runs in blocks so [T, FFN] never exists."""
+        h = self.input_layernorm(x_BTC)
+        if self.is_attention:
+            x_BTC = x_BTC + self.self_attn.capture_span(h, positions_T, state, block_size)
+        else:
+            x_BTC = x_BTC + self.linear_attn.capture_span(h, state)
+        for start in range(0, x_BTC.shape[1], block_size):
+            block = x_BTC[:, start : start + block_size]
+            block += self.mlp(self.post_attention_layernorm(block))
+        return x_BTC
 
 
 class Qwen36Backbone(nn.Module):
@@ -368,6 +420,21 @@ class Qwen36ForCausalLM(nn.Module):
                     state.ssm_GKV.copy_(new_state[1][0])
         return resident
 
+    @torch.no_grad()
+    def capture_span(self, span_ids: torch.Tensor, *, start: int, num_tokens: int, last_token: int,
+                     block_size: int = 4096, page_dtype: torch.dtype | None = None) -> Resident:
+        """Layer-by-layer capture of prompt tokens [start, start + len(span_ids)) of a prompt whose captured part
+        has `num_tokens` tokens: one layer over the whole span at a time. Context parallel runs it on each
+        rank's span with the span hooks swapped; on one rank (start 0, the whole prompt) it equals `capture`.
+        Activations are one span's hidden states; attention scores and MLP intermediates stay block-sized."""
+        resident = self.empty_resident(span_ids.numel(), page_dtype)
+        resident.num_tokens, resident.last_token = num_tokens, last_token
+        positions_T = torch.arange(start, start + span_ids.numel(), device=span_ids.device)
+        x_BTC = self.model.embed_tokens(span_ids)[None]
+        for layer, state in zip(self.model.layers, resident.layers):
+            x_BTC = layer.capture_span(x_BTC, positions_T, state, block_size)
+        return resident
+
     # -- replay / scoring -------------------------------------------------------------------------------------
     def replay_hidden(self, resident: Resident, input_ids_BT: torch.Tensor) -> torch.Tensor:
         """Final-norm hidden states of tokens that follow the captured span, read against the resident state."""
@@ -375,7 +442,7 @@ class Qwen36ForCausalLM(nn.Module):
         positions_T = torch.arange(start, start + input_ids_BT.shape[1], device=input_ids_BT.device)
         x_BTC = self.model.embed_tokens(input_ids_BT)
         for layer, state in zip(self.model.layers, resident.layers):
-            x_BTC, _ = layer(x_BTC, positions_T, state, num_cached=start)
+            x_BTC, _ = layer(x_BTC, positions_T, state)
         return self.model.norm(x_BTC)
 
     def logprobs(self, resident: Resident, response_ids: torch.Tensor, grad: bool = False,
@@ -416,7 +483,7 @@ class Qwen36ForCausalLM(nn.Module):
         positions_T = torch.arange(position, position + 1, device=tokens_B.device)
         x_BTC = self.model.embed_tokens(tokens_B[:, None])
         for layer, state, dec in zip(self.model.layers, resident.layers, decode.layers):
-            x_BTC, new_state = layer(x_BTC, positions_T, state, num_cached=resident.num_tokens, decode=dec)
+            x_BTC, new_state = layer(x_BTC, positions_T, state, decode=dec)
             if new_state is not None:
                 dec.conv_CW, dec.ssm_GKV = new_state
         decode.step += 1

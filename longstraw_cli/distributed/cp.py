@@ -1,0 +1,55 @@
+"""Context parallel for qwen36, applied from outside the model (the model files import no torch.distributed).
+
+The captured prompt is split into CONTIGUOUS shards, rank i of the CP group owning tokens [start_i, end_i) of
+the P-1 captured ones. Contiguous rather than zigzag because the GDN layers (3 of every 4) need their span in
+order: a contiguous shard maps the incoming state by one affine map (M, S_ext), composed across ranks with a
+single all-gather, and replay reads pages in prompt order. The price is attention load imbalance in capture
+(rank N-1's queries see the whole prompt, rank 0's only its shard); the pages, and so memory, split evenly.
+
+What changes, through the model's swappable hooks:
+- capture: every rank runs the layer-by-layer capture of its shard. Attention layers pass K/V shards around the
+  ring and merge with LSE; GDN layers exchange (M, S_ext) and the conv tails. Each rank keeps only its pages;
+  the GDN state at the end of the prompt (and the conv window) reaches every rank.
+- replay, scoring and decode: the response is replicated; each rank attends to its pages and the partials are
+  merged across ranks inside the attention Function, whose backward all-reduces dq, so every rank holds the
+  same parameter gradients as one rank would. GDN layers replay from the replicated final state.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+from longstraw_cli.distributed.cp_attention import cp_capture_attention, cp_replay_attention
+from longstraw_cli.distributed.cp_gdn import cp_conv_window, cp_gdn_scan
+
+
+def shard_bounds(num_tokens: int, num_ranks: int, rank: int) -> tuple[int, int]:
+    """Contiguous, near-equal shards: the first num_tokens % num_ranks ranks get one token more."""
+    base, extra = divmod(num_tokens, num_ranks)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (rank < extra)
+
+
+def cp_capture(model, prompt_ids: torch.Tensor, block_size: int = 4096, page_dtype=None, *, group=None):
+    """This rank's resident state of a 1-D prompt that every rank of the CP group holds."""
+    if prompt_ids.dim() != 1 or prompt_ids.numel() == 0:
+        raise ValueError(f"capture takes a non-empty 1-D prompt, got shape {tuple(prompt_ids.shape)}")
+    num_tokens = prompt_ids.numel() - 1
+    start, end = shard_bounds(num_tokens, dist.get_world_size(group), dist.get_rank(group))
+    return model.capture_span(prompt_ids[start:end], start=start, num_tokens=num_tokens,
+                              last_token=int(prompt_ids[-1]), block_size=block_size, page_dtype=page_dtype)
+
+
+def apply_context_parallel(model, group) -> None:
+    """Swap the model's attention / GDN hooks and its capture for their context-parallel versions."""
+    for layer in model.model.layers:
+        if layer.is_attention:
+            layer.self_attn.attention_fn = functools.partial(cp_replay_attention, group=group)
+            layer.self_attn.span_attention_fn = functools.partial(cp_capture_attention, group=group)
+        else:
+            layer.linear_attn.span_gdn_fn = functools.partial(cp_gdn_scan, group=group)
+            layer.linear_attn.window_fn = functools.partial(cp_conv_window, group=group)
+    model.capture = functools.partial(cp_capture, model, group=group)
