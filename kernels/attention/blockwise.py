@@ -9,7 +9,7 @@ Legend: B batch (1 here), T span tokens, Q query heads, K kv heads, D head dim.
 
 import torch
 
-from longstraw_kernels.attention.reference import replay_attention
+from longstraw_kernels.attention.dispatch import replay_attention
 
 
 def blockwise_causal_attention(q_BTQD, k_TKD, v_TKD, *, scale, block_size=4096, attention_fn=replay_attention):

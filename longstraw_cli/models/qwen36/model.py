@@ -25,7 +25,7 @@ from longstraw_cli.models.logprobs import token_logprobs
 from longstraw_cli.models.qwen36.config import Qwen36Config
 from longstraw_cli.resident import AttentionPages, RecurrentState, Resident
 from longstraw_kernels.attention import blockwise_causal_attention, replay_attention
-from longstraw_kernels.gdn import gdn_chunked
+from longstraw_kernels.gdn import gdn_forward
 
 
 def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
@@ -217,8 +217,8 @@ class GatedDeltaNet(nn.Module):
         # swapped from outside (GPU kernels, context parallel); the model only calls them.
         # gdn_fn: replay, scoring, decode, block-by-block capture; span_gdn_fn and window_fn: the layer-by-layer
         # capture of a span, whose state context parallel composes across ranks
-        self.gdn_fn = gdn_chunked
-        self.span_gdn_fn = gdn_chunked
+        self.gdn_fn = gdn_forward
+        self.span_gdn_fn = gdn_forward
         self.window_fn = local_conv_window
 
     def forward(self, x_BTC, state: RecurrentState | None = None, grad_prefix: int = 0):

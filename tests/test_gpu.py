@@ -1,0 +1,87 @@
+"""GPU paths against their torch references (skipped without CUDA): flash replay attention (outputs, LSE and
+gradients), fla's GDN forward, and the qwen36 model's capture + logprobs on CUDA in bf16."""
+
+import pytest
+import torch
+
+from conftest import randomize_, rel_err
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def attention_inputs(B, R, S, P, Q, K, D, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device="cuda", dtype=torch.float32).to(dtype)
+
+    return randn(B, R, Q, D), randn(P, K, D), randn(P, K, D), randn(B, S, K, D), randn(B, S, K, D)
+
+
+@pytest.mark.parametrize("B, R, S, P, Q, K, D", [
+    (1, 64, 64, 5000, 16, 2, 256),   # replay: one response against the prompt, GQA 8:1, head dim 256
+    (3, 33, 33, 777, 4, 2, 128),     # a batch of responses
+    (1, 1, 17, 999, 24, 4, 256),     # decode: one query, 17 response keys
+    (1, 128, 0, 4096, 16, 2, 256),   # pages only (a context-parallel shard)
+    (1, 200, 200, 0, 16, 2, 256),    # first capture block: no pages yet
+])
+def test_flash_replay_attention_matches_reference(B, R, S, P, Q, K, D):
+    from longstraw_kernels.attention import replay_attention
+    from longstraw_kernels.attention.flash import flash_supported
+    from longstraw_kernels.attention.reference import replay_attention as reference
+
+    q, kp, vp, kn, vn = attention_inputs(B, R, S, P, Q, K, D, torch.bfloat16)
+    assert flash_supported(q, kp, kn)
+    for t in (q, kn, vn):
+        t.requires_grad_(True)
+    out, lse = replay_attention(q, kp, vp, kn, vn, scale=D**-0.5, return_lse=True)
+    # the reference on the same bf16 inputs, computed in fp64
+    q64, kn64, vn64 = (t.detach().double().requires_grad_(True) for t in (q, kn, vn))
+    ref_out, ref_lse = reference(q64, kp.double(), vp.double(), kn64, vn64, scale=D**-0.5, return_lse=True)
+    assert rel_err(out, ref_out) < 2e-2 and rel_err(lse, ref_lse) < 1e-3
+    dout = torch.randn_like(ref_out)
+    (out.float() * dout).sum().backward()
+    (ref_out * dout).sum().backward()
+    for got, want in ((q.grad, q64.grad), (kn.grad, kn64.grad), (vn.grad, vn64.grad)):
+        if want is not None and want.norm() > 0:
+            assert rel_err(got, want) < 3e-2
+
+
+@pytest.mark.parametrize("T, H, G", [(1000, 2, 4), (4096, 16, 48), (77, 8, 16)])
+def test_fla_gdn_forward_matches_chunked_reference(T, H, G):
+    from longstraw_kernels.gdn import gdn_chunked, gdn_forward
+    from longstraw_kernels.gdn.fla_gpu import fla_forward
+
+    if fla_forward() is None:
+        pytest.skip("fla is not installed")
+    g = torch.Generator(device="cuda").manual_seed(T)
+    q = torch.nn.functional.normalize(torch.randn(1, T, H, 128, device="cuda", generator=g), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(1, T, H, 128, device="cuda", generator=g), dim=-1)
+    v = torch.randn(1, T, G, 128, device="cuda", generator=g).bfloat16()
+    gate = -torch.nn.functional.softplus(torch.randn(1, T, G, device="cuda", generator=g))
+    beta = torch.rand(1, T, G, device="cuda", generator=g).bfloat16()
+    s0 = torch.randn(1, G, 128, 128, device="cuda", generator=g) * 0.1
+    with torch.no_grad():
+        o, s = gdn_forward(q, k, v, gate, beta, s0)
+        # the reference sees the same bf16-rounded q, k
+        o_ref, s_ref = gdn_chunked(q.bfloat16().double(), k.bfloat16().double(), v.double(), gate.double(),
+                                   beta.double(), s0.double())
+    assert rel_err(o, o_ref) < 2e-2 and rel_err(s, s_ref) < 1e-2
+
+
+def test_qwen36_capture_and_logprobs_on_cuda_bf16():
+    from longstraw_cli.models import build_model
+
+    model = build_model("qwen36_tiny", dtype=torch.float32)
+    randomize_(model)
+    prompt = torch.randint(0, 259, (3000,), generator=torch.Generator().manual_seed(0))
+    response = torch.randint(0, 259, (100,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.cat([prompt, response]))[prompt.numel() - 1 : -1].double(), -1)
+    ref = ref.gather(-1, response[:, None])[:, 0]
+    gpu = model.to("cuda", torch.bfloat16)
+    resident = gpu.capture(prompt.cuda(), block_size=1024)
+    logp = gpu.logprobs(resident, response.cuda(), grad=True)
+    logp.sum().backward()
+    assert rel_err(logp.detach().cpu(), ref) < 3e-2
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in gpu.parameters())
