@@ -30,7 +30,7 @@ class TransactionConfig:
     block_size: int = 4096
     # responses scored together (graph-free) in one batched replay
     score_batch: int = 8
-    logprob_chunk: int = 1024
+    logprob_chunk: int = 512
     advantage: str = "grpo"
     max_grad_norm: float | None = 1.0
 

@@ -1,0 +1,365 @@
+"""Memory plan of one LongStraw transaction per rank, from the config alone (no model is built).
+
+    capture = weights + optimizer + resident + one capture block's activations
+    score   = weights + optimizer + resident + one graph-free scoring batch
+    replay  = weights + optimizer + grads + resident + one response graph + the logits chunk's backward
+    step    = weights + optimizer + grads + resident + AdamW's foreach temporary
+    peak    = the largest phase
+
+Grads exist only from the first replay to the step (the transaction zeroes them to None), so capture and score
+do not carry them. `bound` is the method's analytic bound, weights + grads + optimizer + resident + one response
+graph: the replay phase without its transients.
+
+Where the bytes come from (s: bytes per element of `dtype`, f: of the compute dtype, at least fp32):
+- weights: every parameter of the qwen36 layout, counted from the config widths; grads in the parameter dtype.
+- optimizer: torch.optim.AdamW keeps two moments per trainable parameter in the PARAMETER's dtype (it allocates
+  zeros_like(p)); `moment_dtype="float32"` gives the fp32-moment figure of a master-weight setup instead.
+- resident: K/V pages of the captured (prompt - 1) / cp tokens for every attention layer in `dtype`, an fp32
+  [value heads, Dk, Dv] recurrent state and a [conv_dim, kernel - 1] conv state per GDN layer: the formula of
+  `Qwen36ForCausalLM.resident_bytes`. Context parallelism splits the pages only; the GDN state is whole per rank.
+- response graph: what autograd saves per response token and layer, written term by term from what the code
+  saves (`_gdn_graph`, `_attention_graph_per_token`; replay always runs the torch chunked GDN, whose backward
+  is right on every Triton): for qwen36_mini in bf16 295 KB per token per GDN layer and 162 KB per attention
+  layer, the project's GraphMemory accounting to within 1% (tests/test_plan.py).
+- capture activations: one block of `block_size` tokens through the heaviest layer, estimated as what that
+  layer would save for backward (everything inside it coexists at some point, graph or not) plus the kernels'
+  own buffers. `kernels="gpu"` (CUDA, bf16/fp16): flash attention keeps scores on chip but merges two partial
+  outputs in fp32 (FLASH_FP32_COPIES x [heads, block, head dim]); fla's GDN forward holds its fp32 q/k/v
+  copies and one state per chunk. `kernels="reference"` (CPU, fp32): the block's queries against its own keys
+  form [q heads, block, block] fp32 scores, SCORE_COPIES at once plus a bool mask; against the prompt, pages
+  are read `attention_block` at a time, which bounds those scores.
+- score: min(G, score_batch) responses at once without a graph: [batch, chunk, vocab] logits in fp32 plus one
+  fp32 temporary (LOGIT_BYTES_SCORE per logit), or the layers' activations, whichever is larger. This is the
+  one term that grows with G (up to score_batch); with a 248K vocabulary it is 2 GiB per scored response.
+- replay transient: the backward of one checkpointed logits chunk (saved fp32 logits, the exp temporary, its
+  product with the gradient, the gather's gradient: LOGIT_BYTES_REPLAY per logit) plus one weight-sized
+  gradient (the largest trainable matrix, before it is accumulated into .grad).
+Left out: the CUDA context and library workspaces (outside the allocator's count), allocator fragmentation,
+cp > 1's communication buffers, and fla being absent on a GPU (then capture runs the torch chunked GDN, whose
+activations are `_gdn_graph`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import torch
+
+from longstraw_cli.lora import DEFAULT_TARGETS
+from longstraw_cli.models.qwen36.config import NAMED_CONFIGS, Qwen36Config, named_config
+
+GIB = 2**30
+DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
+
+# the chunk length of kernels/gdn's chunked form
+GDN_CHUNK = 64
+KERNELS = ("auto", "gpu", "reference")
+# fp32 copies of a [heads, queries, keys] score block the reference attention holds at once
+SCORE_COPIES = 3
+# fp32 [heads, queries, head dim] buffers of the flash path's LSE merge (two partial outputs, their weighted
+# copies, the sum) on top of its bf16 copies of q and the expanded new keys
+FLASH_FP32_COPIES = 6
+# bytes per logit element: graph-free (fp32 logits + the exp temporary), and backward of a checkpointed chunk
+LOGIT_BYTES_SCORE = 8
+LOGIT_BYTES_REPLAY = 16
+
+
+def _itemsize(dtype: str) -> int:
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"dtype={dtype!r}; valid: {list(DTYPE_NAMES)}")
+    return getattr(torch, dtype).itemsize
+
+
+def _config(model_name_or_cfg) -> Qwen36Config:
+    if isinstance(model_name_or_cfg, Qwen36Config):
+        return model_name_or_cfg
+    if isinstance(model_name_or_cfg, str):
+        return named_config(model_name_or_cfg)
+    raise ValueError(f"model must be a name in {sorted(NAMED_CONFIGS)} or a Qwen36Config, got {model_name_or_cfg!r}")
+
+
+def _layer_linears(cfg: Qwen36Config, layer_type: str) -> dict[str, tuple[int, int]]:
+    """(in, out) features of every nn.Linear of one decoder layer, by module name."""
+    C = cfg.hidden_size
+    if layer_type == "full_attention":
+        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        mixer = {"q_proj": (C, 2 * q), "k_proj": (C, kv), "v_proj": (C, kv), "o_proj": (q, C)}
+    else:
+        v = cfg.linear_num_value_heads * cfg.linear_value_head_dim
+        g = cfg.linear_num_value_heads
+        mixer = {"in_proj_qkv": (C, cfg.conv_dim), "in_proj_z": (C, v), "in_proj_b": (C, g), "in_proj_a": (C, g),
+                 "out_proj": (v, C)}
+    I = cfg.intermediate_size
+    return {**mixer, "gate_proj": (C, I), "up_proj": (C, I), "down_proj": (I, C)}
+
+
+def param_counts(cfg: Qwen36Config, lora_rank: int = 0, lora_targets=DEFAULT_TARGETS) -> dict[str, int]:
+    """Parameters of the model (`total`), the largest single matrix, and the LoRA adapters' count."""
+    C = cfg.hidden_size
+    embeddings = cfg.vocab_size * C * (1 if cfg.tie_word_embeddings else 2)
+    total, adapters, largest = embeddings + C, 0, cfg.vocab_size * C
+    for layer_type in cfg.layer_types:
+        linears = _layer_linears(cfg, layer_type)
+        total += sum(i * o for i, o in linears.values()) + 2 * C
+        if layer_type == "full_attention":
+            total += 2 * cfg.head_dim  # q_norm, k_norm
+        else:
+            # conv1d (depthwise), dt_bias, A_log, gated norm
+            total += cfg.conv_dim * cfg.linear_conv_kernel_dim + 2 * cfg.linear_num_value_heads
+            total += cfg.linear_value_head_dim
+        if lora_rank > 0:
+            adapters += sum(lora_rank * (i + o) for name, (i, o) in linears.items() if name in lora_targets)
+    return {"total": total, "lora": adapters, "largest_matrix": largest}
+
+
+def resident_bytes(cfg: Qwen36Config, num_tokens: int, dtype: str = "bfloat16") -> dict[str, int]:
+    """What `Qwen36ForCausalLM.resident_bytes(num_tokens)` reports for a model in `dtype`."""
+    s = _itemsize(dtype)
+    f = max(s, 4)
+    num_attn = sum(t == "full_attention" for t in cfg.layer_types)
+    num_gdn = cfg.num_hidden_layers - num_attn
+    out = {
+        "kv_pages": num_attn * 2 * num_tokens * cfg.num_key_value_heads * cfg.head_dim * s,
+        "recurrent_state": num_gdn * cfg.linear_num_value_heads * cfg.linear_key_head_dim
+        * cfg.linear_value_head_dim * f,
+        "conv_state": num_gdn * cfg.conv_dim * (cfg.linear_conv_kernel_dim - 1) * s,
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def _gdn_outside_kernel_per_token(cfg: Qwen36Config, s: int, f: int) -> float:
+    """Saved bytes per token of a GDN layer outside the gated-delta-rule kernel."""
+    C, I, X = cfg.hidden_size, cfg.intermediate_size, cfg.conv_dim
+    G, Vd, Kd = cfg.linear_num_value_heads, cfg.linear_num_value_heads * cfg.linear_value_head_dim, (
+        cfg.linear_num_key_heads * cfg.linear_key_head_dim)
+    return (
+        4 * C * f  # two RMSNorms: fp32 input and normalised value each
+        + 2 * C * s + Vd * s  # inputs of in_proj_*, gate/up_proj, out_proj
+        + 2 * X * s  # conv input (with its window) and output
+        + 2 * Kd * f  # l2norm inputs of q and k
+        + 3 * Vd * f + 2 * Vd * s  # gated RMSNorm and silu(z)
+        + 2 * G * f  # beta, softplus(a)
+        + 4 * I * s  # SwiGLU: gate, silu(gate), up, their product
+    )
+
+
+def _gdn_graph(cfg: Qwen36Config, tokens: int, s: int, f: int) -> float:
+    """Saved bytes of a GDN layer over `tokens`, the gated delta rule in kernels/gdn's torch chunked form."""
+    G, Dk, Dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    Vd, Ke = G * Dv, G * Dk  # Ke: keys repeated to the value heads
+    # the chunked form pads the tokens to whole chunks
+    chunks = -(-tokens // GDN_CHUNK)
+    per_padded_token = (
+        10 * Ke * f + 3 * Vd * f  # q/k copies, k*beta, the two triangular solves, decayed q/k, u
+        + 5 * G * GDN_CHUNK * f  # [chunk x chunk] decay, A and attention matrices per head
+    )
+    # one [G, Dk, Dv] state per chunk
+    return (tokens * _gdn_outside_kernel_per_token(cfg, s, f) + chunks * GDN_CHUNK * per_padded_token
+            + chunks * G * Dk * Dv * f)
+
+
+def _attention_graph_per_token(cfg: Qwen36Config, s: int, f: int) -> float:
+    C, I = cfg.hidden_size, cfg.intermediate_size
+    Q, qd, kvd = cfg.num_attention_heads, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    return (
+        4 * C * f  # two RMSNorms
+        + 2 * C * s + qd * s  # inputs of q/k/v_proj, gate/up_proj, o_proj
+        + 2 * (qd + kvd) * f  # q_norm, k_norm
+        + 2 * cfg.rotary_dim * s  # rope cos/sin
+        + 2 * qd * s + 2 * kvd * s + Q * f  # replay attention: q, out, new k, new v, lse (pages are resident)
+        + qd * s  # sigmoid(gate)
+        + 4 * I * s  # SwiGLU
+    )
+
+
+def response_graph_bytes(cfg: Qwen36Config, response_tokens: int, dtype: str = "bfloat16") -> int:
+    """Saved-for-backward bytes of one replayed response (what GraphMemory counts at its peak)."""
+    s = _itemsize(dtype)
+    f = max(s, 4)
+    # final norm, the checkpointed logits input, the token ids
+    total = response_tokens * (2 * cfg.hidden_size * f + cfg.hidden_size * s + 8)
+    for layer_type in cfg.layer_types:
+        if layer_type == "full_attention":
+            total += response_tokens * _attention_graph_per_token(cfg, s, f)
+        else:
+            total += _gdn_graph(cfg, response_tokens, s, f)
+    return int(total)
+
+
+def _layer_activations(cfg: Qwen36Config, tokens: int, s: int, f: int, kernels: str) -> int:
+    """Live bytes of one layer's graph-free forward over `tokens`, estimated as what its graph would save plus
+    the kernels' own buffers (see the module docstring)."""
+    attention = tokens * _attention_graph_per_token(cfg, s, f)
+    if kernels == "reference":
+        return int(max(_gdn_graph(cfg, tokens, s, f), attention))
+    G, Dk, Dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    chunks = -(-tokens // GDN_CHUNK)
+    fla = tokens * (4 * G * Dk + 2 * G * Dv) * f + chunks * G * Dk * Dv * f
+    flash = tokens * FLASH_FP32_COPIES * cfg.num_attention_heads * cfg.head_dim * 4
+    return int(max(tokens * _gdn_outside_kernel_per_token(cfg, s, f) + fla, attention + flash))
+
+
+def _attention_scores(cfg: Qwen36Config, batch: int, queries: int, keys: int, kernels: str) -> int:
+    """Score buffers of the torch reference attention: folded GQA [batch, kv heads, q-per-kv x queries, keys]
+    in fp32, SCORE_COPIES at once, plus the bool causal mask. Flash attention keeps scores on chip."""
+    if kernels != "reference":
+        return 0
+    mask = (cfg.num_attention_heads // cfg.num_key_value_heads) * queries * keys if queries == keys else 0
+    return SCORE_COPIES * batch * cfg.num_attention_heads * queries * keys * 4 + mask
+
+
+def plan(model_name_or_cfg, *, cp: int = 1, prompt_tokens: int, group_size: int, response_tokens: int,
+         dtype: str = "bfloat16", lora_rank: int = 0, gpu_mem_gib: float = 139.0, block_size: int = 8192,
+         score_batch: int = 8, logprob_chunk: int = 1024, attention_block: int = 1024,
+         moment_dtype: str | None = None, kernels: str = "auto") -> dict:
+    """Per-rank bytes of one transaction by component and by phase; see the module docstring.
+    kernels: "gpu" (flash attention, fla's GDN forward), "reference" (the torch kernels), "auto": gpu for
+    bf16/fp16, where the model dispatches to them on CUDA, reference otherwise."""
+    cfg = _config(model_name_or_cfg)
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels={kernels!r}; valid: {list(KERNELS)}")
+    if kernels == "auto":
+        kernels = "gpu" if dtype in ("bfloat16", "float16") else "reference"
+    for name, value in (("cp", cp), ("prompt_tokens", prompt_tokens), ("group_size", group_size),
+                        ("response_tokens", response_tokens), ("block_size", block_size),
+                        ("score_batch", score_batch), ("logprob_chunk", logprob_chunk),
+                        ("attention_block", attention_block)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 0:
+        raise ValueError(f"lora_rank must be an int >= 0 (0 = full fine-tuning), got {lora_rank!r}")
+    s = _itemsize(dtype)
+    f = max(s, 4)
+    m = _itemsize(moment_dtype or dtype)
+
+    counts = param_counts(cfg, lora_rank)
+    trainable = counts["lora"] if lora_rank > 0 else counts["total"]
+    weights = (counts["total"] + counts["lora"]) * s
+    grads = trainable * s
+    optimizer = 2 * trainable * m
+
+    # capture keeps prompt_tokens - 1 tokens; cp ranks split them into contiguous pieces
+    captured = math.ceil((prompt_tokens - 1) / cp)
+    resident = resident_bytes(cfg, captured, dtype)
+
+    block = min(block_size, captured)
+    pages = min(attention_block, captured)
+    capture_act = _layer_activations(cfg, block, s, f, kernels) + block * cfg.hidden_size * s + max(
+        _attention_scores(cfg, 1, block, block, kernels), _attention_scores(cfg, 1, block, pages, kernels))
+
+    batch = min(group_size, score_batch)
+    R, V = response_tokens, cfg.vocab_size
+    score_act = max(
+        batch * _layer_activations(cfg, R, s, f, kernels)
+        + max(_attention_scores(cfg, batch, R, R, kernels), _attention_scores(cfg, batch, R, pages, kernels)),
+        batch * min(R, logprob_chunk) * V * LOGIT_BYTES_SCORE + batch * R * cfg.hidden_size * s,
+    )
+
+    graph = response_graph_bytes(cfg, R, dtype)
+    largest_trainable = counts["largest_matrix"] * s if lora_rank == 0 else 0
+    replay_transient = min(R, logprob_chunk) * V * LOGIT_BYTES_REPLAY + largest_trainable
+    # foreach AdamW: one temporary (sqrt of the second moment) the size of the trainable set
+    step_transient = trainable * m
+
+    base = weights + optimizer + resident["total"]
+    phases = {
+        "capture": base + capture_act,
+        "score": base + score_act,
+        "replay": base + grads + graph + replay_transient,
+        "step": base + grads + step_transient,
+    }
+    peak = max(phases.values())
+    budget = int(gpu_mem_gib * GIB)
+    return {
+        "model": model_name_or_cfg if isinstance(model_name_or_cfg, str) else "custom",
+        "cp": cp, "prompt_tokens": prompt_tokens, "group_size": group_size, "response_tokens": response_tokens,
+        "dtype": dtype, "lora_rank": lora_rank, "block_size": block_size, "score_batch": score_batch,
+        "kernels": kernels,
+        "params": counts["total"], "trainable_params": trainable,
+        "weights": weights, "grads": grads, "optimizer": optimizer,
+        "resident": resident["total"], "resident_detail": resident,
+        "capture_activations": capture_act, "score_activations": score_act,
+        "response_graph": graph, "replay_transient": replay_transient, "step_transient": step_transient,
+        "phases": phases, "peak": peak,
+        "bound": weights + grads + optimizer + resident["total"] + graph,
+        "budget": budget, "fits": peak <= budget,
+    }
+
+
+def max_prompt_tokens(model_name_or_cfg, *, gpu_mem_gib: float = 139.0, limit: int = 2**34, **kwargs) -> int:
+    """The longest prompt whose planned peak fits in gpu_mem_gib (0 if not even a 2-token prompt fits)."""
+    def fits(n: int) -> bool:
+        return plan(model_name_or_cfg, prompt_tokens=n, gpu_mem_gib=gpu_mem_gib, **kwargs)["fits"]
+
+    if not fits(2):
+        return 0
+    lo, hi = 2, 4
+    while hi < limit and fits(hi):
+        lo, hi = hi, hi * 2
+    if hi >= limit and fits(limit):
+        return limit
+    # invariant: fits(lo), not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def _tokens(text: str) -> int:
+    """'262144', '256K', '2M' -> tokens (K = 1024)."""
+    scale = {"K": 2**10, "M": 2**20}.get(text[-1:].upper(), 1)
+    try:
+        return int(text[:-1] if scale > 1 else text) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a token count: {text!r} (e.g. 65536, 64K, 2M)") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m longstraw_cli.plan", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen36_mini", choices=sorted(NAMED_CONFIGS))
+    parser.add_argument("--num-layers", type=int, default=None, help="override num_hidden_layers")
+    parser.add_argument("--prompts", default="64K,256K,1M,2M", help="comma list of prompt lengths (K/M suffixes)")
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--response", type=_tokens, default=1024)
+    parser.add_argument("--cp", type=int, default=1)
+    parser.add_argument("--dtype", default="bfloat16", choices=DTYPE_NAMES)
+    parser.add_argument("--lora-rank", type=int, default=0)
+    parser.add_argument("--gpu-mem-gib", type=float, default=139.0)
+    parser.add_argument("--block-size", type=int, default=8192)
+    parser.add_argument("--score-batch", type=int, default=8)
+    parser.add_argument("--kernels", default="auto", choices=KERNELS)
+    args = parser.parse_args(argv)
+    try:
+        prompts = [_tokens(p) for p in args.prompts.split(",") if p]
+    except argparse.ArgumentTypeError as e:
+        parser.error(str(e))
+    cfg = named_config(args.model) if args.num_layers is None else named_config(
+        args.model, num_hidden_layers=args.num_layers)
+    common = dict(cp=args.cp, group_size=args.group_size, response_tokens=args.response, dtype=args.dtype,
+                  lora_rank=args.lora_rank, gpu_mem_gib=args.gpu_mem_gib, block_size=args.block_size,
+                  score_batch=args.score_batch, kernels=args.kernels)
+    columns = ("weights", "grads", "optimizer", "resident", "capture_activations", "score_activations",
+               "response_graph", "replay_transient")
+    short = ("weights", "grads", "optim", "resident", "capt_act", "score_act", "graph", "repl_tr")
+    print(f"{args.model} ({cfg.num_hidden_layers} layers), cp={args.cp}, G={args.group_size}, R={args.response}, "
+          f"{args.dtype}, lora_rank={args.lora_rank}, block={args.block_size}, kernels={args.kernels}; GiB per rank")
+    print(f"{'prompt':>9} " + " ".join(f"{c:>9}" for c in short) + f" {'bound':>9} {'peak':>9} {'phase':>8}  fits")
+    try:
+        for prompt in prompts:
+            p = plan(cfg, prompt_tokens=prompt, **common)
+            phase = max(p["phases"], key=p["phases"].get)
+            print(f"{prompt:>9} " + " ".join(f"{p[c] / GIB:>9.2f}" for c in columns)
+                  + f" {p['bound'] / GIB:>9.2f} {p['peak'] / GIB:>9.2f} {phase:>8}  {'yes' if p['fits'] else 'NO'}")
+        longest = max_prompt_tokens(cfg, **common)
+    except ValueError as e:
+        print(f"plan: error: {e}", file=sys.stderr)
+        return 2
+    print(f"longest prompt that fits in {args.gpu_mem_gib:g} GiB: {longest} tokens ({longest / 2**20:.2f}M)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

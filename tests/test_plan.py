@@ -1,0 +1,137 @@
+"""The memory plan against the model's own accounting, and the shape of its curves."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from longstraw_cli.lora import LoraConfig, apply_lora
+from longstraw_cli.models import build_model
+from longstraw_cli.models.qwen36.config import named_config
+from longstraw_cli.plan import GIB, main, max_prompt_tokens, param_counts, plan, resident_bytes
+from longstraw_cli.telemetry.memory import GraphMemory
+
+MINI = dict(group_size=8, response_tokens=1024, dtype="bfloat16", block_size=8192)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 129, 4000])
+def test_resident_equals_model_accounting(dtype, num_tokens):
+    model = build_model("qwen36_tiny", dtype=dtype)
+    name = str(dtype).removeprefix("torch.")
+    assert resident_bytes(model.config, num_tokens, name) == model.resident_bytes(num_tokens)
+    # plan captures prompt - 1 tokens, as capture does
+    p = plan("qwen36_tiny", prompt_tokens=num_tokens + 1, group_size=2, response_tokens=8, dtype=name)
+    assert p["resident_detail"] == model.resident_bytes(num_tokens)
+    assert p["resident"] == model.resident_bytes(num_tokens)["total"]
+
+
+def test_cp_splits_the_pages_not_the_recurrent_state():
+    one = plan("qwen36_mini", prompt_tokens=2**20 + 1, **MINI)["resident_detail"]
+    four = plan("qwen36_mini", cp=4, prompt_tokens=2**20 + 1, **MINI)["resident_detail"]
+    assert four["kv_pages"] * 4 == one["kv_pages"]
+    assert four["recurrent_state"] == one["recurrent_state"] and four["conv_state"] == one["conv_state"]
+
+
+def test_parameter_count_and_lora_adapters_match_the_model():
+    model = build_model("qwen36_tiny")
+    assert param_counts(model.config)["total"] == sum(p.numel() for p in model.parameters())
+    adapters = apply_lora(model, LoraConfig(rank=4))
+    assert param_counts(model.config, lora_rank=4)["lora"] == sum(p.numel() for p in adapters)
+
+
+def test_weights_grads_optimizer_of_full_fine_tuning():
+    p = plan("qwen36_tiny", prompt_tokens=100, group_size=2, response_tokens=8, dtype="bfloat16")
+    n = p["params"]
+    assert p["trainable_params"] == n
+    assert (p["weights"], p["grads"], p["optimizer"]) == (2 * n, 2 * n, 4 * n)
+    fp32_moments = plan("qwen36_tiny", prompt_tokens=100, group_size=2, response_tokens=8, moment_dtype="float32")
+    assert fp32_moments["optimizer"] == 8 * n
+
+
+def test_lora_shrinks_grads_and_optimizer_to_the_adapters():
+    full = plan("qwen36", prompt_tokens=65536, **MINI)
+    lora = plan("qwen36", prompt_tokens=65536, lora_rank=16, **MINI)
+    adapters = param_counts(named_config("qwen36"), lora_rank=16)["lora"]
+    assert lora["trainable_params"] == adapters < full["params"] // 100
+    assert lora["grads"] == 2 * adapters and lora["optimizer"] == 4 * adapters
+    # the frozen base stays, the adapters come on top
+    assert lora["weights"] == full["weights"] + 2 * adapters
+    assert lora["peak"] < full["peak"]
+
+
+def test_peak_grows_linearly_in_prompt_tokens():
+    peaks = [plan("qwen36_mini", prompt_tokens=n * 2**20, **MINI)["peak"] for n in (1, 2, 3, 4)]
+    steps = {b - a for a, b in zip(peaks, peaks[1:])}
+    assert len(steps) == 1 and steps.pop() > 0
+    # the slope is the K/V pages: 6 attention layers x (K + V) x 2 kv heads x 256 dims x 2 bytes per token
+    assert peaks[1] - peaks[0] == 6 * 2 * 2 * 256 * 2 * 2**20
+
+
+def test_peak_does_not_grow_with_group_size():
+    def phases(group_size, **kw):
+        return plan("qwen36_mini", prompt_tokens=2**20, **{**MINI, "group_size": group_size, **kw})
+
+    small, large = phases(2), phases(64)
+    # only scoring batches responses (up to score_batch): every other phase is independent of G
+    for phase in ("capture", "replay", "step"):
+        assert small["phases"][phase] == large["phases"][phase]
+    assert small["bound"] == large["bound"]
+    assert phases(8)["peak"] == phases(16)["peak"] == phases(64)["peak"]
+    assert phases(2, score_batch=1)["peak"] == phases(8, score_batch=1)["peak"]
+
+
+def test_max_prompt_tokens_is_monotone_and_tight():
+    budgets = [30, 40, 60, 80, 139, 200]
+    longest = [max_prompt_tokens("qwen36_mini", gpu_mem_gib=g, **MINI) for g in budgets]
+    assert longest == sorted(longest) and longest[0] < longest[-1]
+    for g, n in zip(budgets, longest):
+        if n:
+            assert plan("qwen36_mini", prompt_tokens=n, gpu_mem_gib=g, **MINI)["fits"]
+            assert not plan("qwen36_mini", prompt_tokens=n + 1, gpu_mem_gib=g, **MINI)["fits"]
+    assert max_prompt_tokens("qwen36_mini", gpu_mem_gib=1, **MINI) == 0
+    # twice the ranks hold twice the prompt (up to the part that does not shard)
+    assert max_prompt_tokens("qwen36_mini", cp=2, **MINI) > 1.9 * max_prompt_tokens("qwen36_mini", **MINI)
+
+
+@pytest.mark.parametrize("name, dtype, overrides, tokens, tolerance", [
+    ("qwen36_tiny", torch.float32, {}, 200, 0.10),
+    # the mini shape's widths, one GDN and one attention layer, a small vocab
+    ("qwen36_mini", torch.bfloat16, dict(num_hidden_layers=2, full_attention_interval=2, vocab_size=512), 256, 0.03),
+])
+def test_response_graph_estimate_matches_graph_accounting(name, dtype, overrides, tokens, tolerance):
+    torch.manual_seed(0)
+    model = build_model(name, dtype=dtype, **overrides)
+    prompt = torch.randint(0, model.config.vocab_size, (100,))
+    resident = model.capture(prompt, block_size=64)
+    response = torch.randint(0, model.config.vocab_size, (tokens,))
+    with GraphMemory(exclude=[*model.parameters(), *resident.tensors()]) as meter:
+        model.logprobs(resident, response, grad=True)
+    p = plan(model.config, prompt_tokens=100, group_size=2, response_tokens=tokens,
+             dtype=str(dtype).removeprefix("torch."))
+    assert abs(p["response_graph"] / meter.peak_bytes - 1) < tolerance
+
+
+def test_bound_and_phases_add_up():
+    p = plan("qwen36_mini", prompt_tokens=262144, **MINI)
+    assert p["bound"] == p["weights"] + p["grads"] + p["optimizer"] + p["resident"] + p["response_graph"]
+    assert p["peak"] == max(p["phases"].values()) >= p["bound"]
+    assert p["phases"]["replay"] == p["bound"] + p["replay_transient"]
+    assert p["budget"] == 139 * GIB
+
+
+def test_custom_config_and_bad_input():
+    cfg = dataclasses.replace(named_config("qwen36_mini"), num_hidden_layers=4)
+    assert plan(cfg, prompt_tokens=1000, **MINI)["weights"] < plan("qwen36_mini", prompt_tokens=1000, **MINI)["weights"]
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        plan("qwen36_mini", prompt_tokens=0, **MINI)
+    with pytest.raises(ValueError, match="dtype"):
+        plan("qwen36_mini", prompt_tokens=10, **{**MINI, "dtype": "bf16"})
+    with pytest.raises(ValueError, match="unknown qwen36 config"):
+        plan("qwen99", prompt_tokens=10, **MINI)
+
+
+def test_main_prints_a_table(capsys):
+    assert main(["--model", "qwen36_mini", "--prompts", "64K,1M", "--group-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "65536" in out and "1048576" in out and "longest prompt" in out
