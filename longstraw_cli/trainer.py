@@ -11,7 +11,6 @@ step with one all-reduce.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import json
 import logging
@@ -119,7 +118,11 @@ class Trainer:
             return None
         if self.cfg.lora.rank > 0:
             return Reference(self.model, self.cfg.transaction, context=lambda: adapters_disabled(self.model))
-        frozen = copy.deepcopy(self.model).requires_grad_(False)
+        # a second model rather than a deepcopy: the policy's context-parallel hooks hold process groups
+        frozen = self._build_model().requires_grad_(False)
+        frozen.load_state_dict(self.model.state_dict())
+        if self.cfg.cp > 1:
+            apply_context_parallel(frozen, self.cp_group)
         return Reference(frozen, self.cfg.transaction)
 
     def _vllm_engine(self):
