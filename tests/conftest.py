@@ -1,6 +1,8 @@
 import os
+import socket
 import sys
 
+import pytest
 import torch
 
 # With triton importable, transformers' Qwen3.5 code binds fla and crashes on CPU; keep fla out of CPU tests
@@ -14,14 +16,29 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """RMS-relative error of a against reference b; inf on NaN/inf, and the reference must be non-zero."""
+    """RMS-relative error ||a - b|| / ||b||; fails on NaN/inf and on an all-zero reference."""
     a, b = a.detach().double(), b.detach().double()
     assert a.shape == b.shape, (a.shape, b.shape)
-    ref = b.norm().item()
+    assert torch.isfinite(a).all() and torch.isfinite(b).all(), "non-finite values"
+    ref = b.norm()
     assert ref > 0, "reference is all zeros: the comparison would prove nothing"
-    if not torch.isfinite(a).all():
-        return float("inf")
-    return (a - b).norm().item() / ref
+    return ((a - b).norm() / ref).item()
+
+
+def free_port() -> int:
+    """A free TCP port on localhost for a gloo rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors: intra-op threads only add synchronisation, which stalls badly on a busy 2-core machine."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
 
 
 def randomize_(model: torch.nn.Module, seed: int = 0) -> None:

@@ -4,17 +4,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from conftest import rel_err
+
 from longstraw_kernels.attention.reference import naive_attention, replay_attention
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """RMS-relative error ||a - b|| / ||b||; NaN or a zero reference fails instead of passing silently."""
-    a, b = a.double(), b.double()
-    assert a.shape == b.shape, (a.shape, b.shape)
-    assert not torch.isnan(a).any() and not torch.isnan(b).any(), "NaN in compared tensors"
-    ref = b.norm()
-    assert ref > 0, "reference is all zeros"
-    return ((a - b).norm() / ref).item()
 
 
 def make_inputs(P, R, S, B, Q, K, D, *, dtype=torch.float64, page_dtype=None, seed=0):

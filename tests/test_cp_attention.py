@@ -5,14 +5,14 @@ result and compares each rank's outputs and gradients with it. One spawn per wor
 """
 
 import os
-import socket
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import rel_err
+
+from conftest import free_port, rel_err
 
 from longstraw_cli.distributed.cp_attention import cp_capture_attention, cp_replay_attention
 from longstraw_kernels.attention import replay_attention
@@ -112,12 +112,6 @@ def _worker(rank, world_size, port, out_dir):
     dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def cp_results(tmp_path_factory):
     """world size -> [rank -> {(kind, name): result}], spawning each world size once."""
@@ -126,7 +120,7 @@ def cp_results(tmp_path_factory):
     def get(world_size):
         if world_size not in cache:
             out_dir = tmp_path_factory.mktemp(f"cp{world_size}")
-            mp.spawn(_worker, args=(world_size, _free_port(), str(out_dir)), nprocs=world_size, join=True)
+            mp.spawn(_worker, args=(world_size, free_port(), str(out_dir)), nprocs=world_size, join=True)
             cache[world_size] = [torch.load(out_dir / f"rank{r}.pt") for r in range(world_size)]
         return cache[world_size]
 

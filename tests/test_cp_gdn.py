@@ -2,13 +2,13 @@
 (uneven spans, an empty span, spans shorter than the conv window, H != G) matching the single-rank scan and the
 sliced conv windows."""
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+
+from conftest import free_port, rel_err
 
 from longstraw_cli.distributed.cp_gdn import (compose_prefix, cp_conv_window, cp_gdn_scan, gdn_transition,
                                               span_affine)
@@ -17,23 +17,7 @@ from longstraw_kernels.gdn import gdn_chunked, gdn_recurrent
 B, H, G, K, V, X, W = 2, 2, 4, 8, 6, 5, 3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny tensors: intra-op threads only add synchronisation.
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
-
-
-def rel_err(a, b):
-    """RMS-relative error ||a - b|| / ||b||; fails on NaN/inf and on an all-zero reference."""
-    a, b = a.detach().double(), b.detach().double()
-    assert a.shape == b.shape, (a.shape, b.shape)
-    assert torch.isfinite(a).all() and torch.isfinite(b).all(), "non-finite values"
-    ref = b.norm()
-    assert ref > 0, "reference is all zeros: the comparison would prove nothing"
-    return ((a - b).norm() / ref).item()
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_inputs(T, dtype=torch.float64, seed=0):
@@ -150,18 +134,12 @@ def _worker(rank, world, port, spans, out_dir):
         dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # world 2: rank 1's conv window reaches into the window before rank 0; world 4: an empty span and spans shorter
 # than W in the middle, uneven everywhere.
 @pytest.mark.parametrize("spans", [[2, 35], [11, 0, 2, 24]], ids=["world2", "world4"])
 def test_cp_ranks_match_one_rank(spans, tmp_path):
     world = len(spans)
-    mp.spawn(_worker, args=(world, _free_port(), spans, str(tmp_path)), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port(), spans, str(tmp_path)), nprocs=world, join=True)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     tolerances = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 1e-2}
     for dtype, tol in tolerances.items():

@@ -2,14 +2,13 @@
 parameter gradient, native rollout, and per-rank resident bytes."""
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import randomize_, rel_err
+from conftest import free_port, randomize_, rel_err
 from longstraw_cli.distributed.cp import apply_context_parallel, shard_bounds
 from longstraw_cli.models import build_model
 from longstraw_cli.rollout.native import SamplingConfig, generate
@@ -53,12 +52,6 @@ def _worker(rank, world, port, out_dir, dtype):
         torch.save(run(model, *problem()), os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("world, dtype, tol", [(2, torch.float64, 1e-10), (4, torch.float64, 1e-10),

@@ -7,28 +7,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import rel_err
+
 from longstraw_kernels.gdn.reference import gdn_chunked, gdn_recurrent
 
 B, H, K, V = 2, 2, 8, 6
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # These tensors are tiny: intra-op threads only add synchronisation, which stalls badly on a busy machine.
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
-
-
-def rel_err(a, b):
-    """RMS-relative error ||a - b|| / ||b||; fails on NaN/inf and on an all-zero reference."""
-    a, b = a.detach().double(), b.detach().double()
-    assert a.shape == b.shape, (a.shape, b.shape)
-    assert torch.isfinite(a).all() and torch.isfinite(b).all(), "non-finite values"
-    ref = b.norm()
-    assert ref > 0, "reference is all zeros: the comparison would prove nothing"
-    return ((a - b).norm() / ref).item()
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_inputs(T, G, dtype=torch.float64, with_state=True, seed=0):
