@@ -67,7 +67,7 @@ def check_overrides(overrides: list[str]) -> str | None:
         if key in GROUPS:
             for v in values:
                 if v not in group_options(key):
-                    return f"{key}={v} is not a {key} option; valid: {group_options(key)}"
+                    return f"{key}={v}: no such {key} config; valid: {group_options(key)}"
             chosen.append(f"{key}={values[0]}")
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=chosen)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from longstraw_cli.distributed.topology import ParallelDims
 from longstraw_cli.lora import LoraConfig
 from longstraw_cli.models import MODEL_NAMES
 from longstraw_cli.rl.losses import LossConfig
@@ -157,9 +158,10 @@ def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
     for name in ("cp", "ep", "group_size", "steps", "prompt_tokens", "response_tokens"):
         _positive(name, d[name], 2 if name == "group_size" else 1)
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
-    if world_size % d["cp"]:
-        raise ConfigError(f"cp={d['cp']} does not divide the world size {world_size}; valid cp: "
-                          f"{[n for n in range(1, world_size + 1) if world_size % n == 0]}")
+    try:
+        ParallelDims(world_size, cp=d["cp"], ep=d["ep"])
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     device = str(d["device"])
     if device.split(":")[0] not in ("cpu", "cuda"):
         raise ConfigError(f"device={device!r}; valid: ['cpu', 'cuda', 'cuda:N']")

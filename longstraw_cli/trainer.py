@@ -54,10 +54,8 @@ class Trainer:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         self.rank, local_rank, world_size = env_rank_world()
-        try:
-            self.dims = ParallelDims(world_size, cp=cfg.cp, ep=cfg.ep)
-        except ValueError as e:
-            raise TrainerError(str(e)) from None
+        # validated against the launch's world size when the config was built (config.train_config)
+        self.dims = ParallelDims(world_size, cp=cfg.cp, ep=cfg.ep)
         self.dp_rank, self.cp_rank = self.dims.coords(self.rank)
         self.device = torch.device(cfg.device)
         if self.device.type == "cuda" and self.device.index is None:

@@ -231,21 +231,21 @@ class GatedDeltaNet(nn.Module):
         else:
             window_BXW = state.conv_CW.to(mixed_BTX.dtype).expand(B, -1, -1)
             ssm_BGKV = state.ssm_GKV.expand(B, -1, -1, -1)
-        y_BTC, ssm_BGKV = self.mix(x_BTC, mixed_BTX, window_BXW, ssm_BGKV, self.gdn_fn, grad_prefix)
-        _, window_BXW = local_conv_window(mixed_BTX, window_BXW)
-        return y_BTC, window_BXW, ssm_BGKV
+        return self.mix(x_BTC, mixed_BTX, window_BXW, ssm_BGKV, self.gdn_fn, grad_prefix)
 
     def capture_span(self, x_BTC, state: RecurrentState):
         """Layer-by-layer capture of a span: output, and `state` advanced to the end of the span."""
         mixed_BTX = self.in_proj_qkv(x_BTC)
         window_in_BXW, window_out_BXW = self.window_fn(mixed_BTX, state.conv_CW.to(mixed_BTX.dtype)[None])
-        y_BTC, ssm_BGKV = self.mix(x_BTC, mixed_BTX, window_in_BXW, state.ssm_GKV[None], self.span_gdn_fn)
+        # window_fn's window, not mix's: under context parallel the span's end is not the prompt's end
+        y_BTC, _, ssm_BGKV = self.mix(x_BTC, mixed_BTX, window_in_BXW, state.ssm_GKV[None], self.span_gdn_fn)
         state.conv_CW.copy_(window_out_BXW[0])
         state.ssm_GKV.copy_(ssm_BGKV[0])
         return y_BTC
 
     def mix(self, x_BTC, mixed_BTX, window_BXW, ssm_BGKV, gdn_fn, grad_prefix: int = 0):
-        """Conv over (window, mixed), gates, the gated delta rule from ssm, gated norm, out_proj."""
+        """Conv over (window, mixed), gates, the gated delta rule from ssm, gated norm, out_proj.
+        -> (y_BTC, the conv window after mixed, ssm_BGKV after mixed)."""
         B, T, _ = x_BTC.shape
         full_BXS = torch.cat([window_BXW, mixed_BTX.transpose(1, 2)], dim=-1)
         conv_BXT = F.silu(F.conv1d(full_BXS, self.conv1d.weight, groups=self.conv_dim))
@@ -258,7 +258,8 @@ class GatedDeltaNet(nn.Module):
         g_BTG = stop_grad_prefix(g_BTG, grad_prefix)
         o_BTGV, new_ssm_BGKV = gdn_fn(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, ssm_BGKV)
         z_BTGV = self.in_proj_z(x_BTC).reshape(B, T, self.num_v, self.dv)
-        return self.out_proj(self.norm(o_BTGV, z_BTGV).reshape(B, T, self.value_dim)), new_ssm_BGKV
+        y_BTC = self.out_proj(self.norm(o_BTGV, z_BTGV).reshape(B, T, self.value_dim))
+        return y_BTC, full_BXS[..., full_BXS.shape[-1] - self.window :], new_ssm_BGKV
 
 
 class MLP(nn.Module):
