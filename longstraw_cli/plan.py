@@ -31,9 +31,9 @@ Where the bytes come from (s: bytes per element of `dtype`, f: of the compute dt
 - score: min(G, score_batch) responses at once without a graph: [batch, chunk, vocab] logits in fp32 plus one
   fp32 temporary (LOGIT_BYTES_SCORE per logit), or the layers' activations, whichever is larger. This is the
   one term that grows with G (up to score_batch); with a 248K vocabulary it is 2 GiB per scored response.
-- replay transient: the backward of one checkpointed logits chunk (saved fp32 logits, the exp temporary, its
-  product with the gradient, the gather's gradient: LOGIT_BYTES_REPLAY per logit) plus one weight-sized
-  gradient (the largest trainable matrix, before it is accumulated into .grad).
+- replay transient: the log-prob backward's one chunk of recomputed logits (fp32, turned into the gradient in
+  place, plus a bf16 copy: LOGIT_BYTES_REPLAY per logit) plus one weight-sized gradient (the output layer's,
+  accumulated over the chunks in one buffer before it is added into .grad).
 Left out: the CUDA context and library workspaces (outside the allocator's count), allocator fragmentation,
 cp > 1's communication buffers, and fla being absent on a GPU (then capture runs the torch chunked GDN, whose
 activations are `_gdn_graph`).
@@ -61,9 +61,10 @@ SCORE_COPIES = 3
 # fp32 [heads, queries, head dim] buffers of the flash path's LSE merge (two partial outputs, their weighted
 # copies, the sum) on top of its bf16 copies of q and the expanded new keys
 FLASH_FP32_COPIES = 6
-# bytes per logit element: graph-free (fp32 logits + the exp temporary), and backward of a checkpointed chunk
+# bytes per logit element: graph-free (fp32 logits + the exp temporary), and the log-prob backward's chunk
+# (the fp32 logits it works on in place, plus the bf16 matmul output before it or the bf16 gradient after it)
 LOGIT_BYTES_SCORE = 8
-LOGIT_BYTES_REPLAY = 16
+LOGIT_BYTES_REPLAY = 6
 
 
 def _itemsize(dtype: str) -> int:

@@ -18,6 +18,7 @@ def attention_inputs(B, R, S, P, Q, K, D, dtype, seed=0):
     return randn(B, R, Q, D), randn(P, K, D), randn(P, K, D), randn(B, S, K, D), randn(B, S, K, D)
 
 
+@pytest.mark.parametrize("backend", ["flash", "cudnn"])
 @pytest.mark.parametrize("B, R, S, P, Q, K, D", [
     (1, 64, 64, 5000, 16, 2, 256),   # replay: one response against the prompt, GQA 8:1, head dim 256
     (3, 33, 33, 777, 4, 2, 128),     # a batch of responses
@@ -25,26 +26,49 @@ def attention_inputs(B, R, S, P, Q, K, D, dtype, seed=0):
     (1, 128, 0, 4096, 16, 2, 256),   # pages only (a context-parallel shard)
     (1, 200, 200, 0, 16, 2, 256),    # first capture block: no pages yet
 ])
-def test_flash_replay_attention_matches_reference(B, R, S, P, Q, K, D):
-    from longstraw_kernels.attention import replay_attention
-    from longstraw_kernels.attention.flash import flash_supported
+def test_flash_replay_attention_matches_reference(backend, B, R, S, P, Q, K, D, monkeypatch):
+    """Forward through each aten kernel, backward through aten's flash backward with the global out and lse;
+    all gradients (queries, new keys and pages) against the fp64 reference on the same bf16 inputs."""
+    from longstraw_kernels.attention import flash, replay_attention
     from longstraw_kernels.attention.reference import replay_attention as reference
 
+    monkeypatch.setenv("LONGSTRAW_ATTENTION", backend)
+    monkeypatch.setattr(flash, "BACKWARD_PAGE_CHUNK", 1000)  # several page chunks in the backward
+    flash._warn_cudnn_fallback.cache_clear()
     q, kp, vp, kn, vn = attention_inputs(B, R, S, P, Q, K, D, torch.bfloat16)
-    assert flash_supported(q, kp, kn)
-    for t in (q, kn, vn):
+    assert flash.flash_supported(q, kp, kn)
+    for t in (q, kp, vp, kn, vn):
         t.requires_grad_(True)
     out, lse = replay_attention(q, kp, vp, kn, vn, scale=D**-0.5, return_lse=True)
     # the reference on the same bf16 inputs, computed in fp64
-    q64, kn64, vn64 = (t.detach().double().requires_grad_(True) for t in (q, kn, vn))
-    ref_out, ref_lse = reference(q64, kp.double(), vp.double(), kn64, vn64, scale=D**-0.5, return_lse=True)
+    q64, kp64, vp64, kn64, vn64 = (t.detach().double().requires_grad_(True) for t in (q, kp, vp, kn, vn))
+    ref_out, ref_lse = reference(q64, kp64, vp64, kn64, vn64, scale=D**-0.5, return_lse=True)
     assert rel_err(out, ref_out) < 2e-2 and rel_err(lse, ref_lse) < 1e-3
+    # the requested kernel ran: cuDNN did not refuse the shape and fall back
+    assert flash._warn_cudnn_fallback.cache_info().misses == 0
     dout = torch.randn_like(ref_out)
     (out.float() * dout).sum().backward()
     (ref_out * dout).sum().backward()
-    for got, want in ((q.grad, q64.grad), (kn.grad, kn64.grad), (vn.grad, vn64.grad)):
+    for got, want in ((q.grad, q64.grad), (kp.grad, kp64.grad), (vp.grad, vp64.grad), (kn.grad, kn64.grad),
+                      (vn.grad, vn64.grad)):
         if want is not None and want.norm() > 0:
             assert rel_err(got, want) < 3e-2
+
+
+def test_flash_replay_attention_lse_cotangent_takes_the_reference_backward():
+    """A loss through the lse (as context-parallel merges use it) is differentiated exactly."""
+    from longstraw_kernels.attention import replay_attention
+    from longstraw_kernels.attention.reference import replay_attention as reference
+
+    q, kp, vp, kn, vn = attention_inputs(2, 16, 16, 300, 8, 2, 128, torch.bfloat16)
+    q.requires_grad_(True)
+    out, lse = replay_attention(q, kp, vp, kn, vn, scale=0.1, return_lse=True)
+    (out.float().sum() + lse.sum()).backward()
+    q64 = q.detach().double().requires_grad_(True)
+    ref_out, ref_lse = reference(q64, kp.double(), vp.double(), kn.double(), vn.double(), scale=0.1,
+                                 return_lse=True)
+    (ref_out.sum() + ref_lse.sum()).backward()
+    assert rel_err(q.grad, q64.grad) < 3e-2
 
 
 @pytest.mark.parametrize("T, H, G", [(1000, 2, 4), (4096, 16, 48), (77, 8, 16)])

@@ -1,20 +1,43 @@
-"""Replay attention on CUDA: the forward through aten's flash attention (which returns the LSE), the backward
-the reference's ring-style recomputation from the global out and lse (same saved tensors, same contract).
+"""Replay attention on CUDA: fused attention kernels that return the LSE, for the forward and the backward.
 
-Pages have no mask, so a kv group's query heads and the batch fold into the query axis against the pages
-([1, K, B*G*R, D] x [1, K, P, D]): pages are never expanded to the query heads. The new keys are causal, so
-they are expanded to the query heads instead; they are one response long. Flash attention's causal mask is
-top-left aligned, which is the bottom-right alignment replay needs only when R == S (or R == 1, where no mask
-is needed): other shapes take the reference.
+Forward: one kernel call for the causal new keys, one for the pages, merged by LSE. Pages have no mask, so a kv
+group's query heads and the batch fold into the query axis against the pages ([1, K, B*G*R, D] x [1, K, P, D]):
+pages are never expanded to the query heads. The new keys are causal, so they are expanded to the query heads
+instead; they are one response long. Causal masks differ between kernels in alignment (top-left in aten,
+bottom-right in flash-attn >= 2.1); both agree when R == S, and R == 1 needs no mask: other shapes take the
+reference.
+
+Backward: aten's flash attention backward, called per part with the GLOBAL out and lse (the ring-attention
+identity, see README.md): it recomputes each part's probabilities exactly and gives dq, and dk/dv of that part.
+Pages are taken in chunks of `BACKWARD_PAGE_CHUNK` so the kernel's page-gradient buffers stay bounded. The
+kernel cannot take a cotangent for the lse, so when the lse itself is used (context-parallel merges) the
+backward is the reference's.
+
+Forward kernels (`LONGSTRAW_ATTENTION` = auto | flash_attn | cudnn | flash):
+- flash_attn: the flash-attn package, when installed (source-only: it is imported lazily and never required);
+- cudnn: aten's cuDNN attention (about twice aten flash's rate at head dim 256 on an H200);
+- flash: aten's flash attention, present in every CUDA build of torch.
+auto takes the first available of these in that order. A cuDNN call that cuDNN refuses for a shape falls back to
+aten flash for that call (logged once).
 
 Legend: B batch, R queries, S new keys, P pages, Q query heads, K kv heads, G = Q // K, D head dim.
 """
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
 
 import torch
 
 from longstraw_kernels.attention.reference import _ReplayAttention
 
+log = logging.getLogger(__name__)
+
 FLASH_DTYPES = (torch.bfloat16, torch.float16)
+FORWARD_BACKENDS = ("flash_attn", "cudnn", "flash")
+BACKWARD_PAGE_CHUNK = 1 << 17
 
 
 def flash_supported(q_BRQD, k_pages_PKD, k_new_BSKD) -> bool:
@@ -23,10 +46,98 @@ def flash_supported(q_BRQD, k_pages_PKD, k_new_BSKD) -> bool:
             and k_new_BSKD.dtype == q_BRQD.dtype and D <= 256 and D % 8 == 0 and (S in (0, R) or R == 1))
 
 
-def _flash(q_BHLD, k_BHMD, v_BHMD, causal: bool, scale: float):
+@functools.cache
+def flash_attn_func():
+    """flash-attn's `flash_attn_func`, or None when the package is not installed (or does not import)."""
+    try:
+        from flash_attn import flash_attn_func as fn
+    except Exception as exc:  # ImportError, or a build that does not match this torch / CUDA
+        log.debug("flash-attn unavailable: %s", exc)
+        return None
+    return fn
+
+
+def _cudnn_available() -> bool:
+    return (torch.cuda.is_available() and torch.backends.cudnn.is_available()
+            and torch.cuda.get_device_capability() >= (9, 0))
+
+
+def forward_backend() -> str:
+    """The forward kernel to use, from LONGSTRAW_ATTENTION (default auto)."""
+    choice = os.environ.get("LONGSTRAW_ATTENTION", "auto")
+    if choice not in ("auto", *FORWARD_BACKENDS):
+        raise ValueError(f"LONGSTRAW_ATTENTION={choice!r}; valid: {['auto', *FORWARD_BACKENDS]}")
+    if choice == "flash_attn" and flash_attn_func() is None:
+        raise ImportError("LONGSTRAW_ATTENTION=flash_attn but flash-attn is not importable; "
+                          "install it (pip install flash-attn --no-build-isolation) or use auto")
+    if choice != "auto":
+        return choice
+    if flash_attn_func() is not None:
+        return "flash_attn"
+    return "cudnn" if _cudnn_available() else "flash"
+
+
+@functools.cache
+def _warn_cudnn_fallback(reason: str) -> None:
+    log.warning("cuDNN attention refused a shape (%s); using aten flash attention for such calls", reason)
+
+
+def attend(q_BHLD, k_BHMD, v_BHMD, causal: bool, scale: float, backend: str):
+    """-> (out_BHLD in q's dtype, lse_BHL float32): softmax(scale q k^T [+ causal mask]) v and its row LSE."""
+    if backend == "flash_attn":
+        out_BLHD, lse_BHL, _ = flash_attn_func()(q_BHLD.transpose(1, 2), k_BHMD.transpose(1, 2),
+                                                  v_BHMD.transpose(1, 2), softmax_scale=scale, causal=causal,
+                                                  return_attn_probs=True)
+        return out_BLHD.transpose(1, 2), lse_BHL.float()
+    if backend == "cudnn":
+        try:
+            out = torch.ops.aten._scaled_dot_product_cudnn_attention(q_BHLD, k_BHMD, v_BHMD, None, True, 0.0,
+                                                                     causal, False, scale=scale)
+            return out[0], out[1].reshape(q_BHLD.shape[:3]).float()
+        except RuntimeError as exc:
+            _warn_cudnn_fallback(str(exc).splitlines()[0][:200])
+    if backend not in FORWARD_BACKENDS:
+        raise ValueError(f"attention backend {backend!r}; valid: {list(FORWARD_BACKENDS)}")
     out = torch.ops.aten._scaled_dot_product_flash_attention(q_BHLD, k_BHMD, v_BHMD, 0.0, causal, False,
                                                              scale=scale)
     return out[0], out[1]
+
+
+@functools.cache
+def _dense_aux(device: torch.device):
+    """The sequence-length and RNG arguments that aten's flash forward hands its backward for dense (not
+    variable-length) inputs without dropout, taken from a tiny forward exactly as torch's own autograd does."""
+    x = torch.zeros(1, 1, 8, 64, dtype=torch.bfloat16, device=device)
+    out = torch.ops.aten._scaled_dot_product_flash_attention(x, x, x, 0.0, False, False)
+    return out[2], out[3], out[6], out[7]
+
+
+def attend_backward(dout_BHLD, q_BHLD, k_BHMD, v_BHMD, out_BHLD, lse_BHL, causal: bool, scale: float):
+    """(dq, dk, dv) of one part of the keys, given the GLOBAL out and lse of the rows (aten flash backward)."""
+    cum_q, cum_k, philox_seed, philox_offset = _dense_aux(q_BHLD.device)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout_BHLD.contiguous(), q_BHLD, k_BHMD, v_BHMD, out_BHLD.contiguous(), lse_BHL.contiguous(),
+        cum_q, cum_k, q_BHLD.shape[2], k_BHMD.shape[2], 0.0, causal, philox_seed, philox_offset, scale=scale,
+    )
+    return dq, dk, dv
+
+
+def _fold_pages_query(x_BRQD, K):
+    """[B, R, Q, D] -> [1, K, B*G*R, D]: batch and a kv group's query heads become query rows."""
+    B, R, Q, D = x_BRQD.shape
+    return x_BRQD.reshape(B, R, K, Q // K, D).permute(2, 0, 3, 1, 4).reshape(1, K, B * (Q // K) * R, D)
+
+
+def _fold_pages_lse(lse_BQR, K):
+    B, Q, R = lse_BQR.shape
+    return lse_BQR.reshape(B, K, Q // K, R).permute(1, 0, 2, 3).reshape(1, K, B * (Q // K) * R)
+
+
+def _unfold_pages_query(x_1KMD, B, R):
+    """Inverse of _fold_pages_query, to [B, Q, R, D]."""
+    _, K, M, D = x_1KMD.shape
+    G = M // (B * R)
+    return x_1KMD.reshape(K, B, G, R, D).permute(1, 0, 2, 3, 4).reshape(B, K * G, R, D)
 
 
 class _FlashReplayAttention(_ReplayAttention):
@@ -35,20 +146,19 @@ class _FlashReplayAttention(_ReplayAttention):
         B, R, Q, D = q_BRQD.shape
         P, K = k_pages_PKD.shape[:2]
         S, G = k_new_BSKD.shape[1], Q // K
+        backend = forward_backend()
         outs, lses = [], []
         if S > 0:
             q_BQRD = q_BRQD.transpose(1, 2)
             k_BQSD = k_new_BSKD.transpose(1, 2).repeat_interleave(G, dim=1)
             v_BQSD = v_new_BSKD.transpose(1, 2).repeat_interleave(G, dim=1)
-            out_BQRD, lse_BQR = _flash(q_BQRD, k_BQSD, v_BQSD, R > 1, scale)
+            out_BQRD, lse_BQR = attend(q_BQRD, k_BQSD, v_BQSD, R > 1, scale, backend)
             outs.append(out_BQRD.float())
             lses.append(lse_BQR)
         if P > 0:
-            # [B, R, K, G, D] -> [1, K, B*G*R, D]: batch and group heads become query rows
-            q_1KMD = q_BRQD.reshape(B, R, K, G, D).permute(2, 0, 3, 1, 4).reshape(1, K, B * G * R, D)
-            out_1KMD, lse_1KM = _flash(q_1KMD, k_pages_PKD.transpose(0, 1)[None], v_pages_PKD.transpose(0, 1)[None],
-                                       False, scale)
-            outs.append(out_1KMD.float().reshape(K, B, G, R, D).permute(1, 0, 2, 3, 4).reshape(B, Q, R, D))
+            out_1KMD, lse_1KM = attend(_fold_pages_query(q_BRQD, K), k_pages_PKD.transpose(0, 1)[None],
+                                       v_pages_PKD.transpose(0, 1)[None], False, scale, backend)
+            outs.append(_unfold_pages_query(out_1KMD.float(), B, R))
             lses.append(lse_1KM.reshape(K, B, G, R).permute(1, 0, 2, 3).reshape(B, Q, R))
         lse_BQR = lses[0] if len(lses) == 1 else torch.logaddexp(lses[0], lses[1])
         out_BQRD = sum(torch.exp(l - lse_BQR)[..., None] * o for o, l in zip(outs, lses))
@@ -57,3 +167,49 @@ class _FlashReplayAttention(_ReplayAttention):
         ctx.scale, ctx.block_size = scale, block_size
         ctx.set_materialize_grads(False)
         return out_BRQD, lse_BQR
+
+    @staticmethod
+    def backward(ctx, dout_BRQD, dlse_BQR):
+        if dlse_BQR is not None or dout_BRQD is None:
+            # the kernel has no lse cotangent: context-parallel merges take the reference's backward
+            return _ReplayAttention.backward(ctx, dout_BRQD, dlse_BQR)
+        q_BRQD, k_pages_PKD, v_pages_PKD, k_new_BSKD, v_new_BSKD, out_BRQD, lse_BQR = ctx.saved_tensors
+        need_q, need_kp, need_vp, need_kn, need_vn = ctx.needs_input_grad[:5]
+        B, R, Q, D = q_BRQD.shape
+        P, K = k_pages_PKD.shape[:2]
+        S, G = k_new_BSKD.shape[1], Q // K
+        scale = ctx.scale
+        dout_BRQD = dout_BRQD.to(q_BRQD.dtype)
+        dq_BQRD = torch.zeros(B, Q, R, D, dtype=torch.float32, device=q_BRQD.device)
+        dk_new_BSKD = dv_new_BSKD = dk_pages_PKD = dv_pages_PKD = None
+        if S > 0:
+            k_BQSD = k_new_BSKD.transpose(1, 2).repeat_interleave(G, dim=1)
+            v_BQSD = v_new_BSKD.transpose(1, 2).repeat_interleave(G, dim=1)
+            dq, dk_BQSD, dv_BQSD = attend_backward(dout_BRQD.transpose(1, 2), q_BRQD.transpose(1, 2), k_BQSD,
+                                                   v_BQSD, out_BRQD.transpose(1, 2), lse_BQR, R > 1, scale)
+            dq_BQRD += dq.float()
+            # the expanded keys' gradients sum over the G query heads of each kv head
+            if need_kn:
+                dk_new_BSKD = dk_BQSD.float().reshape(B, K, G, S, D).sum(2).transpose(1, 2).to(k_new_BSKD.dtype)
+            if need_vn:
+                dv_new_BSKD = dv_BQSD.float().reshape(B, K, G, S, D).sum(2).transpose(1, 2).to(v_new_BSKD.dtype)
+        if P > 0 and (need_q or need_kp or need_vp):
+            q_1KMD, do_1KMD = _fold_pages_query(q_BRQD, K), _fold_pages_query(dout_BRQD, K)
+            out_1KMD, lse_1KM = _fold_pages_query(out_BRQD, K), _fold_pages_lse(lse_BQR, K)
+            dq_1KMD = torch.zeros(q_1KMD.shape, dtype=torch.float32, device=q_BRQD.device)
+            dk_pages_PKD = torch.empty_like(k_pages_PKD) if need_kp else None
+            dv_pages_PKD = torch.empty_like(v_pages_PKD) if need_vp else None
+            for p0 in range(0, P, BACKWARD_PAGE_CHUNK):
+                p1 = min(P, p0 + BACKWARD_PAGE_CHUNK)
+                dq, dk_1KND, dv_1KND = attend_backward(
+                    do_1KMD, q_1KMD, k_pages_PKD[p0:p1].transpose(0, 1)[None],
+                    v_pages_PKD[p0:p1].transpose(0, 1)[None], out_1KMD, lse_1KM, False, scale)
+                dq_1KMD += dq.float()
+                if need_kp:
+                    dk_pages_PKD[p0:p1] = dk_1KND[0].transpose(0, 1)
+                if need_vp:
+                    dv_pages_PKD[p0:p1] = dv_1KND[0].transpose(0, 1)
+                del dq, dk_1KND, dv_1KND
+            dq_BQRD += _unfold_pages_query(dq_1KMD, B, R)
+        dq_BRQD = dq_BQRD.transpose(1, 2).to(q_BRQD.dtype) if need_q else None
+        return dq_BRQD, dk_pages_PKD, dv_pages_PKD, dk_new_BSKD, dv_new_BSKD, None, None

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from longstraw_cli.distributed.cp_attention import cp_capture_attention, cp_replay_attention
 from longstraw_cli.distributed.cp_gdn import cp_conv_window, cp_gdn_scan
+from longstraw_kernels.gdn import gdn_forward
 
 
 def shard_bounds(num_tokens: int, num_ranks: int, rank: int) -> tuple[int, int]:
@@ -50,6 +51,7 @@ def apply_context_parallel(model, group) -> None:
             layer.self_attn.attention_fn = functools.partial(cp_replay_attention, group=group)
             layer.self_attn.span_attention_fn = functools.partial(cp_capture_attention, group=group)
         else:
-            layer.linear_attn.span_gdn_fn = functools.partial(cp_gdn_scan, group=group)
+            # the local scans go through the model's dispatcher: fla's kernel on CUDA (bf16), torch elsewhere
+            layer.linear_attn.span_gdn_fn = functools.partial(cp_gdn_scan, group=group, gdn_fn=gdn_forward)
             layer.linear_attn.window_fn = functools.partial(cp_conv_window, group=group)
     model.capture = functools.partial(cp_capture, model, group=group)

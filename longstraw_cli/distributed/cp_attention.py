@@ -80,7 +80,8 @@ class _MergeAcrossRanks(torch.autograd.Function):
         lse_NBQR = torch.stack(lse_list)
         # With no pages on any rank lse is -inf; clamping it keeps the weights 0 instead of NaN.
         lse_BQR = torch.logsumexp(lse_NBQR, dim=0).clamp_min(torch.finfo(lse_NBQR.dtype).min)
-        out_BRQD = _weight_BRQ1(lse_r_BQR, lse_BQR) * out_r_BRQD
+        # contiguous: the broadcast product may take the transposed weight's layout, which NCCL refuses
+        out_BRQD = (_weight_BRQ1(lse_r_BQR, lse_BQR) * out_r_BRQD).contiguous()
         dist.all_reduce(out_BRQD, group=group)
         ctx.save_for_backward(out_r_BRQD, lse_r_BQR, out_BRQD, lse_BQR)
         return out_BRQD, lse_BQR

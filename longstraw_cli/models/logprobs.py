@@ -1,7 +1,7 @@
 """Token log-probabilities from final hidden states without materialising [tokens x vocab] at once.
 
-Logits are formed for `chunk_size` tokens at a time. Under autograd each chunk is checkpointed, so the backward
-recomputes that chunk's logits instead of keeping them: live logits memory is one chunk, whatever the length.
+Logits are formed for `chunk_size` tokens at a time, in the forward and again in the backward, which recomputes
+them instead of keeping them: live logits memory is one chunk, whatever the length.
 
 Legend: B batch, T tokens, N = B * T, C hidden, V vocab.
 """
@@ -9,15 +9,59 @@ Legend: B batch, T tokens, N = B * T, C hidden, V vocab.
 from __future__ import annotations
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 
-def _chunk_logprobs(h_NC: torch.Tensor, weight_VC: torch.Tensor, targets_N: torch.Tensor) -> torch.Tensor:
-    logits_NV = torch.nn.functional.linear(h_NC, weight_VC)
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     # at least fp32: bf16 logits would round log-probs; fp64 stays fp64
-    logits_NV = logits_NV.to(torch.promote_types(logits_NV.dtype, torch.float32))
-    picked_N = logits_NV.gather(-1, targets_N.unsqueeze(-1)).squeeze(-1)
-    return picked_N - torch.logsumexp(logits_NV, dim=-1)
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _chunk_logits(h_NC: torch.Tensor, weight_VC: torch.Tensor) -> torch.Tensor:
+    logits_NV = torch.nn.functional.linear(h_NC, weight_VC)
+    return logits_NV.to(_compute_dtype(logits_NV.dtype))
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    """Forward: logits chunk by chunk, keeping each token's lse. Backward: each chunk's logits are recomputed
+    and its weight gradient is added into ONE [V, C] buffer, so the backward holds one chunk of logits and one
+    weight-sized gradient, never one per chunk. Saved: the hidden states, the targets and the lse (the weight is
+    a parameter, saved by reference)."""
+
+    @staticmethod
+    def forward(ctx, h_NC, weight_VC, targets_N, chunk_size):
+        dtype = _compute_dtype(h_NC.dtype)
+        logp_N = torch.empty(h_NC.shape[0], dtype=dtype, device=h_NC.device)
+        lse_N = torch.empty_like(logp_N)
+        for start in range(0, h_NC.shape[0], chunk_size):
+            end = start + chunk_size
+            logits_NV = _chunk_logits(h_NC[start:end], weight_VC)
+            lse_N[start:end] = torch.logsumexp(logits_NV, dim=-1)
+            logp_N[start:end] = logits_NV.gather(-1, targets_N[start:end, None])[:, 0] - lse_N[start:end]
+            del logits_NV
+        ctx.save_for_backward(h_NC, weight_VC, targets_N, lse_N)
+        ctx.chunk_size = chunk_size
+        return logp_N
+
+    @staticmethod
+    def backward(ctx, dlogp_N):
+        h_NC, weight_VC, targets_N, lse_N = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[:2]
+        dh_NC = torch.empty_like(h_NC) if need_h else None
+        dweight_VC = torch.zeros_like(weight_VC) if need_w else None
+        for start in range(0, h_NC.shape[0], ctx.chunk_size):
+            end = start + ctx.chunk_size
+            h, d = h_NC[start:end], dlogp_N[start:end, None]
+            # d logp / d logits = onehot(target) - softmax, times the incoming gradient
+            # in place: one fp32 chunk of logits at a time
+            g_NV = _chunk_logits(h, weight_VC).sub_(lse_N[start:end, None]).exp_().mul_(-d)
+            g_NV.scatter_add_(1, targets_N[start:end, None], d)
+            g_NV = g_NV.to(weight_VC.dtype)
+            if need_h:
+                dh_NC[start:end] = g_NV @ weight_VC
+            if need_w:
+                dweight_VC.addmm_(g_NV.t(), h)
+            del g_NV
+        return dh_NC, dweight_VC, None, None
 
 
 def token_logprobs(
@@ -27,14 +71,6 @@ def token_logprobs(
     flattened batch x tokens, so a batch of responses costs no more logits memory than one."""
     B, T = targets_BT.shape
     if B * T == 0:
-        return h_BTC.new_zeros(targets_BT.shape, dtype=torch.promote_types(h_BTC.dtype, torch.float32))
+        return h_BTC.new_zeros(targets_BT.shape, dtype=_compute_dtype(h_BTC.dtype))
     h_NC, targets_N = h_BTC.reshape(B * T, -1), targets_BT.reshape(B * T)
-    pieces = []
-    for start in range(0, B * T, chunk_size):
-        h = h_NC[start : start + chunk_size]
-        t = targets_N[start : start + chunk_size]
-        if torch.is_grad_enabled() and (h.requires_grad or weight_VC.requires_grad):
-            pieces.append(checkpoint(_chunk_logprobs, h, weight_VC, t, use_reentrant=False))
-        else:
-            pieces.append(_chunk_logprobs(h, weight_VC, t))
-    return torch.cat(pieces).reshape(B, T)
+    return _ChunkedLogprobs.apply(h_NC, weight_VC, targets_N, chunk_size).reshape(B, T)

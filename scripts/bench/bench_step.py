@@ -42,6 +42,7 @@ from longstraw_cli.rl.advantages import get_advantage  # noqa: E402
 from longstraw_cli.rl.losses import GroupShape, LossConfig, response_loss  # noqa: E402
 from longstraw_cli.telemetry.memory import PhaseClock  # noqa: E402
 from longstraw_cli.transaction import Transaction, TransactionConfig  # noqa: E402
+from longstraw_kernels.attention.flash import forward_backend  # noqa: E402
 from longstraw_kernels.attention.reference import replay_attention as reference_attention  # noqa: E402
 from longstraw_kernels.gdn import gdn_chunked  # noqa: E402
 from longstraw_kernels.gdn.fla_gpu import fla_forward  # noqa: E402
@@ -133,13 +134,15 @@ class Naive:
         self.model, self.optimizer, self.loss_cfg, self.cfg = model, optimizer, loss_cfg, cfg
         self.params = [p for p in model.parameters() if p.requires_grad]
 
-    def run(self, prompt_ids, responses, rewards) -> dict:
+    def run(self, prompt_ids, responses, rewards, limit: int | None = None) -> dict:
+        """`limit`: replay only the first `limit` responses (each costs the same: one full prompt + response
+        pass); the caller extrapolates the step time to all G and says so."""
         clock = PhaseClock(prompt_ids.device)
         self.optimizer.zero_grad(set_to_none=True)
         group = GroupShape.from_lengths([len(r) for r in responses])
         advantages = get_advantage(self.cfg.advantage)(rewards.double()).tolist()
         with clock.phase("fwd_bwd"):
-            for response, advantage in zip(responses, advantages):
+            for response, advantage in list(zip(responses, advantages))[:limit]:
                 logp = full_graph_logprobs(self.model, prompt_ids, response, self.cfg.logprob_chunk)
                 loss, _ = response_loss(self.loss_cfg, logp, logp.detach(), advantage, group)
                 loss.backward()
@@ -226,7 +229,7 @@ def measure(method: str, bench: dict, prompt_tokens: int, group_size: int, args)
         if method == "longstraw":
             out = run_longstraw(bench["transaction"], prompt, responses, rewards)
         else:
-            out = bench["naive"].run(prompt, responses, rewards)
+            out = bench["naive"].run(prompt, responses, rewards, limit=args.naive_responses)
         synchronize(device)
         row["status"] = "ok"
         row.update(out)
@@ -246,6 +249,12 @@ def measure(method: str, bench: dict, prompt_tokens: int, group_size: int, args)
     if row["status"] != "ok":
         return row
 
+    if method == "naive" and args.naive_responses and args.naive_responses < group_size:
+        # measured on the first responses only; every response repeats the same prompt + response pass
+        row["naive_measured_responses"] = args.naive_responses
+        row["fwd_bwd_measured_seconds"] = row["seconds"]["fwd_bwd"]
+        row["seconds"]["fwd_bwd"] *= group_size / args.naive_responses
+        row["extrapolated"] = True
     row["step_seconds"] = sum(row["seconds"].values())
     row["tokens_per_second"] = row["tokens"] / row["step_seconds"] if row["step_seconds"] > 0 else None
     row.update(static_bytes(model, optimizer))
@@ -351,6 +360,9 @@ def parse_args(argv):
     p.add_argument("--time-limit", type=float, default=None,
                    help="seconds since start; a configuration is skipped once they have passed or when its predicted "
                         "time would pass them")
+    p.add_argument("--naive-responses", type=int, default=None,
+                   help="time only this many of the baseline's G replays and extrapolate its step time to G "
+                        "(rows say so: extrapolated=true); memory is measured as is (one replay's peak)")
     p.add_argument("--out", default="results.jsonl", help="JSON lines, appended")
     args = p.parse_args(argv)
     if min(args.groups) < 2:
@@ -414,7 +426,9 @@ def sweep(bench: dict, args, started: float):
                 row = {"method": method, "prompt_tokens": prompt_tokens, "group_size": group_size,
                        "response_tokens": args.response, "status": "skipped"}
                 elapsed = time.perf_counter() - started
-                predicted = predicted_seconds(last.get(method), method, prompt_tokens, group_size)
+                # a baseline limited to its first responses runs only those
+                replays = min(group_size, args.naive_responses or group_size) if method == "naive" else group_size
+                predicted = predicted_seconds(last.get(method), method, prompt_tokens, replays)
                 if method in oom_at and prompt_tokens >= oom_at[method]:
                     # a longer prompt needs more memory in both methods
                     row["reason"] = f"OOM at prompt {oom_at[method]}"
@@ -427,7 +441,7 @@ def sweep(bench: dict, args, started: float):
                     if row["status"] == "OOM":
                         oom_at[method] = min(oom_at.get(method, prompt_tokens), prompt_tokens)
                     elif row["status"] == "ok":
-                        last[method] = (prompt_tokens, group_size, row["wall_seconds"])
+                        last[method] = (prompt_tokens, replays, row["wall_seconds"])
                 yield row
 
 
@@ -447,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         "sdpa_backend": sdpa_backend(model, device, getattr(torch, args.dtype)),
         "kernels": bench["kernels"], "fla": fla_forward() is not None,
+        "attention_kernel": forward_backend() if device.type == "cuda" else "reference",
     }
     print(f"# {json.dumps(meta)}", flush=True)
     if device.type != "cuda":

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from longstraw_cli.models.embedding import Embedding
 from longstraw_cli.models.logprobs import token_logprobs
 from longstraw_cli.models.qwen36.config import Qwen36Config
 from longstraw_cli.resident import AttentionPages, RecurrentState, Resident
@@ -320,7 +321,7 @@ class DecoderLayer(nn.Module):
 class Qwen36Backbone(nn.Module):
     def __init__(self, cfg: Qwen36Config):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, t) for t in cfg.layer_types)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -1,0 +1,120 @@
+"""Prompt capture against an unchunked no-grad forward of the same prompt, and capture's FLOP utilisation.
+
+For each prompt length P, on the same model (random weights), one process:
+  capture        `model.capture`: block by block (all layers per block), keeping the resident state;
+  capture_span   `model.capture_span` over the whole prompt: layer by layer (what context parallel runs per rank);
+  forward        the plain full-sequence forward under no_grad (causal SDPA over the whole prompt, GDN from a
+                 zero state, MLP unchunked), final norm included, no logits: the same work minus the paging.
+FLOPs counted: linear layers (2 x tokens x weights of every decoder-layer matmul) + causal attention
+(4 x heads x head_dim x P^2 / 2 per attention layer); GDN's own chunk math and the convolution are not counted,
+so the utilisation is a lower bound. The ceiling is a measured large bf16 matmul on this GPU (and the H200's
+dense bf16 spec, 989 TFLOP/s, for reference). One JSON row per P to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+import torch  # noqa: E402
+
+from longstraw_cli.models import MODEL_NAMES, build_model  # noqa: E402
+from longstraw_kernels.attention.flash import forward_backend  # noqa: E402
+
+SPEC_BF16_FLOPS = 989e12  # H200 SXM dense bf16
+
+
+def timed(fn, repeats: int = 1) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats
+
+
+def matmul_ceiling(n: int = 8192, repeats: int = 20) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    timed(lambda: a @ b, 3)
+    return 2 * n**3 / timed(lambda: a @ b, repeats)
+
+
+def capture_flops(model, P: int) -> dict[str, float]:
+    cfg = model.config
+    linear = sum(m.weight.numel() for layer in model.model.layers for m in layer.modules()
+                 if isinstance(m, torch.nn.Linear))
+    num_attn = sum(layer.is_attention for layer in model.model.layers)
+    attention = num_attn * 4 * cfg.num_attention_heads * cfg.head_dim * P * P / 2
+    return {"linear": 2 * P * linear, "attention": attention}
+
+
+@torch.no_grad()
+def unchunked_forward(model, ids_T):
+    positions_T = torch.arange(ids_T.numel(), device=ids_T.device)
+    x_BTC = model.model.embed_tokens(ids_T)[None]
+    for layer in model.model.layers:
+        x_BTC, _ = layer(x_BTC, positions_T)
+    return model.model.norm(x_BTC)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="qwen36_mini", choices=MODEL_NAMES)
+    p.add_argument("--prompts", default="65536,262144")
+    p.add_argument("--block-size", type=int, default=8192)
+    p.add_argument("--methods", default="capture,capture_span,forward")
+    p.add_argument("--out", default="capture.jsonl")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_capture needs CUDA")
+    model = build_model(args.model, dtype=torch.bfloat16, device="cuda", seed=0).requires_grad_(False)
+    ceiling = matmul_ceiling()
+    print(f"bf16 matmul ceiling {ceiling / 1e12:.0f} TFLOP/s; attention kernel {forward_backend()}", flush=True)
+    # compile and autotune every kernel (fla's Triton kernels among them) before anything is timed
+    warm = torch.randint(0, model.config.vocab_size, (8193,), device="cuda")
+    model.capture(warm, block_size=args.block_size)
+    model.capture_span(warm[:-1], start=0, num_tokens=8192, last_token=0, block_size=args.block_size)
+    unchunked_forward(model, warm[:-1])
+    for P in (int(x) for x in args.prompts.split(",")):
+        ids = torch.randint(0, model.config.vocab_size, (P + 1,), device="cuda",
+                            generator=torch.Generator("cuda").manual_seed(P))
+        flops = capture_flops(model, P)
+        row = {"model": args.model, "prompt_tokens": P, "block_size": args.block_size, "ceiling_flops": ceiling,
+               "attention_kernel": forward_backend(), "flops": flops, "gpu": torch.cuda.get_device_name()}
+        runs = {
+            "capture": lambda: model.capture(ids, block_size=args.block_size),
+            "capture_span": lambda: model.capture_span(ids[:-1], start=0, num_tokens=P, last_token=int(ids[-1]),
+                                                       block_size=args.block_size),
+            "forward": lambda: unchunked_forward(model, ids[:-1]),
+        }
+        for name in args.methods.split(","):
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            try:
+                seconds = timed(runs[name])
+            except torch.cuda.OutOfMemoryError:
+                row[name] = {"status": "OOM"}
+                continue
+            total = flops["linear"] + flops["attention"]
+            row[name] = {"seconds": seconds, "peak_extra_bytes": torch.cuda.max_memory_allocated() - base,
+                         "tflops": total / seconds / 1e12, "of_ceiling": total / seconds / ceiling,
+                         "of_spec": total / seconds / SPEC_BF16_FLOPS}
+            print(f"P={P} {name}: {seconds:.2f} s, {row[name]['tflops']:.0f} TFLOP/s "
+                  f"({100 * row[name]['of_ceiling']:.0f}% of measured ceiling), "
+                  f"+{row[name]['peak_extra_bytes'] / 2**30:.2f} GiB", flush=True)
+        if "capture" in row and "forward" in row and "seconds" in row["forward"] and "seconds" in row["capture"]:
+            row["capture_over_forward"] = row["capture"]["seconds"] / row["forward"]["seconds"]
+            print(f"P={P} capture / forward = {row['capture_over_forward']:.3f}", flush=True)
+        with open(args.out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
