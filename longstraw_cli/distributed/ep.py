@@ -1,0 +1,271 @@
+"""Expert parallelism for glm52's routed experts, applied from outside the model through its `experts_fn` hook.
+
+The hook's contract (single device: `local_experts`, a mirror of HF `GlmMoeDsaExperts.forward`):
+
+    experts_fn(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_proj, down_proj) -> y_NC
+    y[n] = sum_j topk_w[n, j] * down[e] @ (silu(gate) * up),  (gate, up) = chunk(gate_up[e] @ x[n], 2),
+    e = topk_idx[n, j]
+
+Under EP over a group of W ranks, rank r holds experts [r E/W, (r+1) E/W) (contiguous; `expert_bounds`,
+`ep_shard`) as its own parameters, and one of two functions stands in for the hook:
+- `ep_experts_alltoall` (tokens SHARDED, e.g. prompt capture under CP): every (token, expert) pair is sent to the
+  expert's rank by one all_to_all_single, computed there and sent back by the reverse one; the origin weights and
+  sums. Autograd-correct (each all-to-all's backward is the reverse all-to-all).
+- `ep_experts_replicated` (tokens REPLICATED, e.g. replay, scoring, decode under CP): every rank computes its
+  own experts' contributions for all tokens, and one all-reduce sums them.
+
+Both give y equal to `local_experts` with all E experts (up to rounding: an expert's rows are batched with
+other ranks' rows), and gradients equal to one rank's: dx and dw on the ranks that hold those tokens, and each
+rank's expert slices the matching slices of the one-rank gradient (zeros, never None, for experts that received
+no token, as the one-rank gradient of the 3-D parameter has).
+
+Order of operations follows HF, and `local_experts`' forward equals HF's bit for bit: per expert, its rows in
+HF's order (top-k slot, then token) through gate_up, silu(gate) * up, down in the activations' dtype; the fp32
+weight multiplies that (promoting), the product is cast back, and a token's contributions are added to zeros in
+ascending expert id, one rounding per add. HF does that with one index_add_ per expert; here the contributions
+are placed in [N, k] slots ordered by expert id and added slot by slot: the same additions in the same order,
+without duplicate indices (so deterministic on GPU too), k adds instead of E index_add_ calls.
+Simplifications: the activation is silu (GLM's `hidden_act`); experts run one matmul each (no grouped GEMM);
+replicated mode sums the partials by all-reduce, so in bf16 it agrees with one rank only up to rounding.
+
+Legend: N tokens on this rank, k experts per token, C hidden, I expert intermediate, E experts in all,
+L = E / W experts per rank, W ranks in the EP group, M (token, expert) pairs sent / received.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+__all__ = ["ep_experts_alltoall", "ep_experts_replicated", "ep_shard", "expert_bounds", "local_experts"]
+
+
+def _rank_world(group) -> tuple[int, int]:
+    # Without an initialised process group there is one rank: single-device runs need no special path.
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def expert_bounds(num_experts: int, num_ranks: int, rank: int) -> tuple[int, int]:
+    """[start, end) of the experts rank `rank` of `num_ranks` holds: contiguous, E / W each."""
+    if num_experts < 1 or num_ranks < 1 or num_experts % num_ranks:
+        raise ValueError(f"expert parallel needs the number of experts ({num_experts}) divisible by the EP group "
+                         f"size ({num_ranks}); group sizes that divide it: "
+                         f"{[n for n in range(1, max(num_experts, 0) + 1) if num_experts % n == 0]}")
+    if not 0 <= rank < num_ranks:
+        raise ValueError(f"rank {rank} outside an EP group of {num_ranks}")
+    num_local = num_experts // num_ranks
+    return rank * num_local, (rank + 1) * num_local
+
+
+def ep_shard(full_E: torch.Tensor, group=None) -> torch.Tensor:
+    """This rank's experts of a full [E, ...] tensor (e.g. gate_up_proj, down_proj): a contiguous detached copy,
+    so the full tensor can be freed. Wrap it in nn.Parameter to make it the rank's own parameter."""
+    rank, world = _rank_world(group)
+    start, end = expert_bounds(full_E.shape[0], world, rank)
+    return full_E.detach()[start:end].clone()
+
+
+def _check_experts(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_L2IC, down_LCI, num_local):
+    if (x_NC.dim() != 2 or topk_idx_Nk.dim() != 2 or topk_idx_Nk.shape[0] != x_NC.shape[0]
+            or topk_w_Nk.shape != topk_idx_Nk.shape):
+        raise ValueError(f"need x [N, C], topk_idx [N, k], topk_w [N, k]; got {tuple(x_NC.shape)}, "
+                         f"{tuple(topk_idx_Nk.shape)}, {tuple(topk_w_Nk.shape)}")
+    C = x_NC.shape[1]
+    L, two_I, C_g = gate_up_L2IC.shape if gate_up_L2IC.dim() == 3 else (-1, -1, -1)
+    if (L != num_local or two_I % 2 or C_g != C
+            or tuple(down_LCI.shape) != (num_local, C, two_I // 2)):
+        raise ValueError(f"need this rank's {num_local} experts as gate_up [{num_local}, 2I, {C}] and down "
+                         f"[{num_local}, {C}, I]; got {tuple(gate_up_L2IC.shape)} and {tuple(down_LCI.shape)}")
+
+
+def _check_ids(topk_idx_Nk, num_experts):
+    # One host sync; the dispatch below syncs anyway, and a bad id would otherwise be silently dropped.
+    if topk_idx_Nk.numel():
+        lo, hi = torch.aminmax(topk_idx_Nk)
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"expert ids must lie in [0, {num_experts}), got [{int(lo)}, {int(hi)}]")
+
+
+def _expert_ffn(x_MC, counts_L: list[int], gate_up_L2IC, down_LCI):
+    """down[e] @ (silu(gate) * up) for rows grouped by expert: counts_L[e] consecutive rows for expert e."""
+    # unbind: the backward stacks the experts' gradients once (zeros for idle experts) instead of one
+    # full-size zero tensor per indexed expert.
+    gate_up_list, down_list = gate_up_L2IC.unbind(0), down_LCI.unbind(0)
+    y_list_MC, row = [], 0
+    for e, num_rows in enumerate(counts_L):
+        if num_rows == 0:
+            continue
+        gate, up = F.linear(x_MC[row:row + num_rows], gate_up_list[e]).chunk(2, dim=-1)
+        y_list_MC.append(F.linear(F.silu(gate) * up, down_list[e]))
+        row += num_rows
+    if not y_list_MC:
+        # No rows at all: a zero-row pass keeps the parameters and x in the graph, so their gradients are zeros
+        # (as the one-rank model's are) and this rank's backward reaches the collectives others wait in.
+        gate, up = F.linear(x_MC[:0], gate_up_list[0]).chunk(2, dim=-1)
+        y_list_MC.append(F.linear(F.silu(gate) * up, down_list[0]))
+    return torch.cat(y_list_MC)
+
+
+def _combine(y_MC, pairs_M, topk_idx_Nk, topk_w_Nk, x_NC):
+    """sum over a token's pairs of w * y, added in ascending expert id as HF's per-expert index_add_ does.
+
+    y_MC[i] is the expert output of pair pairs_M[i] (= n * k + j, j the top-k slot); pairs absent from pairs_M
+    contribute nothing."""
+    N, k = topk_idx_Nk.shape
+    contrib_MC = (y_MC * topk_w_Nk.reshape(-1)[pairs_M, None]).to(x_NC.dtype)
+    # slot of (n, j): the rank of topk_idx[n, j] among token n's expert ids
+    slot_Nk = topk_idx_Nk.argsort(dim=1, stable=True).argsort(dim=1)
+    dest_M = pairs_M - pairs_M % k + slot_Nk.reshape(-1)[pairs_M]
+    C = x_NC.shape[1]
+    slots_NkC = contrib_MC.new_zeros(N * k, C).index_copy(0, dest_M, contrib_MC).view(N, k, C)
+    y_NC = x_NC.new_zeros(x_NC.shape)
+    for s in range(k):
+        y_NC = y_NC + slots_NkC[:, s]
+    return y_NC
+
+
+def _pairs_by_expert(topk_idx_Nk, first_expert, num_local):
+    """(token, slot) pairs routed to experts [first_expert, first_expert + L): -> (pairs_M = n * k + j, grouped by
+    expert; counts_L rows per expert). Inside an expert pairs go slot-major (j, then n), HF's row order, so the
+    matmuls see the same rows in the same order and the output matches HF's bit for bit."""
+    N, k = topk_idx_Nk.shape
+    local_kN = topk_idx_Nk.T.reshape(-1) - first_expert
+    slot_major_M = ((local_kN >= 0) & (local_kN < num_local)).nonzero().squeeze(1)
+    slot_major_M = slot_major_M[local_kN[slot_major_M].argsort(stable=True)]
+    counts_L = torch.bincount(local_kN[slot_major_M], minlength=num_local)
+    return (slot_major_M % N) * k + slot_major_M // N, counts_L
+
+
+def local_experts(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_proj, down_proj, *, first_expert: int = 0):
+    """The routed experts on one device: -> y_NC in x's dtype (see the module docstring for the math).
+
+    gate_up_proj [L, 2I, C] and down_proj [L, C, I] hold experts [first_expert, first_expert + L); pairs routed
+    to any other expert contribute nothing. With first_expert = 0 and all experts this is the hook's default.
+    """
+    pairs_M, counts_L = _pairs_by_expert(topk_idx_Nk, first_expert, gate_up_proj.shape[0])
+    y_MC = _expert_ffn(x_NC[pairs_M // topk_idx_Nk.shape[1]], counts_L.tolist(), gate_up_proj, down_proj)
+    return _combine(y_MC, pairs_M, topk_idx_Nk, topk_w_Nk, x_NC)
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single of rows with the given split sizes; the backward is the reverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x_MC, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out_MC = x_MC.new_empty((sum(out_splits), *x_MC.shape[1:]))
+        dist.all_to_all_single(out_MC, x_MC.contiguous(), out_splits, in_splits, group=group)
+        return out_MC
+
+    @staticmethod
+    def backward(ctx, grad_MC):
+        out_splits, in_splits = ctx.splits
+        dx_MC = grad_MC.new_empty((sum(in_splits), *grad_MC.shape[1:]))
+        dist.all_to_all_single(dx_MC, grad_MC.contiguous(), in_splits, out_splits, group=ctx.group)
+        return dx_MC, None, None, None
+
+
+def ep_experts_alltoall(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_local, down_local, *, group=None,
+                        num_experts: int):
+    """Routed experts for tokens SHARDED across the EP group: -> y_NC for this rank's tokens, equal to
+    `local_experts` with all experts up to rounding.
+
+    N may differ between ranks (0 included); k, C, I and dtypes may not. Collective: every rank of the group
+    calls it (with x, w requiring grad on all or none), and under autograd every rank backpropagates through
+    its output. Three collectives forward (split sizes, tokens, results), two backward.
+    """
+    rank, world = _rank_world(group)
+    start, end = expert_bounds(num_experts, world, rank)
+    L = end - start
+    _check_experts(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_local, down_local, L)
+    _check_ids(topk_idx_Nk, num_experts)
+    if world == 1:
+        return local_experts(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_local, down_local)
+    k = topk_idx_Nk.shape[1]
+    # pairs by expert id, so grouped by destination rank and, inside it, by that rank's local expert
+    pairs_M, send_counts_E = _pairs_by_expert(topk_idx_Nk, 0, num_experts)
+    # recv_counts_WL[s, e]: pairs rank s sends to this rank's local expert e
+    recv_counts_E = torch.empty_like(send_counts_E)
+    dist.all_to_all_single(recv_counts_E, send_counts_E, group=group)
+    recv_counts_WL = recv_counts_E.view(world, L)
+    sizes = torch.cat([send_counts_E.view(world, L).sum(1), recv_counts_WL.sum(1), recv_counts_WL.sum(0)])
+    sizes = sizes.tolist()
+    send_W, recv_W, recv_per_expert_L = sizes[:world], sizes[world:2 * world], sizes[2 * world:]
+
+    x_recv_MC = _AllToAll.apply(x_NC[pairs_M // k], recv_W, send_W, group)
+    # Received rows come per source rank, each block sorted by expert: regroup them by expert for the FFN.
+    expert_recv_M = torch.arange(L, device=x_NC.device).repeat(world).repeat_interleave(
+        recv_counts_WL.reshape(-1), output_size=sum(recv_W))
+    by_expert_M = expert_recv_M.argsort(stable=True)
+    y_grouped_MC = _expert_ffn(x_recv_MC[by_expert_M], recv_per_expert_L, gate_up_local, down_local)
+    y_recv_MC = y_grouped_MC[by_expert_M.argsort()]
+    y_back_MC = _AllToAll.apply(y_recv_MC, send_W, recv_W, group)
+    return _combine(y_back_MC, pairs_M, topk_idx_Nk, topk_w_Nk, x_NC)
+
+
+class _SumAcrossRanks(torch.autograd.Function):
+    """All-reduce sum forward; the backward passes the gradient through unchanged (not all-reduced again).
+
+    Why unchanged: the tokens, and so the output y = sum_r partial_r and the loss, are replicated on every rank,
+    and every rank backpropagates the same dL/dy. Rank r's partial depends only on its own experts, and
+    dL/dpartial_r = dL/dy * dy/dpartial_r = dL/dy. An all-reduce here would multiply it by W.
+    """
+
+    @staticmethod
+    def forward(ctx, partial_NC, group):
+        y_NC = partial_NC.clone()
+        dist.all_reduce(y_NC, group=group)
+        return y_NC
+
+    @staticmethod
+    def backward(ctx, dy_NC):
+        return dy_NC, None
+
+
+class _ReplicatedInputs(torch.autograd.Function):
+    """Identity on (x, w) forward; the backward sums their gradients over the group (one packed all-reduce).
+
+    x and w are replicated, but the gradient reaching them through this rank's partial covers only this rank's
+    experts: the full dx (dw) is the sum over ranks. Every rank ends with the full dx and dw.
+    """
+
+    @staticmethod
+    def forward(ctx, x_NC, topk_w_Nk, group):
+        ctx.group = group
+        return x_NC.view_as(x_NC), topk_w_Nk.view_as(topk_w_Nk)
+
+    @staticmethod
+    def backward(ctx, dx_NC, dw_Nk):
+        # requires_grad of x and w is the same on every rank, so every rank packs the same tensors.
+        grads = [g for g, needed in zip((dx_NC, dw_Nk), ctx.needs_input_grad) if needed]
+        dtype = torch.promote_types(*(g.dtype for g in grads)) if len(grads) > 1 else grads[0].dtype
+        # Summed in the wider dtype of the two (fp32 for bf16 x with fp32 w), rounded back once.
+        packed = torch.cat([g.reshape(-1).to(dtype) for g in grads])
+        dist.all_reduce(packed, group=ctx.group)
+        out = iter(packed.split([g.numel() for g in grads]))
+        return (*(next(out).view_as(g).to(g.dtype) if needed else None
+                  for g, needed in zip((dx_NC, dw_Nk), ctx.needs_input_grad[:2])), None)
+
+
+def ep_experts_replicated(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_local, down_local, *, group=None,
+                          num_experts: int):
+    """Routed experts for tokens REPLICATED on every rank of the EP group: -> y_NC, the same on every rank,
+    equal to `local_experts` with all experts up to the rounding of the all-reduce.
+
+    x, topk_idx, topk_w must be identical on every rank, and so must the loss backpropagated through y: then
+    every rank gets the full one-rank dx and dw, and its own experts' slices of the one-rank expert gradients.
+    Collective: one all-reduce forward, one backward (for dx, dw; none when neither requires grad).
+    """
+    rank, world = _rank_world(group)
+    start, end = expert_bounds(num_experts, world, rank)
+    _check_experts(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_local, down_local, end - start)
+    _check_ids(topk_idx_Nk, num_experts)
+    if world == 1:
+        return local_experts(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_local, down_local)
+    if torch.is_grad_enabled() and (x_NC.requires_grad or topk_w_Nk.requires_grad):
+        x_NC, topk_w_Nk = _ReplicatedInputs.apply(x_NC, topk_w_Nk, group)
+    partial_NC = local_experts(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_local, down_local, first_expert=start)
+    return _SumAcrossRanks.apply(partial_NC, group)
