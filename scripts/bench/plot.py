@@ -1,6 +1,9 @@
 """Plots of bench_step.py results: peak memory against prompt length (both methods) and against G.
 
-    python scripts/bench/plot.py docs/bench/h200-2026-11-29.jsonl docs/bench
+    python scripts/bench/plot.py docs/bench/h200-2026-11-29.jsonl [more.jsonl ...] docs/bench
+
+Rows of later files (and later lines) supersede earlier rows of the same configuration. Peak memory against the
+prompt plots every measured G (LongStraw's peak does not depend on G; the baseline's is one replay's).
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ def main(argv: list[str]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    results, out_dir = Path(argv[0]), Path(argv[1])
-    rows = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+    *results, out_dir = (Path(a) for a in argv)
+    rows = [json.loads(line) for path in results for line in path.read_text().splitlines() if line.strip()]
     # a later run of the same configuration supersedes an earlier one
     latest = {(r["model"], r.get("lora_rank", 0), r["method"], r["prompt_tokens"], r["group_size"]): r for r in rows}
     mini = [r for r in latest.values() if r["model"] == "qwen36_mini" and r.get("lora_rank", 0) == 0]
@@ -25,10 +28,12 @@ def main(argv: list[str]) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for method, marker in (("longstraw", "o"), ("naive", "s")):
-        ok = sorted((r["prompt_tokens"], r["peak_bytes"] / gib) for r in mini
-                    if r["method"] == method and r["status"] == "ok" and r["group_size"] == 2)
-        if ok:
-            ax.plot(*zip(*ok), marker=marker, label=f"{method} (G=2)")
+        peaks = {}
+        for r in mini:
+            if r["method"] == method and r["status"] == "ok":
+                peaks[r["prompt_tokens"]] = max(peaks.get(r["prompt_tokens"], 0), r["peak_bytes"] / gib)
+        if peaks:
+            ax.plot(*zip(*sorted(peaks.items())), marker=marker, label=method)
     ax.axhline(139.8, color="grey", ls="--", lw=1, label="H200 capacity")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("prompt tokens")
