@@ -182,3 +182,24 @@ def test_transaction_runs_and_changes_parameters():
     changed = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
     assert "model.layers.1.mlp.experts.gate_up_proj" in changed and "lm_head.weight" in changed
     assert not any(".indexer." in n for n in changed)
+
+
+def test_lora_on_every_glm52_linear_including_absorbed_kv_b():
+    from longstraw_cli.lora import LoraConfig, apply_lora
+
+    model = tiny()
+    targets = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
+               "down_proj")
+    adapters = apply_lora(model, LoraConfig(rank=2, target_modules=targets))
+    with torch.no_grad():
+        for p in adapters:
+            p.normal_(0.0, 0.2)
+    prompt, response = ids(60, 12), ids(10, 13)
+    reference_logprobs(model, prompt, response, prompt.numel() - 1).sum().backward()
+    ref = [p.grad.clone() for p in adapters]
+    model.zero_grad(set_to_none=True)
+    model.logprobs(model.capture(prompt, block_size=16), response, grad=True).sum().backward()
+    assert len(ref) == len(adapters) and all(p.grad is not None for p in adapters)
+    assert max(rel_err(p.grad, r) for p, r in zip(adapters, ref)) < 1e-10
+    kv_b = model.model.layers[0].self_attn.kv_b_proj
+    assert kv_b.lora_B.grad.norm() > 0

@@ -231,7 +231,7 @@ class MLAttention(nn.Module):
         self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.num_heads * cfg.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6)
-        # read as a weight (absorbed into q and the output), never called as a module
+        # read as a weight (absorbed into q and the output; see kv_b_weight), never called as a module
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, self.num_heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, cfg.hidden_size, bias=False)
         self.full_indexer = cfg.layer_indexer_types[layer_idx] == "full"
@@ -252,8 +252,17 @@ class MLAttention(nn.Module):
         latent_BTL, rope_BTR = self.kv_a_proj_with_mqa(x_BTC).split([self.latent, self.rope_dim], dim=-1)
         return self.kv_a_layernorm(latent_BTL), apply_rope_interleaved(rope_BTR, cos_TF, sin_TF)
 
+    def kv_b_weight(self) -> torch.Tensor:
+        """kv_b_proj's weight, read as a matrix (absorbed form). A LoRA adapter on it (lora_A / lora_B / scaling,
+        as longstraw_cli.lora's LoraLinear) is added here, differentiably; its dropout cannot apply to a folded
+        weight and is ignored."""
+        proj, w = self.kv_b_proj, self.kv_b_proj.weight
+        if getattr(proj, "lora_A", None) is not None and getattr(proj, "adapter_enabled", False):
+            w = w + (proj.scaling * (proj.lora_B @ proj.lora_A)).to(w.dtype)
+        return w
+
     def _kv_b(self):
-        w_HXL = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.latent)
+        w_HXL = self.kv_b_weight().view(self.num_heads, self.nope + self.v_dim, self.latent)
         return w_HXL[:, : self.nope], w_HXL[:, self.nope :]
 
     def absorb(self, q_nope_BTHN, q_rope_BTHR) -> torch.Tensor:
@@ -301,7 +310,7 @@ class MLAttention(nn.Module):
         else:
             idx_BTK = prev_idx
         allowed_BTS = _selected_mask(idx_BTK, 0, T)
-        kv_BTHX = F.linear(latent_BTL, self.kv_b_proj.weight).view(B, T, self.num_heads, self.nope + self.v_dim)
+        kv_BTHX = F.linear(latent_BTL, self.kv_b_weight()).view(B, T, self.num_heads, self.nope + self.v_dim)
         k_nope, v_BTHV = kv_BTHX.split([self.nope, self.v_dim], dim=-1)
         k_BTHD = torch.cat([k_nope, rope_BTR[:, :, None].expand(-1, -1, self.num_heads, -1)], dim=-1)
         q_BTHD = torch.cat([q_nope, q_rope], dim=-1)
