@@ -51,12 +51,13 @@ class ModelConfig:
 
     def max_positions(self) -> int:
         if self.path is not None:
-            from longstraw_cli.models.qwen36.hf import config_from_hf
+            from longstraw_cli.models import config_from_hf
 
             return config_from_hf(json.loads((Path(self.path) / "config.json").read_text())).max_position_embeddings
+        from longstraw_cli.models.glm52.config import NAMED_CONFIGS as GLM52_CONFIGS
         from longstraw_cli.models.qwen36.config import NAMED_CONFIGS
 
-        return NAMED_CONFIGS[self.name].max_position_embeddings
+        return {**NAMED_CONFIGS, **GLM52_CONFIGS}[self.name].max_position_embeddings
 
 
 @dataclass(frozen=True)

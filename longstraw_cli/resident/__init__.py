@@ -1,3 +1,3 @@
-from longstraw_cli.resident.state import AttentionPages, RecurrentState, Resident
+from longstraw_cli.resident.state import AttentionPages, MLAPages, RecurrentState, Resident
 
-__all__ = ["AttentionPages", "RecurrentState", "Resident"]
+__all__ = ["AttentionPages", "MLAPages", "RecurrentState", "Resident"]

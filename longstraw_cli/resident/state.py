@@ -4,7 +4,11 @@ Capture runs without autograd, so every tensor here is a constant to the replays
 write into it; only `capture` fills it.
 
 Legend: P pages (captured prompt tokens), K kv heads, D head dim, C conv channels, W conv window (kernel - 1),
-G value heads of a recurrent layer, Dk/Dv its key/value head dims.
+G value heads of a recurrent layer, Dk/Dv its key/value head dims, L MLA latent dim (kv_lora_rank), R rope dim,
+I indexer head dim.
+
+Offload: with `offload="cpu"` the pages live in CPU memory (pinned when CUDA is available) and compute stages
+them onto its device one layer at a time (`resident.offload.LayerStager`).
 """
 
 from __future__ import annotations
@@ -33,22 +37,65 @@ class RecurrentState:
 
 
 @dataclass
+class MLAPages:
+    """One glm52 layer: MLA latent (after kv_a_layernorm) and rope key (after RoPE) per captured token, plus the
+    DSA indexer keys (after LayerNorm + RoPE) on "full" indexer layers; "shared" layers keep none (None).
+    Never expanded per head: kv_b is folded into the query and the output at replay."""
+
+    latent_PL: torch.Tensor
+    rope_PR: torch.Tensor
+    index_PI: torch.Tensor | None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.latent_PL, self.rope_PR, self.index_PI) if t is not None]
+
+    def to(self, device, non_blocking: bool = False, index_only: bool = False) -> "MLAPages":
+        """A copy on `device` (always a copy, also on the same device). index_only: copy the indexer keys only
+        and keep referring to these latent/rope pages (a replay under autograd gathers selected rows from them)."""
+        def move(t):
+            if t is None:
+                return None
+            out = torch.empty(t.shape, dtype=t.dtype, device=device)
+            out.copy_(t, non_blocking=non_blocking)
+            return out
+        if index_only:
+            return MLAPages(self.latent_PL, self.rope_PR, move(self.index_PI))
+        return MLAPages(move(self.latent_PL), move(self.rope_PR), move(self.index_PI))
+
+
+# nbytes() keys per kind of layer state, in report order
+_COMPONENTS = {
+    AttentionPages: ("kv_pages",),
+    RecurrentState: ("recurrent_state", "conv_state"),
+    MLAPages: ("latent_pages", "rope_pages", "index_pages"),
+}
+
+
+@dataclass
 class Resident:
     """Per-layer state of one captured prompt, plus the prompt's last token, which replay starts from."""
 
-    layers: list[AttentionPages | RecurrentState]
+    layers: list[AttentionPages | RecurrentState | MLAPages]
     num_tokens: int
     last_token: int
+    # None: pages on the compute device; "cpu": in (pinned) CPU memory, staged one layer at a time
+    offload: str | None = None
 
     def nbytes(self) -> dict[str, int]:
-        """Bytes by component, as allocated."""
-        out = {"kv_pages": 0, "recurrent_state": 0, "conv_state": 0}
+        """Bytes by component, as allocated (the components of the layer kinds present, then "total")."""
+        kinds = [k for k in _COMPONENTS if any(isinstance(layer, k) for layer in self.layers)] or [AttentionPages,
+                                                                                                  RecurrentState]
+        out = {name: 0 for kind in kinds for name in _COMPONENTS[kind]}
         for layer in self.layers:
             if isinstance(layer, AttentionPages):
                 out["kv_pages"] += _nbytes(layer.k_PKD) + _nbytes(layer.v_PKD)
-            else:
+            elif isinstance(layer, RecurrentState):
                 out["recurrent_state"] += _nbytes(layer.ssm_GKV)
                 out["conv_state"] += _nbytes(layer.conv_CW)
+            else:
+                out["latent_pages"] += _nbytes(layer.latent_PL)
+                out["rope_pages"] += _nbytes(layer.rope_PR)
+                out["index_pages"] += 0 if layer.index_PI is None else _nbytes(layer.index_PI)
         out["total"] = sum(out.values())
         return out
 
@@ -57,8 +104,10 @@ class Resident:
         for layer in self.layers:
             if isinstance(layer, AttentionPages):
                 out += [layer.k_PKD, layer.v_PKD]
-            else:
+            elif isinstance(layer, RecurrentState):
                 out += [layer.conv_CW, layer.ssm_GKV]
+            else:
+                out += layer.tensors()
         return out
 
 

@@ -1,0 +1,710 @@
+"""glm52 = HF `glm_moe_dsa` (GLM-5: MLA + DSA lightning indexer + MoE) in plain PyTorch, single device.
+
+Three ways through the same weights:
+- `forward(input_ids)`: the full-sequence reference, as HF computes it: kv_b expands the latent to per-head K/V
+  and the DSA top-k becomes a mask on dense causal attention.
+- `capture(prompt_ids)`: the prompt's resident state, block by block under no_grad: per layer the MLA latent and
+  rope key of each token, and the indexer keys on "full" indexer layers. No per-head K/V, no prompt logits.
+- `logprobs(resident, response_ids, grad=...)`: replay from the last prompt token in absorbed-MLA form (kv_b's
+  key part folded into the query, its value part applied to the output): the indexer scores the response's
+  queries against all prompt indexer keys plus the response's own (causal), the top-k picks entries, sparse
+  attention reads the selected prompt pages (kernels/mla) and the response's own keys, merged by LSE.
+Module names mirror HF's so a checkpoint loads as it is (experts: see hf.py).
+
+Selection (DSA top-k). Query t sees the keys at positions <= t; it attends to the min(index_topk, visible)
+visible keys of highest index score: HF's semantics (HF takes top-min(index_topk, T) over scores with -inf at
+future positions, and the causal mask removes what the top-k picked among those). Index scores are sums of
+ReLUs, so exact ties (often at 0) occur; ours are broken toward the LOWER position (`topk_lowest_position`),
+which makes the selection exactly reproducible; torch.topk leaves the choice among ties unspecified.
+The indexer and the top-k carry no gradient (HF runs the indexer under no_grad); gradients reach the indexer
+parameters from nowhere, as in HF.
+
+Hooks (swapped from outside: GPU kernels, context parallel, expert parallel; the model only calls them):
+- `MLAttention.topk_fn(scores_BTS, k) -> idx_BTk` (int64): the k best positions along the last axis of the
+  index scores (future positions hold -inf; when fewer than k are finite, the rest of the k may be any
+  masked positions: the model drops entries that are not visible). Default `topk_lowest_position`.
+- `MLAttention.sparse_attention_fn(q_BTHA, latent_PL, rope_PR, idx_BTK, *, scale) -> (out_BTHL, lse_BTH)`:
+  absorbed MLA over the selected prompt pages (idx -1 = none); lse differentiable, rows with no entry give
+  lse -inf. Default `longstraw_kernels.mla.sparse_mla_attention`.
+- `MoE.experts_fn(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_proj, down_proj) -> y_NC`: sum over the k chosen
+  experts of w * down(silu(gate) * up); gate_up_proj [E, 2I, C], down_proj [E, C, I]. Default `local_experts`.
+
+Legend: B batch, T tokens (queries), S keys on the key axis, C hidden, H heads, N nope dim, R rope dim,
+V v_head dim, L kv latent (kv_lora_rank), A = L + R, Q q_lora_rank, I indexer head dim, J indexer heads,
+E experts, k chosen experts / selected keys, P pages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from longstraw_cli.models.glm52.config import Glm52Config
+from longstraw_cli.models.logprobs import token_logprobs
+from longstraw_cli.resident import MLAPages, Resident
+from longstraw_cli.resident.offload import LayerStager, copy_to_host, host_buffer
+from longstraw_kernels.mla import dense_mla_attention, merge_lse, sparse_mla_attention
+
+OFFLOAD_CHOICES = (None, "cpu")
+# bound on index-score elements formed at once ([rows, keys] per chunk of queries)
+_SCORE_ELEMENTS = 1 << 24
+
+
+def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """HF computes these in fp32; fp64 stays fp64 so that fp64 tests test the algorithm, not fp32 rounding."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def fp32_or_wider(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+class RMSNorm(nn.Module):
+    """fp32 RMSNorm times a plain weight (init ones), cast back before the weight, as HF's GlmMoeDsaRMSNorm."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = at_least_fp32(x)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def stop_grad_prefix(x_BT_: torch.Tensor, n: int) -> torch.Tensor:
+    """Same values; positions < n carry no gradient (the prompt is a constant in response_only mode)."""
+    if n <= 0:
+        return x_BT_
+    return torch.cat([x_BT_[:, :n].detach(), x_BT_[:, n:]], dim=1)
+
+
+def rope_cos_sin(positions_T: torch.Tensor, dim: int, theta: float, dtype: torch.dtype):
+    """cos, sin [T, dim/2] of each rotated pair; fp32 angles as HF computes them, cast to the activations' dtype."""
+    angle_dtype = fp32_or_wider(dtype)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=positions_T.device).to(angle_dtype) / dim))
+    freqs_TF = positions_T.to(angle_dtype)[:, None] * inv_freq[None, :]
+    return freqs_TF.cos().to(dtype), freqs_TF.sin().to(dtype)
+
+
+def apply_rope_interleaved(x_BT_D: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor) -> torch.Tensor:
+    """GLM's interleaved RoPE: pairs (x0, x1), (x2, x3), ... rotate together; the output is laid out
+    de-interleaved, [x_even * cos - x_odd * sin | x_odd * cos + x_even * sin], exactly as HF returns it."""
+    shape = (cos_TF.shape[0],) + (1,) * (x_BT_D.dim() - 3) + (cos_TF.shape[1],)
+    cos, sin = cos_TF.view(shape), sin_TF.view(shape)
+    x1, x2 = x_BT_D[..., 0::2], x_BT_D[..., 1::2]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def topk_lowest_position(scores_BTS: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices [B, T, k] (ascending positions) of the k highest scores per row; among equal scores the lower
+    position wins, so the selection is exactly reproducible. The k-th value is unique whatever topk does with
+    ties; everything above it is taken, then the lowest-positioned entries equal to it fill up to k."""
+    B, T, S = scores_BTS.shape
+    out = scores_BTS.new_empty(B, T, k, dtype=torch.long)
+    rows = max(1, _SCORE_ELEMENTS // max(1, B * S))
+    for t0 in range(0, T, rows):
+        s = scores_BTS[:, t0 : t0 + rows]
+        kth = s.topk(k, dim=-1).values[..., -1:]
+        above = s > kth
+        tie = s == kth
+        need = k - above.sum(-1, keepdim=True)
+        chosen = above | (tie & (tie.to(torch.int32).cumsum(-1) <= need))
+        # exactly k per row, so the row-major nonzero positions reshape to [B, rows, k]
+        out[:, t0 : t0 + rows] = chosen.nonzero()[:, -1].view(B, -1, k)
+    return out
+
+
+class DSAIndexer(nn.Module):
+    """The lightning indexer of a "full" layer. Computes under no_grad: it never receives a gradient."""
+
+    def __init__(self, cfg: Glm52Config):
+        super().__init__()
+        self.num_heads, self.head_dim, self.rope_dim = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
+        self.wq_b = nn.Linear(cfg.q_lora_rank, self.num_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.hidden_size, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        # HF keeps weights_proj in fp32 (`_keep_in_fp32_modules`)
+        self.weights_proj = nn.Linear(cfg.hidden_size, self.num_heads, bias=False,
+                                      dtype=fp32_or_wider(torch.get_default_dtype()))
+        self.softmax_scale = self.head_dim**-0.5
+
+    def _rope(self, x, cos, sin):
+        return torch.cat([apply_rope_interleaved(x[..., : self.rope_dim], cos, sin), x[..., self.rope_dim :]], -1)
+
+    @torch.no_grad()
+    def keys(self, x_BTC: torch.Tensor, cos_TF, sin_TF) -> torch.Tensor:
+        """Index keys [B, T, I]: LayerNorm(wk x), RoPE on the first rope dims."""
+        return self._rope(self.k_norm(self.wk(x_BTC)), cos_TF, sin_TF)
+
+    @torch.no_grad()
+    def queries(self, x_BTC, q_resid_BTQ, cos_TF, sin_TF):
+        """Index queries [B, T, J, I] and per-head weights [B, T, J], both fp32 (or wider)."""
+        B, T, _ = x_BTC.shape
+        q_BTJI = self._rope(self.wq_b(q_resid_BTQ).view(B, T, self.num_heads, self.head_dim), cos_TF, sin_TF)
+        w_BTJ = self.weights_proj(x_BTC.to(self.weights_proj.weight.dtype))
+        return at_least_fp32(q_BTJI), at_least_fp32(w_BTJ) * self.num_heads**-0.5
+
+    def scores(self, q_BTJI, w_BTJ, keys: list[torch.Tensor]) -> torch.Tensor:
+        """sum_j w_j relu(scale * q_j . k) against each key group ([S, I] shared by the batch or [B, S, I]),
+        concatenated along the key axis: [B, T, S_total], fp32."""
+        B, T, J, _ = q_BTJI.shape
+        out = []
+        for k in keys:
+            k = k.to(q_BTJI.dtype)
+            shared = k.dim() == 2
+            S = k.shape[-2]
+            step = max(1, _SCORE_ELEMENTS // max(1, B * T * J))
+            for s0 in range(0, S, step):
+                kc = k[..., s0 : s0 + step, :]
+                dots = torch.einsum("btji,si->btjs" if shared else "btji,bsi->btjs", q_BTJI, kc)
+                out.append(torch.einsum("btj,btjs->bts", w_BTJ, F.relu(dots * self.softmax_scale)))
+        return torch.cat(out, dim=-1)
+
+
+@dataclass
+class KeyAxis:
+    """The keys one call attends to: `num_pages` prompt pages (shared by the batch) then `num_new` per-sequence
+    keys. Query t of T sees key position g iff g <= offset + t, offset = num_pages + num_new - T (capture:
+    the block's own keys are already pages; replay/decode: the new keys end at the last query)."""
+
+    num_pages: int
+    num_new: int
+    num_queries: int
+
+    @property
+    def offset(self) -> int:
+        return self.num_pages + self.num_new - self.num_queries
+
+    def visible_TS(self, device) -> torch.Tensor:
+        t = torch.arange(self.num_queries, device=device)[:, None]
+        g = torch.arange(self.num_pages + self.num_new, device=device)[None, :]
+        return g <= t + self.offset
+
+
+class DecodeMLA:
+    """Latent, rope and index keys of the tokens generated so far, per sequence, for `capacity` tokens."""
+
+    def __init__(self, batch: int, capacity: int, cfg: Glm52Config, full_indexer: bool, dtype, device):
+        self.latent_BSL = torch.zeros(batch, capacity, cfg.kv_lora_rank, dtype=dtype, device=device)
+        self.rope_BSR = torch.zeros(batch, capacity, cfg.qk_rope_head_dim, dtype=dtype, device=device)
+        self.index_BSI = (torch.zeros(batch, capacity, cfg.index_head_dim, dtype=dtype, device=device)
+                          if full_indexer else None)
+        self.length = 0
+
+    def append(self, latent_BTL, rope_BTR, index_BTI):
+        end = self.length + latent_BTL.shape[1]
+        self.latent_BSL[:, self.length : end].copy_(latent_BTL)
+        self.rope_BSR[:, self.length : end].copy_(rope_BTR)
+        if self.index_BSI is not None:
+            self.index_BSI[:, self.length : end].copy_(index_BTI)
+        self.length = end
+        index = None if self.index_BSI is None else self.index_BSI[:, :end]
+        return self.latent_BSL[:, :end], self.rope_BSR[:, :end], index
+
+
+@dataclass
+class DecodeState:
+    """Decode state of a batch of responses: one DecodeMLA per layer, and how many tokens were fed."""
+
+    layers: list
+    step: int = 0
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention with DSA: full-sequence (expanded, HF's route) or against pages (absorbed)."""
+
+    def __init__(self, cfg: Glm52Config, layer_idx: int):
+        super().__init__()
+        self.cfg = cfg
+        self.num_heads = cfg.num_attention_heads
+        self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.latent = cfg.kv_lora_rank
+        self.scale = cfg.qk_head_dim**-0.5
+        self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
+        # trap: HF builds both latent norms with the default eps 1e-6, not rms_norm_eps
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.num_heads * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6)
+        # read as a weight (absorbed into q and the output; see kv_b_weight), never called as a module
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, self.num_heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.v_dim, cfg.hidden_size, bias=False)
+        self.full_indexer = cfg.layer_indexer_types[layer_idx] == "full"
+        self.indexer = DSAIndexer(cfg) if self.full_indexer else None
+        self.topk_fn = topk_lowest_position
+        self.sparse_attention_fn = sparse_mla_attention
+
+    # -- projections ------------------------------------------------------------------------------------------
+    def project_q(self, x_BTC, cos_TF, sin_TF):
+        B, T, _ = x_BTC.shape
+        q_resid_BTQ = self.q_a_layernorm(self.q_a_proj(x_BTC))
+        q_BTHD = self.q_b_proj(q_resid_BTQ).view(B, T, self.num_heads, self.nope + self.rope_dim)
+        q_nope_BTHN, q_rope_BTHR = q_BTHD.split([self.nope, self.rope_dim], dim=-1)
+        return q_resid_BTQ, q_nope_BTHN, apply_rope_interleaved(q_rope_BTHR, cos_TF, sin_TF)
+
+    def project_kv(self, x_BTC, cos_TF, sin_TF):
+        """-> latent [B, T, L] (after kv_a_layernorm), rope key [B, T, R] (after RoPE): what pages hold."""
+        latent_BTL, rope_BTR = self.kv_a_proj_with_mqa(x_BTC).split([self.latent, self.rope_dim], dim=-1)
+        return self.kv_a_layernorm(latent_BTL), apply_rope_interleaved(rope_BTR, cos_TF, sin_TF)
+
+    def kv_b_weight(self) -> torch.Tensor:
+        """kv_b_proj's weight, read as a matrix (absorbed form). A LoRA adapter on it (lora_A / lora_B / scaling,
+        as longstraw_cli.lora's LoraLinear) is added here, differentiably; its dropout cannot apply to a folded
+        weight and is ignored."""
+        proj, w = self.kv_b_proj, self.kv_b_proj.weight
+        if getattr(proj, "lora_A", None) is not None and getattr(proj, "adapter_enabled", False):
+            w = w + (proj.scaling * (proj.lora_B @ proj.lora_A)).to(w.dtype)
+        return w
+
+    def _kv_b(self):
+        w_HXL = self.kv_b_weight().view(self.num_heads, self.nope + self.v_dim, self.latent)
+        return w_HXL[:, : self.nope], w_HXL[:, self.nope :]
+
+    def absorb(self, q_nope_BTHN, q_rope_BTHR) -> torch.Tensor:
+        """[q_nope W_uk | q_rope]: the query against [latent | rope] keys."""
+        w_uk_HNL, _ = self._kv_b()
+        return torch.cat([torch.einsum("bthn,hnl->bthl", q_nope_BTHN, w_uk_HNL), q_rope_BTHR], dim=-1)
+
+    def output(self, o_BTHL: torch.Tensor) -> torch.Tensor:
+        _, w_uv_HVL = self._kv_b()
+        o_BTHV = torch.einsum("bthl,hvl->bthv", o_BTHL, w_uv_HVL)
+        return self.o_proj(o_BTHV.reshape(*o_BTHV.shape[:2], -1))
+
+    # -- DSA selection ----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def select(self, x_BTC, q_resid_BTQ, cos_TF, sin_TF, index_keys: list, axis: KeyAxis) -> torch.Tensor:
+        """Top-k key positions on `axis` per query, [B, T, index_topk], -1 where fewer keys are visible."""
+        B, T = x_BTC.shape[:2]
+        q_BTJI, w_BTJ = self.indexer.queries(x_BTC, q_resid_BTQ, cos_TF, sin_TF)
+        num_keys = axis.num_pages + axis.num_new
+        k = min(self.cfg.index_topk, num_keys)
+        idx_BTK = torch.full((B, T, self.cfg.index_topk), -1, dtype=torch.long, device=x_BTC.device)
+        visible_TS = axis.visible_TS(x_BTC.device)
+        rows = max(1, _SCORE_ELEMENTS // max(1, B * num_keys))
+        for t0 in range(0, T, rows):
+            t1 = min(T, t0 + rows)
+            scores_BTS = self.indexer.scores(q_BTJI[:, t0:t1], w_BTJ[:, t0:t1], index_keys)
+            scores_BTS = scores_BTS.masked_fill(~visible_TS[t0:t1], float("-inf"))
+            chosen = self.topk_fn(scores_BTS, k)
+            # what the top-k picked among masked positions (fewer than k visible) is not attended
+            seen = visible_TS[t0:t1].expand(B, -1, -1).gather(-1, chosen)
+            idx_BTK[:, t0:t1, :k] = chosen.masked_fill(~seen, -1)
+        return idx_BTK
+
+    # -- paths ------------------------------------------------------------------------------------------------
+    def forward_reference(self, x_BTC, positions_T, prev_idx=None, grad_prefix: int = 0):
+        """Full-sequence causal DSA attention, HF's route: expanded per-head K/V, top-k as a mask."""
+        B, T, _ = x_BTC.shape
+        cos, sin = rope_cos_sin(positions_T, self.rope_dim, self.cfg.rope_theta, x_BTC.dtype)
+        q_resid, q_nope, q_rope = self.project_q(x_BTC, cos, sin)
+        latent_BTL, rope_BTR = self.project_kv(x_BTC, cos, sin)
+        latent_BTL, rope_BTR = stop_grad_prefix(latent_BTL, grad_prefix), stop_grad_prefix(rope_BTR, grad_prefix)
+        axis = KeyAxis(0, T, T)
+        if self.indexer is not None:
+            idx_BTK = self.select(x_BTC, q_resid, cos, sin, [self.indexer.keys(x_BTC, cos, sin)], axis)
+        else:
+            idx_BTK = prev_idx
+        allowed_BTS = _selected_mask(idx_BTK, 0, T)
+        kv_BTHX = F.linear(latent_BTL, self.kv_b_weight()).view(B, T, self.num_heads, self.nope + self.v_dim)
+        k_nope, v_BTHV = kv_BTHX.split([self.nope, self.v_dim], dim=-1)
+        k_BTHD = torch.cat([k_nope, rope_BTR[:, :, None].expand(-1, -1, self.num_heads, -1)], dim=-1)
+        q_BTHD = torch.cat([q_nope, q_rope], dim=-1)
+        o_BHTV = F.scaled_dot_product_attention(
+            q_BTHD.transpose(1, 2), k_BTHD.transpose(1, 2), v_BTHV.transpose(1, 2),
+            attn_mask=allowed_BTS[:, None], scale=self.scale,
+        )
+        return self.o_proj(o_BHTV.transpose(1, 2).reshape(B, T, -1)), idx_BTK
+
+    def forward(self, x_BTC, positions_T, pages: MLAPages, num_cached: int = 0, write: bool = False,
+                prev_idx=None, decode: DecodeMLA | None = None):
+        """Against pages, absorbed. write=True (capture): x's latent/rope/index keys are stored as pages
+        num_cached.. and x attends to pages [0, num_cached + T) causally. Otherwise x is a continuation of all
+        pages: it attends to every page plus its own keys (or, with a decode cache, all generated keys).
+        -> (y_BTC, idx_BTK): the selection, in positions on this call's key axis (shared layers reuse it)."""
+        B, T, _ = x_BTC.shape
+        cos, sin = rope_cos_sin(positions_T, self.rope_dim, self.cfg.rope_theta, x_BTC.dtype)
+        q_resid, q_nope, q_rope = self.project_q(x_BTC, cos, sin)
+        latent_BTL, rope_BTR = self.project_kv(x_BTC, cos, sin)
+        index_BTI = None if self.indexer is None else self.indexer.keys(x_BTC, cos, sin)
+        if write:
+            end = num_cached + T
+            pages.latent_PL[num_cached:end].copy_(latent_BTL[0])
+            pages.rope_PR[num_cached:end].copy_(rope_BTR[0])
+            if index_BTI is not None:
+                pages.index_PI[num_cached:end].copy_(index_BTI[0])
+            num_pages, new = end, None
+        else:
+            num_pages = pages.latent_PL.shape[0]
+            if decode is not None:
+                latent_BTL, rope_BTR, index_BTI = decode.append(latent_BTL, rope_BTR, index_BTI)
+            new = (latent_BTL, rope_BTR, index_BTI)
+        axis = KeyAxis(num_pages, 0 if new is None else new[0].shape[1], T)
+        if self.indexer is not None:
+            keys = [pages.index_PI[:num_pages]] + ([] if new is None else [new[2]])
+            idx_BTK = self.select(x_BTC, q_resid, cos, sin, keys, axis)
+        else:
+            idx_BTK = prev_idx
+        q_BTHA = self.absorb(q_nope, q_rope)
+        return self.output(self.attend(q_BTHA, pages, idx_BTK, axis, new)), idx_BTK
+
+    def attend(self, q_BTHA, pages: MLAPages, idx_BTK, axis: KeyAxis, new=None) -> torch.Tensor:
+        """Selected prompt pages (sparse_attention_fn) LSE-merged with the selected new keys. -> out_BTHL."""
+        P = axis.num_pages
+        out = None
+        if P > 0:
+            idx_pages = idx_BTK.masked_fill(idx_BTK >= P, -1)
+            out, lse = self.sparse_attention_fn(q_BTHA, pages.latent_PL[:P], pages.rope_PR[:P], idx_pages,
+                                                scale=self.scale)
+        if new is not None:
+            allowed_BTS = _selected_mask(idx_BTK, P, axis.num_new)
+            out_new, lse_new = dense_mla_attention(q_BTHA, new[0], new[1], allowed_BTS, scale=self.scale)
+            out, lse = (out_new, lse_new) if out is None else merge_lse(out, lse, out_new, lse_new)
+        return out
+
+    @torch.no_grad()
+    def capture_span(self, x_BTC, positions_T, pages: MLAPages, block_size: int, prev_idx=None):
+        """Layer-by-layer capture: the whole span's keys become the pages, then each block of queries attends to
+        the pages up to its end. -> (y_BTC, idx_BTK for the whole span)."""
+        T = x_BTC.shape[1]
+        cos, sin = rope_cos_sin(positions_T, self.rope_dim, self.cfg.rope_theta, x_BTC.dtype)
+        latent_BTL, rope_BTR = self.project_kv(x_BTC, cos, sin)
+        pages.latent_PL.copy_(latent_BTL[0])
+        pages.rope_PR.copy_(rope_BTR[0])
+        if self.indexer is not None:
+            pages.index_PI.copy_(self.indexer.keys(x_BTC, cos, sin)[0])
+        y, idx = [], []
+        for start in range(0, T, block_size):
+            end = min(T, start + block_size)
+            x, c, s = x_BTC[:, start:end], cos[start:end], sin[start:end]
+            q_resid, q_nope, q_rope = self.project_q(x, c, s)
+            axis = KeyAxis(end, 0, end - start)
+            if self.indexer is not None:
+                idx_BTK = self.select(x, q_resid, c, s, [pages.index_PI[:end]], axis)
+            else:
+                idx_BTK = prev_idx[:, start:end]
+            y.append(self.output(self.attend(self.absorb(q_nope, q_rope), pages, idx_BTK, axis)))
+            idx.append(idx_BTK)
+        return torch.cat(y, dim=1), torch.cat(idx, dim=1)
+
+
+def _selected_mask(idx_BTK: torch.Tensor, first: int, num: int) -> torch.Tensor:
+    """[B, T, num] bool: key first + s is among the selected (idx -1 and other keys ignored)."""
+    B, T, _ = idx_BTK.shape
+    local = idx_BTK - first
+    local = torch.where((local >= 0) & (local < num), local, num)
+    mask = torch.zeros(B, T, num + 1, dtype=torch.bool, device=idx_BTK.device)
+    return mask.scatter_(-1, local, True)[..., :num]
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TopkRouter(nn.Module):
+    """Sigmoid router in fp32: choice by score + e_score_correction_bias within the best groups, weights the
+    UNBIASED scores at the choice, renormalised, times routed_scaling_factor."""
+
+    def __init__(self, cfg: Glm52Config):
+        super().__init__()
+        self.cfg = cfg
+        dtype = fp32_or_wider(torch.get_default_dtype())
+        # HF keeps both in fp32 (`_keep_in_fp32_modules_strict`); the bias is a (checkpointed) buffer, not trained
+        self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size, dtype=dtype))
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=dtype))
+
+    def forward(self, x_NC: torch.Tensor):
+        cfg = self.cfg
+        N, E, G = x_NC.shape[0], cfg.n_routed_experts, cfg.n_group
+        logits_NE = F.linear(x_NC.to(self.weight.dtype), self.weight)
+        scores_NE = logits_NE.sigmoid()
+        with torch.no_grad():
+            choice_NE = scores_NE + self.e_score_correction_bias
+            group_NG = choice_NE.view(N, G, E // G).topk(min(2, E // G), dim=-1).values.sum(-1)
+            group_idx = group_NG.topk(cfg.topk_group, dim=-1).indices
+            keep_NG = torch.zeros_like(group_NG, dtype=torch.bool).scatter_(1, group_idx, True)
+            keep_NE = keep_NG[:, :, None].expand(N, G, E // G).reshape(N, E)
+            topk_idx_Nk = choice_NE.masked_fill(~keep_NE, float("-inf")).topk(cfg.num_experts_per_tok, dim=-1).indices
+        w_Nk = scores_NE.gather(1, topk_idx_Nk)
+        if cfg.norm_topk_prob:
+            w_Nk = w_Nk / (w_Nk.sum(-1, keepdim=True) + 1e-20)
+        return topk_idx_Nk, w_Nk * cfg.routed_scaling_factor
+
+
+class Experts(nn.Module):
+    """Routed experts as 3-D parameters (HF 5.24's in-memory layout)."""
+
+    def __init__(self, cfg: Glm52Config):
+        super().__init__()
+        E, C, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, C))
+        self.down_proj = nn.Parameter(torch.empty(E, C, I))
+
+
+def local_experts(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_proj_EXC, down_proj_ECI) -> torch.Tensor:
+    """Every chosen expert on this device, one expert at a time (HF's eager loop). The fp32 routing weight
+    multiplies each expert's output before it is added (so the router gets its gradient through it)."""
+    y_NC = torch.zeros_like(x_NC)
+    for e in topk_idx_Nk.unique().tolist():
+        token, slot = torch.where(topk_idx_Nk == e)
+        gate, up = F.linear(x_NC[token], gate_up_proj_EXC[e]).chunk(2, dim=-1)
+        h = F.linear(F.silu(gate) * up, down_proj_ECI[e]) * topk_w_Nk[token, slot, None]
+        y_NC.index_add_(0, token, h.to(y_NC.dtype))
+    return y_NC
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: Glm52Config):
+        super().__init__()
+        self.experts = Experts(cfg)
+        self.gate = TopkRouter(cfg)
+        self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+        self.experts_fn = local_experts
+
+    def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
+        x_NC = x_BTC.reshape(-1, x_BTC.shape[-1])
+        topk_idx_Nk, topk_w_Nk = self.gate(x_NC)
+        y_NC = self.experts_fn(x_NC, topk_idx_Nk, topk_w_Nk, self.experts.gate_up_proj, self.experts.down_proj)
+        return y_NC.view_as(x_BTC) + self.shared_experts(x_BTC)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Glm52Config, layer_idx: int):
+        super().__init__()
+        self.self_attn = MLAttention(cfg, layer_idx)
+        self.mlp = MoE(cfg) if cfg.layer_mlp_types[layer_idx] == "sparse" else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x_BTC, positions_T, pages=None, num_cached=0, write=False, prev_idx=None, grad_prefix=0,
+                decode=None):
+        """-> (x, idx): `pages` None runs the full-sequence reference; idx is this layer's DSA selection."""
+        h = self.input_layernorm(x_BTC)
+        if pages is None:
+            h, idx = self.self_attn.forward_reference(h, positions_T, prev_idx, grad_prefix)
+        else:
+            h, idx = self.self_attn(h, positions_T, pages, num_cached, write, prev_idx, decode)
+        x_BTC = x_BTC + h
+        return x_BTC + self.mlp(self.post_attention_layernorm(x_BTC)), idx
+
+    def capture_span(self, x_BTC, positions_T, pages, block_size: int, prev_idx=None):
+        """Layer-by-layer capture over a whole span; the MLP runs in blocks so [T, FFN] never exists."""
+        h, idx = self.self_attn.capture_span(self.input_layernorm(x_BTC), positions_T, pages, block_size, prev_idx)
+        x_BTC = x_BTC + h
+        for start in range(0, x_BTC.shape[1], block_size):
+            block = x_BTC[:, start : start + block_size]
+            block += self.mlp(self.post_attention_layernorm(block))
+        return x_BTC, idx
+
+
+class Glm52Backbone(nn.Module):
+    def __init__(self, cfg: Glm52Config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Glm52ForCausalLM(nn.Module):
+    family = "glm52"
+
+    def __init__(self, cfg: Glm52Config):
+        super().__init__()
+        self.config = cfg
+        self.model = Glm52Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02):
+        """HF-style init: normal(0, std) linears, embeddings, router and experts; norms at one; bias zero."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.normal_(0.0, std)
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+            elif isinstance(module, nn.LayerNorm):
+                module.weight.fill_(1.0)
+                module.bias.zero_()
+            elif isinstance(module, TopkRouter):
+                module.weight.normal_(0.0, std)
+                module.e_score_correction_bias.zero_()
+            elif isinstance(module, Experts):
+                module.gate_up_proj.normal_(0.0, std)
+                module.down_proj.normal_(0.0, std)
+
+    # -- reference path ---------------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, grad_prefix: int = 0) -> torch.Tensor:
+        """Logits [B, T, V] of a plain full-sequence forward. grad_prefix=n makes positions < n a constant
+        (what response_only replay computes, by an independent route)."""
+        ids_BT = input_ids[None] if input_ids.dim() == 1 else input_ids
+        positions_T = torch.arange(ids_BT.shape[1], device=ids_BT.device)
+        x_BTC, idx = self.model.embed_tokens(ids_BT), None
+        for layer in self.model.layers:
+            x_BTC, idx = layer(x_BTC, positions_T, prev_idx=idx, grad_prefix=grad_prefix)
+        logits = self.lm_head(self.model.norm(x_BTC))
+        return logits[0] if input_ids.dim() == 1 else logits
+
+    # -- resident state ---------------------------------------------------------------------------------------
+    def empty_resident(self, num_tokens: int, page_dtype: torch.dtype | None = None,
+                       offload: str | None = None) -> Resident:
+        """Preallocated pages for `num_tokens` captured tokens; offload="cpu" puts them in (pinned) CPU memory."""
+        if offload not in OFFLOAD_CHOICES:
+            raise ValueError(f"offload={offload!r}; valid: {list(OFFLOAD_CHOICES)}")
+        cfg, w = self.config, self.lm_head.weight
+        page_dtype = page_dtype or w.dtype
+
+        def buffer(*shape):
+            if offload == "cpu":
+                return host_buffer(shape, page_dtype)
+            return torch.zeros(shape, dtype=page_dtype, device=w.device)
+
+        layers = [
+            MLAPages(buffer(num_tokens, cfg.kv_lora_rank), buffer(num_tokens, cfg.qk_rope_head_dim),
+                     buffer(num_tokens, cfg.index_head_dim) if kind == "full" else None)
+            for kind in cfg.layer_indexer_types
+        ]
+        return Resident(layers=layers, num_tokens=num_tokens, last_token=-1, offload=offload)
+
+    def resident_bytes(self, num_tokens: int, page_dtype: torch.dtype | None = None) -> dict[str, int]:
+        """Analytic size of the resident state: what `Resident.nbytes()` must report."""
+        cfg = self.config
+        size = (page_dtype or self.lm_head.weight.dtype).itemsize
+        num_full = sum(t == "full" for t in cfg.layer_indexer_types)
+        out = {
+            "latent_pages": cfg.num_hidden_layers * num_tokens * cfg.kv_lora_rank * size,
+            "rope_pages": cfg.num_hidden_layers * num_tokens * cfg.qk_rope_head_dim * size,
+            "index_pages": num_full * num_tokens * cfg.index_head_dim * size,
+        }
+        out["total"] = sum(out.values())
+        return out
+
+    def _check_prompt(self, prompt_ids, block_size):
+        if prompt_ids.dim() != 1 or prompt_ids.numel() == 0:
+            raise ValueError(f"capture takes a non-empty 1-D prompt, got shape {tuple(prompt_ids.shape)}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+
+    @torch.no_grad()
+    def capture(self, prompt_ids: torch.Tensor, block_size: int = 4096, page_dtype: torch.dtype | None = None,
+                offload: str | None = None) -> Resident:
+        """Resident state of a 1-D prompt: its first P-1 tokens; the last token is kept for replay.
+        On-device pages: block by block through all layers (activations bounded by one block).
+        offload="cpu": layer by layer (`capture_span`), so each layer's pages cross to the host once."""
+        self._check_prompt(prompt_ids, block_size)
+        num_tokens = prompt_ids.numel() - 1
+        if offload is not None:
+            return self.capture_span(prompt_ids[:-1], start=0, num_tokens=num_tokens, last_token=int(prompt_ids[-1]),
+                                     block_size=block_size, page_dtype=page_dtype, offload=offload)
+        resident = self.empty_resident(num_tokens, page_dtype)
+        resident.last_token = int(prompt_ids[-1])
+        for start in range(0, num_tokens, block_size):
+            end = min(num_tokens, start + block_size)
+            positions_T = torch.arange(start, end, device=prompt_ids.device)
+            x_BTC, idx = self.model.embed_tokens(prompt_ids[start:end])[None], None
+            for layer, pages in zip(self.model.layers, resident.layers):
+                x_BTC, idx = layer(x_BTC, positions_T, pages, num_cached=start, write=True, prev_idx=idx)
+        return resident
+
+    @torch.no_grad()
+    def capture_span(self, span_ids: torch.Tensor, *, start: int, num_tokens: int, last_token: int,
+                     block_size: int = 4096, page_dtype: torch.dtype | None = None,
+                     offload: str | None = None) -> Resident:
+        """Layer-by-layer capture of prompt tokens [start, start + len(span_ids)): one layer over the whole span
+        at a time; its pages are written on the device, then (offload="cpu") copied to the host while the next
+        layer computes. On one device start is 0 and it equals `capture`; context parallel runs it per rank's
+        span with the hooks swapped. Holds the span's hidden states and, for shared indexer layers, the span's
+        top-k indices [T, index_topk]."""
+        if span_ids.dim() != 1 or block_size < 1:
+            raise ValueError(f"capture_span takes a 1-D span and block_size >= 1, got shape "
+                             f"{tuple(span_ids.shape)}, block_size {block_size}")
+        resident = self.empty_resident(span_ids.numel(), page_dtype, offload)
+        resident.num_tokens, resident.last_token = num_tokens, last_token
+        if span_ids.numel() == 0:
+            return resident
+        device = self.lm_head.weight.device
+        positions_T = torch.arange(start, start + span_ids.numel(), device=device)
+        x_BTC, idx = self.model.embed_tokens(span_ids.to(device))[None], None
+        for layer, pages in zip(self.model.layers, resident.layers):
+            work = pages if offload is None else self._device_pages(pages, device)
+            x_BTC, idx = layer.capture_span(x_BTC, positions_T, work, block_size, idx)
+            if offload is not None:
+                copy_to_host(pages.tensors(), work.tensors())
+        if offload is not None and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return resident
+
+    @staticmethod
+    def _device_pages(host: MLAPages, device) -> MLAPages:
+        def like(t):
+            return None if t is None else torch.empty(t.shape, dtype=t.dtype, device=device)
+        return MLAPages(like(host.latent_PL), like(host.rope_PR), like(host.index_PI))
+
+    def _stager(self, resident: Resident, grad: bool):
+        """Layer pages on the compute device: the pages themselves, or staged copies when offloaded. Under
+        autograd only the index keys are staged: the sparse attention saves the pages it reads for backward, so
+        it reads the host pages (gathering the selected rows) instead of keeping a device copy per layer."""
+        if resident.offload is None:
+            return lambda i: resident.layers[i]
+        return LayerStager(resident.layers, self.lm_head.weight.device, index_only=grad).get
+
+    # -- replay / scoring -------------------------------------------------------------------------------------
+    def replay_hidden(self, resident: Resident, input_ids_BT: torch.Tensor) -> torch.Tensor:
+        """Final-norm hidden states of tokens that follow the captured span, read against the resident state."""
+        start = resident.num_tokens
+        positions_T = torch.arange(start, start + input_ids_BT.shape[1], device=input_ids_BT.device)
+        x_BTC, idx = self.model.embed_tokens(input_ids_BT), None
+        stage = self._stager(resident, torch.is_grad_enabled())
+        for i, layer in enumerate(self.model.layers):
+            x_BTC, idx = layer(x_BTC, positions_T, stage(i), prev_idx=idx)
+        return self.model.norm(x_BTC)
+
+    def logprobs(self, resident: Resident, response_ids: torch.Tensor, grad: bool = False,
+                 chunk_size: int = 1024) -> torch.Tensor:
+        """log p(r_i | prompt, r_<i) for each response token: [R] for a 1-D response, [B, R] for a batch of
+        equal-length responses (right padding is harmless: every position only sees earlier ones).
+        grad=True: differentiable w.r.t. the parameters, the resident state being a constant (response_only)."""
+        ids_BR = response_ids[None] if response_ids.dim() == 1 else response_ids
+        B = ids_BR.shape[0]
+        last_B1 = torch.full((B, 1), resident.last_token, dtype=ids_BR.dtype, device=ids_BR.device)
+        # replay [p_last, r_0 .. r_{R-2}] predicting r_0 .. r_{R-1}
+        inputs_BR = torch.cat([last_B1, ids_BR[:, :-1]], dim=1)
+        with torch.set_grad_enabled(grad):
+            h_BRC = self.replay_hidden(resident, inputs_BR)
+            logp_BR = token_logprobs(h_BRC, self.lm_head.weight, ids_BR, chunk_size)
+        return logp_BR[0] if response_ids.dim() == 1 else logp_BR
+
+    # -- native rollout ---------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def start_decode(self, resident: Resident, batch: int, max_new_tokens: int) -> DecodeState:
+        """Per-sequence latent/rope/index keys of the generated tokens; the prompt pages are shared, never copied."""
+        w = self.lm_head.weight
+        dtype = resident.layers[0].latent_PL.dtype if resident.layers else w.dtype
+        layers = [DecodeMLA(batch, max_new_tokens, self.config, layer.self_attn.full_indexer, dtype, w.device)
+                  for layer in self.model.layers]
+        return DecodeState(layers)
+
+    @torch.no_grad()
+    def decode_step(self, resident: Resident, decode: DecodeState, tokens_B: torch.Tensor) -> torch.Tensor:
+        """Feed one token per sequence (the first is the prompt's last token); next-token logits [B, V]."""
+        position = resident.num_tokens + decode.step
+        positions_T = torch.arange(position, position + 1, device=tokens_B.device)
+        x_BTC, idx = self.model.embed_tokens(tokens_B[:, None]), None
+        stage = self._stager(resident, grad=False)
+        for i, (layer, dec) in enumerate(zip(self.model.layers, decode.layers)):
+            x_BTC, idx = layer(x_BTC, positions_T, stage(i), prev_idx=idx, decode=dec)
+        decode.step += 1
+        return at_least_fp32(self.lm_head(self.model.norm(x_BTC))[:, 0])
