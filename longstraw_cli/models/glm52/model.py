@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from longstraw_cli.models.glm52.config import Glm52Config
+from longstraw_cli.models.embedding import Embedding
 from longstraw_cli.models.logprobs import token_logprobs
 from longstraw_cli.resident import MLAPages, Resident
 from longstraw_cli.resident.offload import LayerStager, copy_to_host, host_buffer
@@ -511,7 +512,7 @@ class DecoderLayer(nn.Module):
 class Glm52Backbone(nn.Module):
     def __init__(self, cfg: Glm52Config):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
