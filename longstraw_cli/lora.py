@@ -30,8 +30,16 @@ from torch import nn
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj", "gate_proj",
                    "up_proj", "down_proj")
+# each family's linears (glm52's routed experts are 3-D parameters, not nn.Linear: they are not adapted)
+FAMILY_TARGETS = {
+    "qwen36": DEFAULT_TARGETS,
+    "glm52": ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
+              "down_proj"),
+}
 # tied to the vocabulary (and possibly to each other): adapting them is a different method, not a target
 NEVER_TARGETED = ("lm_head", "embed_tokens")
+# modules that never receive a gradient from the loss (glm52's DSA indexer runs without autograd)
+NO_GRADIENT_SCOPES = ("indexer",)
 ADAPTER_NAMES = ("lora_A", "lora_B")
 
 
@@ -41,8 +49,9 @@ class LoraConfig:
     rank: int = 0
     alpha: float = 16.0
     dropout: float = 0.0
-    # matched against the module path: the last component, or a dotted suffix ("mlp.down_proj")
-    target_modules: tuple[str, ...] = DEFAULT_TARGETS
+    # matched against the module path: the last component, or a dotted suffix ("mlp.down_proj");
+    # None: the model family's FAMILY_TARGETS
+    target_modules: tuple[str, ...] | None = None
 
     def __post_init__(self):
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
@@ -55,10 +64,12 @@ class LoraConfig:
             0 <= self.dropout < 1
         ):
             raise ValueError(f"lora dropout must be in [0, 1), got {self.dropout!r}")
+        if self.target_modules is None:
+            return
         if isinstance(self.target_modules, str) or not isinstance(self.target_modules, (list, tuple)):
             raise ValueError(
                 f"lora target_modules must be a list of module names, got {self.target_modules!r}; "
-                f"qwen36 has {list(DEFAULT_TARGETS)}"
+                f"family defaults: {FAMILY_TARGETS}"
             )
         # a list from the config composer becomes the tuple a frozen config should hold
         object.__setattr__(self, "target_modules", tuple(self.target_modules))
@@ -66,13 +77,13 @@ class LoraConfig:
             if not isinstance(target, str) or not target or target.split(".")[-1] in NEVER_TARGETED:
                 raise ValueError(
                     f"lora target {target!r} is not allowed ({list(NEVER_TARGETED)} are never targeted); "
-                    f"qwen36 has {list(DEFAULT_TARGETS)}"
+                    f"family defaults: {FAMILY_TARGETS}"
                 )
         duplicates = sorted({t for t in self.target_modules if self.target_modules.count(t) > 1})
         if duplicates:
             raise ValueError(f"lora target_modules lists {duplicates} more than once")
         if self.rank > 0 and not self.target_modules:
-            raise ValueError(f"lora rank={self.rank} with no target_modules; qwen36 has {list(DEFAULT_TARGETS)}")
+            raise ValueError(f"lora rank={self.rank} with no target_modules; family defaults: {FAMILY_TARGETS}")
 
     @property
     def enabled(self) -> bool:
@@ -143,7 +154,7 @@ def _candidate_linears(model: nn.Module) -> dict[str, nn.Linear]:
     return {
         name: m for name, m in model.named_modules()
         if isinstance(m, nn.Linear) and name.split(".")[-1] not in NEVER_TARGETED
-        and id(m.weight) not in embedding_weights
+        and id(m.weight) not in embedding_weights and not set(name.split(".")) & set(NO_GRADIENT_SCOPES)
     }
 
 
@@ -159,11 +170,18 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, *, dtype: torch.dtype | None =
     if lora_layers(model):
         raise ValueError("model already has LoRA adapters; apply_lora once per model")
     candidates = _candidate_linears(model)
-    unknown = [t for t in cfg.target_modules if not any(_matches(name, t) for name in candidates)]
+    targets = cfg.target_modules
+    if targets is None:
+        family = getattr(model, "family", "qwen36")
+        if family not in FAMILY_TARGETS:
+            raise ValueError(f"no default LoRA targets for model family {family!r}; pass lora.target_modules "
+                             f"(known families: {sorted(FAMILY_TARGETS)})")
+        targets = FAMILY_TARGETS[family]
+    unknown = [t for t in targets if not any(_matches(name, t) for name in candidates)]
     if unknown:
         names = sorted({name.split(".")[-1] for name in candidates})
         raise ValueError(f"lora target_modules {unknown} match no nn.Linear of the model; its linears: {names}")
-    targeted = [name for name in candidates if any(_matches(name, t) for t in cfg.target_modules)]
+    targeted = [name for name in candidates if any(_matches(name, t) for t in targets)]
     for name in targeted:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
