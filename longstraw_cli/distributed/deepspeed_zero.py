@@ -36,6 +36,9 @@ def import_deepspeed():
     except ImportError as e:
         raise ImportError(f"strategy=deepspeed needs DeepSpeed: pip install deepspeed (or the project's "
                           f"`deepspeed` extra: pip install 'longstraw[deepspeed]'); import failed: {e}") from None
+    if not hasattr(deepspeed.DeepSpeedEngine, "coalesce_grad_reduction"):
+        raise ImportError(f"strategy=deepspeed needs DeepSpeed >= 0.19.8 (engine.coalesce_grad_reduction), found "
+                          f"{deepspeed.__version__}: pip install -U deepspeed")
     if os.environ.get("DS_ACCELERATOR") == "cpu":
         # on CPU, DeepSpeed's communication set-up JIT-compiles a shared-memory all-reduce (3-4 minutes on two
         # cores) that serves inference only; marking it unavailable skips that, and the probe of every other op
@@ -141,4 +144,25 @@ class DeepSpeedStrategy(LocalStrategy):
         return model_state, {"state": state, "param_groups": groups[:1]}
 
     def load_state_dict(self, model_state, optimizer_state):
-        raise NotImplementedError("resume under strategy=deepspeed is not supported yet")
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        zero = self.engine.optimizer
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in model_state.items():
+                # ZeRO-1/2 keep the whole model weights on every rank, and the fp32 master copy partitioned
+                params[name].copy_(tensor)
+                safe_set_full_fp32_param(params[name], tensor.float())
+        state = optimizer_state["state"]
+        if not state:
+            return
+        # torch's AdamW creates its state at the first step; ZeRO's lives on the flat fp32 partitions
+        step = state[next(iter(state))]["step"]
+        for flat in (p for group in zero.optimizer.param_groups for p in group["params"]):
+            zero.optimizer.state[flat] = {"step": step.clone().float(), "exp_avg": torch.zeros_like(flat),
+                                          "exp_avg_sq": torch.zeros_like(flat)}
+        zero._hp_optimizer_states_linked = False
+        zero._lazy_init_hp_params_optimizer_state()
+        for i, p in enumerate(self.params):
+            for key in ("exp_avg", "exp_avg_sq"):
+                safe_set_full_optimizer_state(p, state[i][key].float(), key)
