@@ -18,14 +18,13 @@ external parameter, and the graph-free phases would need the whole model gathere
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from longstraw_cli.distributed.strategy import LocalStrategy, MakeOptimizer, _Replay, _trainable
+from longstraw_cli.distributed.strategy import LocalStrategy, MakeOptimizer, _Replay
 
 
 def import_deepspeed():
@@ -105,7 +104,7 @@ class DeepSpeedStrategy(LocalStrategy):
     def replay(self, index: int, count: int):
         if index == 0:
             self._coalesced.enter_context(self.engine.coalesce_grad_reduction())
-        yield functools.partial(self.engine)
+        yield self.engine
 
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss, scale_wrt_gas=False)
@@ -130,18 +129,17 @@ class DeepSpeedStrategy(LocalStrategy):
         for name, p in self.model.named_parameters():
             if p.requires_grad:
                 model_state[name] = safe_get_full_fp32_param(p).to(p.dtype)
-        state = {}
+        # ZeRO's torch optimizer holds one flat fp32 partition per parameter group (one group here)
         inner = self.engine.optimizer.optimizer
-        step = next((s["step"] for s in inner.state.values() if "step" in s), None)
-        for i, p in enumerate(self.params):
-            if step is None:
-                break
-            state[i] = {"step": step.clone(),
-                        "exp_avg": safe_get_full_optimizer_state(p, "exp_avg").to(p.dtype),
-                        "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq").to(p.dtype)}
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
-        groups[0]["params"] = list(range(len(self.params)))
-        return model_state, {"state": state, "param_groups": groups[:1]}
+        steps = [s["step"] for s in inner.state.values() if "step" in s]
+        state = {}
+        if steps:  # before the first step torch's AdamW has no state either
+            state = {i: {"step": steps[0].clone(),
+                         "exp_avg": safe_get_full_optimizer_state(p, "exp_avg").to(p.dtype),
+                         "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq").to(p.dtype)}
+                     for i, p in enumerate(self.params)}
+        group = {k: v for k, v in inner.param_groups[0].items() if k != "params"}
+        return model_state, {"state": state, "param_groups": [{**group, "params": list(range(len(self.params)))}]}
 
     def load_state_dict(self, model_state, optimizer_state):
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state

@@ -149,8 +149,7 @@ class DDPStrategy(LocalStrategy):
         from torch.nn.parallel import DistributedDataParallel
 
         # device_ids=None: inputs stay where they are (DDP would rebuild the Resident to move it)
-        self.ddp = DistributedDataParallel(_Replay(model), process_group=dp_group, broadcast_buffers=False,
-                                           find_unused_parameters=True)
+        self.ddp = DistributedDataParallel(_Replay(model), process_group=dp_group, find_unused_parameters=True)
         super().__init__(model, make_optimizer([p for p in model.parameters() if p.requires_grad]), max_grad_norm)
 
     @contextlib.contextmanager
