@@ -109,7 +109,9 @@ def test_resume_after_kill_continues_with_uninterrupted_metrics(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "longstraw_cli", "train", *common, f"run_dir={run}"],
                             cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     def newest_checkpoint() -> int:
-        steps = [int(p.parent.name[len("step_"):]) for p in (run / "checkpoints").glob("step_*/COMPLETE")]
+        # a checkpoint being written holds its COMPLETE in step_N.tmp-<pid>/ until the rename: not one yet
+        steps = [int(p.parent.name[len("step_"):]) for p in (run / "checkpoints").glob("step_*/COMPLETE")
+                 if ".tmp-" not in p.parent.name]
         return max(steps, default=0)
 
     deadline = time.time() + 600
