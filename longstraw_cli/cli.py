@@ -17,7 +17,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-GROUPS = ("model", "task", "algo", "rollout", "logger")
+GROUPS = ("model", "task", "algo", "rollout", "logger", "strategy")
 
 
 def _run_id() -> str:

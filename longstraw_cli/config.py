@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from longstraw_cli.distributed.strategy import StrategyConfig
 from longstraw_cli.distributed.topology import ParallelDims
 from longstraw_cli.lora import LoraConfig
 from longstraw_cli.models import MODEL_NAMES
@@ -109,6 +110,7 @@ class TrainConfig:
     optim: OptimConfig
     lora: LoraConfig
     checkpoint: CheckpointConfig
+    strategy: StrategyConfig = StrategyConfig()
     cp: int = 1
     ep: int = 1
     group_size: int = 8
@@ -207,6 +209,7 @@ def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
         model=model, task=task, reward=reward, loss=loss, transaction=transaction,
         rollout=RolloutConfig(engine, sampling, vllm), logger=LoggerConfig(backends, wandb), optim=optim,
         lora=_build(LoraConfig, d["lora"], "lora"), checkpoint=_build(CheckpointConfig, d["checkpoint"], "checkpoint"),
+        strategy=_build(StrategyConfig, d["strategy"], "strategy"),
         cp=d["cp"], ep=d["ep"], group_size=d["group_size"], steps=d["steps"], prompt_tokens=d["prompt_tokens"],
         response_tokens=d["response_tokens"], seed=d["seed"], device=device, run_dir=str(d["run_dir"]),
         resume=bool(d["resume"]), export_hf=bool(d["export_hf"]),

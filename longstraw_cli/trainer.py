@@ -5,7 +5,7 @@
 With the native engine the prompt is captured once per iteration and that one resident state serves rollout,
 scoring and replay. With vLLM the rollout runs in vLLM (weights pushed first) and the transaction captures.
 Data parallel ranks take different prompts (example index step * dp + dp_rank) and finalize gradients once per
-step with one all-reduce.
+step through the configured strategy (`strategy=ddp|fsdp2|deepspeed`, distributed/strategy.py).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch.distributed as dist
 from longstraw_cli.checkpoint import CheckpointManager, capture_rng, restore_rng
 from longstraw_cli.config import TrainConfig
 from longstraw_cli.distributed.cp import apply_context_parallel
+from longstraw_cli.distributed.strategy import make_strategy
 from longstraw_cli.distributed.topology import ParallelDims, env_rank_world
 from longstraw_cli.lora import adapters_disabled, apply_lora
 from longstraw_cli.models import build_model, from_pretrained
@@ -64,7 +65,7 @@ class Trainer:
         if world_size > 1:
             if not dist.is_initialized():
                 dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
-            self.cp_group, self.dp_group = self._groups()
+            self.cp_group, self.dp_group = self.dims.new_groups(self.rank)
         self.run_dir = Path(cfg.run_dir)
         self.checkpoints = CheckpointManager(self.run_dir, keep=cfg.checkpoint.keep, rank=self.rank)
         if not cfg.resume and self.checkpoints.latest() is not None:
@@ -77,13 +78,12 @@ class Trainer:
         if cfg.cp > 1:
             apply_context_parallel(self.model, self.cp_group)
         if cfg.lora.rank > 0:
-            trainable = apply_lora(self.model, cfg.lora)
-        else:
-            trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(trainable, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
-                                           weight_decay=cfg.optim.weight_decay)
-        self.transaction = Transaction(self.model, self.optimizer, cfg.loss, cfg.transaction,
-                                       reference=self._reference(), finalize_grads=self._finalize_grads)
+            apply_lora(self.model, cfg.lora)
+        # the reference copies the policy's weights before a strategy may shard them
+        reference = self._reference()
+        self.strategy = make_strategy(cfg.strategy, self.model, self._optimizer, max_grad_norm=cfg.optim.max_grad_norm,
+                                      num_replays=cfg.group_size, dp_group=self.dp_group, cp_group=self.cp_group)
+        self.transaction = Transaction(self.model, self.strategy, cfg.loss, cfg.transaction, reference=reference)
         self.task = make_task(cfg.task, self.tokenizer)
         self.reward_fn = get_reward(cfg.reward or self.task.default_reward)
         self.sampling = dataclasses.replace(cfg.rollout.sampling, stop_token_ids=(self.tokenizer.eos_token_id,))
@@ -91,8 +91,8 @@ class Trainer:
         self.generator = torch.Generator(self.device).manual_seed(cfg.seed * 1000 + self.dp_rank)
         self.engine = self._vllm_engine() if cfg.rollout.engine == "vllm" else None
         self.start_step = self._resume() if cfg.resume else 0
-        log.info("rank %d of %d (%s), starting at step %d of %d", self.rank, world_size, self.dims, self.start_step,
-                 cfg.steps)
+        log.info("rank %d of %d (%s, strategy %s), starting at step %d of %d", self.rank, world_size, self.dims,
+                 self.strategy.name, self.start_step, cfg.steps)
         self.metrics = MetricsLogger(
             self.run_dir, backends=cfg.logger.backends, rank=self.rank, wandb_cfg=cfg.logger.wandb,
             resume_step=self.start_step if cfg.resume else None, config=cfg.as_dict(),
@@ -109,6 +109,10 @@ class Trainer:
             raise TrainerError(f"tokenizer {m.tokenizer!r} has {self.tokenizer.vocab_size} ids but the model's "
                                f"vocab is {model.config.vocab_size}")
         return model
+
+    def _optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        optim = self.cfg.optim
+        return torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
 
     def _reference(self) -> Reference | None:
         """The KL reference: with LoRA the same weights with adapters off, else a frozen copy of the start."""
@@ -134,30 +138,12 @@ class Trainer:
             dist.barrier()
         return VllmEngine(str(export_dir), self.cfg.rollout.vllm)
 
-    def _groups(self):
-        """(this rank's CP group, its DP group). new_group is collective: every rank creates every group."""
-        cp_groups = [dist.new_group(self.dims.cp_group_ranks(d)) for d in range(self.dims.dp)]
-        dp_groups = [dist.new_group(self.dims.dp_group_ranks(c)) for c in range(self.dims.cp)]
-        return cp_groups[self.dp_rank], dp_groups[self.cp_rank]
-
-    def _finalize_grads(self, model: torch.nn.Module) -> None:
-        """The one reduction per optimizer step: average gradients over the data-parallel ranks. The ranks of a
-        CP group already hold identical gradients (replay all-reduces dq inside attention)."""
-        if self.dims.dp == 1:
-            return
-        for p in self.optimizer.param_groups[0]["params"]:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=self.dp_group)
-            p.grad /= self.dims.dp
-
     # -- checkpoints ------------------------------------------------------------------------------------------
-    def _trainable_state(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad}
-
     def _save(self, step: int) -> None:
+        # whole tensors, whatever the strategy (a collective under fsdp2 / deepspeed: every rank is here)
+        model_state, optimizer_state = self.strategy.state_dict()
         self.checkpoints.save(
-            step, model_state=self._trainable_state(), optimizer_state=self.optimizer.state_dict(),
+            step, model_state=model_state, optimizer_state=optimizer_state,
             trainer_state={"step": step, "rng": capture_rng({"sampling": self.generator})},
         )
 
@@ -166,15 +152,11 @@ class Trainer:
         if latest is None:
             return 0
         model_state, optimizer_state, trainer_state = self.checkpoints.load(latest, map_location=self.device)
-        expected = set(self._trainable_state())
+        expected = {n for n, p in self.model.named_parameters() if p.requires_grad}
         if set(model_state) != expected:
             raise TrainerError(f"{latest} does not match this model's trainable parameters "
                                f"(e.g. {sorted(set(model_state) ^ expected)[:3]})")
-        with torch.no_grad():
-            params = dict(self.model.named_parameters())
-            for name, tensor in model_state.items():
-                params[name].copy_(tensor)
-        self.optimizer.load_state_dict(optimizer_state)
+        self.strategy.load_state_dict(model_state, optimizer_state)
         restore_rng(trainer_state["rng"], {"sampling": self.generator})
         return int(trainer_state["step"])
 
@@ -212,8 +194,10 @@ class Trainer:
             return out
 
         example, prompt_ids = self.example(step)
-        resident = timed("capture", self.capture, prompt_ids)
-        rollout = timed("rollout", self.rollout, resident, prompt_ids)
+        # ranks call the model a data-dependent number of times here: fsdp2 gathers the weights once around it
+        with self.strategy.full_weights():
+            resident = timed("capture", self.capture, prompt_ids)
+            rollout = timed("rollout", self.rollout, resident, prompt_ids)
         rewards = timed("reward", self.reward, example, rollout)
         # native rollout's log-probs are the graph-free on-policy scores of the same resident state; vLLM's come
         # from its own kernels and precision, so the transaction re-scores them from our resident state
@@ -261,10 +245,12 @@ class Trainer:
                     self._save(done)
         finally:
             self.metrics.close()
-        if self.rank == 0 and self.cfg.export_hf:
+        if self.cfg.export_hf:
             from longstraw_cli.lora import export_hf
 
-            export_hf(self.model, self.run_dir / "hf")
+            with self.strategy.full_weights():
+                if self.rank == 0:
+                    export_hf(self.model, self.run_dir / "hf")
         if self.rank == 0 and "jsonl" in self.cfg.logger.backends:
             with contextlib.suppress(ImportError):
                 from longstraw_cli.telemetry.plot import plot_memory

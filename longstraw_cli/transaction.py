@@ -5,21 +5,22 @@
 The prompt is captured once without autograd; old-policy and reference log-probs are scored graph-free from a
 resident state; each response is replayed alone with autograd and its loss backpropagated at once, so at most one
 response graph is alive; gradients accumulate in .grad, are finalized once (the one distributed reduction, a
-no-op on one rank) and one optimizer step is taken.
+no-op on one rank) and one optimizer step is taken. A strategy (distributed/strategy.py) owns the replay's
+forward/backward, the finalization and the step: `local` (given an optimizer alone), `ddp`, `fsdp2`, `deepspeed`.
 
 Simplifications: response_only gradients (the resident state is a constant); one prompt per transaction (data
-parallelism across prompts sits above, in the finalize hook).
+parallelism across prompts sits above, in the strategy).
 """
 
 from __future__ import annotations
 
 import contextlib
-
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from longstraw_cli.distributed.strategy import LocalStrategy
 from longstraw_cli.rl.advantages import get_advantage
 from longstraw_cli.rl.losses import GroupShape, LossConfig, response_loss, sum_stats, summarize_stats
 from longstraw_cli.telemetry.memory import GraphMemory, PhaseClock
@@ -58,10 +59,6 @@ class TransactionResult:
         return self.resident_bytes["total"] + self.graph_peak_bytes
 
 
-def _no_finalize(model: torch.nn.Module) -> None:
-    return None
-
-
 class Reference:
     """Reference log-probs, graph-free, from the reference policy's own capture of the prompt. `context` puts
     the model into its reference form (with LoRA: the same weights with the adapters disabled)."""
@@ -90,16 +87,18 @@ def score(model: torch.nn.Module, resident, responses: Sequence[torch.Tensor],
 
 
 class Transaction:
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_cfg: LossConfig,
-                 cfg: TransactionConfig = TransactionConfig(), *, reference: Reference | None = None,
-                 finalize_grads: Callable[[torch.nn.Module], None] = _no_finalize):
+    """`strategy`: what finalizes gradients and steps (distributed/strategy.py); an optimizer alone means one
+    data-parallel rank, `LocalStrategy(model, optimizer, cfg.max_grad_norm)`."""
+
+    def __init__(self, model: torch.nn.Module, strategy: LocalStrategy | torch.optim.Optimizer, loss_cfg: LossConfig,
+                 cfg: TransactionConfig = TransactionConfig(), *, reference: Reference | None = None):
         if loss_cfg.kl_coef > 0 and reference is None:
             raise ValueError(f"kl_coef={loss_cfg.kl_coef} needs a reference policy (kl_coef=0 skips it)")
-        self.model, self.optimizer, self.loss_cfg, self.cfg = model, optimizer, loss_cfg, cfg
+        if isinstance(strategy, torch.optim.Optimizer):
+            strategy = LocalStrategy(model, strategy, cfg.max_grad_norm)
+        self.model, self.strategy, self.loss_cfg, self.cfg = model, strategy, loss_cfg, cfg
         # kl_coef 0 skips the reference entirely: no capture, no scoring
         self.reference = reference if loss_cfg.kl_coef > 0 else None
-        self.finalize_grads = finalize_grads
-        self.params = [p for p in model.parameters() if p.requires_grad]
 
     # -- phases -----------------------------------------------------------------------------------------------
     def capture(self, prompt_ids: torch.Tensor):
@@ -111,26 +110,27 @@ class Transaction:
     def replay(self, resident, responses, old_logprobs, ref_logprobs, advantages) -> tuple[list[dict], GraphMemory]:
         """One response at a time: forward with autograd, loss, backward, graph freed."""
         group = GroupShape.from_lengths([len(r) for r in responses])
-        meter = GraphMemory(exclude=[*self.model.parameters(), *resident.tensors()])
+        meter = GraphMemory(exclude=[*self.strategy.weights(), *resident.tensors()])
         stats = []
         with meter:
             for i, response in enumerate(responses):
-                logp = self.model.logprobs(resident, response, grad=True, chunk_size=self.cfg.logprob_chunk)
-                ref = None if ref_logprobs is None else ref_logprobs[i]
-                loss, s = response_loss(self.loss_cfg, logp, old_logprobs[i], advantages[i], group, ref)
-                loss.backward()
-                del logp, loss
+                # the strategy's replay context: no gradient reduction before the last replay
+                with self.strategy.replay(i, len(responses)) as logprobs:
+                    logp = logprobs(resident, response, chunk_size=self.cfg.logprob_chunk)
+                    ref = None if ref_logprobs is None else ref_logprobs[i]
+                    loss, s = response_loss(self.loss_cfg, logp, old_logprobs[i], advantages[i], group, ref)
+                    self.strategy.backward(loss)
+                    del logp, loss
                 stats.append(s)
         return stats, meter
 
     def finalize(self) -> float:
-        self.finalize_grads(self.model)
-        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else float("inf")
-        return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        """The one reduction per optimizer step (where the last backward has not done it) and clipping; returns
+        the global gradient norm before clipping."""
+        return self.strategy.finalize()
 
     def step(self) -> None:
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.strategy.step()
 
     # -- the transaction --------------------------------------------------------------------------------------
     def run(self, prompt_ids: torch.Tensor, responses: Sequence[torch.Tensor], rewards: torch.Tensor, *,
@@ -142,11 +142,11 @@ class Transaction:
             raise ValueError("every response needs at least one token")
         device = prompt_ids.device
         clock = PhaseClock(device)
-        self.optimizer.zero_grad(set_to_none=True)
+        self.strategy.zero_grad()
         if resident is None:
-            with clock.phase("capture"):
+            with clock.phase("capture"), self.strategy.full_weights():
                 resident = self.capture(prompt_ids)
-        with clock.phase("score"):
+        with clock.phase("score"), self.strategy.full_weights():
             if old_logprobs is None:
                 old_logprobs = self.score(resident, responses)
             ref_logprobs = None if self.reference is None else self.reference(prompt_ids, responses)

@@ -31,6 +31,8 @@ def rows(run_dir: Path) -> list[dict]:
     ("foo=1", "unknown config key 'foo'; valid keys at the top level"),
     ("optim.lrr=3", "unknown config key 'optim.lrr'; valid keys under 'optim': ['betas', 'lr'"),
     ("algo=ppo", "algo=ppo: no such algo config; valid: ['dapo', 'dr_grpo', 'grpo', 'gspo']"),
+    ("strategy=zero3", "strategy=zero3: no such strategy config; valid: ['ddp', 'deepspeed', 'fsdp2']"),
+    ("strategy.zero_stage=1", "unknown config key 'strategy.zero_stage'; valid keys under 'strategy': ['name']"),
 ])
 def test_bad_keys_and_group_options_are_caught_before_hydra(override, expected):
     assert expected in check_overrides([override])
@@ -46,6 +48,8 @@ def test_bad_keys_and_group_options_are_caught_before_hydra(override, expected):
     (["model=qwen36_tiny", "foo=1"], "unknown config key 'foo'"),
     (["task=jsonl"], "missing value(s) for ['task.path']"),
     (["algo.kl_estimator=k9"], "unknown kl_estimator 'k9'; valid choices: ['k1', 'k2', 'k3']"),
+    (["strategy.name=zero"], "strategy: name='zero'; valid: ['ddp', 'fsdp2', 'deepspeed']"),
+    (["strategy=deepspeed", "strategy.zero_stage=3"], "strategy: zero_stage=3; valid: [1, 2]"),
 ])
 def test_bad_input_exits_nonzero_with_one_line(tmp_path, args, expected):
     out = longstraw([*args, f"run_dir={tmp_path / 'run'}"], cwd=tmp_path)
@@ -105,9 +109,9 @@ def test_resume_after_kill_continues_with_uninterrupted_metrics(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "longstraw_cli", "train", *common, f"run_dir={run}"],
                             cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     def newest_checkpoint() -> int:
-        # step_N/COMPLETE only: a checkpoint being written lives in step_N.tmp-<pid>/ until it is renamed
+        # a checkpoint being written holds its COMPLETE in step_N.tmp-<pid>/ until the rename: not one yet
         steps = [int(p.parent.name[len("step_"):]) for p in (run / "checkpoints").glob("step_*/COMPLETE")
-                 if p.parent.name[len("step_"):].isdigit()]
+                 if ".tmp-" not in p.parent.name]
         return max(steps, default=0)
 
     deadline = time.time() + 600
@@ -147,7 +151,7 @@ def test_torchrun_ranks_share_one_run_dir(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     [run] = list((tmp_path / "runs").iterdir())
     assert (run / ".hydra" / "config.yaml").exists()
-    assert (run / "train_rank0.log").exists() and (run / "train_rank1.log").exists()
+    assert (run / "train_rank0.log").exists() and "strategy ddp" in (run / "train_rank1.log").read_text()
     assert [r["step"] for r in rows(run)] == [0, 1]
 
 

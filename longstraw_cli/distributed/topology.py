@@ -41,6 +41,15 @@ class ParallelDims:
     def dp_group_ranks(self, cp_rank: int) -> list[int]:
         return [d * self.cp + cp_rank for d in range(self.dp)]
 
+    def new_groups(self, rank: int):
+        """(this rank's CP group, its DP group). new_group is collective: every rank creates every group."""
+        import torch.distributed as dist
+
+        dp_rank, cp_rank = self.coords(rank)
+        cp_groups = [dist.new_group(self.cp_group_ranks(d)) for d in range(self.dp)]
+        dp_groups = [dist.new_group(self.dp_group_ranks(c)) for c in range(self.cp)]
+        return cp_groups[dp_rank], dp_groups[cp_rank]
+
 
 def env_rank_world() -> tuple[int, int, int]:
     """(rank, local_rank, world_size) from torchrun's environment; (0, 0, 1) outside torchrun."""

@@ -1,0 +1,301 @@
+"""Gradient finalization strategies (ddp, fsdp2, deepspeed) on gloo CPU ranks, against one process that sums
+both data-parallel ranks' gradients and averages them: parameters after two optimizer steps and grad norms, one
+reduction per step and none during replays, context parallel underneath, LoRA, an unused parameter, resume from
+a checkpoint, and `longstraw train strategy=...` under torchrun.
+
+The ranks run every case in one spawn per layout (process start-up and the first DDP/FSDP import cost more than
+the cases themselves); the tests then read what each case left."""
+
+import collections
+import contextlib
+import functools
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from conftest import free_port, randomize_, rel_err
+from longstraw_cli.checkpoint import CheckpointManager
+from longstraw_cli.distributed.cp import apply_context_parallel
+from longstraw_cli.distributed.strategy import DDPStrategy, StrategyConfig, make_strategy
+from longstraw_cli.distributed.topology import ParallelDims
+from longstraw_cli.lora import LoraConfig, apply_lora
+from longstraw_cli.models import build_model
+from longstraw_cli.rl.advantages import get_advantage
+from longstraw_cli.rl.losses import LossConfig
+from longstraw_cli.transaction import Transaction, TransactionConfig
+
+G, STEPS, MAX_GRAD_NORM = 3, 2, 0.5
+TX = TransactionConfig(block_size=16, max_grad_norm=MAX_GRAD_NORM)
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+NO_DEEPSPEED = "deepspeed is not installed (pip install deepspeed, or the `deepspeed` extra)"
+UNUSED = "indexer_weight"
+
+# name -> (strategy config, dtype, options); deepspeed keeps fp32 master weights, so its cases are fp32
+CASES = {
+    "ddp": (StrategyConfig("ddp"), torch.float64, {}),
+    "fsdp2": (StrategyConfig("fsdp2"), torch.float64, {"resume": True}),
+    "deepspeed_zero1": (StrategyConfig("deepspeed", zero_stage=1), torch.float32, {}),
+    "deepspeed_zero2": (StrategyConfig("deepspeed", zero_stage=2), torch.float32, {"resume": True}),
+    # LoRA: only adapters train, plus one trainable parameter the loss never reaches (like glm52's DSA indexer)
+    "ddp_lora": (StrategyConfig("ddp"), torch.float64, {"lora": True, "unused": True}),
+    # control for the reduction counter: DDP synced in every replay must show reductions during replays
+    "ddp_synced_every_replay": (StrategyConfig("ddp"), torch.float64, {"control": True, "steps": 1}),
+}
+COUNTED = ("ddp", "fsdp2", "deepspeed_zero1", "deepspeed_zero2", "ddp_synced_every_replay")
+CP_CASES = ("ddp", "fsdp2")
+
+
+def make_model(dtype, lora=False, unused=False):
+    model = build_model("qwen36_tiny", dtype=dtype)
+    randomize_(model, seed=3)
+    if lora:
+        torch.manual_seed(5)
+        apply_lora(model, LoraConfig(rank=4, target_modules=("q_proj", "out_proj", "down_proj")))
+    if unused:
+        # a trainable parameter the loss never reaches, like glm52's DSA indexer
+        model.register_parameter(UNUSED, torch.nn.Parameter(torch.ones(4, dtype=dtype)))
+    return model
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+
+
+def problem(step: int, dp_rank: int):
+    """Rank d's prompt at a step; lengths differ between ranks (a different number of capture blocks)."""
+    g = torch.Generator().manual_seed(100 * step + dp_rank)
+    prompt = torch.randint(0, 259, (40 + 13 * dp_rank,), generator=g)
+    responses = [torch.randint(0, 259, (5 + i + dp_rank,), generator=g) for i in range(G)]
+    return prompt, responses, torch.rand(G, generator=g)
+
+
+class Reductions(TorchDispatchMode):
+    """Counts the gradient reductions (all-reduce, reduce-scatter) that run in each phase of a transaction."""
+
+    def __init__(self):
+        super().__init__()
+        self.phase, self.counts = "other", collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if name.startswith("c10d.") and ("allreduce" in name or "reduce_scatter" in name):
+            self.counts[self.phase] += 1
+        return func(*args, **(kwargs or {}))
+
+    def watch(self, strategy):
+        """Count inside the strategy's replays and finalize (the mode sees every op: capture and scoring stay out
+        of it, they are slow enough)."""
+        replay, finalize = strategy.replay, strategy.finalize
+
+        @contextlib.contextmanager
+        def counted_replay(index, count):
+            self.phase = f"replay {index}"
+            with self, replay(index, count) as logprobs:
+                yield logprobs
+
+        def counted_finalize():
+            self.phase = "finalize"
+            with self:
+                return finalize()
+
+        strategy.replay, strategy.finalize = counted_replay, counted_finalize
+
+
+class SyncedEveryReplay(DDPStrategy):
+    @contextlib.contextmanager
+    def replay(self, index, count):
+        yield self.ddp
+
+
+def run_case(name, dims, rank, cp_group, dp_group, out_dir):
+    cfg, dtype, options = CASES[name]
+    dp_rank, _ = dims.coords(rank)
+
+    def build():
+        model = make_model(dtype, lora=options.get("lora", False), unused=options.get("unused", False))
+        if dims.cp > 1:
+            apply_context_parallel(model, cp_group)
+        if options.get("control"):
+            strategy = SyncedEveryReplay(model, adamw, MAX_GRAD_NORM, dp_group)
+        else:
+            strategy = make_strategy(cfg, model, adamw, max_grad_norm=MAX_GRAD_NORM, num_replays=G,
+                                     dp_group=dp_group, cp_group=cp_group)
+        return strategy, Transaction(model, strategy, LossConfig(name="grpo"), TX)
+
+    strategy, tx = build()
+    # the counter slows a step down: it watches only the cases that assert on it
+    meter = Reductions()
+    if name in COUNTED and dims.cp == 1:
+        meter.watch(strategy)
+    out = {"norms": [], "reductions": [], "strategy": strategy.name}
+    for step in range(options.get("steps", STEPS)):
+        meter.counts.clear()
+        out["norms"].append(tx.run(*problem(step, dp_rank)).stats["grad_norm"])
+        out["reductions"].append(dict(meter.counts))
+        if options.get("resume") and step == 0:
+            checkpoints = CheckpointManager(out_dir / f"{name}_checkpoints", rank=rank)
+            model_state, optimizer_state = strategy.state_dict()
+            checkpoints.save(1, model_state=model_state, optimizer_state=optimizer_state, trainer_state={})
+            dist.barrier()
+    out["params"], _ = strategy.state_dict()
+    if options.get("resume"):
+        # a fresh model and strategy from the step-1 checkpoint, then step 2: as if the run had been killed
+        strategy, tx = build()
+        model_state, optimizer_state, _ = checkpoints.load(checkpoints.latest())
+        strategy.load_state_dict(model_state, optimizer_state)
+        out["resumed_norm"] = tx.run(*problem(1, dp_rank)).stats["grad_norm"]
+        out["resumed_params"], _ = strategy.state_dict()
+    torch.save(out, out_dir / f"{name}.rank{rank}.pt")
+
+
+def _worker(rank, world, cp, port, out_dir, names):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        dims = ParallelDims(world, cp=cp)
+        cp_group, dp_group = dims.new_groups(rank)
+        for name in names:
+            run_case(name, dims, rank, cp_group, dp_group, out_dir)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(tmp_path_factory, world, cp, names):
+    out_dir = tmp_path_factory.mktemp(f"world{world}_cp{cp}")
+    mp.spawn(_worker, args=(world, cp, free_port(), out_dir, names), nprocs=world, join=True)
+    return lambda name, rank: torch.load(out_dir / f"{name}.rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def dp2(tmp_path_factory):
+    names = [n for n in CASES if HAS_DEEPSPEED or not n.startswith("deepspeed")]
+    return spawn(tmp_path_factory, 2, 1, names)
+
+
+@pytest.fixture(scope="module")
+def cp2_dp2(tmp_path_factory):
+    return spawn(tmp_path_factory, 4, 2, CP_CASES)
+
+
+@functools.cache
+def reference(dtype, lora=False):
+    """One process: per step, both data-parallel ranks' replays accumulate, the sum is halved, then clip and step."""
+    torch.set_num_threads(1)
+    model = make_model(dtype, lora=lora)
+    tx = Transaction(model, adamw([p for p in model.parameters() if p.requires_grad]), LossConfig(name="grpo"), TX)
+    norms = []
+    for step in range(STEPS):
+        tx.strategy.zero_grad()
+        for d in range(2):
+            prompt, responses, rewards = problem(step, d)
+            resident = tx.capture(prompt)
+            advantages = get_advantage(TX.advantage)(rewards.double()).tolist()
+            tx.replay(resident, responses, tx.score(resident, responses), None, advantages)
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad /= 2
+        norms.append(tx.finalize())
+        tx.step()
+    return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}, norms
+
+
+def compare(name, got, dtype, lora=False):
+    """(worst parameter rel err, worst update rel err) against the one-process average; asserts the norms."""
+    want, want_norms = reference(dtype, lora)
+    start = make_model(dtype, lora=lora)
+    params = err = update = 0.0
+    for n, w in want.items():
+        err = max(err, rel_err(got["params"][n], w))
+        moved = start.get_parameter(n).detach()
+        update = max(update, rel_err(got["params"][n] - moved, w - moved))
+    print(f"{name}: parameters rel err {err:.1e}, updates rel err {update:.1e}, grad norms {got['norms']} "
+          f"vs {want_norms}")
+    assert want_norms[0] > MAX_GRAD_NORM, "clipping must be active for the test to cover it"
+    return err, update, want_norms
+
+
+# fp64: DDP and FSDP2 differ from the one-process sum only in the order of additions (~1e-15); deepspeed runs fp32
+TOLERANCE = {torch.float64: (1e-12, 1e-10, 1e-12), torch.float32: (2e-5, 2e-4, 1e-5)}
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp2", "deepspeed_zero1", "deepspeed_zero2", "ddp_lora"])
+def test_two_data_parallel_ranks_equal_one_process_average(dp2, name):
+    if name.startswith("deepspeed") and not HAS_DEEPSPEED:
+        pytest.skip(NO_DEEPSPEED)
+    cfg, dtype, options = CASES[name]
+    params_tol, update_tol, norm_tol = TOLERANCE[dtype]
+    for rank in range(2):
+        got = dp2(name, rank)
+        assert got["strategy"] == cfg.name
+        err, update, want_norms = compare(f"{name} rank {rank}", got, dtype, lora=options.get("lora", False))
+        assert err <= params_tol and update <= update_tol
+        assert got["norms"] == pytest.approx(want_norms, rel=norm_tol)
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp2", "deepspeed_zero1", "deepspeed_zero2"])
+def test_one_reduction_per_step_and_none_during_replays(dp2, name):
+    if name.startswith("deepspeed") and not HAS_DEEPSPEED:
+        pytest.skip(NO_DEEPSPEED)
+    counts = dp2(name, 0)["reductions"]
+    print(f"{name}: reductions by phase per step {counts}")
+    for step in counts:
+        assert all(step.get(f"replay {i}", 0) == 0 for i in range(G - 1)), step
+        assert step.get(f"replay {G - 1}", 0) + step.get("finalize", 0) > 0, step
+    # once per step: the same number (one per bucket / layer group) whatever the step
+    assert counts[0] == counts[1]
+    # the counter sees DDP's reductions inside a replay's backward when they are there
+    control = dp2("ddp_synced_every_replay", 0)["reductions"]
+    assert all(control[0].get(f"replay {i}", 0) > 0 for i in range(G)), control
+
+
+def test_ddp_with_lora_trains_adapters_only_and_tolerates_a_parameter_without_gradient(dp2):
+    got = dp2("ddp_lora", 0)
+    assert all(".lora_" in n for n in got["params"] if n != UNUSED)
+    assert torch.equal(got["params"][UNUSED], torch.ones(4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("name", ["fsdp2", "deepspeed_zero2"])
+def test_resume_from_checkpoint_equals_uninterrupted_run(dp2, name):
+    if name.startswith("deepspeed") and not HAS_DEEPSPEED:
+        pytest.skip(NO_DEEPSPEED)
+    for rank in range(2):
+        got = dp2(name, rank)
+        diff = max((got["resumed_params"][n] - p).abs().max().item() for n, p in got["params"].items())
+        print(f"{name} rank {rank}: resumed vs uninterrupted max abs diff {diff:.1e}")
+        assert diff == 0.0 and got["resumed_norm"] == got["norms"][1]
+
+
+@pytest.mark.parametrize("name", CP_CASES)
+def test_context_parallel_under_data_parallel_equals_dp2_cp1(dp2, cp2_dp2, name):
+    for rank in range(4):
+        got, want = cp2_dp2(name, rank), dp2(name, 0)
+        err = max(rel_err(got["params"][n], w) for n, w in want["params"].items())
+        print(f"{name} cp=2 x dp=2 rank {rank}: parameters rel err {err:.1e} vs dp=2, grad norms {got['norms']} "
+              f"vs {want['norms']}")
+        assert err <= 1e-10
+        assert got["norms"] == pytest.approx(want["norms"], rel=1e-10)
+
+
+# ddp, the default, runs under torchrun in tests/test_cli.py (test_torchrun_ranks_share_one_run_dir)
+@pytest.mark.parametrize("name", ["fsdp2", "deepspeed"])
+def test_longstraw_train_under_torchrun(tmp_path, name):
+    if name == "deepspeed" and not HAS_DEEPSPEED:
+        pytest.skip(NO_DEEPSPEED)
+    run = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "longstraw_cli", "train", f"strategy={name}", "steps=1", "prompt_tokens=64",
+                          "response_tokens=4", "group_size=2", "logger.backends=[console]", f"run_dir={run}"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    log = (run / "train_rank1.log").read_text()
+    assert f"strategy {name}" in log and "rank 1 step 0 " in log
+    assert (run / "checkpoints" / "step_00000001" / "COMPLETE").exists()
