@@ -17,6 +17,7 @@ from longstraw_cli.distributed import ep as ep_module
 from longstraw_cli.distributed.cp import apply_context_parallel, shard_bounds
 from longstraw_cli.distributed.ep import (apply_expert_parallel, expert_bounds, gather_expert_params,
                                           load_expert_params)
+from longstraw_cli.distributed.topology import ParallelDims
 from longstraw_cli.rollout.native import SamplingConfig, generate
 
 # index_topk is 16: with 74 captured tokens every query past 16 selects, and selections cross shard boundaries
@@ -176,3 +177,11 @@ def test_glm52_context_and_expert_parallel_equal_one_rank(tmp_path, world):
         sel = shard_of[idx.clamp(min=0)].masked_fill(idx < 0, -1)
         spans = torch.stack([(sel == r).any(-1) for r in range(world)]).sum(0)
         assert (spans >= 2).any()
+
+
+def test_ep_must_divide_cp():
+    dims = ParallelDims(8, cp=4, ep=2)
+    assert dims.ep_group_ranks(1, 1) == [6, 7] and set(dims.ep_group_ranks(1, 0)) <= set(dims.cp_group_ranks(1))
+    for cp, ep in ((1, 2), (2, 4), (4, 8)):
+        with pytest.raises(ValueError, match="must divide cp"):
+            ParallelDims(8, cp=cp, ep=ep)

@@ -14,6 +14,14 @@ Under EP over a group of W ranks, rank r holds experts [r E/W, (r+1) E/W) (conti
 - `ep_experts_replicated` (tokens REPLICATED, e.g. replay, scoring, decode under CP): every rank computes its
   own experts' contributions for all tokens, and one all-reduce sums them.
 
+Applied to a model by `apply_expert_parallel(model, ep_group, cp_group=...)`: each MoE layer keeps its slice of
+the experts as its own nn.Parameters and its `experts_fn` becomes an `EPExperts`, which picks the mode per call
+from a context flag: inside `tokens_sharded()` (entered only by the glm52 CP capture, `cp_glm52.cp_capture_glm52`,
+which gives each rank its own prompt shard) all-to-all, everywhere else (replay, scoring, decode, and any capture
+without CP) replicated. The EP group must lie within the CP group (ep divides cp), so that EP ranks share the
+prompt and responses and call the same collectives. `gather_expert_params` / `load_expert_params` convert
+between the slices and full [E, ...] tensors (checkpoints).
+
 Both give y equal to `local_experts` with all E experts (up to rounding: an expert's rows are batched with
 other ranks' rows), and gradients equal to one rank's: dx and dw on the ranks that hold those tokens, and each
 rank's expert slices the matching slices of the one-rank gradient (zeros, never None, for experts that received
