@@ -22,8 +22,8 @@ among all earlier keys, for its own ~1/N of the queries. Each rank's queries' se
 selection of those rows (a row's top-k does not depend on how queries are blocked).
 
 What it simplifies: capture holds, transiently, ONE LAYER's whole-prompt pages on every rank (latent + rope +
-index keys; ~1.4 KB per token in bf16 for GLM-5, 2.8 GB at 2M tokens), dropped after the layer: no ring
-passes. Shards are contiguous, so capture attention is imbalanced (rank N-1's queries see the whole prompt,
+index keys; ~1.4 KB per token in bf16 for GLM-5, 2.8 GB at 2M tokens, about twice that while the gathered
+shards and their concatenation coexist), dropped after the layer: no ring passes. Shards are contiguous, so capture attention is imbalanced (rank N-1's queries see the whole prompt,
 though DSA caps each query at index_topk keys, so the imbalance is in the indexer's scoring). Replay's
 collectives block. No CPU offload of pages under CP.
 
