@@ -15,9 +15,11 @@ from test_ep import run_ranks
 from test_glm52_replay import tiny
 from longstraw_cli.distributed import ep as ep_module
 from longstraw_cli.distributed.cp import apply_context_parallel, shard_bounds
+from longstraw_cli.distributed.cp_topk import topk_lowest_index_ties
 from longstraw_cli.distributed.ep import (apply_expert_parallel, expert_bounds, gather_expert_params,
                                           load_expert_params)
 from longstraw_cli.distributed.topology import ParallelDims
+from longstraw_cli.models.glm52.model import topk_lowest_position
 from longstraw_cli.rollout.native import SamplingConfig, generate
 
 # index_topk is 16: with 74 captured tokens every query past 16 selects, and selections cross shard boundaries
@@ -185,3 +187,14 @@ def test_ep_must_divide_cp():
     for cp, ep in ((1, 2), (2, 4), (4, 8)):
         with pytest.raises(ValueError, match="must divide cp"):
             ParallelDims(8, cp=cp, ep=ep)
+
+
+def test_model_topk_and_cp_topk_break_ties_alike():
+    """The model's `topk_lowest_position` and cp_topk's `topk_lowest_index_ties` select the same set (the CP
+    selection sorts it ascending, the model's layout), ties at 0 and masked keys included."""
+    g = torch.Generator().manual_seed(0)
+    scores = torch.relu(torch.randn(3, 40, 50, generator=g, dtype=torch.float64)).round(decimals=1)
+    scores[:, :, 35:] = float("-inf")
+    for k in (1, 7, 16, 36, 50):
+        mine = topk_lowest_index_ties(scores.reshape(-1, 50), k).sort(-1).values.view(3, 40, k)
+        assert torch.equal(topk_lowest_position(scores, k), mine)
