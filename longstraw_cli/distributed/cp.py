@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from longstraw_cli.distributed.cp_attention import cp_capture_attention, cp_replay_attention
 from longstraw_cli.distributed.cp_gdn import cp_conv_window, cp_gdn_scan
+from longstraw_cli.distributed.cp_glm52 import apply_context_parallel_glm52
 from longstraw_kernels.gdn import gdn_forward
 
 
@@ -45,7 +46,14 @@ def cp_capture(model, prompt_ids: torch.Tensor, block_size: int = 4096, page_dty
 
 
 def apply_context_parallel(model, group) -> None:
-    """Swap the model's attention / GDN hooks and its capture for their context-parallel versions."""
+    """Swap the model's attention / GDN hooks and its capture for their context-parallel versions
+    (glm52: `cp_glm52.apply_context_parallel_glm52`)."""
+    family = getattr(model, "family", None)
+    if family == "glm52":
+        apply_context_parallel_glm52(model, group)
+        return
+    if family != "qwen36":
+        raise ValueError(f"context parallel for model family {family!r}; valid: ['glm52', 'qwen36']")
     for layer in model.model.layers:
         if layer.is_attention:
             layer.self_attn.attention_fn = functools.partial(cp_replay_attention, group=group)

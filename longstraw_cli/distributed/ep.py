@@ -14,6 +14,14 @@ Under EP over a group of W ranks, rank r holds experts [r E/W, (r+1) E/W) (conti
 - `ep_experts_replicated` (tokens REPLICATED, e.g. replay, scoring, decode under CP): every rank computes its
   own experts' contributions for all tokens, and one all-reduce sums them.
 
+Applied to a model by `apply_expert_parallel(model, ep_group, cp_group=...)`: each MoE layer keeps its slice of
+the experts as its own nn.Parameters and its `experts_fn` becomes an `EPExperts`, which picks the mode per call
+from a context flag: inside `tokens_sharded()` (entered only by the glm52 CP capture, `cp_glm52.cp_capture_glm52`,
+which gives each rank its own prompt shard) all-to-all, everywhere else (replay, scoring, decode, and any capture
+without CP) replicated. The EP group must lie within the CP group (ep divides cp), so that EP ranks share the
+prompt and responses and call the same collectives. `gather_expert_params` / `load_expert_params` convert
+between the slices and full [E, ...] tensors (checkpoints).
+
 Both give y equal to `local_experts` with all E experts (up to rounding: an expert's rows are batched with
 other ranks' rows), and gradients equal to one rank's: dx and dw on the ranks that hold those tokens, and each
 rank's expert slices the matching slices of the one-rank gradient (zeros, never None, for experts that received
@@ -34,11 +42,16 @@ L = E / W experts per rank, W ranks in the EP group, M (token, expert) pairs sen
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
+from torch import nn
 import torch.distributed as dist
 import torch.nn.functional as F
 
-__all__ = ["ep_experts_alltoall", "ep_experts_replicated", "ep_shard", "expert_bounds", "local_experts"]
+__all__ = ["apply_expert_parallel", "ep_experts_alltoall", "ep_experts_replicated", "ep_shard", "expert_bounds",
+           "gather_expert_params", "load_expert_params", "local_experts", "tokens_sharded"]
 
 
 def _rank_world(group) -> tuple[int, int]:
@@ -269,3 +282,78 @@ def ep_experts_replicated(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_local, down_loca
         x_NC, topk_w_Nk = _ReplicatedInputs.apply(x_NC, topk_w_Nk, group)
     partial_NC = local_experts(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_local, down_local, first_expert=start)
     return _SumAcrossRanks.apply(partial_NC, group)
+
+
+# -- applying EP to a model ----------------------------------------------------------------------------------------
+# Whether the tokens that reach the experts are SHARDED across the EP group (prompt capture under context
+# parallel) or REPLICATED (replay, scoring, decode: the response is on every rank). Replicated is the default;
+# only the CP capture, which knows it shards the prompt, says otherwise.
+_TOKENS_SHARDED = contextvars.ContextVar("tokens_sharded", default=False)
+
+
+@contextlib.contextmanager
+def tokens_sharded():
+    """Within this block the experts see SHARDED tokens (each rank its own): EP dispatches by all-to-all."""
+    reset = _TOKENS_SHARDED.set(True)
+    try:
+        yield
+    finally:
+        _TOKENS_SHARDED.reset(reset)
+
+
+class EPExperts:
+    """A MoE layer's `experts_fn` under EP: all-to-all inside `tokens_sharded()`, replicated otherwise."""
+
+    def __init__(self, group, num_experts: int):
+        self.group, self.num_experts = group, num_experts
+
+    def __call__(self, x_NC, topk_idx_Nk, topk_w_Nk, gate_up_local, down_local):
+        fn = ep_experts_alltoall if _TOKENS_SHARDED.get() else ep_experts_replicated
+        return fn(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_local, down_local, group=self.group,
+                  num_experts=self.num_experts)
+
+
+def _moe_layers(model):
+    return [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts_fn")]
+
+
+def apply_expert_parallel(model, group, *, cp_group) -> None:
+    """Each MoE layer keeps only this rank's contiguous slice of the routed experts (its own nn.Parameters) and
+    dispatches tokens through `EPExperts`. The EP group must lie within the CP group: EP ranks then hold the same
+    prompt and response, so they call the same collectives in the same order (ranks with different prompts
+    would not: rollout and response lengths differ). cp=1 with ep=1 changes nothing."""
+    rank, world = _rank_world(group)
+    if world == 1:
+        return
+    ep_ranks = set(dist.get_process_group_ranks(group))
+    cp_ranks = set(dist.get_process_group_ranks(cp_group)) if cp_group is not None else {dist.get_rank()}
+    if not ep_ranks <= cp_ranks:
+        raise ValueError(f"the EP group (global ranks {sorted(ep_ranks)}) must lie within the CP group (global "
+                         f"ranks {sorted(cp_ranks)}): ep must divide cp, with EP groups of ranks sharing a prompt")
+    for moe in _moe_layers(model):
+        experts = moe.experts
+        num_experts = experts.gate_up_proj.shape[0]
+        expert_bounds(num_experts, world, rank)
+        experts.gate_up_proj = nn.Parameter(ep_shard(experts.gate_up_proj, group))
+        experts.down_proj = nn.Parameter(ep_shard(experts.down_proj, group))
+        moe.experts_fn = EPExperts(group, num_experts)
+
+
+def gather_expert_params(model, group) -> dict[str, torch.Tensor]:
+    """{parameter name: full [E, ...] tensor} of every routed-expert parameter, on every rank (checkpointing)."""
+    _, world = _rank_world(group)
+    out = {}
+    for name, p in model.named_parameters():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            parts = [torch.empty_like(p) for _ in range(world)]
+            dist.all_gather(parts, p.detach().contiguous(), group=group)
+            out[name] = torch.cat(parts)
+    return out
+
+
+@torch.no_grad()
+def load_expert_params(model, full: dict[str, torch.Tensor], group) -> None:
+    """The inverse of `gather_expert_params`: copy this rank's slice of each full [E, ...] tensor in."""
+    params = dict(model.named_parameters())
+    for name, tensor in full.items():
+        params[name].copy_(ep_shard(tensor, group))

@@ -1,5 +1,8 @@
 """One validated topology: cp x dp = world size (ep splits experts inside the same ranks), checked once at start.
 
+ep must divide cp: an EP group lies inside one CP group, whose ranks hold the same prompt and responses and so
+make the same collective calls; ranks of different prompts (DP) would not (rollout lengths differ).
+
 Ranks are laid out cp-fastest: rank = dp_rank * cp + cp_rank, so the ranks of one prompt's context-parallel
 group are neighbours (same node first).
 """
@@ -24,6 +27,10 @@ class ParallelDims:
             if value < 1 or self.world_size % value:
                 divisors = [n for n in range(1, self.world_size + 1) if self.world_size % n == 0]
                 raise ValueError(f"{name}={value} does not divide the world size {self.world_size}; valid: {divisors}")
+        if self.cp % self.ep:
+            divisors = [n for n in range(1, self.cp + 1) if self.cp % n == 0]
+            raise ValueError(f"ep={self.ep} must divide cp={self.cp} (an EP group lies within a CP group); "
+                             f"valid ep: {divisors}")
 
     @property
     def dp(self) -> int:
@@ -37,6 +44,10 @@ class ParallelDims:
 
     def cp_group_ranks(self, dp_rank: int) -> list[int]:
         return [dp_rank * self.cp + i for i in range(self.cp)]
+
+    def ep_group_ranks(self, dp_rank: int, ep_index: int) -> list[int]:
+        """The ep_index-th EP group of a CP group: ep consecutive CP ranks."""
+        return [dp_rank * self.cp + ep_index * self.ep + i for i in range(self.ep)]
 
     def dp_group_ranks(self, cp_rank: int) -> list[int]:
         return [d * self.cp + cp_rank for d in range(self.dp)]
