@@ -165,6 +165,14 @@ def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
         ParallelDims(world_size, cp=d["cp"], ep=d["ep"])
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    model_name = str(d["model"].get("name", ""))
+    if d["ep"] > 1 and d["model"].get("path") is None and not model_name.startswith("glm52"):
+        raise ConfigError(f"ep={d['ep']} splits routed experts, but model {model_name!r} has none; "
+                          f"use ep=1, or a glm52 model (glm52, glm52_mini, glm52_tiny)")
+    strategy = d.get("strategy", {}).get("name", "ddp") if isinstance(d.get("strategy"), dict) else "ddp"
+    if d["ep"] > 1 and strategy != "ddp":
+        raise ConfigError(f"ep={d['ep']} runs with strategy=ddp only (fsdp2 and deepspeed do not know the expert "
+                          f"slices); got strategy={strategy!r}")
     device = str(d["device"])
     if device.split(":")[0] not in ("cpu", "cuda"):
         raise ConfigError(f"device={device!r}; valid: ['cpu', 'cuda', 'cuda:N']")

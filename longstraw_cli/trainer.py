@@ -61,11 +61,13 @@ class Trainer:
         self.device = torch.device(cfg.device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", local_rank)
-        self.cp_group = self.dp_group = None
+        self.cp_group = self.dp_group = self.ep_group = None
         if world_size > 1:
             if not dist.is_initialized():
                 dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
             self.cp_group, self.dp_group = self.dims.new_groups(self.rank)
+            if cfg.ep > 1:
+                self.ep_group = self._ep_group()
         self.run_dir = Path(cfg.run_dir)
         self.checkpoints = CheckpointManager(self.run_dir, keep=cfg.checkpoint.keep, rank=self.rank)
         if not cfg.resume and self.checkpoints.latest() is not None:
@@ -75,14 +77,17 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer)
         self.model = self._build_model()
-        if cfg.cp > 1:
-            apply_context_parallel(self.model, self.cp_group)
+        self._parallelize(self.model)
         if cfg.lora.rank > 0:
             apply_lora(self.model, cfg.lora)
         # the reference copies the policy's weights before a strategy may shard them
         reference = self._reference()
         self.strategy = make_strategy(cfg.strategy, self.model, self._optimizer, max_grad_norm=cfg.optim.max_grad_norm,
                                       num_replays=cfg.group_size, dp_group=self.dp_group, cp_group=self.cp_group)
+        if cfg.ep > 1:
+            self.strategy.set_expert_slices([p for n, p in self.model.named_parameters()
+                                             if n.endswith(("experts.gate_up_proj", "experts.down_proj"))],
+                                            self.ep_group)
         self.transaction = Transaction(self.model, self.strategy, cfg.loss, cfg.transaction, reference=reference)
         self.task = make_task(cfg.task, self.tokenizer)
         self.reward_fn = get_reward(cfg.reward or self.task.default_reward)
@@ -122,10 +127,26 @@ class Trainer:
             return Reference(self.model, self.cfg.transaction, context=lambda: adapters_disabled(self.model))
         # a second model rather than a deepcopy: the policy's context-parallel hooks hold process groups
         frozen = self._build_model().requires_grad_(False)
+        self._parallelize(frozen)
         frozen.load_state_dict(self.model.state_dict())
-        if self.cfg.cp > 1:
-            apply_context_parallel(frozen, self.cp_group)
         return Reference(frozen, self.cfg.transaction)
+
+    def _ep_group(self):
+        """This rank's EP group: ep consecutive ranks of its CP group. new_group is collective: every rank
+        creates every group."""
+        groups = {(d, e): dist.new_group(self.dims.ep_group_ranks(d, e))
+                  for d in range(self.dims.dp) for e in range(self.cfg.cp // self.cfg.ep)}
+        return groups[(self.dp_rank, self.cp_rank // self.cfg.ep)]
+
+    def _parallelize(self, model: torch.nn.Module) -> None:
+        """Context parallel (pages sharded over the CP group), then expert parallel (experts split over the EP
+        group, which lies inside the CP group)."""
+        if self.cfg.cp > 1:
+            apply_context_parallel(model, self.cp_group)
+        if self.cfg.ep > 1:
+            from longstraw_cli.distributed.ep import apply_expert_parallel
+
+            apply_expert_parallel(model, self.ep_group, cp_group=self.cp_group)
 
     def _vllm_engine(self):
         from longstraw_cli.lora import export_hf
@@ -142,6 +163,13 @@ class Trainer:
     def _save(self, step: int) -> None:
         # whole tensors, whatever the strategy (a collective under fsdp2 / deepspeed: every rank is here)
         model_state, optimizer_state = self.strategy.state_dict()
+        if self.cfg.ep > 1:
+            # the experts whole, gathered over the EP group (collective); the optimizer state of this rank's
+            # expert slices stays with the rank (see _resume)
+            from longstraw_cli.distributed.ep import gather_expert_params
+
+            model_state.update({n: t for n, t in gather_expert_params(self.model, self.ep_group).items()
+                                if n in model_state})
         self.checkpoints.save(
             step, model_state=model_state, optimizer_state=optimizer_state,
             trainer_state={"step": step, "rng": capture_rng({"sampling": self.generator})},
@@ -151,6 +179,9 @@ class Trainer:
         latest = self.checkpoints.latest()
         if latest is None:
             return 0
+        if self.cfg.ep > 1:
+            raise TrainerError(f"resume=true with ep={self.cfg.ep} is not supported yet: checkpoints hold the whole "
+                               f"experts but only rank 0's optimizer state; resume with ep=1 and the same cp")
         model_state, optimizer_state, trainer_state = self.checkpoints.load(latest, map_location=self.device)
         expected = {n for n, p in self.model.named_parameters() if p.requires_grad}
         if set(model_state) != expected:

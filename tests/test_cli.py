@@ -44,6 +44,7 @@ def test_bad_keys_and_group_options_are_caught_before_hydra(override, expected):
 @pytest.mark.parametrize("args, expected", [
     (["group_size=1"], "group_size must be an integer >= 2, got 1"),
     (["cp=2"], "cp=2 does not divide the world size 1; valid: [1]"),
+    (["ep=2"], "ep=2 does not divide the world size 1; valid: [1]"),
     (["prompt_tokens=70000"], "exceeds the model's 65536 positions"),
     (["model=qwen36_tiny", "foo=1"], "unknown config key 'foo'"),
     (["task=jsonl"], "missing value(s) for ['task.path']"),
@@ -173,13 +174,15 @@ def test_lora_with_kl_reference_trains_adapters_only_and_exports_hf(tmp_path):
     assert not any("lora" in n for n, _ in merged.named_parameters())
 
 
-def test_cp2_train_step_matches_cp1(tmp_path):
-    args = ["steps=2", "prompt_tokens=256", "response_tokens=8", "group_size=4", "model.dtype=float64",
-            "logger.backends=[jsonl]"]
+@pytest.mark.parametrize("model, parallel", [("qwen36_tiny", ["cp=2"]), ("glm52_tiny", ["cp=2", "ep=2"])])
+def test_cp2_train_step_matches_cp1(tmp_path, model, parallel):
+    """Two ranks sharing each prompt (glm52: also splitting the experts) train as one rank does."""
+    args = [f"model={model}", "steps=2", "prompt_tokens=256", "response_tokens=8", "group_size=4",
+            "model.dtype=float64", "logger.backends=[jsonl]"]
     one = longstraw([*args, f"run_dir={tmp_path / 'cp1'}"], cwd=tmp_path)
     assert one.returncode == 0, one.stderr
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          "-m", "longstraw_cli", "train", *args, "cp=2", f"run_dir={tmp_path / 'cp2'}"],
+                          "-m", "longstraw_cli", "train", *args, *parallel, f"run_dir={tmp_path / 'cp2'}"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert two.returncode == 0, two.stderr[-2000:]
     for a, b in zip(rows(tmp_path / "cp2"), rows(tmp_path / "cp1")):

@@ -85,6 +85,12 @@ class LocalStrategy:
         self.model, self.optimizer = model, optimizer
         self.max_grad_norm = float("inf") if max_grad_norm is None else max_grad_norm
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        # expert parallel: parameters of which this rank holds one slice, and the group holding the others
+        self.sliced, self.slice_group = set(), None
+
+    def set_expert_slices(self, params, group) -> None:
+        """Count `params` (this rank's slices of tensors split over `group`) once each in the grad norm."""
+        self.sliced, self.slice_group = {id(p) for p in params}, group
 
     def weights(self) -> list[torch.Tensor]:
         """This rank's weight tensors: memory accounted as weights, not as graph."""
@@ -105,7 +111,17 @@ class LocalStrategy:
 
     def finalize(self) -> float:
         """Gradients final (reduced) on every rank and clipped; returns the global norm before clipping."""
-        return float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
+        if self.slice_group is None:
+            return float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
+        whole = [p.grad for p in self.params if p.grad is not None and id(p) not in self.sliced]
+        sliced = [p.grad for p in self.params if p.grad is not None and id(p) in self.sliced]
+        sq = torch.stack([torch.nn.utils.get_total_norm(g) ** 2 if g else torch.zeros((), device=self.params[0].device)
+                          for g in (whole, sliced)])
+        # the slices' squared norms add up over the group; the replicated parameters count once
+        dist.all_reduce(sq[1:], group=self.slice_group)
+        norm = sq.sum().sqrt()
+        torch.nn.utils.clip_grads_with_norm_(self.params, self.max_grad_norm, norm)
+        return float(norm)
 
     def step(self) -> None:
         self.optimizer.step()
