@@ -27,7 +27,8 @@ def rows(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.parametrize("override, expected", [
-    ("model=qwen99", "model=qwen99: no such model config; valid: ['qwen36', 'qwen36_mini', 'qwen36_tiny']"),
+    ("model=qwen99", "model=qwen99: no such model config; valid: ['glm52', 'glm52_mini', 'glm52_tiny', 'qwen36', "
+         "'qwen36_mini', 'qwen36_tiny']"),
     ("foo=1", "unknown config key 'foo'; valid keys at the top level"),
     ("optim.lrr=3", "unknown config key 'optim.lrr'; valid keys under 'optim': ['betas', 'lr'"),
     ("algo=ppo", "algo=ppo: no such algo config; valid: ['dapo', 'dr_grpo', 'grpo', 'gspo']"),
