@@ -1,9 +1,11 @@
 import os
 import socket
 import sys
+import time
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 # With triton importable, transformers' Qwen3.5 code binds fla and crashes on CPU; keep fla out of CPU tests
 # (on a GPU machine fla's forward is one of the paths under test).
@@ -54,3 +56,21 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
                 p.copy_(torch.randn(p.shape, generator=g))
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.08)
+
+
+def run_ranks(worker, world_size, *args, timeout_s=120):
+    """Runs worker(rank, world_size, port, *args) on world_size processes and waits, failing after timeout_s.
+
+    Forked, not spawned: spawn re-imports torch in every child (15-35 s for 2-4 ranks on the loaded 2-core test
+    machine, against 1 s). Safe because the worker sets one intra-op thread before any torch op: libgomp's thread
+    pool does not survive a fork, and a forked child entering a parallel region with more threads hangs; the
+    deadline turns any such hang into a failure.
+    """
+    ctx = mp.start_processes(worker, args=(world_size, free_port(), *args), nprocs=world_size, join=False,
+                             start_method="fork")
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in ctx.processes:
+                process.kill()
+            pytest.fail(f"{world_size} ranks did not finish within {timeout_s} s")

@@ -10,8 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import rel_err
-from test_ep import run_ranks
+from conftest import rel_err, run_ranks
 from test_glm52_replay import tiny
 from longstraw_cli.distributed import ep as ep_module
 from longstraw_cli.distributed.cp import apply_context_parallel, shard_bounds

@@ -7,15 +7,13 @@ when replicated), and each rank's expert gradients with the matching slice of th
 """
 
 import os
-import time
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from conftest import free_port, rel_err
+from conftest import rel_err, run_ranks
 
 from longstraw_cli.distributed.ep import (ep_experts_alltoall, ep_experts_replicated, ep_shard, expert_bounds,
                                           local_experts)
@@ -106,24 +104,6 @@ def _errors(world_size):
         except ValueError as e:
             messages[name] = str(e)
     return messages
-
-
-def run_ranks(worker, world_size, *args, timeout_s=120):
-    """Runs worker(rank, world_size, port, *args) on world_size processes and waits, failing after timeout_s.
-
-    Forked, not spawned: spawn re-imports torch in every child (15-35 s for 2-4 ranks on the loaded 2-core test
-    machine, against 1 s). Safe because the worker sets one intra-op thread before any torch op: libgomp's thread
-    pool does not survive a fork, and a forked child entering a parallel region with more threads hangs; the
-    deadline turns any such hang into a failure.
-    """
-    ctx = mp.start_processes(worker, args=(world_size, free_port(), *args), nprocs=world_size, join=False,
-                             start_method="fork")
-    deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in ctx.processes:
-                process.kill()
-            pytest.fail(f"{world_size} ranks did not finish within {timeout_s} s")
 
 
 def _worker(rank, world_size, port, out_dir):
