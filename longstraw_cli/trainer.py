@@ -85,8 +85,9 @@ class Trainer:
         self.strategy = make_strategy(cfg.strategy, self.model, self._optimizer, max_grad_norm=cfg.optim.max_grad_norm,
                                       num_replays=cfg.group_size, dp_group=self.dp_group, cp_group=self.cp_group)
         if cfg.ep > 1:
-            self.strategy.set_expert_slices([p for n, p in self.model.named_parameters()
-                                             if n.endswith(("experts.gate_up_proj", "experts.down_proj"))],
+            from longstraw_cli.distributed.ep import is_expert_param
+
+            self.strategy.set_expert_slices([p for n, p in self.model.named_parameters() if is_expert_param(n)],
                                             self.ep_group)
         self.transaction = Transaction(self.model, self.strategy, cfg.loss, cfg.transaction, reference=reference)
         self.task = make_task(cfg.task, self.tokenizer)
@@ -164,12 +165,7 @@ class Trainer:
         # whole tensors, whatever the strategy (a collective under fsdp2 / deepspeed: every rank is here)
         model_state, optimizer_state = self.strategy.state_dict()
         if self.cfg.ep > 1:
-            # the experts whole, gathered over the EP group (collective); the optimizer state of this rank's
-            # expert slices stays with the rank (see _resume)
-            from longstraw_cli.distributed.ep import gather_expert_params
-
-            model_state.update({n: t for n, t in gather_expert_params(self.model, self.ep_group).items()
-                                if n in model_state})
+            model_state, optimizer_state = self._expert_state(model_state, optimizer_state, whole=True)
         self.checkpoints.save(
             step, model_state=model_state, optimizer_state=optimizer_state,
             trainer_state={"step": step, "rng": capture_rng({"sampling": self.generator})},
@@ -179,17 +175,31 @@ class Trainer:
         latest = self.checkpoints.latest()
         if latest is None:
             return 0
-        if self.cfg.ep > 1:
-            raise TrainerError(f"resume=true with ep={self.cfg.ep} is not supported yet: checkpoints hold the whole "
-                               f"experts but only rank 0's optimizer state; resume with ep=1 and the same cp")
         model_state, optimizer_state, trainer_state = self.checkpoints.load(latest, map_location=self.device)
         expected = {n for n, p in self.model.named_parameters() if p.requires_grad}
         if set(model_state) != expected:
             raise TrainerError(f"{latest} does not match this model's trainable parameters "
                                f"(e.g. {sorted(set(model_state) ^ expected)[:3]})")
+        if self.cfg.ep > 1:
+            model_state, optimizer_state = self._expert_state(model_state, optimizer_state, whole=False)
         self.strategy.load_state_dict(model_state, optimizer_state)
         restore_rng(trainer_state["rng"], {"sampling": self.generator})
         return int(trainer_state["step"])
+
+    def _expert_state(self, model_state: dict, optimizer_state: dict, *, whole: bool):
+        """Expert-parallel checkpoints hold whole experts and whole AdamW moments, so they resume under any ep:
+        whole=True gathers this rank's slices over the EP group (collective), whole=False takes this rank's
+        slice of whole tensors. Copies: the live optimizer state is never modified."""
+        from longstraw_cli.distributed.ep import ep_shard, gather_rows, is_expert_param
+
+        convert = (lambda t: gather_rows(t, self.ep_group)) if whole else (lambda t: ep_shard(t, self.ep_group))
+        sliced = {n for n, p in self.model.named_parameters() if p.requires_grad and is_expert_param(n)}
+        model_state = {n: convert(t) if n in sliced else t for n, t in model_state.items()}
+        positions = {id(p): i for i, p in enumerate(self.strategy.params)}
+        sliced_positions = {positions[id(p)] for n, p in self.model.named_parameters() if n in sliced}
+        state = {i: ({k: convert(v) if torch.is_tensor(v) and v.dim() > 0 else v for k, v in s.items()}
+                     if int(i) in sliced_positions else s) for i, s in optimizer_state["state"].items()}
+        return model_state, {**optimizer_state, "state": state}
 
     # -- one iteration ----------------------------------------------------------------------------------------
     def example(self, step: int):

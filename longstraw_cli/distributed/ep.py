@@ -339,16 +339,21 @@ def apply_expert_parallel(model, group, *, cp_group) -> None:
         moe.experts_fn = EPExperts(group, num_experts)
 
 
+def is_expert_param(name: str) -> bool:
+    return name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+
+
+def gather_rows(slice_E: torch.Tensor, group) -> torch.Tensor:
+    """The whole [E, ...] tensor from every rank's contiguous slice of experts (collective)."""
+    _, world = _rank_world(group)
+    parts = [torch.empty_like(slice_E) for _ in range(world)]
+    dist.all_gather(parts, slice_E.detach().contiguous(), group=group)
+    return torch.cat(parts)
+
+
 def gather_expert_params(model, group) -> dict[str, torch.Tensor]:
     """{parameter name: full [E, ...] tensor} of every routed-expert parameter, on every rank (checkpointing)."""
-    _, world = _rank_world(group)
-    out = {}
-    for name, p in model.named_parameters():
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            parts = [torch.empty_like(p) for _ in range(world)]
-            dist.all_gather(parts, p.detach().contiguous(), group=group)
-            out[name] = torch.cat(parts)
-    return out
+    return {name: gather_rows(p, group) for name, p in model.named_parameters() if is_expert_param(name)}
 
 
 @torch.no_grad()
