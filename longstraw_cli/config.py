@@ -169,6 +169,10 @@ def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
     if d["ep"] > 1 and d["model"].get("path") is None and not model_name.startswith("glm52"):
         raise ConfigError(f"ep={d['ep']} splits routed experts, but model {model_name!r} has none; "
                           f"use ep=1, or a glm52 model (glm52, glm52_mini, glm52_tiny)")
+    if model_name.startswith("glm52") and d["model"].get("path") is None and (
+            d["export_hf"] or d["rollout"].get("engine") == "vllm"):
+        raise ConfigError(f"model {model_name!r}: export_hf and rollout=vllm write HF qwen3_5_text directories, "
+                          f"which glm52 is not (yet); use export_hf=false and rollout=native")
     strategy = d.get("strategy", {}).get("name", "ddp") if isinstance(d.get("strategy"), dict) else "ddp"
     if d["ep"] > 1 and strategy != "ddp":
         raise ConfigError(f"ep={d['ep']} runs with strategy=ddp only (fsdp2 and deepspeed do not know the expert "

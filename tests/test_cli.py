@@ -46,6 +46,7 @@ def test_bad_keys_and_group_options_are_caught_before_hydra(override, expected):
     (["group_size=1"], "group_size must be an integer >= 2, got 1"),
     (["cp=2"], "cp=2 does not divide the world size 1; valid: [1]"),
     (["ep=2"], "ep=2 does not divide the world size 1; valid: [1]"),
+    (["model=glm52_tiny", "export_hf=true"], "export_hf and rollout=vllm write HF qwen3_5_text directories"),
     (["prompt_tokens=70000"], "exceeds the model's 65536 positions"),
     (["model=qwen36_tiny", "foo=1"], "unknown config key 'foo'"),
     (["task=jsonl"], "missing value(s) for ['task.path']"),
