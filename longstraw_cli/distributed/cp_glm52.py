@@ -164,12 +164,7 @@ def cp_attention_capture_span(attn, x_BTC, positions_T, pages: MLAPages, block_s
     of its queries selects and attends among every earlier prompt key (all ranks' pages of this layer,
     all-gathered transiently). -> (y_BTC, idx_BTK of global positions)."""
     T = x_BTC.shape[1]
-    cos, sin = rope_cos_sin(positions_T, attn.rope_dim, attn.cfg.rope_theta, x_BTC.dtype)
-    latent_BTL, rope_BTR = attn.project_kv(x_BTC, cos, sin)
-    pages.latent_PL.copy_(latent_BTL[0])
-    pages.rope_PR.copy_(rope_BTR[0])
-    if attn.indexer is not None:
-        pages.index_PI.copy_(attn.indexer.keys(x_BTC, cos, sin)[0])
+    cos, sin = attn.write_span_pages(x_BTC, positions_T, pages)
     # the pages as written (in the page dtype), as the one-rank capture reads them back
     rank = dist.get_rank(group)
     widths = [t.shape[1] for t in pages.tensors()]

@@ -368,16 +368,22 @@ class MLAttention(nn.Module):
         return out
 
     @torch.no_grad()
-    def capture_span(self, x_BTC, positions_T, pages: MLAPages, block_size: int, prev_idx=None):
-        """Layer-by-layer capture: the whole span's keys become the pages, then each block of queries attends to
-        the pages up to its end. -> (y_BTC, idx_BTK for the whole span)."""
-        T = x_BTC.shape[1]
+    def write_span_pages(self, x_BTC, positions_T, pages: MLAPages):
+        """A span's latent, rope and index keys written as its pages. -> the span's (cos, sin)."""
         cos, sin = rope_cos_sin(positions_T, self.rope_dim, self.cfg.rope_theta, x_BTC.dtype)
         latent_BTL, rope_BTR = self.project_kv(x_BTC, cos, sin)
         pages.latent_PL.copy_(latent_BTL[0])
         pages.rope_PR.copy_(rope_BTR[0])
         if self.indexer is not None:
             pages.index_PI.copy_(self.indexer.keys(x_BTC, cos, sin)[0])
+        return cos, sin
+
+    @torch.no_grad()
+    def capture_span(self, x_BTC, positions_T, pages: MLAPages, block_size: int, prev_idx=None):
+        """Layer-by-layer capture: the whole span's keys become the pages, then each block of queries attends to
+        the pages up to its end. -> (y_BTC, idx_BTK for the whole span)."""
+        T = x_BTC.shape[1]
+        cos, sin = self.write_span_pages(x_BTC, positions_T, pages)
         y, idx = [], []
         for start in range(0, T, block_size):
             end = min(T, start + block_size)
