@@ -11,6 +11,8 @@ import torch.multiprocessing as mp
 # (on a GPU machine fla's forward is one of the paths under test).
 if not torch.cuda.is_available():
     sys.modules.setdefault("fla", None)
+    # our Triton kernels run in Triton's interpreter on CPU (set before any kernel module is imported)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
