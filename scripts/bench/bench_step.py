@@ -116,13 +116,22 @@ def _layer_hidden(layer: torch.nn.Module, x_BTC: torch.Tensor, positions_T: torc
     return layer(x_BTC, positions_T)[0]
 
 
+def _glm52_layer(layer: torch.nn.Module, x_BTC: torch.Tensor, positions_T: torch.Tensor, prev_idx):
+    # HF's full-sequence route: expanded per-head K/V, the DSA top-k as an attention mask; -> (x, top-k indices)
+    return layer(x_BTC, positions_T, prev_idx=prev_idx)
+
+
 def full_graph_logprobs(model, prompt_ids: torch.Tensor, response_ids: torch.Tensor, chunk_size: int) -> torch.Tensor:
     """log p(response | prompt) through the whole prompt + response with autograd, one checkpoint per layer."""
     ids_BT = torch.cat([prompt_ids, response_ids])[None]
     positions_T = torch.arange(ids_BT.shape[1], device=ids_BT.device)
-    x_BTC = model.model.embed_tokens(ids_BT)
+    x_BTC, idx = model.model.embed_tokens(ids_BT), None
     for layer in model.model.layers:
-        x_BTC = checkpoint(_layer_hidden, layer, x_BTC, positions_T, use_reentrant=False)
+        if model.family == "glm52":
+            # shared-indexer layers reuse the previous full layer's selection, so it passes between checkpoints
+            x_BTC, idx = checkpoint(_glm52_layer, layer, x_BTC, positions_T, idx, use_reentrant=False)
+        else:
+            x_BTC = checkpoint(_layer_hidden, layer, x_BTC, positions_T, use_reentrant=False)
     # hidden states at positions P-1 .. P+R-2 predict response tokens 0 .. R-1
     start = prompt_ids.numel() - 1
     h_BRC = model.model.norm(x_BTC[:, start : start + response_ids.numel()])
@@ -192,6 +201,8 @@ def sdpa_backend(model, device: torch.device, dtype: torch.dtype) -> str:
     Without one, SDPA falls back to the math backend, which materialises [heads, T, T] scores."""
     if device.type != "cuda":
         return "cpu"
+    if model.family == "glm52":
+        return "masked SDPA (HF's DSA route: the top-k as a [T, T] mask)"
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     cfg = model.config
@@ -265,6 +276,9 @@ def measure(method: str, bench: dict, prompt_tokens: int, group_size: int, args)
                               + row["resident_bytes"] + row["graph_peak_bytes"])
         if "peak_bytes" in row:
             row["peak_over_bound"] = row["peak_bytes"] / row["bound_bytes"]
+        if model.family != "qwen36":
+            # `longstraw plan` models qwen36 only
+            return row
         planned = plan(bench["config"], prompt_tokens=prompt_tokens, group_size=group_size,
                        response_tokens=args.response, dtype=args.dtype, lora_rank=args.lora_rank,
                        block_size=args.block_size, score_batch=args.score_batch, logprob_chunk=args.logprob_chunk,
@@ -376,7 +390,11 @@ def parse_args(argv):
 
 
 def use_reference_kernels(model) -> None:
-    """The torch reference attention and chunked GDN everywhere (a fallback should a GPU kernel misbehave)."""
+    """The torch reference attention and chunked GDN everywhere (a fallback should a GPU kernel misbehave);
+    glm52: the torch sparse MLA and DSA indexer scores instead of their Triton kernels."""
+    if model.family == "glm52":
+        os.environ["LONGSTRAW_MLA_KERNEL"] = os.environ["LONGSTRAW_DSA_KERNEL"] = "torch"
+        return
     for layer in model.model.layers:
         if layer.is_attention:
             layer.self_attn.attention_fn = reference_attention
