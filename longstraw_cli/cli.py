@@ -1,4 +1,4 @@
-"""`longstraw train [overrides]`: Hydra at the edge.
+"""`longstraw train [overrides]` and `longstraw plan [overrides]`: Hydra at the edge.
 
 Overrides are checked before Hydra composes (unknown keys, bad group options: one line naming the bad value
 and the valid choices), the composed config becomes a TrainConfig once, and the Trainer sees nothing else.
@@ -139,3 +139,78 @@ def train(argv: list[str]) -> int:
     main = hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(_task)
     main()
     return 0
+
+
+# `longstraw plan`'s keys beyond the training config's
+PLAN_KEYS = {"gpu_mem_gib": "GPU memory per rank in GiB (default 139: an H200)",
+             "kernels": "auto | gpu | reference (default auto: gpu for bf16/fp16)"}
+PLAN_USAGE = """usage: longstraw plan [overrides]
+The per-rank memory of one transaction by phase, and the longest prompt that fits, for the run that
+`longstraw train` would launch with the same overrides (model, cp, group_size, prompt_tokens,
+response_tokens, lora.rank, capture.*). prompt_tokens and response_tokens take K/M suffixes (2M = 2097152).
+Plan's own keys: """ + "; ".join(f"{k}: {v}" for k, v in PLAN_KEYS.items()) + """
+example: longstraw plan model=qwen36 cp=8 prompt_tokens=2M group_size=8 lora.rank=16 gpu_mem_gib=139"""
+
+
+def plan(argv: list[str]) -> int:
+    from hydra import compose, initialize_config_dir
+
+    from longstraw_cli import plan as planner
+    from longstraw_cli.models import config_from_hf
+
+    if any(a in ("-h", "--help") for a in argv):
+        print(PLAN_USAGE)
+        return 0
+    own, overrides = {"gpu_mem_gib": "139", "kernels": "auto"}, []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if sep and key in PLAN_KEYS:
+            own[key] = value
+        elif sep and key in ("prompt_tokens", "response_tokens"):
+            try:
+                overrides.append(f"{key}={planner._tokens(value)}")
+            except Exception as e:  # noqa: BLE001 - argparse's error type, shown as one line
+                _fail(f"{key}={value}: {e}")
+        else:
+            overrides.append(arg)
+    problem = check_overrides(overrides)
+    if problem:
+        _fail(problem)
+    try:
+        gpu_mem_gib = float(own["gpu_mem_gib"])
+    except ValueError:
+        _fail(f"gpu_mem_gib={own['gpu_mem_gib']!r} is not a number of GiB")
+    if own["kernels"] not in planner.KERNELS:
+        _fail(f"kernels={own['kernels']!r}; valid: {list(planner.KERNELS)}")
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    model = cfg.model
+    if model.path is not None:
+        import json
+
+        config_file = Path(model.path) / "config.json"
+        if not config_file.exists():
+            _fail(f"model.path={model.path!r} is not an HF model directory (no config.json)")
+        model_cfg = config_from_hf(json.loads(config_file.read_text()))
+    else:
+        from longstraw_cli.models import MODEL_NAMES
+
+        if model.name not in MODEL_NAMES:
+            _fail(f"model.name={model.name!r} is not a named model; valid: {MODEL_NAMES}")
+        model_cfg = None if model.name not in planner.NAMED_CONFIGS else planner.named_config(model.name)
+    if not isinstance(model_cfg, planner.Qwen36Config):
+        _fail(f"the memory plan models the qwen36 family only, not {model.path or model.name!r}; "
+              f"valid: {sorted(planner.NAMED_CONFIGS)} or a qwen3_5_text model.path")
+
+    def integer(key: str) -> int:
+        value = OmegaConf.select(cfg, key)
+        if isinstance(value, bool) or not isinstance(value, int):
+            _fail(f"{key}={value!r} must be an integer")
+        return value
+
+    return planner.report(
+        model_cfg, model.path or model.name, [integer("prompt_tokens")], cp=integer("cp"),
+        group_size=integer("group_size"), response_tokens=integer("response_tokens"), dtype=model.dtype,
+        lora_rank=integer("lora.rank"), gpu_mem_gib=gpu_mem_gib, block_size=integer("capture.block_size"),
+        score_batch=integer("capture.score_batch"), logprob_chunk=integer("capture.logprob_chunk"),
+        kernels=own["kernels"])

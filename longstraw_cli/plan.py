@@ -318,6 +318,29 @@ def _tokens(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a token count: {text!r} (e.g. 65536, 64K, 2M)") from None
 
 
+def report(cfg: Qwen36Config, title: str, prompts: list[int], **common) -> int:
+    """Print the per-rank plan of each prompt length and the longest prompt that fits; 2 on a bad value."""
+    columns = ("weights", "grads", "optimizer", "resident", "capture_activations", "score_activations",
+               "response_graph", "replay_transient")
+    short = ("weights", "grads", "optim", "resident", "capt_act", "score_act", "graph", "repl_tr")
+    try:
+        plans = [plan(cfg, prompt_tokens=prompt, **common) for prompt in prompts]
+        longest = max_prompt_tokens(cfg, **common)
+    except ValueError as e:
+        print(f"plan: error: {e}", file=sys.stderr)
+        return 2
+    print(f"{title} ({cfg.num_hidden_layers} layers), cp={common['cp']}, G={common['group_size']}, "
+          f"R={common['response_tokens']}, {common['dtype']}, lora_rank={common['lora_rank']}, "
+          f"block={common['block_size']}, kernels={common['kernels']}; GiB per rank")
+    print(f"{'prompt':>9} " + " ".join(f"{c:>9}" for c in short) + f" {'bound':>9} {'peak':>9} {'phase':>8}  fits")
+    for p in plans:
+        phase = max(p["phases"], key=p["phases"].get)
+        print(f"{p['prompt_tokens']:>9} " + " ".join(f"{p[c] / GIB:>9.2f}" for c in columns)
+              + f" {p['bound'] / GIB:>9.2f} {p['peak'] / GIB:>9.2f} {phase:>8}  {'yes' if p['fits'] else 'NO'}")
+    print(f"longest prompt that fits in {common['gpu_mem_gib']:g} GiB: {longest} tokens ({longest / 2**20:.2f}M)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m longstraw_cli.plan", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen36_mini", choices=sorted(NAMED_CONFIGS))
@@ -339,27 +362,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     cfg = named_config(args.model) if args.num_layers is None else named_config(
         args.model, num_hidden_layers=args.num_layers)
-    common = dict(cp=args.cp, group_size=args.group_size, response_tokens=args.response, dtype=args.dtype,
-                  lora_rank=args.lora_rank, gpu_mem_gib=args.gpu_mem_gib, block_size=args.block_size,
-                  score_batch=args.score_batch, kernels=args.kernels)
-    columns = ("weights", "grads", "optimizer", "resident", "capture_activations", "score_activations",
-               "response_graph", "replay_transient")
-    short = ("weights", "grads", "optim", "resident", "capt_act", "score_act", "graph", "repl_tr")
-    print(f"{args.model} ({cfg.num_hidden_layers} layers), cp={args.cp}, G={args.group_size}, R={args.response}, "
-          f"{args.dtype}, lora_rank={args.lora_rank}, block={args.block_size}, kernels={args.kernels}; GiB per rank")
-    print(f"{'prompt':>9} " + " ".join(f"{c:>9}" for c in short) + f" {'bound':>9} {'peak':>9} {'phase':>8}  fits")
-    try:
-        for prompt in prompts:
-            p = plan(cfg, prompt_tokens=prompt, **common)
-            phase = max(p["phases"], key=p["phases"].get)
-            print(f"{prompt:>9} " + " ".join(f"{p[c] / GIB:>9.2f}" for c in columns)
-                  + f" {p['bound'] / GIB:>9.2f} {p['peak'] / GIB:>9.2f} {phase:>8}  {'yes' if p['fits'] else 'NO'}")
-        longest = max_prompt_tokens(cfg, **common)
-    except ValueError as e:
-        print(f"plan: error: {e}", file=sys.stderr)
-        return 2
-    print(f"longest prompt that fits in {args.gpu_mem_gib:g} GiB: {longest} tokens ({longest / 2**20:.2f}M)")
-    return 0
+    return report(cfg, args.model, prompts, cp=args.cp, group_size=args.group_size, response_tokens=args.response,
+                  dtype=args.dtype, lora_rank=args.lora_rank, gpu_mem_gib=args.gpu_mem_gib,
+                  block_size=args.block_size, score_batch=args.score_batch, kernels=args.kernels)
 
 
 if __name__ == "__main__":

@@ -135,3 +135,38 @@ def test_main_prints_a_table(capsys):
     assert main(["--model", "qwen36_mini", "--prompts", "64K,1M", "--group-size", "4"]) == 0
     out = capsys.readouterr().out
     assert "65536" in out and "1048576" in out and "longest prompt" in out
+
+
+def test_longstraw_plan_command_reads_the_training_config(capsys):
+    """`longstraw plan` with train's overrides: the same numbers as plan() on the composed config."""
+    from longstraw_cli.__main__ import main as longstraw
+
+    assert longstraw(["plan", "model=qwen36", "cp=8", "prompt_tokens=2M", "group_size=8", "lora.rank=16",
+                      "response_tokens=1K", "gpu_mem_gib=80"]) == 0
+    out = capsys.readouterr().out
+    want = plan("qwen36", cp=8, prompt_tokens=2**21, group_size=8, response_tokens=1024, lora_rank=16,
+                dtype="bfloat16", gpu_mem_gib=80, block_size=4096, score_batch=8, logprob_chunk=512)
+    assert f"{want['peak'] / GIB:.2f}" in out and "cp=8" in out and "lora_rank=16" in out
+    longest = max_prompt_tokens("qwen36", cp=8, group_size=8, response_tokens=1024, lora_rank=16, dtype="bfloat16",
+                                gpu_mem_gib=80, block_size=4096, score_batch=8, logprob_chunk=512)
+    assert f"longest prompt that fits in 80 GiB: {longest} tokens" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["cp=x"], "cp='x' must be an integer"),
+    (["cp=0"], "cp must be an int >= 1, got 0"),
+    (["gpu_mem_gib=lots"], "gpu_mem_gib='lots' is not a number"),
+    (["kernels=fast"], "kernels='fast'; valid: ['auto', 'gpu', 'reference']"),
+    (["prompt_tokens=3Q"], "not a token count: '3Q'"),
+    (["model=glm52_tiny"], "models the qwen36 family only"),
+    (["modle=qwen36"], "unknown config key 'modle'"),
+])
+def test_longstraw_plan_command_rejects_bad_values_in_one_line(capsys, args, message):
+    from longstraw_cli.__main__ import main as longstraw
+
+    try:
+        code = longstraw(["plan", *args])
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
