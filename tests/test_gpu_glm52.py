@@ -1,0 +1,74 @@
+"""glm52 on CUDA (skipped without it): the model's torch paths against the CPU in fp64, the Triton kernels
+(DSA indexer scores, sparse MLA) against the torch paths in bf16 at glm52_mini's widths, and CPU-offloaded pages
+against on-device pages."""
+
+import pytest
+import torch
+
+from conftest import rel_err
+from longstraw_cli.models import build_model
+from test_glm52_replay import grads, ids, tiny
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def run(model, prompt, response, offload=None, block_size=512):
+    """Capture, then one differentiable replay with a weighted loss: -> (log-probs, parameter gradients)."""
+    model.zero_grad(set_to_none=True)
+    resident = model.capture(prompt, block_size=block_size, offload=offload)
+    logp = model.logprobs(resident, response, grad=True)
+    weights = torch.linspace(-1, 1, logp.numel(), device=logp.device, dtype=logp.dtype)
+    (weights * logp).sum().backward()
+    return logp.detach(), grads(model)
+
+
+def test_fp64_on_cuda_equals_the_cpu():
+    """Same weights, same prompt (longer than index_topk): the CUDA run in fp64 (torch paths: the kernels
+    take bf16/fp32 only) gives the CPU's log-probs and gradients."""
+    cpu = tiny()
+    gpu = tiny().cuda()
+    prompt, response = ids(700, 0), ids(40, 1)
+    logp_cpu, g_cpu = run(cpu, prompt, response, block_size=128)
+    logp_gpu, g_gpu = run(gpu, prompt.cuda(), response.cuda(), block_size=128)
+    assert rel_err(logp_gpu.cpu(), logp_cpu) < 1e-10
+    for name, g in g_cpu.items():
+        if g.norm() > 0:
+            assert rel_err(g_gpu[name].cpu(), g) < 1e-9, name
+
+
+def mini(num_layers=3, seed=0):
+    """glm52_mini's widths (MLA 512 + 64, 16 heads, indexer 16 x 128, top-k 2048, 32 experts) at 3 layers."""
+    torch.manual_seed(seed)
+    return build_model("glm52_mini", dtype=torch.bfloat16, device="cuda", seed=seed, num_hidden_layers=num_layers)
+
+
+def test_triton_kernels_match_the_torch_paths_in_bf16(monkeypatch):
+    """The whole model with the Triton indexer and sparse-MLA kernels against the same model on the torch
+    paths (fp32 compute on the same bf16 pages): log-probs and every gradient."""
+    model = mini()
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, model.config.vocab_size, (6001,), generator=g).cuda()
+    response = torch.randint(0, model.config.vocab_size, (200,), generator=g).cuda()
+    monkeypatch.setenv("LONGSTRAW_MLA_KERNEL", "torch")
+    monkeypatch.setenv("LONGSTRAW_DSA_KERNEL", "torch")
+    logp_ref, g_ref = run(model, prompt, response, block_size=2048)
+    monkeypatch.delenv("LONGSTRAW_MLA_KERNEL")
+    monkeypatch.delenv("LONGSTRAW_DSA_KERNEL")
+    logp, g_kernel = run(model, prompt, response, block_size=2048)
+    assert rel_err(logp.float(), logp_ref.float()) < 1e-2
+    ref_all = torch.cat([g.float().flatten() for g in g_ref.values()])
+    assert rel_err(torch.cat([g_kernel[n].float().flatten() for n in g_ref]), ref_all) < 5e-2
+
+
+def test_offloaded_pages_match_on_device_pages():
+    """offload=cpu (pinned host pages, staged a layer at a time) against pages on the GPU, bf16, kernels on."""
+    model = mini(num_layers=2, seed=1)
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, model.config.vocab_size, (5001,), generator=g).cuda()
+    response = torch.randint(0, model.config.vocab_size, (100,), generator=g).cuda()
+    logp_dev, g_dev = run(model, prompt, response, block_size=2048)
+    logp_off, g_off = run(model, prompt, response, offload="cpu", block_size=2048)
+    assert rel_err(logp_off.float(), logp_dev.float()) < 5e-3
+    for name, g in g_dev.items():
+        if g.float().norm() > 0:
+            assert rel_err(g_off[name].float(), g.float()) < 5e-2, name
