@@ -74,6 +74,15 @@ def test_several_head_blocks_padded_latent_and_small_key_blocks():
     assert max(errs) < 1e-5
 
 
+def test_small_fp16_half_precision_dots():
+    # the bf16 path's casts (p and ds to the page dtype) in fp16: Triton's interpreter multiplies bf16 dot
+    # operands as raw bits (triton-lang/triton#11584), so bf16 itself is tested on CUDA only
+    case, cotangents = make_case(B=2, T=7, H=5, L=32, R=8, P=300, K=40, dtype=torch.float16)
+    out_err, lse_err, dq_err = compare(case, cotangents, scale=0.17)
+    print(f"triton sparse MLA fp16: out {out_err:.1e}, lse {lse_err:.1e}, dq {dq_err:.1e}")
+    assert out_err < 3e-3 and lse_err < 1e-5 and dq_err < 3e-3
+
+
 @pytest.mark.parametrize("page_grad", [False, True])
 def test_autograd_function_dq_kernel_or_torch_backward(page_grad):
     # without a page gradient dq comes from the kernel; with one, all gradients from the torch backward
@@ -106,13 +115,14 @@ def test_function_saves_no_gathered_pages():
 
 def test_dispatch_takes_torch_off_cuda_and_when_asked(monkeypatch):
     (q, latent, rope, idx), _ = make_case(B=1, T=4, H=4, L=32, R=8, P=50, K=16, dtype=torch.float32)
-    assert dispatch.use_triton(q, latent, rope) == (DEVICE == "cuda")
+    assert dispatch.use_triton(q, latent, rope, idx) == (DEVICE == "cuda")
     # pages offloaded to CPU, fp64 and mixed dtypes take the reference
-    assert not dispatch.use_triton(q, latent.cpu(), rope.cpu())
-    assert not dispatch.use_triton(q.double(), latent.double(), rope.double())
-    assert not dispatch.use_triton(q, latent.half(), rope.half())
+    assert not dispatch.use_triton(q, latent.cpu(), rope.cpu(), idx)
+    assert not dispatch.use_triton(q.double(), latent.double(), rope.double(), idx)
+    assert not dispatch.use_triton(q, latent.half(), rope.half(), idx)
+    assert not dispatch.use_triton(q, latent, rope, idx[..., :0])
     monkeypatch.setenv("LONGSTRAW_MLA_KERNEL", "torch")
-    assert not dispatch.use_triton(q, latent, rope)
+    assert not dispatch.use_triton(q, latent, rope, idx)
     monkeypatch.setenv("LONGSTRAW_MLA_KERNEL", "cuda")
     with pytest.raises(ValueError, match=r"LONGSTRAW_MLA_KERNEL='cuda'.*auto.*torch"):
         dispatch.sparse_mla_attention(q, latent, rope, idx, scale=0.1)
@@ -142,10 +152,17 @@ def test_cuda_fp32_is_ieee_with_a_key_tail():
 @pytest.mark.parametrize("page_grad", [False, True])
 def test_cuda_dispatcher_bf16(monkeypatch, page_grad):
     calls = {"forward": 0, "dq": 0}
-    for name in calls:
+
+    def counted(name):
         fn = getattr(triton_sparse, f"sparse_mla_{name}")
-        monkeypatch.setattr(triton_sparse, f"sparse_mla_{name}",
-                            lambda *a, _fn=fn, _name=name, **k: calls.__setitem__(_name, calls[_name] + 1) or _fn(*a, **k))
+
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    for name in calls:
+        monkeypatch.setattr(triton_sparse, f"sparse_mla_{name}", counted(name))
     (q, latent, rope, idx), (dout, dlse) = make_case(B=1, T=64, H=16, L=512, R=64, P=50000, K=2048,
                                                      dtype=torch.bfloat16)
     scale = 576**-0.5

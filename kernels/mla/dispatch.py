@@ -39,18 +39,18 @@ def kernel_choice() -> str:
     return choice
 
 
-def use_triton(q_BTHA, latent_PL, rope_PR) -> bool:
+def use_triton(q_BTHA, latent_PL, rope_PR, idx_BTK) -> bool:
     if kernel_choice() == "torch":
         return False
     if not (q_BTHA.is_cuda and latent_PL.device == q_BTHA.device and rope_PR.device == q_BTHA.device):
         return False
     module = triton_module()
-    return module is not None and module.supported(q_BTHA, latent_PL, rope_PR)
+    return module is not None and module.supported(q_BTHA, latent_PL, rope_PR, idx_BTK)
 
 
 def sparse_mla_attention(q_BTHA, latent_PL, rope_PR, idx_BTK, *, scale):
     """-> (out_BTHL in q's dtype, lse_BTH); see `reference.sparse_mla_attention`."""
     reference.check_shapes(q_BTHA, latent_PL, rope_PR, idx_BTK)
-    if use_triton(q_BTHA, latent_PL, rope_PR):
+    if use_triton(q_BTHA, latent_PL, rope_PR, idx_BTK):
         return triton_module().TritonSparseMLA.apply(q_BTHA, latent_PL, rope_PR, idx_BTK, scale)
     return reference._SparseMLA.apply(q_BTHA, latent_PL, rope_PR, idx_BTK, scale)

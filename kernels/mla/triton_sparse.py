@@ -48,13 +48,15 @@ class TileConfig:
     num_stages: int
 
 
-def default_config(H: int, K: int) -> TileConfig:
+def default_config(H: int, K: int, dtype: torch.dtype) -> TileConfig:
     """Untuned defaults (scripts/bench/bench_mla.py --sweep times others). 32 heads x L = 512 fp32 accumulator
-    is 64 registers a thread at 8 warps; 64 heads would double that next to the q tile and spill."""
+    is 64 registers a thread at 8 warps; 64 heads would double that next to the q tile and spill. fp32 pages
+    take one stage: two [32, 512] fp32 page buffers next to the q tile would crowd shared memory."""
     block_k = min(32, max(16, triton.next_power_of_2(K)))
+    num_stages = 1 if dtype == torch.float32 else 2
     if H <= 16:
-        return TileConfig(16, block_k, 4, 2)
-    return TileConfig(32, block_k, 8, 2)
+        return TileConfig(16, block_k, 4, num_stages)
+    return TileConfig(32, block_k, 8, num_stages)
 
 
 @triton.jit
@@ -158,17 +160,18 @@ def _dq_kernel(q_ptr, lat_ptr, rope_ptr, idx_ptr, out_ptr, dout_ptr, lse_ptr, dl
     tl.store(dq_rows + L + offs_r[None, :], (dq_r * scale).to(dq_ptr.dtype.element_ty), mask=mask_hr)
 
 
-def supported(q_BTHA, latent_PL, rope_PR) -> bool:
-    """Inputs the kernels take: one dtype among DTYPES, pages with unit element stride (any row stride).
-    Device placement is the dispatcher's concern (the interpreter runs these on CPU for tests)."""
+def supported(q_BTHA, latent_PL, rope_PR, idx_BTK) -> bool:
+    """Inputs the kernels take: one dtype among DTYPES, pages with unit element stride (any row stride), at least
+    one query row and one entry. Device placement is the dispatcher's concern (the interpreter runs these on CPU
+    for tests)."""
     return (q_BTHA.dtype in DTYPES and latent_PL.dtype == q_BTHA.dtype and rope_PR.dtype == q_BTHA.dtype
-            and latent_PL.stride(-1) == 1 and rope_PR.stride(-1) == 1 and q_BTHA.shape[0] * q_BTHA.shape[1] > 0)
+            and latent_PL.stride(-1) == 1 and rope_PR.stride(-1) == 1 and idx_BTK.numel() > 0)
 
 
 def _launch_args(q_BTHA, latent_PL, rope_PR, idx_BTK, config):
     B, T, H, _ = q_BTHA.shape
     L, R, K = latent_PL.shape[-1], rope_PR.shape[-1], idx_BTK.shape[-1]
-    config = config or default_config(H, K)
+    config = config or default_config(H, K, q_BTHA.dtype)
     num_head_blocks = triton.cdiv(H, config.block_h)
     meta = dict(L=L, R=R, L_PAD=max(16, triton.next_power_of_2(L)), R_PAD=max(16, triton.next_power_of_2(R)),
                 BLOCK_H=config.block_h, BLOCK_K=config.block_k,
@@ -179,31 +182,34 @@ def _launch_args(q_BTHA, latent_PL, rope_PR, idx_BTK, config):
 
 def sparse_mla_forward(q_BTHA, latent_PL, rope_PR, idx_BTK, scale: float, config: TileConfig | None = None):
     """-> (out_BTHL in q's dtype, lse_BTH float32); `reference.sparse_mla_attention`'s forward, no autograd."""
-    assert supported(q_BTHA, latent_PL, rope_PR)
+    assert supported(q_BTHA, latent_PL, rope_PR, idx_BTK)
     B, T, H, _ = q_BTHA.shape
     L = latent_PL.shape[-1]
     q_BTHA, idx_BTK = q_BTHA.contiguous(), idx_BTK.contiguous()
     out_BTHL = q_BTHA.new_empty(B, T, H, L)
     lse_BTH = q_BTHA.new_empty(B, T, H, dtype=torch.float32)
     grid, num_head_blocks, meta = _launch_args(q_BTHA, latent_PL, rope_PR, idx_BTK, config)
-    _fwd_kernel[grid](q_BTHA, latent_PL, rope_PR, idx_BTK, out_BTHL, lse_BTH, latent_PL.stride(0),
-                      rope_PR.stride(0), H, idx_BTK.shape[-1], num_head_blocks, scale * LOG2E, **meta)
+    # Triton launches on the current device; q's may be another (a no-op for CPU tensors in the interpreter)
+    with torch.cuda.device_of(q_BTHA):
+        _fwd_kernel[grid](q_BTHA, latent_PL, rope_PR, idx_BTK, out_BTHL, lse_BTH, latent_PL.stride(0),
+                          rope_PR.stride(0), H, idx_BTK.shape[-1], num_head_blocks, scale * LOG2E, **meta)
     return out_BTHL, lse_BTH
 
 
 def sparse_mla_dq(q_BTHA, latent_PL, rope_PR, idx_BTK, out_BTHL, lse_BTH, dout_BTHL, dlse_BTH, scale: float,
                   config: TileConfig | None = None):
     """-> dq_BTHA in q's dtype, given the forward's out and lse and the cotangents (either may be None: zero)."""
-    assert supported(q_BTHA, latent_PL, rope_PR)
+    assert supported(q_BTHA, latent_PL, rope_PR, idx_BTK)
     q_BTHA, idx_BTK = q_BTHA.contiguous(), idx_BTK.contiguous()
     out_BTHL, lse_BTH = out_BTHL.contiguous(), lse_BTH.float().contiguous()
     dout_BTHL = torch.zeros_like(out_BTHL) if dout_BTHL is None else dout_BTHL.to(out_BTHL.dtype).contiguous()
     dlse_BTH = torch.zeros_like(lse_BTH) if dlse_BTH is None else dlse_BTH.float().contiguous()
     dq_BTHA = torch.empty_like(q_BTHA)
     grid, num_head_blocks, meta = _launch_args(q_BTHA, latent_PL, rope_PR, idx_BTK, config)
-    _dq_kernel[grid](q_BTHA, latent_PL, rope_PR, idx_BTK, out_BTHL, dout_BTHL, lse_BTH, dlse_BTH, dq_BTHA,
-                     latent_PL.stride(0), rope_PR.stride(0), q_BTHA.shape[2], idx_BTK.shape[-1], num_head_blocks,
-                     scale, scale * LOG2E, **meta)
+    with torch.cuda.device_of(q_BTHA):
+        _dq_kernel[grid](q_BTHA, latent_PL, rope_PR, idx_BTK, out_BTHL, dout_BTHL, lse_BTH, dlse_BTH, dq_BTHA,
+                         latent_PL.stride(0), rope_PR.stride(0), q_BTHA.shape[2], idx_BTK.shape[-1],
+                         num_head_blocks, scale, scale * LOG2E, **meta)
     return dq_BTHA
 
 
