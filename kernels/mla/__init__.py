@@ -1,7 +1,9 @@
 """Sparse absorbed-MLA attention (glm52 DSA replay): selected prompt pages, merged by LSE with response keys.
 
-`reference.py` holds the torch reference; a GPU kernel beside it keeps the same signature."""
+`reference.py` holds the torch reference; `triton_sparse.py` the GPU kernels (forward and dq) with the same
+signature; `dispatch.py` picks between them per call."""
 
-from longstraw_kernels.mla.reference import dense_mla_attention, merge_lse, sparse_mla_attention
+from longstraw_kernels.mla.dispatch import sparse_mla_attention
+from longstraw_kernels.mla.reference import dense_mla_attention, merge_lse
 
 __all__ = ["dense_mla_attention", "merge_lse", "sparse_mla_attention"]

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["sparse_mla_attention", "dense_mla_attention", "merge_lse", "naive_sparse_mla_attention"]
+__all__ = ["sparse_mla_attention", "sparse_mla_backward", "check_shapes", "dense_mla_attention", "merge_lse",
+           "naive_sparse_mla_attention"]
 
 # gathered entries (B * queries * K) per chunk: bounds the recomputed [chunk, K, A] tensor
 _CHUNK_ENTRIES = 1 << 20
@@ -83,48 +84,65 @@ class _SparseMLA(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout_BTHL, dlse_BTH):
         q_BTHA, latent_PL, rope_PR, idx_BTK, out_BTHL, lse_BTH = ctx.saved_tensors
-        need_q, need_lat, need_rope = ctx.needs_input_grad[:3]
-        B, T, H, A = q_BTHA.shape
-        L = latent_PL.shape[-1]
-        K = idx_BTK.shape[-1]
-        scale, dtype = ctx.scale, lse_BTH.dtype
-        if dout_BTHL is None:
-            dout_BTHL = torch.zeros_like(out_BTHL)
-        # dS = P * (dP - delta), delta = rowsum(dO * O) - dlse (README.md)
-        delta_BTH = (dout_BTHL.to(dtype) * out_BTHL.to(dtype)).sum(-1)
-        if dlse_BTH is not None:
-            delta_BTH = delta_BTH - dlse_BTH.to(dtype)
-        dq_BTHA = torch.zeros(B, T, H, A, dtype=dtype, device=q_BTHA.device) if need_q else None
-        dlat_PL = torch.zeros(latent_PL.shape, dtype=dtype, device=q_BTHA.device) if need_lat else None
-        drope_PR = torch.zeros(rope_PR.shape, dtype=dtype, device=q_BTHA.device) if need_rope else None
-        step = _chunk_rows(B, T, K)
-        for t0 in range(0, T, step):
-            t1 = min(T, t0 + step)
-            idx = idx_BTK[:, t0:t1]
-            kv = _gather(latent_PL, idx, q_BTHA.device, dtype)
-            kr = _gather(rope_PR, idx, q_BTHA.device, dtype)
-            q = q_BTHA[:, t0:t1].to(dtype)
-            do = dout_BTHL[:, t0:t1].to(dtype)
-            s = _scores(q, kv, kr, idx >= 0, scale)
-            p = torch.exp(s - _safe(lse_BTH[:, t0:t1])[..., None])
-            ds = p * (torch.einsum("bchl,bckl->bchk", do, kv) - delta_BTH[:, t0:t1, :, None]) * scale
-            if need_q:
-                dq_BTHA[:, t0:t1, :, :L] = torch.einsum("bchk,bckl->bchl", ds, kv)
-                dq_BTHA[:, t0:t1, :, L:] = torch.einsum("bchk,bckr->bchr", ds, kr)
-            flat = idx.clamp(min=0).reshape(-1)
-            if need_lat:
-                # a gathered entry is both key (via ds) and value (via p); -1 entries have p = ds = 0
-                d_kv = torch.einsum("bchk,bchl->bckl", ds, q[..., :L]) + torch.einsum("bchk,bchl->bckl", p, do)
-                dlat_PL.index_add_(0, flat.to(dlat_PL.device), d_kv.reshape(-1, L))
-            if need_rope:
-                d_kr = torch.einsum("bchk,bchr->bckr", ds, q[..., L:])
-                drope_PR.index_add_(0, flat.to(drope_PR.device), d_kr.reshape(-1, A - L))
-        return (
-            dq_BTHA.to(q_BTHA.dtype) if need_q else None,
-            dlat_PL.to(device=latent_PL.device, dtype=latent_PL.dtype) if need_lat else None,
-            drope_PR.to(device=rope_PR.device, dtype=rope_PR.dtype) if need_rope else None,
-            None,
-            None,
+        grads = sparse_mla_backward(q_BTHA, latent_PL, rope_PR, idx_BTK, out_BTHL, lse_BTH, dout_BTHL, dlse_BTH,
+                                    ctx.scale, ctx.needs_input_grad[:3])
+        return (*grads, None, None)
+
+
+def sparse_mla_backward(q_BTHA, latent_PL, rope_PR, idx_BTK, out_BTHL, lse_BTH, dout_BTHL, dlse_BTH, scale,
+                        needs_grad):
+    """-> (dq, dlatent, drope), None where needs_grad (three bools) says no: the chunked recompute of README.md.
+    Also the backward of the Triton forward whenever the pages need a gradient (triton_sparse.py)."""
+    need_q, need_lat, need_rope = needs_grad
+    B, T, H, A = q_BTHA.shape
+    L = latent_PL.shape[-1]
+    K = idx_BTK.shape[-1]
+    dtype = lse_BTH.dtype
+    if dout_BTHL is None:
+        dout_BTHL = torch.zeros_like(out_BTHL)
+    # dS = P * (dP - delta), delta = rowsum(dO * O) - dlse (README.md)
+    delta_BTH = (dout_BTHL.to(dtype) * out_BTHL.to(dtype)).sum(-1)
+    if dlse_BTH is not None:
+        delta_BTH = delta_BTH - dlse_BTH.to(dtype)
+    dq_BTHA = torch.zeros(B, T, H, A, dtype=dtype, device=q_BTHA.device) if need_q else None
+    dlat_PL = torch.zeros(latent_PL.shape, dtype=dtype, device=q_BTHA.device) if need_lat else None
+    drope_PR = torch.zeros(rope_PR.shape, dtype=dtype, device=q_BTHA.device) if need_rope else None
+    step = _chunk_rows(B, T, K)
+    for t0 in range(0, T, step):
+        t1 = min(T, t0 + step)
+        idx = idx_BTK[:, t0:t1]
+        kv = _gather(latent_PL, idx, q_BTHA.device, dtype)
+        kr = _gather(rope_PR, idx, q_BTHA.device, dtype)
+        q = q_BTHA[:, t0:t1].to(dtype)
+        do = dout_BTHL[:, t0:t1].to(dtype)
+        s = _scores(q, kv, kr, idx >= 0, scale)
+        p = torch.exp(s - _safe(lse_BTH[:, t0:t1])[..., None])
+        ds = p * (torch.einsum("bchl,bckl->bchk", do, kv) - delta_BTH[:, t0:t1, :, None]) * scale
+        if need_q:
+            dq_BTHA[:, t0:t1, :, :L] = torch.einsum("bchk,bckl->bchl", ds, kv)
+            dq_BTHA[:, t0:t1, :, L:] = torch.einsum("bchk,bckr->bchr", ds, kr)
+        flat = idx.clamp(min=0).reshape(-1)
+        if need_lat:
+            # a gathered entry is both key (via ds) and value (via p); -1 entries have p = ds = 0
+            d_kv = torch.einsum("bchk,bchl->bckl", ds, q[..., :L]) + torch.einsum("bchk,bchl->bckl", p, do)
+            dlat_PL.index_add_(0, flat.to(dlat_PL.device), d_kv.reshape(-1, L))
+        if need_rope:
+            d_kr = torch.einsum("bchk,bchr->bckr", ds, q[..., L:])
+            drope_PR.index_add_(0, flat.to(drope_PR.device), d_kr.reshape(-1, A - L))
+    return (
+        dq_BTHA.to(q_BTHA.dtype) if need_q else None,
+        dlat_PL.to(device=latent_PL.device, dtype=latent_PL.dtype) if need_lat else None,
+        drope_PR.to(device=rope_PR.device, dtype=rope_PR.dtype) if need_rope else None,
+    )
+
+
+def check_shapes(q_BTHA, latent_PL, rope_PR, idx_BTK) -> None:
+    """ValueError naming the shapes when q, the pages and idx do not fit together."""
+    if q_BTHA.dim() != 4 or idx_BTK.dim() != 3 or idx_BTK.shape[:2] != q_BTHA.shape[:2]:
+        raise ValueError(f"expected q [B, T, H, A] and idx [B, T, K]; got {tuple(q_BTHA.shape)}, {tuple(idx_BTK.shape)}")
+    if latent_PL.shape[-1] + rope_PR.shape[-1] != q_BTHA.shape[-1] or latent_PL.shape[0] != rope_PR.shape[0]:
+        raise ValueError(
+            f"q's last dim {q_BTHA.shape[-1]} must be latent {tuple(latent_PL.shape)} + rope {tuple(rope_PR.shape)} dims"
         )
 
 
@@ -135,12 +153,7 @@ def sparse_mla_attention(q_BTHA, latent_PL, rope_PR, idx_BTK, *, scale):
     lse -inf). Keys are [latent | rope], values latent; q is the absorbed query [q_nope W_uk | q_rope].
     Differentiable in q and in the pages (scatter-added over the selected entries); lse is differentiable too,
     so partial results merge by LSE outside (response keys, context-parallel shards)."""
-    if q_BTHA.dim() != 4 or idx_BTK.dim() != 3 or idx_BTK.shape[:2] != q_BTHA.shape[:2]:
-        raise ValueError(f"expected q [B, T, H, A] and idx [B, T, K]; got {tuple(q_BTHA.shape)}, {tuple(idx_BTK.shape)}")
-    if latent_PL.shape[-1] + rope_PR.shape[-1] != q_BTHA.shape[-1] or latent_PL.shape[0] != rope_PR.shape[0]:
-        raise ValueError(
-            f"q's last dim {q_BTHA.shape[-1]} must be latent {tuple(latent_PL.shape)} + rope {tuple(rope_PR.shape)} dims"
-        )
+    check_shapes(q_BTHA, latent_PL, rope_PR, idx_BTK)
     return _SparseMLA.apply(q_BTHA, latent_PL, rope_PR, idx_BTK, scale)
 
 

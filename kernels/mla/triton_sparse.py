@@ -1,0 +1,240 @@
+"""Sparse absorbed-MLA attention in Triton: the forward and the query gradient of `reference.sparse_mla_attention`.
+
+One program per (query row b, t; block of BLOCK_H heads). The heads of a row share its K selected pages, so a
+program gathers each block of BLOCK_K page rows once (latent [BLOCK_K, L], rope [BLOCK_K, R]; -1 entries and the
+K tail masked, never read) and uses it for all its heads:
+    forward  s = scale (q_l kv^T + q_r kr^T), online softmax (running max and sum in fp32), acc += p kv
+    dq       p = exp(s - lse), dp = dO kv^T, ds = p (dp - delta) scale, dq_l += ds kv, dq_r += ds kr
+with delta = rowsum(dO * O) - dlse formed in the dq kernel from the dO and O tiles it loads anyway (no
+[B, T, H, L] fp32 temporary). Page gradients are not formed here: when the pages need one, the backward is
+`reference.sparse_mla_backward` (the torch chunked recompute). In replay the pages are resident state and never
+need one, so the kernels are what runs there.
+
+Precision: bf16/fp16 inputs go to tl.dot as they are, with fp32 accumulation; p and ds are cast to the page dtype
+for their dots, as flash attention does. fp32 inputs use input_precision="ieee" (no TF32). Softmax statistics,
+lse and the dq accumulator are fp32; out and dq are stored in q's dtype, lse in fp32 (the reference's compute
+dtype for these inputs). A row with no entry gets out 0, lse -inf and dq 0, as in the reference.
+
+Padding: tl.dot needs every dim >= 16, so the head block is at least 16 (H = 4 runs 16 rows, 12 masked) and L,
+R are padded to powers of two >= 16 with masked loads and stores. Only long-standing Triton APIs are used
+(pointer loads with masks, tl.dot, tl.trans, exp2): no TMA or tensor descriptors.
+
+Shape legend:
+    B batch   T queries per sequence   H query heads   K selected entries per query   P pages
+    L latent dim   R rope dim   A = L + R   N = B * T query rows
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from longstraw_kernels.mla import reference
+
+__all__ = ["TileConfig", "default_config", "sparse_mla_forward", "sparse_mla_dq", "TritonSparseMLA"]
+
+LOG2E = 1.4426950408889634
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_h: int  # heads per program (>= 16: tl.dot's minimum)
+    block_k: int  # selected pages per loop step (>= 16)
+    num_warps: int
+    num_stages: int
+
+
+def default_config(H: int, K: int, dtype: torch.dtype) -> TileConfig:
+    """Untuned defaults (scripts/bench/bench_mla.py --sweep times others). 32 heads x L = 512 fp32 accumulator
+    is 64 registers a thread at 8 warps; 64 heads would double that next to the q tile and spill. fp32 pages
+    take one stage: two [32, 512] fp32 page buffers next to the q tile would crowd shared memory."""
+    block_k = min(32, max(16, triton.next_power_of_2(K)))
+    num_stages = 1 if dtype == torch.float32 else 2
+    if H <= 16:
+        return TileConfig(16, block_k, 4, num_stages)
+    return TileConfig(32, block_k, 8, num_stages)
+
+
+@triton.jit
+def _fwd_kernel(q_ptr, lat_ptr, rope_ptr, idx_ptr, out_ptr, lse_ptr, stride_lat, stride_rope,
+                H, K, num_head_blocks, qk_scale_log2,
+                L: tl.constexpr, R: tl.constexpr, L_PAD: tl.constexpr, R_PAD: tl.constexpr,
+                BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    # head blocks of one row are neighbours in launch order, so a row's pages are read from L2 after the first
+    pid = tl.program_id(0)
+    row = (pid // num_head_blocks).to(tl.int64)
+    offs_h = (pid % num_head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_l = tl.arange(0, L_PAD)
+    offs_r = tl.arange(0, R_PAD)
+    mask_h, mask_l, mask_r = offs_h < H, offs_l < L, offs_r < R
+
+    q_rows = q_ptr + row * H * (L + R) + offs_h[:, None] * (L + R)
+    q_l = tl.load(q_rows + offs_l[None, :], mask=mask_h[:, None] & mask_l[None, :], other=0.0)  # [BLOCK_H, L_PAD]
+    q_r = tl.load(q_rows + L + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max, in log2 units
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, L_PAD], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        idx = tl.load(idx_ptr + row * K + offs_k, mask=offs_k < K, other=-1).to(tl.int64)
+        valid = idx >= 0
+        page = tl.where(valid, idx, 0)
+        kv = tl.load(lat_ptr + page[:, None] * stride_lat + offs_l[None, :],
+                     mask=valid[:, None] & mask_l[None, :], other=0.0)  # [BLOCK_K, L_PAD]
+        kr = tl.load(rope_ptr + page[:, None] * stride_rope + offs_r[None, :],
+                     mask=valid[:, None] & mask_r[None, :], other=0.0)  # [BLOCK_K, R_PAD]
+        s = tl.dot(q_l, tl.trans(kv), input_precision=PRECISION)
+        s += tl.dot(q_r, tl.trans(kr), input_precision=PRECISION)
+        s = tl.where(valid[None, :], s * qk_scale_log2, float("-inf"))  # [BLOCK_H, BLOCK_K]
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # while a row has seen no entry its max is -inf; subtracting a finite stand-in keeps exp2 at 0, not NaN
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=PRECISION)
+        m_i = m_new
+
+    has_entry = l_i > 0
+    l_safe = tl.where(has_entry, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(has_entry, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
+    out_rows = out_ptr + row * H * L + offs_h[:, None] * L
+    tl.store(out_rows + offs_l[None, :], out.to(out_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_l[None, :])
+    tl.store(lse_ptr + row * H + offs_h, lse, mask=mask_h)
+
+
+@triton.jit
+def _dq_kernel(q_ptr, lat_ptr, rope_ptr, idx_ptr, out_ptr, dout_ptr, lse_ptr, dlse_ptr, dq_ptr,
+               stride_lat, stride_rope, H, K, num_head_blocks, scale, qk_scale_log2,
+               L: tl.constexpr, R: tl.constexpr, L_PAD: tl.constexpr, R_PAD: tl.constexpr,
+               BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    row = (pid // num_head_blocks).to(tl.int64)
+    offs_h = (pid % num_head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_l = tl.arange(0, L_PAD)
+    offs_r = tl.arange(0, R_PAD)
+    mask_h, mask_l, mask_r = offs_h < H, offs_l < L, offs_r < R
+    mask_hl = mask_h[:, None] & mask_l[None, :]
+    mask_hr = mask_h[:, None] & mask_r[None, :]
+
+    q_rows = q_ptr + row * H * (L + R) + offs_h[:, None] * (L + R)
+    q_l = tl.load(q_rows + offs_l[None, :], mask=mask_hl, other=0.0)
+    q_r = tl.load(q_rows + L + offs_r[None, :], mask=mask_hr, other=0.0)
+    o_offs = row * H * L + offs_h[:, None] * L + offs_l[None, :]
+    do = tl.load(dout_ptr + o_offs, mask=mask_hl, other=0.0)  # [BLOCK_H, L_PAD]
+    o = tl.load(out_ptr + o_offs, mask=mask_hl, other=0.0)
+    dlse = tl.load(dlse_ptr + row * H + offs_h, mask=mask_h, other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1) - dlse
+    lse = tl.load(lse_ptr + row * H + offs_h, mask=mask_h, other=0.0)
+    # a row with no entry has lse -inf and all its scores -inf: a finite stand-in gives p = 0, not NaN
+    lse_log2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+
+    dq_l = tl.zeros([BLOCK_H, L_PAD], tl.float32)
+    dq_r = tl.zeros([BLOCK_H, R_PAD], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        idx = tl.load(idx_ptr + row * K + offs_k, mask=offs_k < K, other=-1).to(tl.int64)
+        valid = idx >= 0
+        page = tl.where(valid, idx, 0)
+        kv = tl.load(lat_ptr + page[:, None] * stride_lat + offs_l[None, :],
+                     mask=valid[:, None] & mask_l[None, :], other=0.0)
+        kr = tl.load(rope_ptr + page[:, None] * stride_rope + offs_r[None, :],
+                     mask=valid[:, None] & mask_r[None, :], other=0.0)
+        s = tl.dot(q_l, tl.trans(kv), input_precision=PRECISION)
+        s += tl.dot(q_r, tl.trans(kr), input_precision=PRECISION)
+        s = tl.where(valid[None, :], s * qk_scale_log2, float("-inf"))
+        p = tl.exp2(s - lse_log2[:, None])  # [BLOCK_H, BLOCK_K], exact for the row's global lse
+        dp = tl.dot(do.to(kv.dtype), tl.trans(kv), input_precision=PRECISION)
+        ds = (p * (dp - delta[:, None])).to(kv.dtype)  # scale applied once at the end
+        dq_l += tl.dot(ds, kv, input_precision=PRECISION)
+        dq_r += tl.dot(ds, kr, input_precision=PRECISION)
+
+    dq_rows = dq_ptr + row * H * (L + R) + offs_h[:, None] * (L + R)
+    tl.store(dq_rows + offs_l[None, :], (dq_l * scale).to(dq_ptr.dtype.element_ty), mask=mask_hl)
+    tl.store(dq_rows + L + offs_r[None, :], (dq_r * scale).to(dq_ptr.dtype.element_ty), mask=mask_hr)
+
+
+def supported(q_BTHA, latent_PL, rope_PR, idx_BTK) -> bool:
+    """Inputs the kernels take: one dtype among DTYPES, pages with unit element stride (any row stride), at least
+    one query row and one entry. Device placement is the dispatcher's concern (the interpreter runs these on CPU
+    for tests)."""
+    return (q_BTHA.dtype in DTYPES and latent_PL.dtype == q_BTHA.dtype and rope_PR.dtype == q_BTHA.dtype
+            and latent_PL.stride(-1) == 1 and rope_PR.stride(-1) == 1 and idx_BTK.numel() > 0)
+
+
+def _launch_args(q_BTHA, latent_PL, rope_PR, idx_BTK, config):
+    B, T, H, _ = q_BTHA.shape
+    L, R, K = latent_PL.shape[-1], rope_PR.shape[-1], idx_BTK.shape[-1]
+    config = config or default_config(H, K, q_BTHA.dtype)
+    num_head_blocks = triton.cdiv(H, config.block_h)
+    meta = dict(L=L, R=R, L_PAD=max(16, triton.next_power_of_2(L)), R_PAD=max(16, triton.next_power_of_2(R)),
+                BLOCK_H=config.block_h, BLOCK_K=config.block_k,
+                PRECISION="ieee" if q_BTHA.dtype == torch.float32 else "tf32",
+                num_warps=config.num_warps, num_stages=config.num_stages)
+    return (B * T * num_head_blocks,), num_head_blocks, meta
+
+
+def sparse_mla_forward(q_BTHA, latent_PL, rope_PR, idx_BTK, scale: float, config: TileConfig | None = None):
+    """-> (out_BTHL in q's dtype, lse_BTH float32); `reference.sparse_mla_attention`'s forward, no autograd."""
+    assert supported(q_BTHA, latent_PL, rope_PR, idx_BTK)
+    B, T, H, _ = q_BTHA.shape
+    L = latent_PL.shape[-1]
+    q_BTHA, idx_BTK = q_BTHA.contiguous(), idx_BTK.contiguous()
+    out_BTHL = q_BTHA.new_empty(B, T, H, L)
+    lse_BTH = q_BTHA.new_empty(B, T, H, dtype=torch.float32)
+    grid, num_head_blocks, meta = _launch_args(q_BTHA, latent_PL, rope_PR, idx_BTK, config)
+    # Triton launches on the current device; q's may be another (a no-op for CPU tensors in the interpreter)
+    with torch.cuda.device_of(q_BTHA):
+        _fwd_kernel[grid](q_BTHA, latent_PL, rope_PR, idx_BTK, out_BTHL, lse_BTH, latent_PL.stride(0),
+                          rope_PR.stride(0), H, idx_BTK.shape[-1], num_head_blocks, scale * LOG2E, **meta)
+    return out_BTHL, lse_BTH
+
+
+def sparse_mla_dq(q_BTHA, latent_PL, rope_PR, idx_BTK, out_BTHL, lse_BTH, dout_BTHL, dlse_BTH, scale: float,
+                  config: TileConfig | None = None):
+    """-> dq_BTHA in q's dtype, given the forward's out and lse and the cotangents (either may be None: zero)."""
+    assert supported(q_BTHA, latent_PL, rope_PR, idx_BTK)
+    q_BTHA, idx_BTK = q_BTHA.contiguous(), idx_BTK.contiguous()
+    out_BTHL, lse_BTH = out_BTHL.contiguous(), lse_BTH.float().contiguous()
+    dout_BTHL = torch.zeros_like(out_BTHL) if dout_BTHL is None else dout_BTHL.to(out_BTHL.dtype).contiguous()
+    dlse_BTH = torch.zeros_like(lse_BTH) if dlse_BTH is None else dlse_BTH.float().contiguous()
+    dq_BTHA = torch.empty_like(q_BTHA)
+    grid, num_head_blocks, meta = _launch_args(q_BTHA, latent_PL, rope_PR, idx_BTK, config)
+    with torch.cuda.device_of(q_BTHA):
+        _dq_kernel[grid](q_BTHA, latent_PL, rope_PR, idx_BTK, out_BTHL, dout_BTHL, lse_BTH, dlse_BTH, dq_BTHA,
+                         latent_PL.stride(0), rope_PR.stride(0), q_BTHA.shape[2], idx_BTK.shape[-1],
+                         num_head_blocks, scale, scale * LOG2E, **meta)
+    return dq_BTHA
+
+
+class TritonSparseMLA(torch.autograd.Function):
+    """`reference._SparseMLA`'s contract and saved tensors (q, pages by reference, idx, out, lse); the Triton
+    forward, and the Triton dq unless a page needs a gradient (then the torch chunked backward does all)."""
+
+    @staticmethod
+    def forward(ctx, q_BTHA, latent_PL, rope_PR, idx_BTK, scale):
+        out_BTHL, lse_BTH = sparse_mla_forward(q_BTHA, latent_PL, rope_PR, idx_BTK, scale)
+        ctx.save_for_backward(q_BTHA, latent_PL, rope_PR, idx_BTK, out_BTHL, lse_BTH)
+        ctx.scale = scale
+        ctx.set_materialize_grads(False)
+        return out_BTHL, lse_BTH
+
+    @staticmethod
+    def backward(ctx, dout_BTHL, dlse_BTH):
+        q_BTHA, latent_PL, rope_PR, idx_BTK, out_BTHL, lse_BTH = ctx.saved_tensors
+        need_q, need_lat, need_rope = ctx.needs_input_grad[:3]
+        if need_lat or need_rope:
+            grads = reference.sparse_mla_backward(q_BTHA, latent_PL, rope_PR, idx_BTK, out_BTHL, lse_BTH,
+                                                  dout_BTHL, dlse_BTH, ctx.scale, (need_q, need_lat, need_rope))
+            return (*grads, None, None)
+        dq_BTHA = None
+        if need_q:
+            dq_BTHA = sparse_mla_dq(q_BTHA, latent_PL, rope_PR, idx_BTK, out_BTHL, lse_BTH, dout_BTHL, dlse_BTH,
+                                    ctx.scale)
+        return dq_BTHA, None, None, None, None

@@ -1,0 +1,186 @@
+"""Triton sparse absorbed-MLA kernels (kernels/mla/triton_sparse.py) against the fp64 naive oracle: out, lse and dq.
+
+Small cases run everywhere: on CPU in Triton's interpreter (conftest sets TRITON_INTERPRET=1), on a GPU compiled.
+The GLM-5 sizes (bf16, L = 512, K = 2048) need CUDA. Also the dispatcher: which path runs, and that a page gradient
+falls back to the torch backward and still matches.
+"""
+
+import pytest
+import torch
+
+from conftest import rel_err
+from longstraw_kernels.mla import dispatch, reference, triton_sparse
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def make_case(B, T, H, L, R, P, K, dtype, device=DEVICE, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, L + R, generator=g)
+    latent = torch.randn(P, L, generator=g)
+    rope = torch.randn(P, R, generator=g)
+    idx = torch.stack([torch.randperm(P, generator=g)[:K] for _ in range(B * T)]).view(B, T, K)
+    # some entries absent, one row with none at all (lse -inf, out 0, dq 0, nothing NaN)
+    idx = idx.masked_fill(torch.rand(B, T, K, generator=g) < 0.3, -1)
+    idx[0, 3] = -1
+    cotangents = (torch.randn(B, T, H, L, generator=g), torch.randn(B, T, H, generator=g))
+    move = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
+    return (move(q), move(latent), move(rope), idx.to(device)), tuple(map(move, cotangents))
+
+
+def oracle(q, latent, rope, idx, dout, dlse, scale):
+    """fp64 naive autograd on the same (possibly bf16-rounded) values -> out, lse, dq."""
+    q64 = q.double().requires_grad_()
+    out, lse = reference.naive_sparse_mla_attention(q64, latent.double(), rope.double(), idx, scale=scale)
+    finite = torch.isfinite(lse)
+    loss = (out * dout.double()).sum() + (torch.where(finite, lse, 0.0) * dlse.double()).sum()
+    loss.backward()
+    return out.detach(), lse.detach(), q64.grad
+
+
+def compare(case, cotangents, scale, config=None):
+    """-> rel errs (out, lse on finite rows, dq) of the kernel entry points against the oracle."""
+    q, latent, rope, idx = case
+    dout, dlse = cotangents
+    out, lse = triton_sparse.sparse_mla_forward(q, latent, rope, idx, scale, config)
+    out_ref, lse_ref, dq_ref = oracle(q, latent, rope, idx, dout, dlse, scale)
+    finite = torch.isfinite(lse_ref)
+    # cotangents on -inf rows are never used downstream (merge_lse gives them weight 0)
+    dq = triton_sparse.sparse_mla_dq(q, latent, rope, idx, out, lse, dout, dlse.masked_fill(~finite, 0), scale,
+                                     config)
+    assert out.dtype == q.dtype and lse.dtype == torch.float32 and dq.dtype == q.dtype
+    assert torch.equal(finite, torch.isfinite(lse)) and torch.isneginf(lse[~finite]).all()
+    assert torch.isfinite(out).all() and torch.isfinite(dq).all()
+    assert (out[0, 3] == 0).all() and (dq[0, 3] == 0).all()
+    return rel_err(out, out_ref), rel_err(lse[finite], lse_ref[finite]), rel_err(dq, dq_ref)
+
+
+@pytest.mark.parametrize("H", [4, 5])
+@pytest.mark.parametrize("K", [16, 40])
+def test_small_fp32_matches_fp64_oracle(H, K):
+    # K = 40: one full block of 32 and a tail of 8; H pads to a head block of 16
+    case, cotangents = make_case(B=2, T=7, H=H, L=32, R=8, P=300, K=K, dtype=torch.float32)
+    errs = compare(case, cotangents, scale=0.17)
+    print(f"triton sparse MLA fp32 H={H} K={K}: out, lse, dq rel errs {[f'{e:.1e}' for e in errs]}")
+    assert max(errs) < 1e-5
+
+
+def test_several_head_blocks_padded_latent_and_small_key_blocks():
+    # H = 20 over two head blocks of 16, L = 24 padded to 32, K = 40 in blocks of 16 (two full, one tail of 8)
+    case, cotangents = make_case(B=1, T=5, H=20, L=24, R=8, P=100, K=40, dtype=torch.float32, seed=1)
+    errs = compare(case, cotangents, scale=0.2, config=triton_sparse.TileConfig(16, 16, 4, 1))
+    print(f"triton sparse MLA fp32 H=20 L=24: out, lse, dq rel errs {[f'{e:.1e}' for e in errs]}")
+    assert max(errs) < 1e-5
+
+
+def test_small_fp16_half_precision_dots():
+    # the bf16 path's casts (p and ds to the page dtype) in fp16: Triton's interpreter multiplies bf16 dot
+    # operands as raw bits (triton-lang/triton#11584), so bf16 itself is tested on CUDA only
+    case, cotangents = make_case(B=2, T=7, H=5, L=32, R=8, P=300, K=40, dtype=torch.float16)
+    out_err, lse_err, dq_err = compare(case, cotangents, scale=0.17)
+    print(f"triton sparse MLA fp16: out {out_err:.1e}, lse {lse_err:.1e}, dq {dq_err:.1e}")
+    assert out_err < 3e-3 and lse_err < 1e-5 and dq_err < 3e-3
+
+
+@pytest.mark.parametrize("page_grad", [False, True])
+def test_autograd_function_dq_kernel_or_torch_backward(page_grad):
+    # without a page gradient dq comes from the kernel; with one, all gradients from the torch backward
+    (q, latent, rope, idx), (dout, dlse) = make_case(B=2, T=5, H=4, L=32, R=8, P=80, K=24, dtype=torch.float32)
+    results = []
+    for fn in (triton_sparse.TritonSparseMLA.apply, None):
+        leaves = [t.double() if fn is None else t.clone() for t in (q, latent, rope)]
+        leaves = [t.requires_grad_(i == 0 or page_grad) for i, t in enumerate(leaves)]
+        if fn is None:
+            out, lse = reference.naive_sparse_mla_attention(*leaves, idx, scale=0.3)
+        else:
+            out, lse = fn(*leaves, idx, 0.3)
+        finite = torch.isfinite(lse)
+        ((out * dout.to(out.dtype)).sum() + (torch.where(finite, lse, 0.0) * dlse.to(lse.dtype)).sum()).backward()
+        results.append([out, lse[finite]] + [t.grad for t in leaves if t.requires_grad])
+    errs = [rel_err(a, b) for a, b in zip(*results)]
+    print(f"TritonSparseMLA page_grad={page_grad}: rel errs {[f'{e:.1e}' for e in errs]}")
+    assert len(errs) == (5 if page_grad else 3) and max(errs) < 1e-5
+
+
+def test_function_saves_no_gathered_pages():
+    (q, latent, rope, idx), _ = make_case(B=1, T=6, H=4, L=32, R=8, P=200, K=30, dtype=torch.float32)
+    q.requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        triton_sparse.TritonSparseMLA.apply(q, latent, rope, idx, 0.1)
+    assert len(saved) == 6  # q, latent, rope, idx, out, lse
+    assert {latent.data_ptr(), rope.data_ptr()} <= {t.data_ptr() for t in saved}
+
+
+def test_dispatch_takes_torch_off_cuda_and_when_asked(monkeypatch):
+    (q, latent, rope, idx), _ = make_case(B=1, T=4, H=4, L=32, R=8, P=50, K=16, dtype=torch.float32)
+    assert dispatch.use_triton(q, latent, rope, idx) == (DEVICE == "cuda")
+    # pages offloaded to CPU, fp64 and mixed dtypes take the reference
+    assert not dispatch.use_triton(q, latent.cpu(), rope.cpu(), idx)
+    assert not dispatch.use_triton(q.double(), latent.double(), rope.double(), idx)
+    assert not dispatch.use_triton(q, latent.half(), rope.half(), idx)
+    assert not dispatch.use_triton(q, latent, rope, idx[..., :0])
+    monkeypatch.setenv("LONGSTRAW_MLA_KERNEL", "torch")
+    assert not dispatch.use_triton(q, latent, rope, idx)
+    monkeypatch.setenv("LONGSTRAW_MLA_KERNEL", "cuda")
+    with pytest.raises(ValueError, match=r"LONGSTRAW_MLA_KERNEL='cuda'.*auto.*torch"):
+        dispatch.sparse_mla_attention(q, latent, rope, idx, scale=0.1)
+
+
+# -- GLM-5 sizes on the GPU ---------------------------------------------------------------------------------------
+
+@needs_cuda
+@pytest.mark.parametrize("H", [16, 64])
+def test_cuda_bf16_glm5_sizes(H):
+    case, cotangents = make_case(B=1, T=64, H=H, L=512, R=64, P=50000, K=2048, dtype=torch.bfloat16)
+    out_err, lse_err, dq_err = compare(case, cotangents, scale=1.5 * 576**-0.5)
+    print(f"triton sparse MLA bf16 H={H}: out {out_err:.1e}, lse {lse_err:.1e}, dq {dq_err:.1e}")
+    assert out_err < 2e-2 and lse_err < 1e-3 and dq_err < 3e-2
+
+
+@needs_cuda
+def test_cuda_fp32_is_ieee_with_a_key_tail():
+    # K = 300: nine blocks of 32 and a tail of 12; fp32 dots must not be TF32 (which would give ~1e-3)
+    case, cotangents = make_case(B=2, T=9, H=16, L=512, R=64, P=5000, K=300, dtype=torch.float32)
+    errs = compare(case, cotangents, scale=576**-0.5)
+    print(f"triton sparse MLA fp32 GLM sizes: out, lse, dq rel errs {[f'{e:.1e}' for e in errs]}")
+    assert max(errs) < 1e-5
+
+
+@needs_cuda
+@pytest.mark.parametrize("page_grad", [False, True])
+def test_cuda_dispatcher_bf16(monkeypatch, page_grad):
+    calls = {"forward": 0, "dq": 0}
+
+    def counted(name):
+        fn = getattr(triton_sparse, f"sparse_mla_{name}")
+
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    for name in calls:
+        monkeypatch.setattr(triton_sparse, f"sparse_mla_{name}", counted(name))
+    (q, latent, rope, idx), (dout, dlse) = make_case(B=1, T=64, H=16, L=512, R=64, P=50000, K=2048,
+                                                     dtype=torch.bfloat16)
+    scale = 576**-0.5
+    leaves = [t.clone().requires_grad_(i == 0 or page_grad) for i, t in enumerate((q, latent, rope))]
+    out, lse = dispatch.sparse_mla_attention(*leaves, idx, scale=scale)
+    finite = torch.isfinite(lse)
+    ((out.float() * dout.float()).sum() + (torch.where(finite, lse, 0.0) * dlse.float()).sum()).backward()
+    # the Triton forward always; the Triton dq only without a page gradient
+    assert calls == {"forward": 1, "dq": 0 if page_grad else 1}
+
+    ref = [t.double().requires_grad_(i == 0 or page_grad) for i, t in enumerate((q, latent, rope))]
+    out_r, lse_r = reference.naive_sparse_mla_attention(*ref, idx, scale=scale)
+    ((out_r * dout.double()).sum() + (torch.where(finite, lse_r, 0.0) * dlse.double()).sum()).backward()
+    errs = [rel_err(out, out_r), rel_err(lse[finite], lse_r[finite])]
+    errs += [rel_err(a.grad, b.grad) for a, b in zip(leaves, ref) if a.requires_grad]
+    print(f"dispatcher bf16 page_grad={page_grad}: out, lse, grads rel errs {[f'{e:.1e}' for e in errs]}")
+    assert errs[0] < 2e-2 and errs[1] < 1e-3 and max(errs[2:]) < 3e-2
+
+    monkeypatch.setenv("LONGSTRAW_MLA_KERNEL", "torch")
+    out_t, _ = dispatch.sparse_mla_attention(q, latent, rope, idx, scale=scale)
+    assert calls["forward"] == 1 and rel_err(out_t, out_r) < 2e-2
