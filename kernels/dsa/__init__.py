@@ -43,7 +43,8 @@ def indexer_scores(q_BTJI: torch.Tensor, w_BTJ: torch.Tensor, k: torch.Tensor, s
                    offset: int | None = None) -> torch.Tensor:
     """Index scores [B, T, S] of queries [B, T, J, I] (per-head weights w [B, T, J]) against keys [S, I] (shared)
     or [B, S, I]; with `offset`, -inf where s > t + offset. See `reference.indexer_scores_reference`."""
-    kernel = _triton_scores() if q_BTJI.is_cuda and _kernel_choice() == "auto" else None
+    choice = _kernel_choice()
+    kernel = _triton_scores() if q_BTJI.is_cuda and choice == "auto" else None
     # fp64 (tests of the algorithm) has no tensor-core path: the reference computes it
     if kernel is None or compute_dtype(q_BTJI) != torch.float32 or k.dtype not in _KERNEL_DTYPES:
         return indexer_scores_reference(q_BTJI, w_BTJ, k, scale, offset)
