@@ -17,6 +17,8 @@ from longstraw_kernels.dsa.triton_scores import indexer_scores_triton  # noqa: E
 
 F64 = torch.float64
 SCALE = 16**-0.5
+# small tiles, so that T=63 and S=1000 cut several of each, partial ones included
+TILES = (32, 256, 4, 1)
 
 
 def make_case(B, T, S, J, I, shared, dtype, seed=0, device="cpu"):
@@ -47,7 +49,7 @@ def compare(out_BTS, ref_BTS, offset):
     return rel_err(out_BTS[visible], ref_BTS[visible])
 
 
-# T=63 and S=1000 cut partial tiles at both ends (32 + 31 queries, 7 * 128 + 104 keys); I=24 pads to 32 and
+# T=63 and S=1000 cut partial tiles at both ends (32 + 31 queries, 3 * 256 + 232 keys); I=24 pads to 32 and
 # I=16 is the smallest dot; offset 500 skips whole key tiles, 937 = S - T is capture (the last T positions),
 # -10 leaves the first queries with no visible key at all
 @pytest.mark.parametrize("I", [16, 24])
@@ -55,7 +57,7 @@ def compare(out_BTS, ref_BTS, offset):
 @pytest.mark.parametrize("offset", [None, 500, 937, -10])
 def test_fp32_kernel_matches_fp64_reference(I, shared, offset):
     q_BTJI, w_BTJ, k = make_case(2, 63, 1000, 4, I, shared, torch.float32, seed=I + offset if offset else I)
-    out_BTS = indexer_scores_triton(q_BTJI, w_BTJ, k, SCALE, offset, block_t=32, block_s=128)
+    out_BTS = indexer_scores_triton(q_BTJI, w_BTJ, k, SCALE, offset, config=TILES)
     ref_BTS = indexer_scores_reference(q_BTJI.to(F64), w_BTJ.to(F64), k.to(F64), SCALE, offset)
     err = compare(out_BTS, ref_BTS, offset)
     print(f"DSA scores fp32 ieee vs fp64 reference, I={I} shared={shared} offset={offset}: rel err {err:.2e}")
@@ -69,7 +71,7 @@ def test_half_precision_dot_matches_fp64_reference_of_the_same_values():
     # the tensor-core branch (fp16 x fp16 -> fp32). Triton's interpreter multiplies bf16 operands as raw bits,
     # so bf16 runs only on a GPU (test_cuda_bf16_realistic_sizes); the two branches are the same code
     q_BTJI, w_BTJ, k = make_case(2, 63, 1000, 4, 24, False, torch.float16, seed=3)
-    out_BTS = indexer_scores_triton(q_BTJI, w_BTJ, k, SCALE, 500, block_t=32, block_s=128)
+    out_BTS = indexer_scores_triton(q_BTJI, w_BTJ, k, SCALE, 500, config=TILES)
     ref_BTS = indexer_scores_reference(q_BTJI.to(F64), w_BTJ.to(F64), k.to(F64), SCALE, 500)
     err = compare(out_BTS, ref_BTS, 500)
     print(f"DSA scores fp16 dot vs fp64 reference: rel err {err:.2e}")
@@ -80,7 +82,7 @@ def test_mixed_dtypes_take_the_fp32_path():
     # bf16 pages with an fp32 model: k is upcast inside the kernel, exactly as the reference upcasts it
     q_BTJI, w_BTJ, k = make_case(1, 63, 300, 4, 16, True, torch.float32, seed=4)
     k = k.to(torch.bfloat16)
-    out_BTS = indexer_scores_triton(q_BTJI, w_BTJ, k, SCALE, None, block_t=32, block_s=128)
+    out_BTS = indexer_scores_triton(q_BTJI, w_BTJ, k, SCALE, None, config=TILES)
     err = compare(out_BTS, indexer_scores_reference(q_BTJI.to(F64), w_BTJ.to(F64), k.to(F64), SCALE), None)
     assert err < 1e-5
 
