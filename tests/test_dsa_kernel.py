@@ -16,12 +16,14 @@ pytest.importorskip("triton")
 from longstraw_kernels.dsa.triton_scores import indexer_scores_triton  # noqa: E402
 
 F64 = torch.float64
+# the kernel runs compiled on a GPU machine (Triton's interpreter only when there is no GPU: conftest.py)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SCALE = 16**-0.5
 # small tiles, so that T=63 and S=1000 cut several of each, partial ones included
 TILES = (32, 256, 4, 1)
 
 
-def make_case(B, T, S, J, I, shared, dtype, seed=0, device="cpu"):
+def make_case(B, T, S, J, I, shared, dtype, seed=0, device=DEVICE):
     """Random queries, weights of both signs (scores go negative, so -inf is not the only non-positive value)
     and keys [S, I] or [B, S, I]. About 1/2^J of the scores are exactly 0 (every head's ReLU at 0): ties."""
     g = torch.Generator().manual_seed(seed)
@@ -88,7 +90,7 @@ def test_mixed_dtypes_take_the_fp32_path():
 
 
 def test_dispatch_on_cpu_is_the_reference_and_the_env_choice_is_checked(monkeypatch):
-    q_BTJI, w_BTJ, k = make_case(2, 9, 40, 4, 16, False, torch.float32, seed=5)
+    q_BTJI, w_BTJ, k = make_case(2, 9, 40, 4, 16, False, torch.float32, seed=5, device="cpu")
     assert torch.equal(indexer_scores(q_BTJI, w_BTJ, k, SCALE, 3),
                        indexer_scores_reference(q_BTJI, w_BTJ, k, SCALE, 3))
     monkeypatch.setenv("LONGSTRAW_DSA_KERNEL", "triton")
@@ -112,7 +114,8 @@ def test_glm52_capture_and_replay_through_the_kernel_select_the_same_keys(monkey
 
     def kernel(q_BTJI, w_BTJ, k, scale, offset=None):
         calls.append(offset)
-        return indexer_scores_triton(q_BTJI, w_BTJ, k, scale, offset)
+        args = (t.to(DEVICE) for t in (q_BTJI, w_BTJ, k))
+        return indexer_scores_triton(*args, scale, offset).to(q_BTJI.device)
 
     monkeypatch.setattr(glm52_model, "indexer_scores", kernel)
     # 2 sequences x 170 keys x 7 rows: replay scores its 20 queries in chunks of 7
