@@ -16,8 +16,9 @@ visible keys of highest index score: HF's semantics (HF takes top-min(index_topk
 future positions, and the causal mask removes what the top-k picked among those). Index scores are sums of
 ReLUs, so exact ties (often at 0) occur; ours are broken toward the LOWER position (`topk_lowest_position`),
 which makes the selection exactly reproducible; torch.topk leaves the choice among ties unspecified.
-The indexer and the top-k carry no gradient (HF runs the indexer under no_grad); gradients reach the indexer
-parameters from nowhere, as in HF.
+Index scores come from `longstraw_kernels.dsa.indexer_scores` (a fused Triton kernel on CUDA, which skips key
+tiles no query of a tile sees; the torch reference elsewhere). The indexer and the top-k carry no gradient (HF
+runs the indexer under no_grad); gradients reach the indexer parameters from nowhere, as in HF.
 
 Hooks (swapped from outside: GPU kernels, context parallel, expert parallel; the model only calls them):
 - `MLAttention.topk_fn(scores_BTS, k) -> idx_BTk` (int64): the k best positions along the last axis of the
@@ -47,6 +48,7 @@ from longstraw_cli.models.embedding import Embedding
 from longstraw_cli.models.logprobs import token_logprobs
 from longstraw_cli.resident import MLAPages, Resident
 from longstraw_cli.resident.offload import LayerStager, copy_to_host, host_buffer
+from longstraw_kernels.dsa import indexer_scores
 from longstraw_kernels.mla import dense_mla_attention, merge_lse, sparse_mla_attention
 
 OFFLOAD_CHOICES = (None, "cpu")
@@ -144,27 +146,27 @@ class DSAIndexer(nn.Module):
 
     @torch.no_grad()
     def queries(self, x_BTC, q_resid_BTQ, cos_TF, sin_TF):
-        """Index queries [B, T, J, I] and per-head weights [B, T, J], both fp32 (or wider)."""
+        """Index queries [B, T, J, I] in the activations' dtype and per-head weights [B, T, J] fp32 (or wider).
+        HF computes the scores in fp32: the scoring upcasts q (`indexer_scores`), exactly. A bf16 q stays bf16
+        so that, against bf16 keys, the GPU kernel takes the tensor-core dot: its products of bf16 values are
+        exact in fp32, the same numbers as the fp32 upcast."""
         B, T, _ = x_BTC.shape
         q_BTJI = self._rope(self.wq_b(q_resid_BTQ).view(B, T, self.num_heads, self.head_dim), cos_TF, sin_TF)
         w_BTJ = self.weights_proj(x_BTC.to(self.weights_proj.weight.dtype))
-        return at_least_fp32(q_BTJI), at_least_fp32(w_BTJ) * self.num_heads**-0.5
+        return q_BTJI, at_least_fp32(w_BTJ) * self.num_heads**-0.5
 
-    def scores(self, q_BTJI, w_BTJ, keys: list[torch.Tensor]) -> torch.Tensor:
+    def scores(self, q_BTJI, w_BTJ, keys: list[torch.Tensor], offset: int | None = None) -> torch.Tensor:
         """sum_j w_j relu(scale * q_j . k) against each key group ([S, I] shared by the batch or [B, S, I]),
-        concatenated along the key axis: [B, T, S_total], fp32."""
-        B, T, J, _ = q_BTJI.shape
-        out = []
+        concatenated along the key axis: [B, T, S_total], fp32 (or wider). With `offset`, query t sees position
+        g of the concatenated axis iff g <= t + offset; the others are -inf."""
+        out, first = [], 0
         for k in keys:
-            k = k.to(q_BTJI.dtype)
-            shared = k.dim() == 2
             S = k.shape[-2]
-            step = max(1, _SCORE_ELEMENTS // max(1, B * T * J))
-            for s0 in range(0, S, step):
-                kc = k[..., s0 : s0 + step, :]
-                dots = torch.einsum("btji,si->btjs" if shared else "btji,bsi->btjs", q_BTJI, kc)
-                out.append(torch.einsum("btj,btjs->bts", w_BTJ, F.relu(dots * self.softmax_scale)))
-        return torch.cat(out, dim=-1)
+            # group-local positions: g = first + s; a group all of whose keys every query sees needs no mask
+            local = None if offset is None or offset - first >= S - 1 else offset - first
+            out.append(indexer_scores(q_BTJI, w_BTJ, k, self.softmax_scale, local))
+            first += S
+        return out[0] if len(out) == 1 else torch.cat(out, dim=-1)
 
 
 @dataclass
@@ -180,11 +182,6 @@ class KeyAxis:
     @property
     def offset(self) -> int:
         return self.num_pages + self.num_new - self.num_queries
-
-    def visible_TS(self, device) -> torch.Tensor:
-        t = torch.arange(self.num_queries, device=device)[:, None]
-        g = torch.arange(self.num_pages + self.num_new, device=device)[None, :]
-        return g <= t + self.offset
 
 
 class DecodeMLA:
@@ -285,15 +282,15 @@ class MLAttention(nn.Module):
         num_keys = axis.num_pages + axis.num_new
         k = min(self.cfg.index_topk, num_keys)
         idx_BTK = torch.full((B, T, self.cfg.index_topk), -1, dtype=torch.long, device=x_BTC.device)
-        visible_TS = axis.visible_TS(x_BTC.device)
+        t_T1 = torch.arange(T, device=x_BTC.device)[:, None]
         rows = max(1, _SCORE_ELEMENTS // max(1, B * num_keys))
         for t0 in range(0, T, rows):
             t1 = min(T, t0 + rows)
-            scores_BTS = self.indexer.scores(q_BTJI[:, t0:t1], w_BTJ[:, t0:t1], index_keys)
-            scores_BTS = scores_BTS.masked_fill(~visible_TS[t0:t1], float("-inf"))
+            # invisible positions (g > t + offset) come back -inf; the kernel skips tiles that are wholly so
+            scores_BTS = self.indexer.scores(q_BTJI[:, t0:t1], w_BTJ[:, t0:t1], index_keys, axis.offset + t0)
             chosen = self.topk_fn(scores_BTS, k)
             # what the top-k picked among masked positions (fewer than k visible) is not attended
-            seen = visible_TS[t0:t1].expand(B, -1, -1).gather(-1, chosen)
+            seen = chosen <= t_T1[t0:t1] + axis.offset
             idx_BTK[:, t0:t1, :k] = chosen.masked_fill(~seen, -1)
         return idx_BTK
 

@@ -1,0 +1,127 @@
+"""DSA lightning-indexer scores as one fused Triton kernel: no [B, T, J, S] intermediate, fp32 scores written once.
+
+One program owns a [BLOCK_T, BLOCK_S] tile of the scores of one sequence. It loads its key tile once, then for
+each index head j: dot(q_j tile [BLOCK_T, I], key tile^T) -> relu -> times scale * w[:, j] -> accumulated in
+fp32 (relu(scale x) w = relu(x) scale w for scale >= 0). With a causal `offset` (query t sees key s iff
+s <= t + offset), a tile no query of which sees any of its keys is written -inf without loading anything; partly
+visible tiles are masked element by element.
+
+Precision: q and k both bf16 (or both fp16) take the tensor-core dot with fp32 accumulation: a product of two
+bf16 values is exact in fp32 (8 + 8 significant bits <= 24; fp16: 11 + 11), so this equals the fp32 reference up
+to the order of summation. Anything else is computed in fp32 with input_precision="ieee": TF32 would round q and
+k to 10-bit mantissas and flip near-ties of the top-k that follows. See README.md.
+
+Legend: B batch, T queries, J index heads, I index head dim (BLOCK_I: I padded to a power of two >= 16),
+S keys.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOW_PRECISION_DTYPES = (torch.bfloat16, torch.float16)
+SUPPORTED_DTYPES = (torch.float32,) + LOW_PRECISION_DTYPES
+# (BLOCK_T, BLOCK_S, num_warps, num_stages) per dot precision, H200 defaults (scripts/bench/bench_dsa.py sweeps
+# others). Wide key tiles: a program reads J query tiles per key tile, so the L2 traffic per FLOP falls with
+# BLOCK_S. The fp32 FMA dot holds its operands in registers: smaller tiles, or it spills.
+LOW_PRECISION_CONFIG = (64, 256, 8, 2)
+FP32_CONFIG = (64, 64, 8, 2)
+
+
+@triton.jit
+def _indexer_scores_kernel(
+    q_ptr, w_ptr, k_ptr, out_ptr,
+    T, S, J, I, scale, offset,
+    stride_qb, stride_qt, stride_qj, stride_qi,
+    stride_wb, stride_wt, stride_wj,
+    stride_kb, stride_ks, stride_ki,
+    stride_ob, stride_ot, stride_os,
+    HAS_OFFSET: tl.constexpr, LOW_PRECISION: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_I: tl.constexpr,
+):
+    pid_s, pid_t, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    t0, s0 = pid_t * BLOCK_T, pid_s * BLOCK_S
+    # tile-local positions; the tile's corner goes into 64-bit scalar bases (T * S alone passes 2^31 at long
+    # prompts) and in-tile offsets stay 32-bit: [BLOCK_T, BLOCK_*] tensors of 64-bit pointers live across the
+    # head loop would spill registers
+    dt_T = tl.arange(0, BLOCK_T)
+    ds_S = tl.arange(0, BLOCK_S)
+    i_I = tl.arange(0, BLOCK_I)
+    valid_T = t0 + dt_T < T
+    valid_S = s0 + ds_S < S
+    out_base = out_ptr + b * stride_ob + t0.to(tl.int64) * stride_ot + s0.to(tl.int64) * stride_os
+    # the tile's last real query sees up to key t_last + offset; keys past it are invisible to the whole tile
+    # (without HAS_OFFSET the caller passes offset = S: nothing is skipped)
+    t_last = tl.minimum(t0 + BLOCK_T, T) - 1
+    if s0 > t_last + offset:
+        tl.store(out_base + dt_T[:, None] * stride_ot + ds_S[None, :] * stride_os,
+                 tl.full((BLOCK_T, BLOCK_S), float("-inf"), tl.float32), mask=valid_T[:, None] & valid_S[None, :])
+    else:
+        # key tile, transposed for the dot: [BLOCK_I, BLOCK_S]; padded dims load 0 and add nothing to the dots
+        k_base = k_ptr + b * stride_kb + s0.to(tl.int64) * stride_ks
+        kT_IS = tl.load(k_base + ds_S[None, :] * stride_ks + i_I[:, None] * stride_ki,
+                        mask=(i_I[:, None] < I) & valid_S[None, :], other=0.0)
+        q_base = q_ptr + b * stride_qb + t0.to(tl.int64) * stride_qt
+        w_base = w_ptr + b * stride_wb + t0.to(tl.int64) * stride_wt
+        acc_TS = tl.zeros((BLOCK_T, BLOCK_S), dtype=tl.float32)
+        for j in range(J):
+            q_TI = tl.load(q_base + j * stride_qj + dt_T[:, None] * stride_qt + i_I[None, :] * stride_qi,
+                           mask=valid_T[:, None] & (i_I[None, :] < I), other=0.0)
+            # relu(scale * x) * w = relu(x) * (scale * w) for scale >= 0: one multiply less per score
+            w_T = tl.load(w_base + j * stride_wj + dt_T * stride_wt, mask=valid_T, other=0.0).to(tl.float32) * scale
+            if LOW_PRECISION:
+                dots_TS = tl.dot(q_TI, kT_IS, out_dtype=tl.float32)
+            else:
+                dots_TS = tl.dot(q_TI.to(tl.float32), kT_IS.to(tl.float32), input_precision="ieee",
+                                 out_dtype=tl.float32)
+            acc_TS += tl.maximum(dots_TS, 0.0) * w_T[:, None]
+        if HAS_OFFSET:
+            visible_TS = (s0 + ds_S)[None, :] <= (t0 + dt_T)[:, None] + offset
+            acc_TS = tl.where(visible_TS, acc_TS, float("-inf"))
+        tl.store(out_base + dt_T[:, None] * stride_ot + ds_S[None, :] * stride_os, acc_TS,
+                 mask=valid_T[:, None] & valid_S[None, :])
+
+
+def indexer_scores_triton(q_BTJI: torch.Tensor, w_BTJ: torch.Tensor, k: torch.Tensor, scale: float,
+                          offset: int | None = None, *, config: tuple[int, int, int, int] | None = None
+                          ) -> torch.Tensor:
+    """Same contract as `reference.indexer_scores_reference`, for fp32 / bf16 / fp16 q and k: -> [B, T, S] fp32.
+    `config` = (BLOCK_T, BLOCK_S, num_warps, num_stages), powers of two, blocks >= 16; None: the default of the
+    dot's precision."""
+    B, T, J, I = q_BTJI.shape
+    if q_BTJI.dtype not in SUPPORTED_DTYPES or k.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"indexer_scores_triton takes q and k in {SUPPORTED_DTYPES}, got {q_BTJI.dtype} and "
+                         f"{k.dtype}; the reference takes any dtype")
+    if k.dim() not in (2, 3) or k.shape[-1] != I or (k.dim() == 3 and k.shape[0] != B):
+        raise ValueError(f"keys must be [S, {I}] or [{B}, S, {I}], got {tuple(k.shape)}")
+    if w_BTJ.shape != (B, T, J):
+        raise ValueError(f"w must be [{B}, {T}, {J}], got {tuple(w_BTJ.shape)}")
+    if not scale >= 0:
+        raise ValueError(f"scale must be >= 0 (the kernel moves it past the ReLU), got {scale}")
+    S = k.shape[-2]
+    out_BTS = torch.empty(B, T, S, dtype=torch.float32, device=q_BTJI.device)
+    if out_BTS.numel() == 0:
+        return out_BTS
+    low_precision = q_BTJI.dtype == k.dtype and q_BTJI.dtype in LOW_PRECISION_DTYPES
+    block_t, block_s, num_warps, num_stages = config or (LOW_PRECISION_CONFIG if low_precision else FP32_CONFIG)
+    # in-tile offsets are 32-bit (see the kernel)
+    row_stride = max(out_BTS.stride(1), q_BTJI.stride(1), w_BTJ.stride(1))
+    if block_t * row_stride >= 2**31 or block_s * k.stride(-2) >= 2**31:
+        raise ValueError(f"S={S} keys (row stride {row_stride}) overflow 32-bit in-tile offsets at block_t={block_t}")
+    # a shared key group is read by every sequence: batch stride 0
+    stride_kb = k.stride(0) if k.dim() == 3 else 0
+    # key tiles vary fastest: programs running together share one query tile (all J heads of it stay in L2) and
+    # stream the keys once per query tile
+    grid = (triton.cdiv(S, block_s), triton.cdiv(T, block_t), B)
+    _indexer_scores_kernel[grid](
+        q_BTJI, w_BTJ, k, out_BTS,
+        T, S, J, I, float(scale), S if offset is None else int(offset),
+        *q_BTJI.stride(), *w_BTJ.stride(), stride_kb, k.stride(-2), k.stride(-1), *out_BTS.stride(),
+        HAS_OFFSET=offset is not None,
+        LOW_PRECISION=low_precision,
+        BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_I=max(16, triton.next_power_of_2(I)),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out_BTS

@@ -1,0 +1,162 @@
+"""DSA indexer scores: the fused Triton kernel (in Triton's interpreter on CPU) against the torch reference, and
+the glm52 model's selection through it.
+
+Legend: B batch, T queries, J index heads, I index head dim, S keys.
+"""
+
+import pytest
+import torch
+
+from conftest import rel_err
+from longstraw_cli.models.glm52 import model as glm52_model
+from longstraw_kernels import dsa
+from longstraw_kernels.dsa import indexer_scores, indexer_scores_reference
+
+pytest.importorskip("triton")
+from longstraw_kernels.dsa.triton_scores import indexer_scores_triton  # noqa: E402
+
+F64 = torch.float64
+# the kernel runs compiled on a GPU machine (Triton's interpreter only when there is no GPU: conftest.py)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SCALE = 16**-0.5
+# small tiles, so that T=63 and S=1000 cut several of each, partial ones included
+TILES = (32, 256, 4, 1)
+
+
+def make_case(B, T, S, J, I, shared, dtype, seed=0, device=DEVICE):
+    """Random queries, weights of both signs (scores go negative, so -inf is not the only non-positive value)
+    and keys [S, I] or [B, S, I]. About 1/2^J of the scores are exactly 0 (every head's ReLU at 0): ties."""
+    g = torch.Generator().manual_seed(seed)
+    q_BTJI = torch.randn(B, T, J, I, generator=g)
+    w_BTJ = torch.randn(B, T, J, generator=g)
+    k = torch.randn(*(() if shared else (B,)), S, I, generator=g)
+    return q_BTJI.to(device, dtype), w_BTJ.to(device), k.to(device, dtype)
+
+
+def invisible_TS(T, S, offset, device="cpu"):
+    t_T1 = torch.arange(T, device=device)[:, None]
+    return torch.arange(S, device=device)[None, :] > t_T1 + offset
+
+
+def compare(out_BTS, ref_BTS, offset):
+    """-> RMS-relative error over the finite scores; -inf exactly at s > t + offset, nowhere else."""
+    T, S = ref_BTS.shape[-2:]
+    assert out_BTS.dtype == torch.float32 and out_BTS.shape == ref_BTS.shape
+    expected = torch.zeros(T, S, dtype=torch.bool, device=ref_BTS.device)
+    if offset is not None:
+        expected = invisible_TS(T, S, offset, ref_BTS.device)
+    expected = expected.expand_as(ref_BTS)
+    assert torch.equal(torch.isneginf(out_BTS), expected) and torch.equal(torch.isneginf(ref_BTS), expected)
+    visible = ~expected
+    return rel_err(out_BTS[visible], ref_BTS[visible])
+
+
+# T=63 and S=1000 cut partial tiles at both ends (32 + 31 queries, 3 * 256 + 232 keys); I=24 pads to 32 and
+# I=16 is the smallest dot; offset 500 skips whole key tiles, 937 = S - T is capture (the last T positions),
+# -10 leaves the first queries with no visible key at all
+@pytest.mark.parametrize("I", [16, 24])
+@pytest.mark.parametrize("shared", [True, False], ids=["shared_keys", "per_sequence_keys"])
+@pytest.mark.parametrize("offset", [None, 500, 937, -10])
+def test_fp32_kernel_matches_fp64_reference(I, shared, offset):
+    q_BTJI, w_BTJ, k = make_case(2, 63, 1000, 4, I, shared, torch.float32, seed=I + offset if offset else I)
+    out_BTS = indexer_scores_triton(q_BTJI, w_BTJ, k, SCALE, offset, config=TILES)
+    ref_BTS = indexer_scores_reference(q_BTJI.to(F64), w_BTJ.to(F64), k.to(F64), SCALE, offset)
+    err = compare(out_BTS, ref_BTS, offset)
+    print(f"DSA scores fp32 ieee vs fp64 reference, I={I} shared={shared} offset={offset}: rel err {err:.2e}")
+    assert err < 1e-5
+    # the selection the model takes from them is the same, ties at 0 included
+    top = glm52_model.topk_lowest_position
+    assert torch.equal(top(out_BTS, 50), top(ref_BTS, 50))
+
+
+def test_half_precision_dot_matches_fp64_reference_of_the_same_values():
+    # the tensor-core branch (fp16 x fp16 -> fp32). Triton's interpreter multiplies bf16 operands as raw bits,
+    # so bf16 runs only on a GPU (test_cuda_bf16_realistic_sizes); the two branches are the same code
+    q_BTJI, w_BTJ, k = make_case(2, 63, 1000, 4, 24, False, torch.float16, seed=3)
+    out_BTS = indexer_scores_triton(q_BTJI, w_BTJ, k, SCALE, 500, config=TILES)
+    ref_BTS = indexer_scores_reference(q_BTJI.to(F64), w_BTJ.to(F64), k.to(F64), SCALE, 500)
+    err = compare(out_BTS, ref_BTS, 500)
+    print(f"DSA scores fp16 dot vs fp64 reference: rel err {err:.2e}")
+    assert err < 1e-5
+
+
+def test_mixed_dtypes_take_the_fp32_path():
+    # bf16 pages with an fp32 model: k is upcast inside the kernel, exactly as the reference upcasts it
+    q_BTJI, w_BTJ, k = make_case(1, 63, 300, 4, 16, True, torch.float32, seed=4)
+    k = k.to(torch.bfloat16)
+    out_BTS = indexer_scores_triton(q_BTJI, w_BTJ, k, SCALE, None, config=TILES)
+    err = compare(out_BTS, indexer_scores_reference(q_BTJI.to(F64), w_BTJ.to(F64), k.to(F64), SCALE), None)
+    assert err < 1e-5
+
+
+def test_dispatch_on_cpu_is_the_reference_and_the_env_choice_is_checked(monkeypatch):
+    q_BTJI, w_BTJ, k = make_case(2, 9, 40, 4, 16, False, torch.float32, seed=5, device="cpu")
+    assert torch.equal(indexer_scores(q_BTJI, w_BTJ, k, SCALE, 3),
+                       indexer_scores_reference(q_BTJI, w_BTJ, k, SCALE, 3))
+    monkeypatch.setenv("LONGSTRAW_DSA_KERNEL", "triton")
+    with pytest.raises(ValueError, match="LONGSTRAW_DSA_KERNEL"):
+        indexer_scores(q_BTJI, w_BTJ, k, SCALE)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_glm52_capture_and_replay_through_the_kernel_select_the_same_keys(monkeypatch):
+    """Capture (one key group, offset = the block's start) and replay (pages, then the response's own keys as a
+    second group with its own offset) with the kernel in place of the reference: same selections, so the same
+    log-probs bit for bit. Few rows per scoring call, so the per-chunk offsets are exercised too."""
+    from test_glm52_replay import ids, tiny
+
+    model = tiny(torch.float32)
+    prompt, responses = ids(150, 11), torch.stack([ids(20, 12), ids(20, 13)])
+    resident = model.capture(prompt, block_size=40)
+    ref = model.logprobs(resident, responses)
+
+    calls = []
+
+    def kernel(q_BTJI, w_BTJ, k, scale, offset=None):
+        calls.append(offset)
+        args = (t.to(DEVICE) for t in (q_BTJI, w_BTJ, k))
+        return indexer_scores_triton(*args, scale, offset).to(q_BTJI.device)
+
+    monkeypatch.setattr(glm52_model, "indexer_scores", kernel)
+    # 2 sequences x 170 keys x 7 rows: replay scores its 20 queries in chunks of 7
+    monkeypatch.setattr(glm52_model, "_SCORE_ELEMENTS", 2 * 170 * 7)
+    resident_k = model.capture(prompt, block_size=40)
+    assert all(torch.equal(a, b) for a, b in zip(resident_k.tensors(), resident.tensors()))
+    assert torch.equal(model.logprobs(resident_k, responses), ref)
+    # the masks really went through the kernel: capture blocks (offsets > 0) and new keys (offsets 0, 7, 14)
+    assert any(o is not None and o > 0 for o in calls) and {0, 7, 14} <= set(calls)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shared", [True, False], ids=["shared_keys", "per_sequence_keys"])
+def test_cuda_bf16_realistic_sizes(shared):
+    # capture-like: queries are the last T of S positions (offset S - T); bf16 q and k as the model holds them
+    B, T, S, J, I = (1 if shared else 2), 4096, 20000, 16, 128
+    q_BTJI, w_BTJ, k = make_case(B, T, S, J, I, shared, torch.bfloat16, device="cuda")
+    offset = S - T
+    out_BTS = indexer_scores(q_BTJI, w_BTJ, k, I**-0.5, offset)
+    assert torch.equal(out_BTS, indexer_scores_triton(q_BTJI, w_BTJ, k, I**-0.5, offset)), "dispatch"
+    ref_BTS = indexer_scores_reference(q_BTJI.to(F64), w_BTJ.to(F64), k.to(F64), I**-0.5, offset)
+    err = compare(out_BTS, ref_BTS, offset)
+    print(f"DSA scores bf16 dot vs fp64 reference, B={B} T={T} S={S} J={J} I={I}: rel err {err:.2e}")
+    assert err < 1e-5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_fp32_ieee_and_awkward_sizes():
+    q_BTJI, w_BTJ, k = make_case(2, 1000, 3001, 16, 72, False, torch.float32, device="cuda")
+    for offset in (None, 1500):
+        out_BTS = indexer_scores_triton(q_BTJI, w_BTJ, k, SCALE, offset)
+        ref_BTS = indexer_scores_reference(q_BTJI.to(F64), w_BTJ.to(F64), k.to(F64), SCALE, offset)
+        err = compare(out_BTS, ref_BTS, offset)
+        print(f"DSA scores fp32 ieee on CUDA vs fp64 reference, offset={offset}: rel err {err:.2e}")
+        assert err < 1e-5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_env_forces_the_reference(monkeypatch):
+    q_BTJI, w_BTJ, k = make_case(1, 100, 300, 4, 16, True, torch.bfloat16, device="cuda")
+    monkeypatch.setenv("LONGSTRAW_DSA_KERNEL", "torch")
+    assert torch.equal(indexer_scores(q_BTJI, w_BTJ, k, SCALE, 250),
+                       indexer_scores_reference(q_BTJI, w_BTJ, k, SCALE, 250))
+    assert dsa._triton_scores() is not None, "Triton must import on a CUDA machine"
