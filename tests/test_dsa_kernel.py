@@ -119,7 +119,7 @@ def test_glm52_capture_and_replay_through_the_kernel_select_the_same_keys(monkey
 
     monkeypatch.setattr(glm52_model, "indexer_scores", kernel)
     # 2 sequences x 170 keys x 7 rows: replay scores its 20 queries in chunks of 7
-    monkeypatch.setattr(glm52_model, "_SCORE_ELEMENTS", 2 * 170 * 7)
+    monkeypatch.setitem(glm52_model._SCORE_ELEMENTS, "cpu", 2 * 170 * 7)  # the model runs on the CPU
     resident_k = model.capture(prompt, block_size=40)
     assert all(torch.equal(a, b) for a, b in zip(resident_k.tensors(), resident.tensors()))
     assert torch.equal(model.logprobs(resident_k, responses), ref)

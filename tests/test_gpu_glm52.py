@@ -2,8 +2,13 @@
 (DSA indexer scores, sparse MLA) against the torch paths in bf16 at glm52_mini's widths, and CPU-offloaded pages
 against on-device pages."""
 
+import collections
+
 import pytest
 import torch
+
+import longstraw_kernels.dsa as dsa
+from longstraw_kernels.mla import dispatch as mla_dispatch
 
 from conftest import rel_err
 from longstraw_cli.models import build_model
@@ -54,7 +59,16 @@ def test_triton_kernels_match_the_torch_paths_in_bf16(monkeypatch):
     logp_ref, g_ref = run(model, prompt, response, block_size=2048)
     monkeypatch.delenv("LONGSTRAW_MLA_KERNEL")
     monkeypatch.delenv("LONGSTRAW_DSA_KERNEL")
+    # count what ran: every indexer call through the Triton scores, every sparse MLA call through Triton
+    ran = collections.Counter()
+    triton_scores = dsa._triton_scores()
+    assert triton_scores is not None
+    monkeypatch.setattr(dsa, "_triton_scores", lambda: lambda *a: (ran.update(["dsa"]), triton_scores(*a))[1])
+    use_triton = mla_dispatch.use_triton
+    monkeypatch.setattr(mla_dispatch, "use_triton", lambda *a: (ran.update([f"mla_{use_triton(*a)}"]),
+                                                                 use_triton(*a))[1])
     logp, g_kernel = run(model, prompt, response, block_size=2048)
+    assert ran["dsa"] > 0 and ran["mla_True"] > 0 and ran["mla_False"] == 0, ran
     assert rel_err(logp.float(), logp_ref.float()) < 1e-2
     ref_all = torch.cat([g.float().flatten() for g in g_ref.values()])
     assert rel_err(torch.cat([g_kernel[n].float().flatten() for n in g_ref]), ref_all) < 5e-2

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from longstraw_cli.distributed.cp_attention import _AllReduceGrad, _MergeAcrossRanks
 from longstraw_cli.distributed.cp_topk import cp_global_topk
 from longstraw_cli.distributed.ep import tokens_sharded
-from longstraw_cli.models.glm52.model import _SCORE_ELEMENTS, KeyAxis, _selected_mask, rope_cos_sin
+from longstraw_cli.models.glm52.model import KeyAxis, _selected_mask, rope_cos_sin, score_rows
 from longstraw_cli.resident import MLAPages
 from longstraw_kernels.mla import dense_mla_attention, merge_lse
 
@@ -75,7 +75,7 @@ def _cp_select(attn, x_BTC, q_resid_BTQ, cos_TF, sin_TF, index_PI, new_index_BSI
     t_T1 = torch.arange(T, device=x_BTC.device)[:, None]
     visible_new_TS = torch.arange(S_new, device=x_BTC.device)[None, :] <= t_T1 + (S_new - T)
     # the row chunking depends only on replicated sizes: every rank makes the same number of collective calls
-    rows = max(1, _SCORE_ELEMENTS // max(1, B * num_keys))
+    rows = score_rows(num_keys, B, x_BTC.device)
     for t0 in range(0, T, rows):
         t1 = min(T, t0 + rows)
         if keys:

@@ -52,8 +52,15 @@ from longstraw_kernels.dsa import indexer_scores
 from longstraw_kernels.mla import dense_mla_attention, merge_lse, sparse_mla_attention
 
 OFFLOAD_CHOICES = (None, "cpu")
-# bound on index-score elements formed at once ([rows, keys] per chunk of queries)
-_SCORE_ELEMENTS = 1 << 24
+# bound on index-score elements formed at once ([rows, keys] per chunk of queries, and the top-k's temporaries
+# beside them, ~12 bytes an element): small on the CPU, larger on a GPU, where a few rows per call against a
+# million keys would leave it launching tiny kernels
+_SCORE_ELEMENTS = {"cpu": 1 << 24, "cuda": 1 << 27}
+
+
+def score_rows(num_keys: int, batch: int, device: torch.device) -> int:
+    """Query rows scored (and top-k'd) at once against num_keys keys."""
+    return max(1, _SCORE_ELEMENTS.get(torch.device(device).type, 1 << 24) // max(1, batch * num_keys))
 
 
 def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
@@ -109,7 +116,7 @@ def topk_lowest_position(scores_BTS: torch.Tensor, k: int) -> torch.Tensor:
     ties; everything above it is taken, then the lowest-positioned entries equal to it fill up to k."""
     B, T, S = scores_BTS.shape
     out = scores_BTS.new_empty(B, T, k, dtype=torch.long)
-    rows = max(1, _SCORE_ELEMENTS // max(1, B * S))
+    rows = score_rows(S, B, scores_BTS.device)
     for t0 in range(0, T, rows):
         s = scores_BTS[:, t0 : t0 + rows]
         kth = s.topk(k, dim=-1).values[..., -1:]
@@ -283,7 +290,7 @@ class MLAttention(nn.Module):
         k = min(self.cfg.index_topk, num_keys)
         idx_BTK = torch.full((B, T, self.cfg.index_topk), -1, dtype=torch.long, device=x_BTC.device)
         t_T1 = torch.arange(T, device=x_BTC.device)[:, None]
-        rows = max(1, _SCORE_ELEMENTS // max(1, B * num_keys))
+        rows = score_rows(num_keys, B, x_BTC.device)
         for t0 in range(0, T, rows):
             t1 = min(T, t0 + rows)
             # invisible positions (g > t + offset) come back -inf; the kernel skips tiles that are wholly so
