@@ -49,14 +49,20 @@ def mini(num_layers=3, seed=0):
 
 def test_triton_kernels_match_the_torch_paths_in_bf16(monkeypatch):
     """The whole model with the Triton indexer and sparse-MLA kernels against the same model on the torch
-    paths (fp32 compute on the same bf16 pages): log-probs and every gradient."""
+    paths, both in bf16, each measured against an fp32 run of the same weights (torch paths): the kernels'
+    log-probs and gradients are as close to it as the torch paths' are (bf16 alone moves gradients by several
+    percent through three layers, so the bar is relative to the torch paths' own error)."""
     model = mini()
+    model32 = build_model("glm52_mini", dtype=torch.float32, device="cuda", num_hidden_layers=3)
+    model32.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, model.config.vocab_size, (6001,), generator=g).cuda()
     response = torch.randint(0, model.config.vocab_size, (200,), generator=g).cuda()
     monkeypatch.setenv("LONGSTRAW_MLA_KERNEL", "torch")
     monkeypatch.setenv("LONGSTRAW_DSA_KERNEL", "torch")
-    logp_ref, g_ref = run(model, prompt, response, block_size=2048)
+    logp32, g32 = run(model32, prompt, response, block_size=2048)
+    del model32
+    logp_torch, g_torch = run(model, prompt, response, block_size=2048)
     monkeypatch.delenv("LONGSTRAW_MLA_KERNEL")
     monkeypatch.delenv("LONGSTRAW_DSA_KERNEL")
     # count what ran: every indexer call through the Triton scores, every sparse MLA call through Triton
@@ -69,9 +75,15 @@ def test_triton_kernels_match_the_torch_paths_in_bf16(monkeypatch):
                                                                  use_triton(*a))[1])
     logp, g_kernel = run(model, prompt, response, block_size=2048)
     assert ran["dsa"] > 0 and ran["mla_True"] > 0 and ran["mla_False"] == 0, ran
-    assert rel_err(logp.float(), logp_ref.float()) < 1e-2
-    ref_all = torch.cat([g.float().flatten() for g in g_ref.values()])
-    assert rel_err(torch.cat([g_kernel[n].float().flatten() for n in g_ref]), ref_all) < 5e-2
+
+    names = [n for n in g32 if g32[n].norm() > 0]
+    flat = lambda gs: torch.cat([gs[n].float().flatten() for n in names])  # noqa: E731
+    err = {"logp_kernel": rel_err(logp.float(), logp32), "logp_torch": rel_err(logp_torch.float(), logp32),
+           "grad_kernel": rel_err(flat(g_kernel), flat(g32)), "grad_torch": rel_err(flat(g_torch), flat(g32)),
+           "grad_kernel_vs_torch": rel_err(flat(g_kernel), flat(g_torch))}
+    print("glm52_mini x3 bf16 against fp32:", {k: f"{v:.2e}" for k, v in err.items()})
+    assert err["logp_kernel"] < 1.5 * err["logp_torch"] + 1e-3, err
+    assert err["grad_kernel"] < 1.5 * err["grad_torch"] + 1e-2, err
 
 
 def test_offloaded_pages_match_on_device_pages():
