@@ -142,7 +142,9 @@ def _attend_shard_(out_BTQD, lse_BQT, q_BTQD, k_PKD, v_PKD, *, own, scale, block
     no_keys_BSKD = k_PKD.new_empty((1, 0, *k_PKD.shape[1:]))
     for t0 in range(0, T, block_size):
         t1 = min(t0 + block_size, T)
-        q_blk_BTQD = q_BTQD[:, t0:t1].to(out_BTQD.dtype)
+        # q stays in its own dtype: a bf16 q takes the fused kernel (fp32 q against bf16 pages would fall back to
+        # the torch reference, 10x slower at 256K on two H200s); partials merge in the compute dtype
+        q_blk_BTQD = q_BTQD[:, t0:t1]
         if own:
             keys = (k_PKD[:t0], v_PKD[:t0], k_PKD[None, t0:t1], v_PKD[None, t0:t1])
         else:
