@@ -6,44 +6,27 @@ otherwise; LONGSTRAW_DSA_KERNEL=torch forces the reference (benchmarks, A/B runs
 
 from __future__ import annotations
 
-import functools
-import logging
-import os
-
 import torch
 
+from longstraw_kernels import kernel_choice, optional_module
 from longstraw_kernels.dsa.reference import compute_dtype, indexer_scores_reference
 
 __all__ = ["compute_dtype", "indexer_scores", "indexer_scores_reference"]
 
-log = logging.getLogger(__name__)
-KERNEL_CHOICES = ("auto", "torch")
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@functools.cache
 def _triton_scores():
     """The Triton entry, or None when Triton does not import (CPU-only installs)."""
-    try:
-        from longstraw_kernels.dsa.triton_scores import indexer_scores_triton
-    except Exception as exc:  # ImportError, or a Triton build that does not match this torch
-        log.debug("Triton DSA indexer kernel unavailable: %s", exc)
-        return None
-    return indexer_scores_triton
-
-
-def _kernel_choice() -> str:
-    choice = os.environ.get("LONGSTRAW_DSA_KERNEL", "auto")
-    if choice not in KERNEL_CHOICES:
-        raise ValueError(f"LONGSTRAW_DSA_KERNEL={choice!r}; choose one of {KERNEL_CHOICES}")
-    return choice
+    module = optional_module("longstraw_kernels.dsa.triton_scores")
+    return None if module is None else module.indexer_scores_triton
 
 
 def indexer_scores(q_BTJI: torch.Tensor, w_BTJ: torch.Tensor, k: torch.Tensor, scale: float,
                    offset: int | None = None) -> torch.Tensor:
     """Index scores [B, T, S] of queries [B, T, J, I] (per-head weights w [B, T, J]) against keys [S, I] (shared)
     or [B, S, I]; with `offset`, -inf where s > t + offset. See `reference.indexer_scores_reference`."""
-    choice = _kernel_choice()
+    choice = kernel_choice("LONGSTRAW_DSA_KERNEL")
     kernel = _triton_scores() if q_BTJI.is_cuda and choice == "auto" else None
     # fp64 (tests of the algorithm) has no tensor-core path: the reference computes it
     if kernel is None or compute_dtype(q_BTJI) != torch.float32 or k.dtype not in _KERNEL_DTYPES:

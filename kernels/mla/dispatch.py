@@ -9,38 +9,17 @@ chunked backward otherwise (see triton_sparse.TritonSparseMLA).
 
 from __future__ import annotations
 
-import functools
-import logging
-import os
-
+from longstraw_kernels import kernel_choice, optional_module
 from longstraw_kernels.mla import reference
 
-log = logging.getLogger(__name__)
 
-KERNEL_CHOICES = ("auto", "torch")
-
-
-@functools.cache
 def triton_module():
-    """longstraw_kernels.mla.triton_sparse, or None where Triton does not import. Imported lazily: CPU runs
-    never need it."""
-    try:
-        from longstraw_kernels.mla import triton_sparse
-    except Exception as exc:  # ImportError, or a Triton build that does not match this torch
-        log.warning("Triton sparse MLA unavailable, using the torch reference: %s", exc)
-        return None
-    return triton_sparse
-
-
-def kernel_choice() -> str:
-    choice = os.environ.get("LONGSTRAW_MLA_KERNEL", "auto")
-    if choice not in KERNEL_CHOICES:
-        raise ValueError(f"LONGSTRAW_MLA_KERNEL={choice!r}; valid: {list(KERNEL_CHOICES)}")
-    return choice
+    """longstraw_kernels.mla.triton_sparse, or None where Triton does not import."""
+    return optional_module("longstraw_kernels.mla.triton_sparse")
 
 
 def use_triton(q_BTHA, latent_PL, rope_PR, idx_BTK) -> bool:
-    if kernel_choice() == "torch":
+    if kernel_choice("LONGSTRAW_MLA_KERNEL") == "torch":
         return False
     if not (q_BTHA.is_cuda and latent_PL.device == q_BTHA.device and rope_PR.device == q_BTHA.device):
         return False
