@@ -2,9 +2,11 @@ import os
 import socket
 import sys
 import time
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 # With triton importable, transformers' Qwen3.5 code binds fla and crashes on CPU; keep fla out of CPU tests
@@ -76,3 +78,28 @@ def run_ranks(worker, world_size, *args, timeout_s=120):
             for process in ctx.processes:
                 process.kill()
             pytest.fail(f"{world_size} ranks did not finish within {timeout_s} s")
+
+
+def join_gloo(rank: int, world_size: int, port: int) -> dict:
+    """A forked rank's first step: one intra-op thread (the parent's OpenMP pool is gone in the child, see
+    run_ranks), the gloo group, and the subgroups of two ranks, which every rank must create (a collective).
+    -> {2: this rank's pair} when world_size > 2, else {}: a case sharded over 2 ranks runs in its pair."""
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+    return {2: dist.new_subgroups(group_size=2)[0]} if world_size > 2 else {}
+
+
+def cached_rank_results(tmp_path_factory, worker, name: str):
+    """world size -> [rank -> what worker(rank, world_size, port, out_dir) saved as out_dir/rank{r}.pt], running
+    each world size once per module."""
+    cache = {}
+
+    def get(world_size):
+        if world_size not in cache:
+            out_dir = tmp_path_factory.mktemp(f"{name}{world_size}")
+            run_ranks(worker, world_size, str(out_dir))
+            cache[world_size] = [torch.load(out_dir / f"rank{r}.pt") for r in range(world_size)]
+        return cache[world_size]
+
+    return get

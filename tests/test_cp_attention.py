@@ -5,14 +5,12 @@ result and compares each rank's outputs and gradients with it. One spawn per wor
 """
 
 import os
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from conftest import free_port, rel_err
+from conftest import cached_rank_results, join_gloo, rel_err
 
 from longstraw_cli.distributed.cp_attention import cp_capture_attention, cp_replay_attention
 from longstraw_kernels.attention import replay_attention
@@ -98,11 +96,7 @@ def _capture_shard(cp_rank, group, tokens_N, Q, K, D, block_size, seed):
 
 
 def _worker(rank, world_size, port, out_dir):
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
-    # Every rank creates every subgroup (a collective); a case with cp shards runs in this rank's group.
-    groups = {cp: dist.new_subgroups(group_size=cp)[0] for cp in (2,) if cp < world_size}
+    groups = join_gloo(rank, world_size, port)
     results = {}
     for table, kind, shard in ((REPLAY_CASES, "replay", _replay_shard), (CAPTURE_CASES, "capture", _capture_shard)):
         for seed, (name, case) in enumerate(table[world_size].items()):
@@ -115,16 +109,7 @@ def _worker(rank, world_size, port, out_dir):
 @pytest.fixture(scope="module")
 def cp_results(tmp_path_factory):
     """world size -> [rank -> {(kind, name): result}], spawning each world size once."""
-    cache = {}
-
-    def get(world_size):
-        if world_size not in cache:
-            out_dir = tmp_path_factory.mktemp(f"cp{world_size}")
-            mp.spawn(_worker, args=(world_size, free_port(), str(out_dir)), nprocs=world_size, join=True)
-            cache[world_size] = [torch.load(out_dir / f"rank{r}.pt") for r in range(world_size)]
-        return cache[world_size]
-
-    return get
+    return cached_rank_results(tmp_path_factory, _worker, "cp")
 
 
 def _cases(table):

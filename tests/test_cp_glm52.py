@@ -4,13 +4,12 @@ pages, the DSA selection of every layer (integer-equal, capture and replay), sco
 
 import collections
 import os
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import rel_err, run_ranks
+from conftest import join_gloo, rel_err, run_ranks
 from test_glm52_replay import tiny
 from longstraw_cli.distributed import ep as ep_module
 from longstraw_cli.distributed.cp import apply_context_parallel, shard_bounds
@@ -81,10 +80,7 @@ def reference(dtype, prompt_len):
 
 
 def _worker(rank, world, port, out_dir):
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    ep_group = dist.new_subgroups(group_size=2)[0] if world > 2 else dist.group.WORLD
+    ep_group = join_gloo(rank, world, port).get(2, dist.group.WORLD)
     alone = dist.new_subgroups(group_size=1)[0]
     # which EP dispatch each MoE call took, per case
     modes = collections.Counter()

@@ -10,13 +10,12 @@ attention over the global selection.
 """
 
 import os
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import rel_err, run_ranks
+from conftest import cached_rank_results, join_gloo, rel_err
 
 from longstraw_cli.distributed.cp import shard_bounds
 from longstraw_cli.distributed.cp_attention import _AllReduceGrad, _MergeAcrossRanks
@@ -183,11 +182,7 @@ def _shard_case(cp_rank, group, keys_W, T, k, kind, dtype, seed):
 
 
 def _worker(rank, world_size, port, out_dir):
-    # first: forked from a parent whose OpenMP pool is gone in the child (see run_ranks)
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
-    groups = {cp: dist.new_subgroups(group_size=cp)[0] for cp in (2,) if cp < world_size}
+    groups = join_gloo(rank, world_size, port)
     results = {}
     for seed, (name, case) in enumerate(CASES[world_size].items()):
         cp = len(case[0])
@@ -202,21 +197,12 @@ def _worker(rank, world_size, port, out_dir):
 @pytest.fixture(scope="module")
 def cp_results(tmp_path_factory):
     """world size -> [rank -> {name: result}], starting each world size once."""
-    cache = {}
-
-    def get(world_size):
-        if world_size not in cache:
-            out_dir = tmp_path_factory.mktemp(f"topk{world_size}")
-            run_ranks(_worker, world_size, str(out_dir))
-            cache[world_size] = [torch.load(out_dir / f"rank{r}.pt") for r in range(world_size)]
-        return cache[world_size]
-
-    return get
+    return cached_rank_results(tmp_path_factory, _worker, "topk")
 
 
 @pytest.mark.parametrize("world_size,name", [(w, n) for w, cases in CASES.items() for n in cases])
 def test_global_topk_matches_one_rank(cp_results, world_size, name):
-    keys_W, T, k, kind, dtype = case = CASES[world_size][name]
+    keys_W, T, k, kind, dtype = CASES[world_size][name]
     seed = list(CASES[world_size]).index(name)
     scores_TS = make_scores(T, sum(keys_W), kind, dtype, seed)
     ref_Tk = topk_lowest_index_ties(scores_TS, k)

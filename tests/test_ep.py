@@ -7,13 +7,12 @@ when replicated), and each rank's expert gradients with the matching slice of th
 """
 
 import os
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import rel_err, run_ranks
+from conftest import cached_rank_results, join_gloo, rel_err
 
 from longstraw_cli.distributed.ep import (ep_experts_alltoall, ep_experts_replicated, ep_shard, expert_bounds,
                                           local_experts)
@@ -107,12 +106,7 @@ def _errors(world_size):
 
 
 def _worker(rank, world_size, port, out_dir):
-    # first: forked from a parent whose OpenMP pool is gone in the child (see run_ranks)
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
-    # Every rank creates every subgroup (a collective); a case with fewer shards runs in this rank's group.
-    groups = {ep: dist.new_subgroups(group_size=ep)[0] for ep in (2,) if ep < world_size}
+    groups = join_gloo(rank, world_size, port)
     results = {"errors": _errors(world_size)}
     for seed, (name, case) in enumerate(CASES[world_size].items()):
         ep = len(case[0])
@@ -124,16 +118,7 @@ def _worker(rank, world_size, port, out_dir):
 @pytest.fixture(scope="module")
 def ep_results(tmp_path_factory):
     """world size -> [rank -> {name: {mode: result}}], spawning each world size once."""
-    cache = {}
-
-    def get(world_size):
-        if world_size not in cache:
-            out_dir = tmp_path_factory.mktemp(f"ep{world_size}")
-            run_ranks(_worker, world_size, str(out_dir))
-            cache[world_size] = [torch.load(out_dir / f"rank{r}.pt") for r in range(world_size)]
-        return cache[world_size]
-
-    return get
+    return cached_rank_results(tmp_path_factory, _worker, "ep")
 
 
 def assert_close(got, ref, tol, what):
