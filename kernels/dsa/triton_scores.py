@@ -24,8 +24,8 @@ import triton.language as tl
 LOW_PRECISION_DTYPES = (torch.bfloat16, torch.float16)
 SUPPORTED_DTYPES = (torch.float32,) + LOW_PRECISION_DTYPES
 # (BLOCK_T, BLOCK_S, num_warps, num_stages) per dot precision. bf16: the fastest of bench_dsa.py's six tile
-# shapes at every size of its H200 sweep (2026-11-29: 8-13% ahead of 64x256x8x2, 434-455 TFLOP/s at J=16,
-# I=128). The fp32 FMA dot holds its operands in registers: smaller tiles, or it spills (not timed).
+# shapes at every size of its H200 sweep (2026-11-29, J=16, I=128: 12% less time than 64x256x8x2, which ran at
+# 434-456 TFLOP/s). The fp32 FMA dot holds its operands in registers: smaller tiles, or it spills (not timed).
 LOW_PRECISION_CONFIG = (64, 128, 4, 2)
 FP32_CONFIG = (64, 64, 8, 2)
 
