@@ -155,7 +155,10 @@ example: longstraw plan model=qwen36 cp=8 prompt_tokens=2M group_size=8 lora.ran
 def plan(argv: list[str]) -> int:
     from hydra import compose, initialize_config_dir
 
+    import json
+
     from longstraw_cli import plan as planner
+    from longstraw_cli.config import ConfigError, ModelConfig
     from longstraw_cli.models import config_from_hf
 
     if any(a in ("-h", "--help") for a in argv):
@@ -184,20 +187,15 @@ def plan(argv: list[str]) -> int:
         _fail(f"kernels={own['kernels']!r}; valid: {list(planner.KERNELS)}")
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=overrides)
-    model = cfg.model
+    # the training config's own checks of model.name / path / dtype
+    try:
+        model = ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True))
+    except ConfigError as e:
+        _fail(str(e))
     if model.path is not None:
-        import json
-
-        config_file = Path(model.path) / "config.json"
-        if not config_file.exists():
-            _fail(f"model.path={model.path!r} is not an HF model directory (no config.json)")
-        model_cfg = config_from_hf(json.loads(config_file.read_text()))
+        model_cfg = config_from_hf(json.loads((Path(model.path) / "config.json").read_text()))
     else:
-        from longstraw_cli.models import MODEL_NAMES
-
-        if model.name not in MODEL_NAMES:
-            _fail(f"model.name={model.name!r} is not a named model; valid: {MODEL_NAMES}")
-        model_cfg = None if model.name not in planner.NAMED_CONFIGS else planner.named_config(model.name)
+        model_cfg = planner.named_config(model.name) if model.name in planner.NAMED_CONFIGS else None
     if not isinstance(model_cfg, planner.Qwen36Config):
         _fail(f"the memory plan models the qwen36 family only, not {model.path or model.name!r}; "
               f"valid: {sorted(planner.NAMED_CONFIGS)} or a qwen3_5_text model.path")
