@@ -1,7 +1,9 @@
 """LongStraw kernels (imported as `longstraw_kernels`): each op's torch reference beside its GPU versions.
 
-The helpers below serve every op that has a Triton kernel: an environment variable picks auto (the kernel where it
-applies) or torch (the reference everywhere), and the kernel's module is imported on first use only.
+`compute_dtype` is the one precision rule of every op and of the model code: fp32 at least, wider when an input is
+(fp64 tests then test the algorithm, not fp32 rounding). The other helpers serve every op that has a Triton kernel:
+an environment variable picks auto (the kernel where it applies) or torch (the reference everywhere), and the
+kernel's module is imported on first use only.
 """
 
 from __future__ import annotations
@@ -11,7 +13,24 @@ import importlib
 import logging
 import os
 
+import torch
+
 KERNEL_CHOICES = ("auto", "torch")
+
+
+def compute_dtype(*inputs: torch.Tensor | torch.dtype | None) -> torch.dtype:
+    """fp32, or the widest input dtype when wider (bf16/fp16 compute in fp32, fp64 stays fp64). Inputs are tensors
+    or dtypes; None is skipped."""
+    dtype = torch.float32
+    for x in inputs:
+        if x is not None:
+            dtype = torch.promote_types(dtype, x if isinstance(x, torch.dtype) else x.dtype)
+    return dtype
+
+
+def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """x in `compute_dtype(x)`: HF computes norms, gates and logits in fp32."""
+    return x.to(compute_dtype(x))
 
 log = logging.getLogger(__name__)
 

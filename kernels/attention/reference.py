@@ -21,11 +21,9 @@ Shape legend:
 
 import torch
 
+from longstraw_kernels import compute_dtype
+
 __all__ = ["replay_attention", "naive_attention"]
-
-
-def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 def _fold_heads(x_BRQD: torch.Tensor, num_kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
@@ -66,7 +64,7 @@ class _ReplayAttention(torch.autograd.Function):
         B, R, Q, D = q_BRQD.shape
         P, K = k_pages_PKD.shape[:2]
         S = k_new_BSKD.shape[1]
-        dtype = _compute_dtype(q_BRQD, k_pages_PKD, v_pages_PKD, k_new_BSKD, v_new_BSKD)
+        dtype = compute_dtype(q_BRQD, k_pages_PKD, v_pages_PKD, k_new_BSKD, v_new_BSKD)
         # Scaling q once costs one pass over the queries instead of one pass per block of scores.
         qs_BKMD = _fold_heads(q_BRQD, K, dtype) * scale
 
@@ -207,7 +205,7 @@ def naive_attention(q_BRQD, k_pages_PKD, v_pages_PKD, k_new_BSKD, v_new_BSKD, *,
     B, R, Q, D = q_BRQD.shape
     P, K = k_pages_PKD.shape[:2]
     S = k_new_BSKD.shape[1]
-    dtype = _compute_dtype(q_BRQD, k_pages_PKD, v_pages_PKD, k_new_BSKD, v_new_BSKD)
+    dtype = compute_dtype(q_BRQD, k_pages_PKD, v_pages_PKD, k_new_BSKD, v_new_BSKD)
     k_BTKD = torch.cat([k_pages_PKD.to(dtype).expand(B, P, K, D), k_new_BSKD.to(dtype)], dim=1)
     v_BTKD = torch.cat([v_pages_PKD.to(dtype).expand(B, P, K, D), v_new_BSKD.to(dtype)], dim=1)
     k_BQTD = k_BTKD.repeat_interleave(Q // K, dim=2).transpose(1, 2)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from longstraw_kernels import kernel_choice, optional_module
-from longstraw_kernels.dsa.reference import compute_dtype, indexer_scores_reference
+from longstraw_kernels import compute_dtype, kernel_choice, optional_module
+from longstraw_kernels.dsa.reference import indexer_scores_reference
 
 __all__ = ["compute_dtype", "indexer_scores", "indexer_scores_reference"]
 

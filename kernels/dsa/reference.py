@@ -13,14 +13,10 @@ from __future__ import annotations
 
 import torch
 
+from longstraw_kernels import compute_dtype
+
 # bound on the [B, T, J, keys] intermediate formed at once
 _SCORE_ELEMENTS = 1 << 24
-
-
-def compute_dtype(q_BTJI: torch.Tensor) -> torch.dtype:
-    """The scores' dtype: fp32, or q's when wider (fp64 tests test the algorithm, not fp32 rounding). Keys are
-    cast to it; a bf16 q is upcast, which is exact."""
-    return torch.promote_types(q_BTJI.dtype, torch.float32)
 
 
 def indexer_scores_reference(q_BTJI: torch.Tensor, w_BTJ: torch.Tensor, k: torch.Tensor, scale: float,

@@ -17,15 +17,9 @@ Shape legend:
     K key dim, V value dim, N number of chunks, C chunk size.
 """
 
-import functools
-
 import torch
 
-
-def _compute_dtype(*tensors):
-    # fp32 is the floor: bf16/fp16 inputs are computed in fp32, fp64 inputs stay fp64.
-    dtypes = [t.dtype for t in tensors if t is not None]
-    return functools.reduce(torch.promote_types, dtypes, torch.float32)
+from longstraw_kernels import compute_dtype
 
 
 def _prepare(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV, scale):
@@ -44,7 +38,7 @@ def _prepare(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV, scale)
     if initial_state_BGKV is not None and initial_state_BGKV.shape != (B, G, K, V):
         raise ValueError(f"initial_state must be [B={B}, G={G}, K={K}, V={V}], got {tuple(initial_state_BGKV.shape)}")
 
-    dtype = _compute_dtype(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV)
+    dtype = compute_dtype(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV)
     scale = K**-0.5 if scale is None else scale
     q_BGTK = (q_BTHK.to(dtype) * scale).repeat_interleave(G // H, dim=2).transpose(1, 2)
     k_BGTK = k_BTHK.to(dtype).repeat_interleave(G // H, dim=2).transpose(1, 2)

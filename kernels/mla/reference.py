@@ -23,15 +23,13 @@ from __future__ import annotations
 
 import torch
 
+from longstraw_kernels import compute_dtype
+
 __all__ = ["sparse_mla_attention", "sparse_mla_backward", "check_shapes", "dense_mla_attention", "merge_lse",
            "naive_sparse_mla_attention"]
 
 # gathered entries (B * queries * K) per chunk: bounds the recomputed [chunk, K, A] tensor
 _CHUNK_ENTRIES = 1 << 20
-
-
-def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 def _chunk_rows(B: int, T: int, K: int) -> int:
@@ -61,7 +59,7 @@ class _SparseMLA(torch.autograd.Function):
     def forward(ctx, q_BTHA, latent_PL, rope_PR, idx_BTK, scale):
         B, T, H, A = q_BTHA.shape
         K = idx_BTK.shape[-1]
-        dtype = _compute_dtype(q_BTHA, latent_PL, rope_PR)
+        dtype = compute_dtype(q_BTHA, latent_PL, rope_PR)
         out_BTHL = q_BTHA.new_empty(B, T, H, latent_PL.shape[-1], dtype=dtype)
         lse_BTH = q_BTHA.new_empty(B, T, H, dtype=dtype)
         step = _chunk_rows(B, T, K)
@@ -160,7 +158,7 @@ def sparse_mla_attention(q_BTHA, latent_PL, rope_PR, idx_BTK, *, scale):
 def dense_mla_attention(q_BTHA, latent_BSL, rope_BSR, allowed_BTS, *, scale):
     """Absorbed MLA over a few per-sequence keys with an explicit mask, plain autograd. -> (out_BTHL, lse_BTH);
     rows with no allowed key get out 0 and lse -inf (and zero gradient)."""
-    dtype = _compute_dtype(q_BTHA, latent_BSL, rope_BSR)
+    dtype = compute_dtype(q_BTHA, latent_BSL, rope_BSR)
     L = latent_BSL.shape[-1]
     q = q_BTHA.to(dtype)
     kv, kr = latent_BSL.to(dtype), rope_BSR.to(dtype)
@@ -183,7 +181,7 @@ def merge_lse(out_a, lse_a, out_b, lse_b):
 
 def naive_sparse_mla_attention(q_BTHA, latent_PL, rope_PR, idx_BTK, *, scale):
     """Test oracle: gather every selected page at once, mask, softmax; plain autograd. -> (out, lse)."""
-    dtype = _compute_dtype(q_BTHA, latent_PL, rope_PR)
+    dtype = compute_dtype(q_BTHA, latent_PL, rope_PR)
     kv = _gather(latent_PL, idx_BTK, q_BTHA.device, dtype)
     kr = _gather(rope_PR, idx_BTK, q_BTHA.device, dtype)
     s = _scores(q_BTHA.to(dtype), kv, kr, idx_BTK >= 0, scale)

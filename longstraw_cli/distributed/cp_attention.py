@@ -24,14 +24,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from longstraw_kernels import compute_dtype
 from longstraw_kernels.attention import replay_attention
 
 __all__ = ["cp_replay_attention", "cp_capture_attention"]
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    # Partials are merged in float32 (float64 stays float64), as the kernel merges its own blocks.
-    return torch.promote_types(dtype, torch.float32)
 
 
 def _weight_BRQ1(lse_part_BQR: torch.Tensor, lse_BQR: torch.Tensor) -> torch.Tensor:
@@ -116,7 +112,7 @@ def cp_replay_attention(q_BRQD, k_pages_PKD, v_pages_PKD, k_new_BSKD, v_new_BSKD
     q, k_new, v_new must be identical on every rank, and so must the loss backpropagated through the output:
     then every rank gets the CP=1 gradients for q, k_new, v_new (and its own shard's page gradients).
     """
-    q_BRQD_c = q_BRQD.to(_compute_dtype(q_BRQD.dtype))
+    q_BRQD_c = q_BRQD.to(compute_dtype(q_BRQD.dtype))
     q_pages_BRQD = _AllReduceGrad.apply(q_BRQD_c, group)
     out_r_BRQD, lse_r_BQR = _page_partial(q_pages_BRQD, k_pages_PKD, v_pages_PKD, scale=scale,
                                           block_size=block_size)
@@ -186,7 +182,7 @@ def cp_capture_attention(q_BTQD, k_local_TKD, v_local_TKD, *, scale, group=None,
     dist.all_gather(tokens_list, tokens, group=group)
 
     _, T, Q, D = q_BTQD.shape
-    dtype = _compute_dtype(q_BTQD.dtype)
+    dtype = compute_dtype(q_BTQD.dtype)
     out_BTQD = q_BTQD.new_zeros((1, T, Q, D), dtype=dtype)
     lse_BQT = q_BTQD.new_full((1, Q, T), float("-inf"), dtype=dtype)
     # Sent buffers must be contiguous; received ones are, and are sent on as they are.

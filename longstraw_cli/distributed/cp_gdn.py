@@ -22,20 +22,13 @@ G value heads (a multiple of H), K key dim, V value dim, X conv channels, W conv
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
 
+from longstraw_kernels import compute_dtype
 from longstraw_kernels.gdn import gdn_chunked
 
 __all__ = ["compose_prefix", "cp_conv_window", "cp_gdn_scan", "gdn_transition", "span_affine"]
-
-
-def _compute_dtype(*tensors):
-    # The kernel's rule: fp32 is the floor (bf16/fp16 computed in fp32), fp64 stays fp64.
-    dtypes = [t.dtype for t in tensors if t is not None]
-    return functools.reduce(torch.promote_types, dtypes, torch.float32)
 
 
 def _rank_world(group) -> tuple[int, int]:
@@ -65,7 +58,7 @@ def span_affine(k_BTHK, v_BTGV, g_BTG, beta_BTG, *, dtype=None, chunk_size=64, g
                          f"{tuple(v_BTGV.shape)}, {tuple(g_BTG.shape)}")
     B, T, _, K = k_BTHK.shape
     G, V = v_BTGV.shape[2:]
-    dtype = dtype or _compute_dtype(k_BTHK, v_BTGV, g_BTG, beta_BTG)
+    dtype = dtype or compute_dtype(k_BTHK, v_BTGV, g_BTG, beta_BTG)
     eye_BGKK = torch.eye(K, dtype=dtype, device=k_BTHK.device).expand(B, G, K, K)
     if T == 0:
         return eye_BGKK.clone(), torch.zeros(B, G, K, V, dtype=dtype, device=k_BTHK.device)
@@ -120,7 +113,7 @@ def cp_gdn_scan(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV=None
         raise ValueError("cp_gdn_scan is capture-only (no autograd through the exchange): call it under "
                          "torch.no_grad() or with inputs that do not require grad")
     rank, world = _rank_world(group)
-    dtype = _compute_dtype(*inputs)
+    dtype = compute_dtype(*inputs)
     M_BGKK, Sext_BGKV = span_affine(k_BTHK, v_BTGV, g_BTG, beta_BTG, dtype=dtype, chunk_size=chunk_size,
                                     gdn_fn=gdn_fn)
     V = Sext_BGKV.shape[-1]

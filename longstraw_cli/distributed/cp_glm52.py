@@ -43,6 +43,7 @@ from longstraw_cli.distributed.cp_topk import cp_global_topk
 from longstraw_cli.distributed.ep import tokens_sharded
 from longstraw_cli.models.glm52.model import KeyAxis, _selected_mask, rope_cos_sin, score_rows
 from longstraw_cli.resident import MLAPages
+from longstraw_kernels import compute_dtype
 from longstraw_kernels.mla import dense_mla_attention, merge_lse
 
 __all__ = ["apply_context_parallel_glm52", "cp_capture_glm52"]
@@ -51,10 +52,6 @@ __all__ = ["apply_context_parallel_glm52", "cp_capture_glm52"]
 def _shard_bounds(num_tokens: int, num_ranks: int, rank: int) -> tuple[int, int]:
     from longstraw_cli.distributed.cp import shard_bounds  # cp.py imports this module
     return shard_bounds(num_tokens, num_ranks, rank)
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
 
 
 # -- replay / scoring / decode ------------------------------------------------------------------------------------
@@ -97,7 +94,7 @@ def _cp_attend(attn, q_BTHA, pages: MLAPages, idx_BTK, new, *, num_pages, start,
     """Selected pages of every rank (merged across ranks) LSE-merged with the selected new keys. -> out_BTHL."""
     out = None
     if num_pages > 0:
-        q_c = q_BTHA.to(_compute_dtype(q_BTHA.dtype))
+        q_c = q_BTHA.to(compute_dtype(q_BTHA.dtype))
         q_pages_BTHA = _AllReduceGrad.apply(q_c, group)
         P = pages.latent_PL.shape[0]
         if P > 0:

@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import torch
 
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    # at least fp32: bf16 logits would round log-probs; fp64 stays fp64
-    return torch.promote_types(dtype, torch.float32)
+from longstraw_kernels import compute_dtype
 
 
 def _chunk_logits(h_NC: torch.Tensor, weight_VC: torch.Tensor) -> torch.Tensor:
     logits_NV = torch.nn.functional.linear(h_NC, weight_VC)
-    return logits_NV.to(_compute_dtype(logits_NV.dtype))
+    return logits_NV.to(compute_dtype(logits_NV.dtype))
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
@@ -29,7 +26,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h_NC, weight_VC, targets_N, chunk_size):
-        dtype = _compute_dtype(h_NC.dtype)
+        dtype = compute_dtype(h_NC.dtype)
         logp_N = torch.empty(h_NC.shape[0], dtype=dtype, device=h_NC.device)
         lse_N = torch.empty_like(logp_N)
         for start in range(0, h_NC.shape[0], chunk_size):
@@ -71,6 +68,6 @@ def token_logprobs(
     flattened batch x tokens, so a batch of responses costs no more logits memory than one."""
     B, T = targets_BT.shape
     if B * T == 0:
-        return h_BTC.new_zeros(targets_BT.shape, dtype=_compute_dtype(h_BTC.dtype))
+        return h_BTC.new_zeros(targets_BT.shape, dtype=compute_dtype(h_BTC.dtype))
     h_NC, targets_N = h_BTC.reshape(B * T, -1), targets_BT.reshape(B * T)
     return _ChunkedLogprobs.apply(h_NC, weight_VC, targets_N, chunk_size).reshape(B, T)

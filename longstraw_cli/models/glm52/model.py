@@ -48,6 +48,7 @@ from longstraw_cli.models.embedding import Embedding
 from longstraw_cli.models.logprobs import token_logprobs
 from longstraw_cli.resident import MLAPages, Resident
 from longstraw_cli.resident.offload import LayerStager, copy_to_host, host_buffer
+from longstraw_kernels import at_least_fp32, compute_dtype
 from longstraw_kernels.dsa import indexer_scores
 from longstraw_kernels.mla import dense_mla_attention, merge_lse, sparse_mla_attention
 
@@ -61,15 +62,6 @@ _SCORE_ELEMENTS = {"cpu": 1 << 24, "cuda": 1 << 27}
 def score_rows(num_keys: int, batch: int, device: torch.device) -> int:
     """Query rows scored (and top-k'd) at once against num_keys keys."""
     return max(1, _SCORE_ELEMENTS.get(torch.device(device).type, 1 << 24) // max(1, batch * num_keys))
-
-
-def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
-    """HF computes these in fp32; fp64 stays fp64 so that fp64 tests test the algorithm, not fp32 rounding."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
-
-
-def fp32_or_wider(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
 
 
 class RMSNorm(nn.Module):
@@ -95,7 +87,7 @@ def stop_grad_prefix(x_BT_: torch.Tensor, n: int) -> torch.Tensor:
 
 def rope_cos_sin(positions_T: torch.Tensor, dim: int, theta: float, dtype: torch.dtype):
     """cos, sin [T, dim/2] of each rotated pair; fp32 angles as HF computes them, cast to the activations' dtype."""
-    angle_dtype = fp32_or_wider(dtype)
+    angle_dtype = compute_dtype(dtype)
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=positions_T.device).to(angle_dtype) / dim))
     freqs_TF = positions_T.to(angle_dtype)[:, None] * inv_freq[None, :]
     return freqs_TF.cos().to(dtype), freqs_TF.sin().to(dtype)
@@ -140,7 +132,7 @@ class DSAIndexer(nn.Module):
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
         # HF keeps weights_proj in fp32 (`_keep_in_fp32_modules`)
         self.weights_proj = nn.Linear(cfg.hidden_size, self.num_heads, bias=False,
-                                      dtype=fp32_or_wider(torch.get_default_dtype()))
+                                      dtype=compute_dtype(torch.get_default_dtype()))
         self.softmax_scale = self.head_dim**-0.5
 
     def _rope(self, x, cos, sin):
@@ -430,7 +422,7 @@ class TopkRouter(nn.Module):
     def __init__(self, cfg: Glm52Config):
         super().__init__()
         self.cfg = cfg
-        dtype = fp32_or_wider(torch.get_default_dtype())
+        dtype = compute_dtype(torch.get_default_dtype())
         # HF keeps both in fp32 (`_keep_in_fp32_modules_strict`); the bias is a (checkpointed) buffer, not trained
         self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size, dtype=dtype))
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=dtype))

@@ -25,13 +25,9 @@ from longstraw_cli.models.embedding import Embedding
 from longstraw_cli.models.logprobs import token_logprobs
 from longstraw_cli.models.qwen36.config import Qwen36Config
 from longstraw_cli.resident import AttentionPages, RecurrentState, Resident
+from longstraw_kernels import at_least_fp32, compute_dtype
 from longstraw_kernels.attention import blockwise_causal_attention, replay_attention
 from longstraw_kernels.gdn import gdn_forward
-
-
-def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
-    """HF computes these in fp32; fp64 stays fp64 so that fp64 tests test the algorithm, not fp32 rounding."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 class RMSNorm(nn.Module):
@@ -76,7 +72,7 @@ def stop_grad_prefix(x_BT_: torch.Tensor, n: int) -> torch.Tensor:
 
 def rope_cos_sin(positions_T: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype):
     # fp32 angles, as HF computes them, then cast to the activations' dtype
-    angle_dtype = torch.promote_types(dtype, torch.float32)
+    angle_dtype = compute_dtype(dtype)
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=positions_T.device).to(angle_dtype)
     inv_freq = 1.0 / (theta ** (exponents / rotary_dim))
     freqs_TR = positions_T.to(angle_dtype)[:, None] * inv_freq[None, :]
@@ -393,7 +389,7 @@ class Qwen36ForCausalLM(nn.Module):
         out = {
             "kv_pages": num_attn * 2 * num_tokens * cfg.num_key_value_heads * cfg.head_dim * page_size,
             "recurrent_state": num_gdn * cfg.linear_num_value_heads * cfg.linear_key_head_dim
-            * cfg.linear_value_head_dim * torch.promote_types(self.lm_head.weight.dtype, torch.float32).itemsize,
+            * cfg.linear_value_head_dim * compute_dtype(self.lm_head.weight).itemsize,
             "conv_state": num_gdn * cfg.conv_dim * (cfg.linear_conv_kernel_dim - 1) * self.lm_head.weight.itemsize,
         }
         out["total"] = sum(out.values())
