@@ -128,6 +128,13 @@ class LoraLinear(nn.Linear):
         delta = F.linear(F.linear(h, self.lora_A), self.lora_B) * self.scaling
         return out + delta.to(out.dtype)
 
+    def folded_weight(self) -> torch.Tensor:
+        """W + scale * B @ A, differentiably, for model code that reads the weight as a matrix (glm52's absorbed
+        kv_b). The adapter's dropout cannot apply to a folded weight and is ignored."""
+        if not self.adapter_enabled:
+            return self.weight
+        return self.weight + (self.scaling * (self.lora_B @ self.lora_A)).to(self.weight.dtype)
+
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:
         """W + scale * B @ A, computed in at least fp32 and rounded once to W's dtype."""

@@ -13,11 +13,10 @@ from conftest import join_gloo, rel_err, run_ranks
 from test_glm52_replay import tiny
 from longstraw_cli.distributed import ep as ep_module
 from longstraw_cli.distributed.cp import apply_context_parallel, shard_bounds
-from longstraw_cli.distributed.cp_topk import topk_lowest_index_ties
 from longstraw_cli.distributed.ep import (apply_expert_parallel, expert_bounds, gather_expert_params,
                                           load_expert_params)
 from longstraw_cli.distributed.topology import ParallelDims
-from longstraw_cli.models.glm52.model import topk_lowest_position
+from longstraw_kernels.dsa import topk_lowest_position
 from longstraw_cli.rollout.native import SamplingConfig, generate
 
 # index_topk is 16: with 74 captured tokens every query past 16 selects, and selections cross shard boundaries
@@ -43,7 +42,7 @@ def problem(prompt_len=PROMPT):
 
 
 def record(model):
-    """Logs every layer's DSA selection: capture (capture_span) and replay / decode (forward)."""
+    """Logs every layer's DSA selection: capture (capture_span) and replay / decode (replay, decode_step)."""
     log = {"capture": [], "replay": []}
     for layer in model.model.layers:
         attn = layer.self_attn
@@ -55,7 +54,8 @@ def record(model):
                 return out
             return call
 
-        attn.forward, attn.capture_span = logged(attn.forward, "replay"), logged(attn.capture_span, "capture")
+        attn.replay, attn.decode_step = logged(attn.replay, "replay"), logged(attn.decode_step, "replay")
+        attn.capture_span = logged(attn.capture_span, "capture")
     return log
 
 
@@ -184,12 +184,12 @@ def test_ep_must_divide_cp():
             ParallelDims(8, cp=cp, ep=ep)
 
 
-def test_model_topk_and_cp_topk_break_ties_alike():
-    """The model's `topk_lowest_position` and cp_topk's `topk_lowest_index_ties` select the same set (the CP
-    selection sorts it ascending, the model's layout), ties at 0 and masked keys included."""
+def test_topk_on_batched_rows_is_the_stable_sort():
+    """The one top-k (model and CP merge) on the model's [B, T, S] layout: the set a stable descending sort takes
+    first, ascending, ties at 0 and masked keys included."""
     g = torch.Generator().manual_seed(0)
     scores = torch.relu(torch.randn(3, 40, 50, generator=g, dtype=torch.float64)).round(decimals=1)
     scores[:, :, 35:] = float("-inf")
     for k in (1, 7, 16, 36, 50):
-        mine = topk_lowest_index_ties(scores.reshape(-1, 50), k).sort(-1).values.view(3, 40, k)
-        assert torch.equal(topk_lowest_position(scores, k), mine)
+        expected = scores.sort(dim=-1, descending=True, stable=True).indices[..., :k].sort(-1).values
+        assert torch.equal(topk_lowest_position(scores, k), expected)

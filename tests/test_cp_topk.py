@@ -4,8 +4,8 @@ random and tie-heavy scores (ReLU zeros, -0.0 against +0.0, few distinct values,
 smaller than k or empty, k above the number of keys, no queries, k = 0.
 
 Then the use it is made for: each rank attends (MLA-like: one latent key/value per position for all heads, value
-dim != key dim) to its own selected keys, and cp_attention's `_MergeAcrossRanks` merges the partials by LSE; the
-output and the gradients (q all-reduced by `_AllReduceGrad`, keys/values per shard) equal one rank's sparse
+dim != key dim) to its own selected keys, and cp_attention's `MergeAcrossRanks` merges the partials by LSE; the
+output and the gradients (q all-reduced by `AllReduceGrad`, keys/values per shard) equal one rank's sparse
 attention over the global selection.
 """
 
@@ -18,9 +18,9 @@ import torch.distributed as dist
 from conftest import cached_rank_results, join_gloo, rel_err
 
 from longstraw_cli.distributed.cp import shard_bounds
-from longstraw_cli.distributed.cp_attention import _AllReduceGrad, _MergeAcrossRanks
-from longstraw_cli.distributed.cp_topk import (cp_global_topk, local_selection, local_selection_mask,
-                                               topk_lowest_index_ties)
+from longstraw_cli.distributed.cp_attention import AllReduceGrad, MergeAcrossRanks
+from longstraw_cli.distributed.cp_topk import cp_global_topk, local_selection, local_selection_mask
+from longstraw_kernels.dsa import topk_lowest_position
 
 F64, F32, BF16 = torch.float64, torch.float32, torch.bfloat16
 # world size -> name -> (keys per rank, T queries, k, kind of scores, dtype). Fewer shards than ranks: CP groups
@@ -79,9 +79,9 @@ def make_scores(T, S, kind, dtype, seed):
 
 
 def brute_force(scores_TS, k):
-    """The definition: order keys by (score desc, position asc) in Python, take the first k."""
+    """The definition: order keys by (score desc, position asc) in Python, take the first k, ascending."""
     T, S = scores_TS.shape
-    rows = [sorted(range(S), key=lambda s: (-float(scores_TS[t, s]), s))[:k] for t in range(T)]
+    rows = [sorted(sorted(range(S), key=lambda s: (-float(scores_TS[t, s]), s))[:k]) for t in range(T)]
     return torch.tensor(rows, dtype=torch.long).reshape(T, min(k, S))
 
 
@@ -93,8 +93,8 @@ def test_selection_is_the_stable_sort(kind, dtype):
     for seed, (T, S, k) in enumerate([(7, 63, 10), (5, 20, 20), (4, 9, 15), (3, 1000, 64), (0, 8, 3), (6, 0, 2),
                                       (5, 11, 0), (9, 30, 1)]):
         scores_TS = make_scores(T, S, kind, dtype, seed)
-        idx_Tk = topk_lowest_index_ties(scores_TS, k)
-        expected_Tk = scores_TS.sort(dim=1, descending=True, stable=True).indices[:, :k]
+        idx_Tk = topk_lowest_position(scores_TS, k)
+        expected_Tk = scores_TS.sort(dim=1, descending=True, stable=True).indices[:, :k].sort(dim=1).values
         assert idx_Tk.dtype == torch.long and torch.equal(idx_Tk, expected_Tk), (T, S, k)
         if S <= 63:
             assert torch.equal(idx_Tk, brute_force(scores_TS, k)), (T, S, k)
@@ -103,12 +103,12 @@ def test_selection_is_the_stable_sort(kind, dtype):
 def test_zero_signs_tie_and_masked_fill_by_position():
     scores_TS = torch.tensor([[0.0, -0.0, 1.0, -0.0, 0.0, float("-inf"), float("-inf")],
                               [float("-inf"), 2.0, float("-inf"), float("-inf"), 2.0, -1.0, float("-inf")]])
-    assert topk_lowest_index_ties(scores_TS, 5).tolist() == [[2, 0, 1, 3, 4], [1, 4, 5, 0, 2]]
+    assert topk_lowest_position(scores_TS, 5).tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 4, 5]]
 
 
 def test_errors():
     with pytest.raises(ValueError, match="k must be an integer >= 0, got -1"):
-        topk_lowest_index_ties(torch.zeros(2, 3), -1)
+        topk_lowest_position(torch.zeros(2, 3), -1)
     with pytest.raises(ValueError, match=r"scores must be \[T, S\]"):
         cp_global_topk(torch.zeros(3), 2, start=0)
     with pytest.raises(ValueError, match="start <= end"):
@@ -150,7 +150,7 @@ def attention_problem(keys_W, T, k, kind, seed):
 def one_rank_attention(keys_W, T, k, kind, seed):
     scores_TS, leaves, dout_THV = attention_problem(keys_W, T, k, kind, seed)
     leaves = {n: t.requires_grad_() for n, t in leaves.items()}
-    idx_Tk = topk_lowest_index_ties(scores_TS, k)
+    idx_Tk = topk_lowest_position(scores_TS, k)
     out_THV, _ = sparse_partial(*leaves.values(), idx_Tk, torch.ones_like(idx_Tk, dtype=torch.bool))
     (out_THV * dout_THV).sum().backward()
     return {"out": out_THV.detach(), **{n: t.grad for n, t in leaves.items()}}
@@ -163,10 +163,10 @@ def _attention_shard(cp_rank, group, keys_W, T, k, kind, seed):
     k_PD, v_PV = (leaves[n][start:end].requires_grad_() for n in ("k_SD", "v_SV"))
     idx_Tk = cp_global_topk(scores_TS[:, start:end], k, start=start, group=group)
     # every rank's keys add to dq: summed in the backward, as cp_replay_attention does
-    q_pages_THD = _AllReduceGrad.apply(q_THD, group)
+    q_pages_THD = AllReduceGrad.apply(q_THD, group)
     out_r_THV, lse_r_TH = sparse_partial(q_pages_THD, k_PD, v_PV, *local_selection(idx_Tk, start, end))
     # [T, H, V] is the merge's [B, R, Q, D] with B = 1; lse [B, Q, R] = [1, H, T]
-    out_BTHV, _ = _MergeAcrossRanks.apply(out_r_THV[None], lse_r_TH.T[None], group)
+    out_BTHV, _ = MergeAcrossRanks.apply(out_r_THV[None], lse_r_TH.T[None], group)
     (out_BTHV[0] * dout_THV).sum().backward()
     return {"out": out_BTHV[0].detach(), "q_THD": q_THD.grad, "k_SD": k_PD.grad, "v_SV": v_PV.grad}
 
@@ -205,7 +205,7 @@ def test_global_topk_matches_one_rank(cp_results, world_size, name):
     keys_W, T, k, kind, dtype = CASES[world_size][name]
     seed = list(CASES[world_size]).index(name)
     scores_TS = make_scores(T, sum(keys_W), kind, dtype, seed)
-    ref_Tk = topk_lowest_index_ties(scores_TS, k)
+    ref_Tk = topk_lowest_position(scores_TS, k)
     assert ref_Tk.shape == (T, min(k, sum(keys_W)))
     selected_T = torch.zeros(T, dtype=torch.long)
     for rank, results in enumerate(cp_results(world_size)):

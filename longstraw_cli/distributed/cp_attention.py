@@ -42,7 +42,7 @@ def _merge(out_a_BRQD, lse_a_BQR, out_b_BRQD, lse_b_BQR):
     return out_BRQD, lse_BQR
 
 
-class _AllReduceGrad(torch.autograd.Function):
+class AllReduceGrad(torch.autograd.Function):
     """Identity forward; the backward sums the gradient over the group.
 
     Every rank's pages contribute to dq, and each rank only computes its own pages' share."""
@@ -60,7 +60,7 @@ class _AllReduceGrad(torch.autograd.Function):
         return grad, None
 
 
-class _MergeAcrossRanks(torch.autograd.Function):
+class MergeAcrossRanks(torch.autograd.Function):
     """This rank's page partial (out_r, lse_r) -> the merge over all ranks' pages, identical on every rank.
 
     Forward: all-gather the lse (small), then all-reduce the weighted outs; only one [B, R, Q, D] partial
@@ -113,10 +113,10 @@ def cp_replay_attention(q_BRQD, k_pages_PKD, v_pages_PKD, k_new_BSKD, v_new_BSKD
     then every rank gets the CP=1 gradients for q, k_new, v_new (and its own shard's page gradients).
     """
     q_BRQD_c = q_BRQD.to(compute_dtype(q_BRQD.dtype))
-    q_pages_BRQD = _AllReduceGrad.apply(q_BRQD_c, group)
+    q_pages_BRQD = AllReduceGrad.apply(q_BRQD_c, group)
     out_r_BRQD, lse_r_BQR = _page_partial(q_pages_BRQD, k_pages_PKD, v_pages_PKD, scale=scale,
                                           block_size=block_size)
-    out_p_BRQD, lse_p_BQR = _MergeAcrossRanks.apply(out_r_BRQD, lse_r_BQR, group)
+    out_p_BRQD, lse_p_BQR = MergeAcrossRanks.apply(out_r_BRQD, lse_r_BQR, group)
     # The response's causal part is computed redundantly on every rank: it is small next to the prompt, and
     # it keeps the k_new / v_new gradients local (no collective for them).
     no_pages_PKD = k_new_BSKD.new_empty((0, *k_new_BSKD.shape[2:]))

@@ -11,10 +11,11 @@ order restricted to the shard is the same order). So each rank sends its local t
 one all-gather collects every rank's candidates, and every rank applies the same rule to the candidates: the
 result equals the single-device selection exactly (integer equality), ties across shards included.
 
-Contract (both functions): `k >= 0`; the result has min(k, number of keys) columns, sorted by (score desc,
-position asc): fewer than k finite scores leave the rest to masked (-inf) keys, lowest positions first, as a
-stable descending sort would; k above the number of keys returns every key. Scores must not be NaN. -0.0 and
-+0.0 are equal scores (a tie), as they compare.
+Contract (the one selection rule, `longstraw_kernels.dsa.topk_lowest_position`, serves the model and the
+merge): `k >= 0`; the result has min(k, number of keys) columns, the selected positions ascending: fewer than
+k finite scores leave the rest to masked (-inf) keys, lowest positions first, as a stable descending sort
+would; k above the number of keys returns every key. Scores must not be NaN. -0.0 and +0.0 are equal scores
+(a tie), as they compare.
 
 Simplifications: one all-gather of W * T * k candidates (8 bytes each for fp32/bf16 scores, 16 for fp64):
 4096 queries at k = 2048 over 8 ranks gather 512 MiB, so callers block the queries. The selection syncs with
@@ -29,7 +30,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["cp_global_topk", "local_selection", "local_selection_mask", "topk_lowest_index_ties"]
+from longstraw_kernels.dsa import topk_lowest_position
+
+__all__ = ["cp_global_topk", "local_selection", "local_selection_mask"]
 
 # the integer type of the same width, to move (score bits, position) pairs in one integer tensor
 _SAME_WIDTH_INT = {torch.float32: torch.int32, torch.float64: torch.int64}
@@ -49,32 +52,9 @@ def _check(scores_TS, k):
         raise ValueError(f"k must be an integer >= 0, got {k!r}")
 
 
-def topk_lowest_index_ties(scores_TS: torch.Tensor, k: int) -> torch.Tensor:
-    """-> idx_Tk (int64, k' = min(k, S) columns): per query row the k' best keys by (score desc, position asc),
-    in that order. Identical to `scores.sort(dim=1, descending=True, stable=True).indices[:, :k']`.
-
-    Computed without a full sort: the k-th largest score v (a value, so ties do not matter) splits the row into
-    keys above v (all taken, fewer than k') and keys equal to v, of which the lowest positions fill the rest.
-    """
-    _check(scores_TS, k)
-    T, S = scores_TS.shape
-    k = min(k, S)
-    if k == 0 or T == 0:
-        return torch.empty((T, k), dtype=torch.long, device=scores_TS.device)
-    kth_T1 = scores_TS.topk(k, dim=1).values[:, -1:]
-    above_TS = scores_TS > kth_T1
-    at_TS = scores_TS == kth_T1
-    missing_T1 = k - above_TS.sum(1, keepdim=True, dtype=torch.int32)
-    take_TS = above_TS | (at_TS & (at_TS.cumsum(1, dtype=torch.int32) <= missing_T1))
-    # exactly k taken per row; nonzero lists them row by row, positions ascending
-    pos_Tk = take_TS.nonzero()[:, 1].view(T, k)
-    by_score_Tk = scores_TS.gather(1, pos_Tk).sort(dim=1, descending=True, stable=True).indices
-    return pos_Tk.gather(1, by_score_Tk)
-
-
 def cp_global_topk(scores_local_TS: torch.Tensor, k: int, *, start: int, group=None) -> torch.Tensor:
-    """-> idx_Tk of GLOBAL key positions, identical on every rank: `topk_lowest_index_ties` of the scores of
-    all shards concatenated in rank order (min(k, total keys) columns).
+    """-> idx_Tk of GLOBAL key positions (ascending), identical on every rank: `topk_lowest_position` of the
+    scores of all shards concatenated in rank order (min(k, total keys) columns).
 
     `scores_local_TS`: the replicated queries against this rank's keys [start, start + S). Collective: every
     rank of the group calls it with the same T, k and score dtype; S and start are the rank's own (S may be 0).
@@ -93,7 +73,7 @@ def cp_global_topk(scores_local_TS: torch.Tensor, k: int, *, start: int, group=N
     rank, world = _rank_world(group)
     device = scores_local_TS.device
 
-    local_Tn = topk_lowest_index_ties(scores_local_TS, k)
+    local_Tn = topk_lowest_position(scores_local_TS, k)
     n = local_Tn.shape[1]
     # one integer tensor: per query k score bit patterns then k positions; the key count S at the very end
     packed_T2k = torch.empty((T, 2, k), dtype=int_dtype, device=device)
@@ -116,7 +96,7 @@ def cp_global_topk(scores_local_TS: torch.Tensor, k: int, *, start: int, group=N
     # Candidates in position order (padding last), so the lower candidate index is the lower position: the same
     # rule then selects among them.
     by_position_TX = position_TX.argsort(dim=1, stable=True)
-    best_Tk = topk_lowest_index_ties(score_TX.gather(1, by_position_TX), min(k, num_keys))
+    best_Tk = topk_lowest_position(score_TX.gather(1, by_position_TX), min(k, num_keys))
     return position_TX.gather(1, by_position_TX.gather(1, best_Tk)).long()
 
 

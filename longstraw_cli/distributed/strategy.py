@@ -18,7 +18,7 @@ The Transaction drives a strategy through one optimizer step of G replays:
   `find_unused_parameters=True`: a trainable parameter without a gradient (glm52's DSA indexer) is marked
   ready instead of stalling the reduction; the graph walk it costs runs in the synced replay only.
 - `fsdp2`: `fully_shard` per decoder layer and on the root, over a 1-D mesh of the dp group. The model's entry
-  points (capture, logprobs, start_decode, decode_step; a layer's capture_span) are registered as forward
+  points (capture, logprobs, start_decode, decode_step; a layer's named paths) are registered as forward
   methods so FSDP gathers around them. Replays 0..G-2 run with gradient sync off (gradients accumulate
   unsharded); the last backward reduce-scatters them once. Capture and rollout call the model a number of
   times that differs between ranks (prompt and response lengths), so `full_weights()` gathers the parameters
@@ -53,12 +53,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from longstraw_cli.models.core import LAYER_PATHS
+
 STRATEGIES = ("ddp", "fsdp2", "deepspeed")
 # ZeRO-3 is not supported: see deepspeed_zero.py
 ZERO_STAGES = (1, 2)
-# the model contract's entry points that read weights outside forward(); a decoder layer's span capture
+# the model contract's entry points that read weights outside forward(); a decoder layer's named paths
 MODEL_METHODS = ("capture", "logprobs", "start_decode", "decode_step")
-LAYER_METHODS = ("capture_span",)
+LAYER_METHODS = LAYER_PATHS
 
 MakeOptimizer = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 

@@ -3,6 +3,10 @@
 `LayerStager` hands out layer l's pages on the compute device and, at that moment, starts copying layer l + 1
 on a side CUDA stream, so the copy overlaps layer l's compute. On a CPU-only machine the same code makes
 plain copies (same values, so offloaded and on-device results are identical).
+
+The model walks reach offload through two entry points only, which are identities for a resident state on the
+device: `stage_layers` (replay, scoring, decode: read layer l on the device) and `PageWriter` (layer-by-layer
+capture: write layer l on the device, copy it to the host).
 """
 
 from __future__ import annotations
@@ -56,6 +60,40 @@ class LayerStager:
         if nxt is not None and nxt not in self.pending:
             self._issue(nxt)
         return staged
+
+
+def stage_layers(resident, device, grad: bool):
+    """layer index -> that layer's resident state on the compute device: the state itself, or staged copies when
+    offloaded. Under autograd only the index keys are staged: the sparse attention saves the pages it reads for
+    backward, so it reads the host pages (gathering the selected rows) instead of keeping a device copy per
+    layer."""
+    if resident.offload is None:
+        return lambda i: resident.layers[i]
+    return LayerStager(resident.layers, device, index_only=grad).get
+
+
+class PageWriter:
+    """Layer-by-layer capture's pages: `get(l)` the layer's state to write on the compute device, `done(l)` once
+    written, `finish()` after the last layer. Offloaded pages are written into a device buffer and copied to the
+    host asynchronously while the next layer computes."""
+
+    def __init__(self, resident, device):
+        self.resident, self.device = resident, device
+        self.work: dict[int, object] = {}
+
+    def get(self, i: int):
+        if self.resident.offload is None:
+            return self.resident.layers[i]
+        self.work[i] = self.resident.layers[i].empty_on(self.device)
+        return self.work[i]
+
+    def done(self, i: int) -> None:
+        if self.resident.offload is not None:
+            copy_to_host(self.resident.layers[i].tensors(), self.work.pop(i).tensors())
+
+    def finish(self) -> None:
+        if self.resident.offload is not None and torch.cuda.is_available():
+            torch.cuda.synchronize()
 
 
 def copy_to_host(dst_host: list[torch.Tensor], src_device: list[torch.Tensor]) -> None:

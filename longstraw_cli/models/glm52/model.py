@@ -1,21 +1,23 @@
 """glm52 = HF `glm_moe_dsa` (GLM-5: MLA + DSA lightning indexer + MoE) in plain PyTorch, single device.
 
-Three ways through the same weights:
-- `forward(input_ids)`: the full-sequence reference, as HF computes it: kv_b expands the latent to per-head K/V
-  and the DSA top-k becomes a mask on dense causal attention.
-- `capture(prompt_ids)`: the prompt's resident state, block by block under no_grad: per layer the MLA latent and
-  rope key of each token, and the indexer keys on "full" indexer layers. No per-head K/V, no prompt logits.
-- `logprobs(resident, response_ids, grad=...)`: replay from the last prompt token in absorbed-MLA form (kv_b's
-  key part folded into the query, its value part applied to the output): the indexer scores the response's
-  queries against all prompt indexer keys plus the response's own (causal), the top-k picks entries, sparse
-  attention reads the selected prompt pages (kernels/mla) and the response's own keys, merged by LSE.
+The walks through the layers are the shared `models.core.CausalLM`'s; each layer has one method per named path:
+- `forward`: the full-sequence reference, as HF computes it: kv_b expands the latent to per-head K/V and the DSA
+  top-k becomes a mask on dense causal attention.
+- `capture_block` / `capture_span`: the prompt's resident state under no_grad (block by block, or one layer over
+  a span): per layer the MLA latent and rope key of each token, and the indexer keys on "full" indexer layers.
+  No per-head K/V, no prompt logits.
+- `replay` / `decode_step`: tokens after the prompt in absorbed-MLA form (kv_b's key part folded into the query,
+  its value part applied to the output): the indexer scores the queries against all prompt indexer keys plus
+  the new tokens' own (causal), the top-k picks entries, sparse attention reads the selected prompt pages
+  (kernels/mla) and the new keys, merged by LSE. The pages are read, never written.
 Module names mirror HF's so a checkpoint loads as it is (experts: see hf.py).
 
 Selection (DSA top-k). Query t sees the keys at positions <= t; it attends to the min(index_topk, visible)
 visible keys of highest index score: HF's semantics (HF takes top-min(index_topk, T) over scores with -inf at
 future positions, and the causal mask removes what the top-k picked among those). Index scores are sums of
 ReLUs, so exact ties (often at 0) occur; ours are broken toward the LOWER position (`topk_lowest_position`),
-which makes the selection exactly reproducible; torch.topk leaves the choice among ties unspecified.
+which makes the selection exactly reproducible (`longstraw_kernels.dsa.topk`, which context parallel's merge
+uses too); torch.topk leaves the choice among ties unspecified.
 Index scores come from `longstraw_kernels.dsa.indexer_scores` (a fused Triton kernel on CUDA, which skips key
 tiles no query of a tile sees; the torch reference elsewhere). The indexer and the top-k carry no gradient (HF
 runs the indexer under no_grad); gradients reach the indexer parameters from nowhere, as in HF.
@@ -27,6 +29,16 @@ Hooks (swapped from outside: GPU kernels, context parallel, expert parallel; the
 - `MLAttention.sparse_attention_fn(q_BTHA, latent_PL, rope_PR, idx_BTK, *, scale) -> (out_BTHL, lse_BTH)`:
   absorbed MLA over the selected prompt pages (idx -1 = none); lse differentiable, rows with no entry give
   lse -inf. Default `longstraw_kernels.mla.sparse_mla_attention`.
+- `MLAttention.page_range_fn(pages, positions_T, num_new) -> (first, num_pages, scores_new)`: in replay and
+  decode, which prompt positions `pages` hold ([first, first + len)) of num_pages, and whether this device
+  scores the new keys. Default `all_pages`: (0, all, True).
+- `MLAttention.pages_topk_fn(scores_BTS, k, first) -> idx_BTk`: replay and decode's top-k when the scores are of
+  positions first.. only (context parallel: over every rank's keys). Default `pages_topk` (first is 0).
+- `MLAttention.pages_attention_fn(q_BTHA, pages, idx_BTK, first, num_pages, *, scale, sparse_attention_fn)
+  -> (out_BTHL, lse_BTH)`: replay and decode's attention over the selected prompt pages (context parallel: own
+  pages, merged across ranks). Default `local_pages_attention`.
+- `MLAttention.span_pages_fn(pages) -> MLAPages`: in `capture_span`, the pages of every prompt position up to
+  the span's end (context parallel: the lower ranks' gathered before the own). Default `own_pages`.
 - `MoE.experts_fn(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_proj, down_proj) -> y_NC`: sum over the k chosen
   experts of w * down(silu(gate) * up); gate_up_proj [E, 2I, C], down_proj [E, C, I]. Default `local_experts`.
 
@@ -43,13 +55,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from longstraw_cli.models import core
+from longstraw_cli.models.core import Backbone, CausalLM, DecodeState, stop_grad_prefix
 from longstraw_cli.models.glm52.config import Glm52Config
-from longstraw_cli.models.embedding import Embedding
-from longstraw_cli.models.logprobs import token_logprobs
 from longstraw_cli.resident import MLAPages, Resident
-from longstraw_cli.resident.offload import LayerStager, copy_to_host, host_buffer
+from longstraw_cli.resident.offload import host_buffer
 from longstraw_kernels import at_least_fp32, compute_dtype
-from longstraw_kernels.dsa import indexer_scores
+from longstraw_kernels.dsa import indexer_scores, topk_lowest_position
 from longstraw_kernels.mla import dense_mla_attention, merge_lse, sparse_mla_attention
 
 OFFLOAD_CHOICES = (None, "cpu")
@@ -78,13 +90,6 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def stop_grad_prefix(x_BT_: torch.Tensor, n: int) -> torch.Tensor:
-    """Same values; positions < n carry no gradient (the prompt is a constant in response_only mode)."""
-    if n <= 0:
-        return x_BT_
-    return torch.cat([x_BT_[:, :n].detach(), x_BT_[:, n:]], dim=1)
-
-
 def rope_cos_sin(positions_T: torch.Tensor, dim: int, theta: float, dtype: torch.dtype):
     """cos, sin [T, dim/2] of each rotated pair; fp32 angles as HF computes them, cast to the activations' dtype."""
     angle_dtype = compute_dtype(dtype)
@@ -100,25 +105,6 @@ def apply_rope_interleaved(x_BT_D: torch.Tensor, cos_TF: torch.Tensor, sin_TF: t
     cos, sin = cos_TF.view(shape), sin_TF.view(shape)
     x1, x2 = x_BT_D[..., 0::2], x_BT_D[..., 1::2]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-
-
-def topk_lowest_position(scores_BTS: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices [B, T, k] (ascending positions) of the k highest scores per row; among equal scores the lower
-    position wins, so the selection is exactly reproducible. The k-th value is unique whatever topk does with
-    ties; everything above it is taken, then the lowest-positioned entries equal to it fill up to k."""
-    B, T, S = scores_BTS.shape
-    out = scores_BTS.new_empty(B, T, k, dtype=torch.long)
-    rows = score_rows(S, B, scores_BTS.device)
-    for t0 in range(0, T, rows):
-        s = scores_BTS[:, t0 : t0 + rows]
-        kth = s.topk(k, dim=-1).values[..., -1:]
-        above = s > kth
-        tie = s == kth
-        need = k - above.sum(-1, keepdim=True)
-        chosen = above | (tie & (tie.to(torch.int32).cumsum(-1) <= need))
-        # exactly k per row, so the row-major nonzero positions reshape to [B, rows, k]
-        out[:, t0 : t0 + rows] = chosen.nonzero()[:, -1].view(B, -1, k)
-    return out
 
 
 class DSAIndexer(nn.Module):
@@ -159,6 +145,10 @@ class DSAIndexer(nn.Module):
         concatenated along the key axis: [B, T, S_total], fp32 (or wider). With `offset`, query t sees position
         g of the concatenated axis iff g <= t + offset; the others are -inf."""
         out, first = [], 0
+        keys = [k for k in keys if k.shape[-2] > 0]
+        if not keys:
+            # no key here (under context parallel a rank may own no page)
+            return torch.empty(q_BTJI.shape[:2] + (0,), dtype=compute_dtype(q_BTJI), device=q_BTJI.device)
         for k in keys:
             S = k.shape[-2]
             # group-local positions: g = first + s; a group all of whose keys every query sees needs no mask
@@ -204,12 +194,36 @@ class DecodeMLA:
         return self.latent_BSL[:, :end], self.rope_BSR[:, :end], index
 
 
-@dataclass
-class DecodeState:
-    """Decode state of a batch of responses: one DecodeMLA per layer, and how many tokens were fed."""
+def linear_weight(linear: nn.Linear) -> torch.Tensor:
+    """The matrix a linear applies: its weight, or, for a wrapper that adds to it (a LoRA adapter), the wrapper's
+    `folded_weight()` (differentiable)."""
+    folded = getattr(linear, "folded_weight", None)
+    return linear.weight if folded is None else folded()
 
-    layers: list
-    step: int = 0
+
+def pages_topk(scores_BTS: torch.Tensor, k: int, first: int) -> torch.Tensor:
+    """`pages_topk_fn` on one device: the scores are of every key (first is 0)."""
+    return topk_lowest_position(scores_BTS, k)
+
+
+def all_pages(pages: MLAPages, positions_T: torch.Tensor, num_new: int) -> tuple[int, int, bool]:
+    """`page_range_fn` on one device: (first prompt position the pages hold, number of prompt pages, whether this
+    device scores the new keys) = (0, all of them, True)."""
+    return 0, pages.latent_PL.shape[0], True
+
+
+def own_pages(pages: MLAPages) -> MLAPages:
+    """`span_pages_fn` on one device: a span's own pages are all the prompt's keys it sees."""
+    return pages
+
+
+def local_pages_attention(q_BTHA, pages: MLAPages, idx_BTK, first: int, num_pages: int, *, scale,
+                          sparse_attention_fn):
+    """`pages_attention_fn` on one device: absorbed attention over the selected pages of [0, num_pages), which
+    `pages` hold from position 0 on. -> (out_BTHL, lse_BTH)."""
+    idx_pages = idx_BTK.masked_fill(idx_BTK >= num_pages, -1)
+    return sparse_attention_fn(q_BTHA, pages.latent_PL[:num_pages], pages.rope_PR[:num_pages], idx_pages,
+                               scale=scale)
 
 
 class MLAttention(nn.Module):
@@ -233,8 +247,13 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, cfg.hidden_size, bias=False)
         self.full_indexer = cfg.layer_indexer_types[layer_idx] == "full"
         self.indexer = DSAIndexer(cfg) if self.full_indexer else None
+        # swapped from outside (GPU kernels, context parallel); the model only calls them (see the module doc)
         self.topk_fn = topk_lowest_position
         self.sparse_attention_fn = sparse_mla_attention
+        self.page_range_fn = all_pages
+        self.pages_topk_fn = pages_topk
+        self.pages_attention_fn = local_pages_attention
+        self.span_pages_fn = own_pages
 
     # -- projections ------------------------------------------------------------------------------------------
     def project_q(self, x_BTC, cos_TF, sin_TF):
@@ -250,51 +269,69 @@ class MLAttention(nn.Module):
         return self.kv_a_layernorm(latent_BTL), apply_rope_interleaved(rope_BTR, cos_TF, sin_TF)
 
     def kv_b_weight(self) -> torch.Tensor:
-        """kv_b_proj's weight, read as a matrix (absorbed form). A LoRA adapter on it (lora_A / lora_B / scaling,
-        as longstraw_cli.lora's LoraLinear) is added here, differentiably; its dropout cannot apply to a folded
-        weight and is ignored."""
-        proj, w = self.kv_b_proj, self.kv_b_proj.weight
-        if getattr(proj, "lora_A", None) is not None and getattr(proj, "adapter_enabled", False):
-            w = w + (proj.scaling * (proj.lora_B @ proj.lora_A)).to(w.dtype)
-        return w
+        """kv_b_proj's weight, read as a matrix (absorbed form), with whatever a wrapper adds to it (a LoRA update,
+        differentiably): `linear_weight`."""
+        return linear_weight(self.kv_b_proj)
 
-    def _kv_b(self):
+    def kv_b(self):
+        """kv_b's key part W_uk [H, N, L] and value part W_uv [H, V, L]."""
         w_HXL = self.kv_b_weight().view(self.num_heads, self.nope + self.v_dim, self.latent)
         return w_HXL[:, : self.nope], w_HXL[:, self.nope :]
 
     def absorb(self, q_nope_BTHN, q_rope_BTHR) -> torch.Tensor:
         """[q_nope W_uk | q_rope]: the query against [latent | rope] keys."""
-        w_uk_HNL, _ = self._kv_b()
+        w_uk_HNL, _ = self.kv_b()
         return torch.cat([torch.einsum("bthn,hnl->bthl", q_nope_BTHN, w_uk_HNL), q_rope_BTHR], dim=-1)
 
     def output(self, o_BTHL: torch.Tensor) -> torch.Tensor:
-        _, w_uv_HVL = self._kv_b()
+        _, w_uv_HVL = self.kv_b()
         o_BTHV = torch.einsum("bthl,hvl->bthv", o_BTHL, w_uv_HVL)
         return self.o_proj(o_BTHV.reshape(*o_BTHV.shape[:2], -1))
 
     # -- DSA selection ----------------------------------------------------------------------------------------
     @torch.no_grad()
-    def select(self, x_BTC, q_resid_BTQ, cos_TF, sin_TF, index_keys: list, axis: KeyAxis) -> torch.Tensor:
-        """Top-k key positions on `axis` per query, [B, T, index_topk], -1 where fewer keys are visible."""
+    def select(self, x_BTC, q_resid_BTQ, cos_TF, sin_TF, index_keys: list, axis: KeyAxis, first: int = 0,
+               topk_fn=None) -> torch.Tensor:
+        """Top-k key positions on `axis` per query, [B, T, index_topk], -1 where fewer keys are visible.
+        `index_keys` hold positions first, first + 1, ... of the axis: all of it (first 0, `topk_fn` default
+        self.topk_fn), or under context parallel this rank's part, `topk_fn` selecting over every rank's."""
+        topk_fn = topk_fn or self.topk_fn
         B, T = x_BTC.shape[:2]
         q_BTJI, w_BTJ = self.indexer.queries(x_BTC, q_resid_BTQ, cos_TF, sin_TF)
         num_keys = axis.num_pages + axis.num_new
         k = min(self.cfg.index_topk, num_keys)
         idx_BTK = torch.full((B, T, self.cfg.index_topk), -1, dtype=torch.long, device=x_BTC.device)
         t_T1 = torch.arange(T, device=x_BTC.device)[:, None]
+        # the row chunking depends on the whole axis only: under context parallel every rank makes as many calls
         rows = score_rows(num_keys, B, x_BTC.device)
         for t0 in range(0, T, rows):
             t1 = min(T, t0 + rows)
             # invisible positions (g > t + offset) come back -inf; the kernel skips tiles that are wholly so
-            scores_BTS = self.indexer.scores(q_BTJI[:, t0:t1], w_BTJ[:, t0:t1], index_keys, axis.offset + t0)
-            chosen = self.topk_fn(scores_BTS, k)
+            scores_BTS = self.indexer.scores(q_BTJI[:, t0:t1], w_BTJ[:, t0:t1], index_keys, axis.offset + t0 - first)
+            chosen = topk_fn(scores_BTS, k)
             # what the top-k picked among masked positions (fewer than k visible) is not attended
             seen = chosen <= t_T1[t0:t1] + axis.offset
             idx_BTK[:, t0:t1, :k] = chosen.masked_fill(~seen, -1)
         return idx_BTK
 
-    # -- paths ------------------------------------------------------------------------------------------------
-    def forward_reference(self, x_BTC, positions_T, prev_idx=None, grad_prefix: int = 0):
+    # -- attention over selected keys -------------------------------------------------------------------------
+    def attend(self, q_BTHA, pages: MLAPages, idx_BTK, axis: KeyAxis, new=None, first: int = 0,
+               pages_attention_fn=local_pages_attention) -> torch.Tensor:
+        """Selected prompt pages (`pages_attention_fn`: all of them here, or, under context parallel, this rank's
+        from position `first` on, merged across ranks) LSE-merged with the selected new keys. -> out_BTHL."""
+        P = axis.num_pages
+        out = None
+        if P > 0:
+            out, lse = pages_attention_fn(q_BTHA, pages, idx_BTK, first, P, scale=self.scale,
+                                          sparse_attention_fn=self.sparse_attention_fn)
+        if new is not None:
+            allowed_BTS = selected_mask(idx_BTK, P, axis.num_new)
+            out_new, lse_new = dense_mla_attention(q_BTHA, new[0], new[1], allowed_BTS, scale=self.scale)
+            out, lse = (out_new, lse_new) if out is None else merge_lse(out, lse, out_new, lse_new)
+        return out
+
+    # -- named paths (see models/core.py) ---------------------------------------------------------------------
+    def forward(self, x_BTC, positions_T, prev_idx=None, grad_prefix: int = 0):
         """Full-sequence causal DSA attention, HF's route: expanded per-head K/V, top-k as a mask."""
         B, T, _ = x_BTC.shape
         cos, sin = rope_cos_sin(positions_T, self.rope_dim, self.cfg.rope_theta, x_BTC.dtype)
@@ -306,7 +343,7 @@ class MLAttention(nn.Module):
             idx_BTK = self.select(x_BTC, q_resid, cos, sin, [self.indexer.keys(x_BTC, cos, sin)], axis)
         else:
             idx_BTK = prev_idx
-        allowed_BTS = _selected_mask(idx_BTK, 0, T)
+        allowed_BTS = selected_mask(idx_BTK, 0, T)
         kv_BTHX = F.linear(latent_BTL, self.kv_b_weight()).view(B, T, self.num_heads, self.nope + self.v_dim)
         k_nope, v_BTHV = kv_BTHX.split([self.nope, self.v_dim], dim=-1)
         k_BTHD = torch.cat([k_nope, rope_BTR[:, :, None].expand(-1, -1, self.num_heads, -1)], dim=-1)
@@ -317,51 +354,59 @@ class MLAttention(nn.Module):
         )
         return self.o_proj(o_BHTV.transpose(1, 2).reshape(B, T, -1)), idx_BTK
 
-    def forward(self, x_BTC, positions_T, pages: MLAPages, num_cached: int = 0, write: bool = False,
-                prev_idx=None, decode: DecodeMLA | None = None):
-        """Against pages, absorbed. write=True (capture): x's latent/rope/index keys are stored as pages
-        num_cached.. and x attends to pages [0, num_cached + T) causally. Otherwise x is a continuation of all
-        pages: it attends to every page plus its own keys (or, with a decode cache, all generated keys).
-        -> (y_BTC, idx_BTK): the selection, in positions on this call's key axis (shared layers reuse it)."""
-        B, T, _ = x_BTC.shape
+    def capture_block(self, x_BTC, positions_T, pages: MLAPages, start: int, prev_idx=None):
+        """x's latent/rope/index keys become pages start.., then x attends to pages [0, start + T) causally.
+        -> (y_BTC, idx_BTK): the selection, in prompt positions (shared layers reuse it)."""
+        end = start + x_BTC.shape[1]
         cos, sin = rope_cos_sin(positions_T, self.rope_dim, self.cfg.rope_theta, x_BTC.dtype)
         q_resid, q_nope, q_rope = self.project_q(x_BTC, cos, sin)
         latent_BTL, rope_BTR = self.project_kv(x_BTC, cos, sin)
-        index_BTI = None if self.indexer is None else self.indexer.keys(x_BTC, cos, sin)
-        if write:
-            end = num_cached + T
-            pages.latent_PL[num_cached:end].copy_(latent_BTL[0])
-            pages.rope_PR[num_cached:end].copy_(rope_BTR[0])
-            if index_BTI is not None:
-                pages.index_PI[num_cached:end].copy_(index_BTI[0])
-            num_pages, new = end, None
-        else:
-            num_pages = pages.latent_PL.shape[0]
-            if decode is not None:
-                latent_BTL, rope_BTR, index_BTI = decode.append(latent_BTL, rope_BTR, index_BTI)
-            new = (latent_BTL, rope_BTR, index_BTI)
-        axis = KeyAxis(num_pages, 0 if new is None else new[0].shape[1], T)
+        pages.latent_PL[start:end].copy_(latent_BTL[0])
+        pages.rope_PR[start:end].copy_(rope_BTR[0])
         if self.indexer is not None:
-            keys = [pages.index_PI[:num_pages]] + ([] if new is None else [new[2]])
-            idx_BTK = self.select(x_BTC, q_resid, cos, sin, keys, axis)
+            pages.index_PI[start:end].copy_(self.indexer.keys(x_BTC, cos, sin)[0])
+        axis = KeyAxis(end, 0, x_BTC.shape[1])
+        if self.indexer is not None:
+            idx_BTK = self.select(x_BTC, q_resid, cos, sin, [pages.index_PI[:end]], axis)
         else:
             idx_BTK = prev_idx
-        q_BTHA = self.absorb(q_nope, q_rope)
-        return self.output(self.attend(q_BTHA, pages, idx_BTK, axis, new)), idx_BTK
+        return self.output(self.attend(self.absorb(q_nope, q_rope), pages, idx_BTK, axis)), idx_BTK
 
-    def attend(self, q_BTHA, pages: MLAPages, idx_BTK, axis: KeyAxis, new=None) -> torch.Tensor:
-        """Selected prompt pages (sparse_attention_fn) LSE-merged with the selected new keys. -> out_BTHL."""
-        P = axis.num_pages
-        out = None
-        if P > 0:
-            idx_pages = idx_BTK.masked_fill(idx_BTK >= P, -1)
-            out, lse = self.sparse_attention_fn(q_BTHA, pages.latent_PL[:P], pages.rope_PR[:P], idx_pages,
-                                                scale=self.scale)
-        if new is not None:
-            allowed_BTS = _selected_mask(idx_BTK, P, axis.num_new)
-            out_new, lse_new = dense_mla_attention(q_BTHA, new[0], new[1], allowed_BTS, scale=self.scale)
-            out, lse = (out_new, lse_new) if out is None else merge_lse(out, lse, out_new, lse_new)
-        return out
+    def replay(self, x_BTC, positions_T, pages: MLAPages, prev_idx=None):
+        """x continues the prompt: it attends to the selected pages plus its own keys (causal), pages read only.
+        -> (y_BTC, idx_BTK on the key axis [prompt pages | x's keys])."""
+        cos, sin, q, new = self.project(x_BTC, positions_T)
+        return self.continue_pages(x_BTC, positions_T, cos, sin, q, pages, new, prev_idx)
+
+    def decode_step(self, x_BTC, positions_T, pages: MLAPages, prev_idx, cache: DecodeMLA):
+        """One token per sequence: its keys are appended to `cache`; it attends to the selected pages plus every
+        generated key. -> (y_BTC, idx_BTK)."""
+        cos, sin, q, new = self.project(x_BTC, positions_T)
+        return self.continue_pages(x_BTC, positions_T, cos, sin, q, pages, cache.append(*new), prev_idx)
+
+    def project(self, x_BTC, positions_T):
+        """-> (cos, sin, (q_resid, q_nope, q_rope), (latent, rope key, index key or None)) of tokens x."""
+        cos, sin = rope_cos_sin(positions_T, self.rope_dim, self.cfg.rope_theta, x_BTC.dtype)
+        q = self.project_q(x_BTC, cos, sin)
+        latent_BTL, rope_BTR = self.project_kv(x_BTC, cos, sin)
+        index_BTI = None if self.indexer is None else self.indexer.keys(x_BTC, cos, sin)
+        return cos, sin, q, (latent_BTL, rope_BTR, index_BTI)
+
+    def continue_pages(self, x_BTC, positions_T, cos, sin, q, pages: MLAPages, new, prev_idx):
+        """Replay and decode after the projections: `new` = (latent, rope, index keys) of the tokens after the
+        prompt, ending at x's last token. `page_range_fn` says which prompt positions `pages` hold."""
+        q_resid, q_nope, q_rope = q
+        first, num_pages, scores_new = self.page_range_fn(pages, positions_T, new[0].shape[1])
+        axis = KeyAxis(num_pages, new[0].shape[1], x_BTC.shape[1])
+        if self.indexer is not None:
+            # the new keys continue the prompt's last pages (positions num_pages, ...)
+            keys = [pages.index_PI] + ([new[2]] if scores_new else [])
+            idx_BTK = self.select(x_BTC, q_resid, cos, sin, keys, axis, first,
+                                  lambda scores_BTS, k: self.pages_topk_fn(scores_BTS, k, first))
+        else:
+            idx_BTK = prev_idx
+        out_BTHL = self.attend(self.absorb(q_nope, q_rope), pages, idx_BTK, axis, new, first, self.pages_attention_fn)
+        return self.output(out_BTHL), idx_BTK
 
     @torch.no_grad()
     def write_span_pages(self, x_BTC, positions_T, pages: MLAPages):
@@ -376,26 +421,32 @@ class MLAttention(nn.Module):
 
     @torch.no_grad()
     def capture_span(self, x_BTC, positions_T, pages: MLAPages, block_size: int, prev_idx=None):
-        """Layer-by-layer capture: the whole span's keys become the pages, then each block of queries attends to
-        the pages up to its end. -> (y_BTC, idx_BTK for the whole span)."""
+        """Layer-by-layer capture of the span at prompt positions [first, first + T): the span's keys become its
+        pages, then each block of queries attends to every prompt key up to its end (`span_pages_fn`: the pages
+        of positions [0, first + T); on one device the span is the prompt, first 0).
+        -> (y_BTC, idx_BTK for the whole span)."""
         T = x_BTC.shape[1]
         cos, sin = self.write_span_pages(x_BTC, positions_T, pages)
+        seen = self.span_pages_fn(pages)
+        if T == 0:
+            return x_BTC.clone(), x_BTC.new_zeros((1, 0, self.cfg.index_topk), dtype=torch.long)
+        first = int(positions_T[0])
         y, idx = [], []
-        for start in range(0, T, block_size):
-            end = min(T, start + block_size)
-            x, c, s = x_BTC[:, start:end], cos[start:end], sin[start:end]
+        for b0 in range(0, T, block_size):
+            b1 = min(T, b0 + block_size)
+            x, c, s = x_BTC[:, b0:b1], cos[b0:b1], sin[b0:b1]
             q_resid, q_nope, q_rope = self.project_q(x, c, s)
-            axis = KeyAxis(end, 0, end - start)
+            axis = KeyAxis(first + b1, 0, b1 - b0)
             if self.indexer is not None:
-                idx_BTK = self.select(x, q_resid, c, s, [pages.index_PI[:end]], axis)
+                idx_BTK = self.select(x, q_resid, c, s, [seen.index_PI[: first + b1]], axis)
             else:
-                idx_BTK = prev_idx[:, start:end]
-            y.append(self.output(self.attend(self.absorb(q_nope, q_rope), pages, idx_BTK, axis)))
+                idx_BTK = prev_idx[:, b0:b1]
+            y.append(self.output(self.attend(self.absorb(q_nope, q_rope), seen, idx_BTK, axis)))
             idx.append(idx_BTK)
         return torch.cat(y, dim=1), torch.cat(idx, dim=1)
 
 
-def _selected_mask(idx_BTK: torch.Tensor, first: int, num: int) -> torch.Tensor:
+def selected_mask(idx_BTK: torch.Tensor, first: int, num: int) -> torch.Tensor:
     """[B, T, num] bool: key first + s is among the selected (idx -1 and other keys ignored)."""
     B, T, _ = idx_BTK.shape
     local = idx_BTK - first
@@ -482,7 +533,10 @@ class MoE(nn.Module):
         return y_NC.view_as(x_BTC) + self.shared_experts(x_BTC)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(core.DecoderLayer):
+    """One named path per method (see models/core.py); `carry` is the DSA selection [B, T, index_topk] that
+    "shared" indexer layers reuse from the full layer before them."""
+
     def __init__(self, cfg: Glm52Config, layer_idx: int):
         super().__init__()
         self.self_attn = MLAttention(cfg, layer_idx)
@@ -490,76 +544,47 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x_BTC, positions_T, pages=None, num_cached=0, write=False, prev_idx=None, grad_prefix=0,
-                decode=None):
-        """-> (x, idx): `pages` None runs the full-sequence reference; idx is this layer's DSA selection."""
-        h = self.input_layernorm(x_BTC)
-        if pages is None:
-            h, idx = self.self_attn.forward_reference(h, positions_T, prev_idx, grad_prefix)
-        else:
-            h, idx = self.self_attn(h, positions_T, pages, num_cached, write, prev_idx, decode)
-        x_BTC = x_BTC + h
-        return x_BTC + self.mlp(self.post_attention_layernorm(x_BTC)), idx
+    def forward(self, x_BTC, positions_T, carry=None, grad_prefix: int = 0):
+        h, idx = self.self_attn(self.input_layernorm(x_BTC), positions_T, carry, grad_prefix)
+        return self.mlp_residual(x_BTC, h), idx
 
-    def capture_span(self, x_BTC, positions_T, pages, block_size: int, prev_idx=None):
-        """Layer-by-layer capture over a whole span; the MLP runs in blocks so [T, FFN] never exists."""
-        h, idx = self.self_attn.capture_span(self.input_layernorm(x_BTC), positions_T, pages, block_size, prev_idx)
-        x_BTC = x_BTC + h
-        for start in range(0, x_BTC.shape[1], block_size):
-            block = x_BTC[:, start : start + block_size]
-            block += self.mlp(self.post_attention_layernorm(block))
-        return x_BTC, idx
+    def capture_block(self, x_BTC, positions_T, pages, start: int, carry=None):
+        h, idx = self.self_attn.capture_block(self.input_layernorm(x_BTC), positions_T, pages, start, carry)
+        return self.mlp_residual(x_BTC, h), idx
 
+    def capture_span(self, x_BTC, positions_T, pages, block_size: int, carry=None, num_blocks: int | None = None):
+        h, idx = self.self_attn.capture_span(self.input_layernorm(x_BTC), positions_T, pages, block_size, carry)
+        return self.mlp_residual_blocks(x_BTC, h, block_size, num_blocks), idx
 
-class Glm52Backbone(nn.Module):
-    def __init__(self, cfg: Glm52Config):
-        super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+    def replay(self, x_BTC, positions_T, pages, carry=None):
+        h, idx = self.self_attn.replay(self.input_layernorm(x_BTC), positions_T, pages, carry)
+        return self.mlp_residual(x_BTC, h), idx
+
+    def decode_step(self, x_BTC, positions_T, pages, cache, carry=None):
+        h, idx = self.self_attn.decode_step(self.input_layernorm(x_BTC), positions_T, pages, carry, cache)
+        return self.mlp_residual(x_BTC, h), idx
 
 
-class Glm52ForCausalLM(nn.Module):
+class Glm52ForCausalLM(CausalLM):
     family = "glm52"
 
     def __init__(self, cfg: Glm52Config):
-        super().__init__()
-        self.config = cfg
-        self.model = Glm52Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.reset_parameters()
+        layers = (DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        super().__init__(cfg, Backbone(cfg.vocab_size, cfg.hidden_size, layers, RMSNorm, cfg.rms_norm_eps))
 
-    @torch.no_grad()
-    def reset_parameters(self, std: float = 0.02):
-        """HF-style init: normal(0, std) linears, embeddings, router and experts; norms at one; bias zero."""
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                module.weight.normal_(0.0, std)
-            elif isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
-            elif isinstance(module, nn.LayerNorm):
-                module.weight.fill_(1.0)
-                module.bias.zero_()
-            elif isinstance(module, TopkRouter):
-                module.weight.normal_(0.0, std)
-                module.e_score_correction_bias.zero_()
-            elif isinstance(module, Experts):
-                module.gate_up_proj.normal_(0.0, std)
-                module.down_proj.normal_(0.0, std)
-
-    # -- reference path ---------------------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, grad_prefix: int = 0) -> torch.Tensor:
-        """Logits [B, T, V] of a plain full-sequence forward. grad_prefix=n makes positions < n a constant
-        (what response_only replay computes, by an independent route)."""
-        ids_BT = input_ids[None] if input_ids.dim() == 1 else input_ids
-        positions_T = torch.arange(ids_BT.shape[1], device=ids_BT.device)
-        x_BTC, idx = self.model.embed_tokens(ids_BT), None
-        for layer in self.model.layers:
-            x_BTC, idx = layer(x_BTC, positions_T, prev_idx=idx, grad_prefix=grad_prefix)
-        logits = self.lm_head(self.model.norm(x_BTC))
-        return logits[0] if input_ids.dim() == 1 else logits
+    def init_module(self, module: nn.Module, std: float) -> None:
+        """Norms at one, LayerNorm bias zero; router and experts normal(0, std), the router's bias zero."""
+        if isinstance(module, RMSNorm):
+            module.weight.fill_(1.0)
+        elif isinstance(module, nn.LayerNorm):
+            module.weight.fill_(1.0)
+            module.bias.zero_()
+        elif isinstance(module, TopkRouter):
+            module.weight.normal_(0.0, std)
+            module.e_score_correction_bias.zero_()
+        elif isinstance(module, Experts):
+            module.gate_up_proj.normal_(0.0, std)
+            module.down_proj.normal_(0.0, std)
 
     # -- resident state ---------------------------------------------------------------------------------------
     def empty_resident(self, num_tokens: int, page_dtype: torch.dtype | None = None,
@@ -595,100 +620,17 @@ class Glm52ForCausalLM(nn.Module):
         out["total"] = sum(out.values())
         return out
 
-    def _check_prompt(self, prompt_ids, block_size):
-        if prompt_ids.dim() != 1 or prompt_ids.numel() == 0:
-            raise ValueError(f"capture takes a non-empty 1-D prompt, got shape {tuple(prompt_ids.shape)}")
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-
     @torch.no_grad()
-    def capture(self, prompt_ids: torch.Tensor, block_size: int = 4096, page_dtype: torch.dtype | None = None,
-                offload: str | None = None) -> Resident:
-        """Resident state of a 1-D prompt: its first P-1 tokens; the last token is kept for replay.
-        On-device pages: block by block through all layers (activations bounded by one block).
-        offload="cpu": layer by layer (`capture_span`), so each layer's pages cross to the host once."""
-        self._check_prompt(prompt_ids, block_size)
-        num_tokens = prompt_ids.numel() - 1
-        if offload is not None:
-            return self.capture_span(prompt_ids[:-1], start=0, num_tokens=num_tokens, last_token=int(prompt_ids[-1]),
-                                     block_size=block_size, page_dtype=page_dtype, offload=offload)
-        resident = self.empty_resident(num_tokens, page_dtype)
-        resident.last_token = int(prompt_ids[-1])
-        for start in range(0, num_tokens, block_size):
-            end = min(num_tokens, start + block_size)
-            positions_T = torch.arange(start, end, device=prompt_ids.device)
-            x_BTC, idx = self.model.embed_tokens(prompt_ids[start:end])[None], None
-            for layer, pages in zip(self.model.layers, resident.layers):
-                x_BTC, idx = layer(x_BTC, positions_T, pages, num_cached=start, write=True, prev_idx=idx)
-        return resident
-
-    @torch.no_grad()
-    def capture_span(self, span_ids: torch.Tensor, *, start: int, num_tokens: int, last_token: int,
-                     block_size: int = 4096, page_dtype: torch.dtype | None = None,
-                     offload: str | None = None) -> Resident:
-        """Layer-by-layer capture of prompt tokens [start, start + len(span_ids)): one layer over the whole span
-        at a time; its pages are written on the device, then (offload="cpu") copied to the host while the next
-        layer computes. On one device start is 0 and it equals `capture`; context parallel runs it per rank's
-        span with the hooks swapped. Holds the span's hidden states and, for shared indexer layers, the span's
-        top-k indices [T, index_topk]."""
-        if span_ids.dim() != 1 or block_size < 1:
-            raise ValueError(f"capture_span takes a 1-D span and block_size >= 1, got shape "
-                             f"{tuple(span_ids.shape)}, block_size {block_size}")
-        resident = self.empty_resident(span_ids.numel(), page_dtype, offload)
-        resident.num_tokens, resident.last_token = num_tokens, last_token
-        if span_ids.numel() == 0:
+    def capture_span(self, span_ids: torch.Tensor, *, num_tokens: int, last_token: int,
+                     page_dtype: torch.dtype | None = None, offload: str | None = None, **kwargs) -> Resident:
+        """`CausalLM.capture_span`; an empty span has empty pages and runs nothing (glm52's context parallel
+        captures by `cp_capture_glm52`, whose empty shards still join the collectives)."""
+        if span_ids.dim() == 1 and span_ids.numel() == 0 and kwargs.get("block_size", 1) >= 1:
+            resident = self.empty_resident(0, page_dtype, offload)
+            resident.num_tokens, resident.last_token = num_tokens, last_token
             return resident
-        device = self.lm_head.weight.device
-        positions_T = torch.arange(start, start + span_ids.numel(), device=device)
-        x_BTC, idx = self.model.embed_tokens(span_ids.to(device))[None], None
-        for layer, pages in zip(self.model.layers, resident.layers):
-            work = pages if offload is None else self._device_pages(pages, device)
-            x_BTC, idx = layer.capture_span(x_BTC, positions_T, work, block_size, idx)
-            if offload is not None:
-                copy_to_host(pages.tensors(), work.tensors())
-        if offload is not None and torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return resident
-
-    @staticmethod
-    def _device_pages(host: MLAPages, device) -> MLAPages:
-        def like(t):
-            return None if t is None else torch.empty(t.shape, dtype=t.dtype, device=device)
-        return MLAPages(like(host.latent_PL), like(host.rope_PR), like(host.index_PI))
-
-    def _stager(self, resident: Resident, grad: bool):
-        """Layer pages on the compute device: the pages themselves, or staged copies when offloaded. Under
-        autograd only the index keys are staged: the sparse attention saves the pages it reads for backward, so
-        it reads the host pages (gathering the selected rows) instead of keeping a device copy per layer."""
-        if resident.offload is None:
-            return lambda i: resident.layers[i]
-        return LayerStager(resident.layers, self.lm_head.weight.device, index_only=grad).get
-
-    # -- replay / scoring -------------------------------------------------------------------------------------
-    def replay_hidden(self, resident: Resident, input_ids_BT: torch.Tensor) -> torch.Tensor:
-        """Final-norm hidden states of tokens that follow the captured span, read against the resident state."""
-        start = resident.num_tokens
-        positions_T = torch.arange(start, start + input_ids_BT.shape[1], device=input_ids_BT.device)
-        x_BTC, idx = self.model.embed_tokens(input_ids_BT), None
-        stage = self._stager(resident, torch.is_grad_enabled())
-        for i, layer in enumerate(self.model.layers):
-            x_BTC, idx = layer(x_BTC, positions_T, stage(i), prev_idx=idx)
-        return self.model.norm(x_BTC)
-
-    def logprobs(self, resident: Resident, response_ids: torch.Tensor, grad: bool = False,
-                 chunk_size: int = 1024) -> torch.Tensor:
-        """log p(r_i | prompt, r_<i) for each response token: [R] for a 1-D response, [B, R] for a batch of
-        equal-length responses (right padding is harmless: every position only sees earlier ones).
-        grad=True: differentiable w.r.t. the parameters, the resident state being a constant (response_only)."""
-        ids_BR = response_ids[None] if response_ids.dim() == 1 else response_ids
-        B = ids_BR.shape[0]
-        last_B1 = torch.full((B, 1), resident.last_token, dtype=ids_BR.dtype, device=ids_BR.device)
-        # replay [p_last, r_0 .. r_{R-2}] predicting r_0 .. r_{R-1}
-        inputs_BR = torch.cat([last_B1, ids_BR[:, :-1]], dim=1)
-        with torch.set_grad_enabled(grad):
-            h_BRC = self.replay_hidden(resident, inputs_BR)
-            logp_BR = token_logprobs(h_BRC, self.lm_head.weight, ids_BR, chunk_size)
-        return logp_BR[0] if response_ids.dim() == 1 else logp_BR
+        return super().capture_span(span_ids, num_tokens=num_tokens, last_token=last_token, page_dtype=page_dtype,
+                                    offload=offload, **kwargs)
 
     # -- native rollout ---------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -699,15 +641,3 @@ class Glm52ForCausalLM(nn.Module):
         layers = [DecodeMLA(batch, max_new_tokens, self.config, layer.self_attn.full_indexer, dtype, w.device)
                   for layer in self.model.layers]
         return DecodeState(layers)
-
-    @torch.no_grad()
-    def decode_step(self, resident: Resident, decode: DecodeState, tokens_B: torch.Tensor) -> torch.Tensor:
-        """Feed one token per sequence (the first is the prompt's last token); next-token logits [B, V]."""
-        position = resident.num_tokens + decode.step
-        positions_T = torch.arange(position, position + 1, device=tokens_B.device)
-        x_BTC, idx = self.model.embed_tokens(tokens_B[:, None]), None
-        stage = self._stager(resident, grad=False)
-        for i, (layer, dec) in enumerate(zip(self.model.layers, decode.layers)):
-            x_BTC, idx = layer(x_BTC, positions_T, stage(i), prev_idx=idx, decode=dec)
-        decode.step += 1
-        return at_least_fp32(self.lm_head(self.model.norm(x_BTC))[:, 0])

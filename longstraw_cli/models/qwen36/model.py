@@ -1,11 +1,13 @@
 """qwen36 = HF `qwen3_5_text` (Qwen3.5/3.6 hybrid) in plain PyTorch, single device.
 
-Three ways through the same weights:
-- `forward(input_ids)`: the full-sequence reference (causal SDPA, chunked GDN from a zero state).
-- `capture(prompt_ids)`: the prompt's resident state, block by block under no_grad. Only K/V pages of attention
-  layers and conv + recurrent state of GDN layers survive a block; no logits are formed for prompt tokens.
-- `logprobs(resident, response_ids, grad=...)`: replay from the last prompt token against the resident state,
-  which is read, never written.
+The walks through the layers (`forward`, `capture`, `capture_span`, `logprobs`, `decode_step`) are the shared
+`models.core.CausalLM`'s; each layer here has one method per named path (see core.py):
+- `forward`: the full-sequence reference (causal SDPA, chunked GDN from a zero state).
+- `capture_block`: one prompt block under no_grad; attention writes its K/V pages, GDN advances its conv +
+  recurrent state, both in place. No logits are formed for prompt tokens.
+- `capture_span`: one layer over a whole span (context parallel swaps the span hooks).
+- `replay`: tokens after the prompt against the resident state, which is read, never written.
+- `decode_step`: one token per response against the prompt plus the response's own cache.
 Module names mirror HF's so a checkpoint's state dict loads as it is.
 
 Legend: B batch, T tokens, C hidden, Q query heads, K kv heads, D head dim, H GDN key heads, G GDN value heads,
@@ -15,14 +17,13 @@ Dk/Dv GDN head dims, X conv channels, W conv window (kernel - 1), P pages, V voc
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from longstraw_cli.models.embedding import Embedding
-from longstraw_cli.models.logprobs import token_logprobs
+from longstraw_cli.models import core
+from longstraw_cli.models.core import Backbone, CausalLM, DecodeState, stop_grad_prefix
 from longstraw_cli.models.qwen36.config import Qwen36Config
 from longstraw_cli.resident import AttentionPages, RecurrentState, Resident
 from longstraw_kernels import at_least_fp32, compute_dtype
@@ -63,13 +64,6 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def stop_grad_prefix(x_BT_: torch.Tensor, n: int) -> torch.Tensor:
-    """Same values; positions < n carry no gradient (the prompt is a constant in response_only mode)."""
-    if n <= 0:
-        return x_BT_
-    return torch.cat([x_BT_[:, :n].detach(), x_BT_[:, n:]], dim=1)
-
-
 def rope_cos_sin(positions_T: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype):
     # fp32 angles, as HF computes them, then cast to the activations' dtype
     angle_dtype = compute_dtype(dtype)
@@ -103,14 +97,6 @@ class DecodeKV:
         self.v_BSKD[:, self.length : end].copy_(v_BTKD)
         self.length = end
         return self.k_BSKD[:, :end], self.v_BSKD[:, :end]
-
-
-@dataclass
-class DecodeState:
-    """Decode state of a batch of responses: one entry per layer, and how many tokens were fed."""
-
-    layers: list
-    step: int = 0
 
 
 class GatedAttention(nn.Module):
@@ -147,33 +133,38 @@ class GatedAttention(nn.Module):
         o_BTC = (o_BTQD * torch.sigmoid(gate_BTQD)).reshape(B, T, -1)
         return self.o_proj(o_BTC)
 
-    def forward(self, x_BTC, positions_T, pages: AttentionPages | None = None, num_cached: int = 0,
-                write: bool = False, grad_prefix: int = 0, decode: DecodeKV | None = None):
-        """pages None: full causal attention over x. Otherwise attend to the pages (no mask) plus x's own keys
-        (causal); with write=True x's keys are first stored as pages num_cached.. and only the pages before
-        them are attended (block-by-block capture). With a decode cache, x's keys are appended to the
-        per-sequence response keys, and all of those are attended."""
+    def forward(self, x_BTC, positions_T, grad_prefix: int = 0):
+        """Full causal attention over x (keys and values of positions < grad_prefix carry no gradient)."""
         q_BTQD, k_BTKD, v_BTKD, gate_BTQD = self.project(x_BTC, positions_T)
-        if pages is None:
-            k_BTKD, v_BTKD = stop_grad_prefix(k_BTKD, grad_prefix), stop_grad_prefix(v_BTKD, grad_prefix)
-            o_BQTD = F.scaled_dot_product_attention(
-                q_BTQD.transpose(1, 2), k_BTKD.transpose(1, 2), v_BTKD.transpose(1, 2),
-                is_causal=True, scale=self.scale, enable_gqa=True,
-            )
-            return self.output(o_BQTD.transpose(1, 2), gate_BTQD)
-        if not write:
-            num_cached = pages.k_PKD.shape[0]
-        else:
-            end = num_cached + x_BTC.shape[1]
-            pages.k_PKD[num_cached:end].copy_(k_BTKD[0])
-            pages.v_PKD[num_cached:end].copy_(v_BTKD[0])
-            # read back what replay will read, so capture and replay see the same (possibly rounded) keys
-            k_BTKD, v_BTKD = pages.k_PKD[num_cached:end][None], pages.v_PKD[num_cached:end][None]
-        if decode is not None:
-            k_BTKD, v_BTKD = decode.append(k_BTKD, v_BTKD)
-        o_BTQD = self.attention_fn(
-            q_BTQD, pages.k_PKD[:num_cached], pages.v_PKD[:num_cached], k_BTKD, v_BTKD, scale=self.scale
+        k_BTKD, v_BTKD = stop_grad_prefix(k_BTKD, grad_prefix), stop_grad_prefix(v_BTKD, grad_prefix)
+        o_BQTD = F.scaled_dot_product_attention(
+            q_BTQD.transpose(1, 2), k_BTKD.transpose(1, 2), v_BTKD.transpose(1, 2),
+            is_causal=True, scale=self.scale, enable_gqa=True,
         )
+        return self.output(o_BQTD.transpose(1, 2), gate_BTQD)
+
+    def capture_block(self, x_BTC, positions_T, pages: AttentionPages, start: int):
+        """x's keys become pages start.., then x attends to the pages before them plus its own keys (causal)."""
+        q_BTQD, k_BTKD, v_BTKD, gate_BTQD = self.project(x_BTC, positions_T)
+        end = start + x_BTC.shape[1]
+        pages.k_PKD[start:end].copy_(k_BTKD[0])
+        pages.v_PKD[start:end].copy_(v_BTKD[0])
+        # read back what replay will read, so capture and replay see the same (possibly rounded) keys
+        k_BTKD, v_BTKD = pages.k_PKD[start:end][None], pages.v_PKD[start:end][None]
+        o_BTQD = self.attention_fn(q_BTQD, pages.k_PKD[:start], pages.v_PKD[:start], k_BTKD, v_BTKD, scale=self.scale)
+        return self.output(o_BTQD, gate_BTQD)
+
+    def replay(self, x_BTC, positions_T, pages: AttentionPages):
+        """x continues the pages: it attends to every page plus its own keys (causal)."""
+        q_BTQD, k_BTKD, v_BTKD, gate_BTQD = self.project(x_BTC, positions_T)
+        o_BTQD = self.attention_fn(q_BTQD, pages.k_PKD, pages.v_PKD, k_BTKD, v_BTKD, scale=self.scale)
+        return self.output(o_BTQD, gate_BTQD)
+
+    def decode_step(self, x_BTC, positions_T, pages: AttentionPages, cache: DecodeKV):
+        """x's keys are appended to the per-sequence response keys; x attends to the pages plus all of those."""
+        q_BTQD, k_BTKD, v_BTKD, gate_BTQD = self.project(x_BTC, positions_T)
+        k_BSKD, v_BSKD = cache.append(k_BTKD, v_BTKD)
+        o_BTQD = self.attention_fn(q_BTQD, pages.k_PKD, pages.v_PKD, k_BSKD, v_BSKD, scale=self.scale)
         return self.output(o_BTQD, gate_BTQD)
 
     def capture_span(self, x_BTC, positions_T, pages: AttentionPages, block_size: int):
@@ -218,20 +209,37 @@ class GatedDeltaNet(nn.Module):
         self.span_gdn_fn = gdn_forward
         self.window_fn = local_conv_window
 
-    def forward(self, x_BTC, state: RecurrentState | None = None, grad_prefix: int = 0):
-        """-> (y_BTC, conv_BXW, ssm_BGKV): output and the state after x. `state` is read, never written."""
-        B = x_BTC.shape[0]
+    # positions_T: unused (no RoPE in GDN); every token mixer of a layer takes the same arguments per path
+    def forward(self, x_BTC, positions_T, grad_prefix: int = 0):
+        """Full sequence from a zero state (inputs of positions < grad_prefix carry no gradient)."""
         mixed_BTX = stop_grad_prefix(self.in_proj_qkv(x_BTC), grad_prefix)
-        if state is None:
-            window_BXW = mixed_BTX.new_zeros(B, self.conv_dim, self.window)
-            ssm_BGKV = None
-        else:
-            window_BXW = state.conv_CW.to(mixed_BTX.dtype).expand(B, -1, -1)
-            ssm_BGKV = state.ssm_GKV.expand(B, -1, -1, -1)
-        return self.mix(x_BTC, mixed_BTX, window_BXW, ssm_BGKV, self.gdn_fn, grad_prefix)
+        window_BXW = mixed_BTX.new_zeros(x_BTC.shape[0], self.conv_dim, self.window)
+        return self.mix(x_BTC, mixed_BTX, window_BXW, None, self.gdn_fn, grad_prefix)[0]
 
-    def capture_span(self, x_BTC, state: RecurrentState):
-        """Layer-by-layer capture of a span: output, and `state` advanced to the end of the span."""
+    def capture_block(self, x_BTC, positions_T, state: RecurrentState, start: int):
+        """One prompt block from `state`, which it advances in place to the block's end."""
+        y_BTC, conv_BXW, ssm_BGKV = self.mix(x_BTC, *self.read(state, x_BTC), self.gdn_fn)
+        state.conv_CW.copy_(conv_BXW[0])
+        state.ssm_GKV.copy_(ssm_BGKV[0])
+        return y_BTC
+
+    def replay(self, x_BTC, positions_T, state: RecurrentState):
+        """Tokens after the prompt, from the prompt's state, which is read, never written."""
+        return self.mix(x_BTC, *self.read(state, x_BTC), self.gdn_fn)[0]
+
+    def decode_step(self, x_BTC, positions_T, state: RecurrentState, cache: RecurrentState):
+        """One token per sequence from its own (batched) state `cache`, which then holds the state after it."""
+        y_BTC, cache.conv_CW, cache.ssm_GKV = self.mix(x_BTC, *self.read(cache, x_BTC), self.gdn_fn)
+        return y_BTC
+
+    def read(self, state: RecurrentState, x_BTC):
+        """-> (mixed_BTX, window_BXW, ssm_BGKV): x's conv inputs, and `state` broadcast over x's batch."""
+        B = x_BTC.shape[0]
+        mixed_BTX = self.in_proj_qkv(x_BTC)
+        return mixed_BTX, state.conv_CW.to(mixed_BTX.dtype).expand(B, -1, -1), state.ssm_GKV.expand(B, -1, -1, -1)
+
+    def capture_span(self, x_BTC, positions_T, state: RecurrentState, block_size: int):
+        """Layer-by-layer capture of a span: output, and `state` advanced in place to the end of the span."""
         mixed_BTX = self.in_proj_qkv(x_BTC)
         window_in_BXW, window_out_BXW = self.window_fn(mixed_BTX, state.conv_CW.to(mixed_BTX.dtype)[None])
         # window_fn's window, not mix's: under context parallel the span's end is not the prompt's end
@@ -270,7 +278,9 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(core.DecoderLayer):
+    """One named path per method (see models/core.py); `carry` is unused here (None in, None out)."""
+
     def __init__(self, cfg: Qwen36Config, layer_type: str):
         super().__init__()
         self.layer_type = layer_type
@@ -286,84 +296,54 @@ class DecoderLayer(nn.Module):
     def is_attention(self) -> bool:
         return self.layer_type == "full_attention"
 
-    def forward(self, x_BTC, positions_T, state=None, num_cached: int = 0, write: bool = False, grad_prefix: int = 0,
-                decode=None):
-        """-> (x, (conv, ssm) or None). `state`: this layer's resident entry (None: full-sequence reference);
-        `decode`: the layer's per-sequence decode state (DecodeKV, or a batched RecurrentState for GDN)."""
-        h = self.input_layernorm(x_BTC)
-        new_state = None
-        if self.is_attention:
-            h = self.self_attn(h, positions_T, state, num_cached, write, grad_prefix, decode)
-        else:
-            h, conv_BXW, ssm_BGKV = self.linear_attn(h, state if decode is None else decode, grad_prefix)
-            new_state = (conv_BXW, ssm_BGKV)
-        x_BTC = x_BTC + h
-        return x_BTC + self.mlp(self.post_attention_layernorm(x_BTC)), new_state
+    @property
+    def mixer(self) -> GatedAttention | GatedDeltaNet:
+        return self.self_attn if self.is_attention else self.linear_attn
+
+    def forward(self, x_BTC, positions_T, carry=None, grad_prefix: int = 0):
+        h = self.mixer(self.input_layernorm(x_BTC), positions_T, grad_prefix)
+        return self.mlp_residual(x_BTC, h), None
+
+    def capture_block(self, x_BTC, positions_T, state, start: int, carry=None):
+        h = self.mixer.capture_block(self.input_layernorm(x_BTC), positions_T, state, start)
+        return self.mlp_residual(x_BTC, h), None
+
+    def capture_span(self, x_BTC, positions_T, state, block_size: int, carry=None):
+        h = self.mixer.capture_span(self.input_layernorm(x_BTC), positions_T, state, block_size)
+        return self.mlp_residual_blocks(x_BTC, h, block_size), None
+
+    def replay(self, x_BTC, positions_T, state, carry=None):
+        return self.mlp_residual(x_BTC, self.mixer.replay(self.input_layernorm(x_BTC), positions_T, state)), None
+
+    def decode_step(self, x_BTC, positions_T, state, cache, carry=None):
+        h = self.mixer.decode_step(self.input_layernorm(x_BTC), positions_T, state, cache)
+        return self.mlp_residual(x_BTC, h), None
 
 
-    def capture_span(self, x_BTC, positions_T, state, block_size: int):
-        """Layer-by-layer capture over a whole span; the MLP runs in blocks so [T, FFN] never exists."""
-        h = self.input_layernorm(x_BTC)
-        if self.is_attention:
-            x_BTC = x_BTC + self.self_attn.capture_span(h, positions_T, state, block_size)
-        else:
-            x_BTC = x_BTC + self.linear_attn.capture_span(h, state)
-        for start in range(0, x_BTC.shape[1], block_size):
-            block = x_BTC[:, start : start + block_size]
-            block += self.mlp(self.post_attention_layernorm(block))
-        return x_BTC
-
-
-class Qwen36Backbone(nn.Module):
-    def __init__(self, cfg: Qwen36Config):
-        super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, t) for t in cfg.layer_types)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
-class Qwen36ForCausalLM(nn.Module):
+class Qwen36ForCausalLM(CausalLM):
     family = "qwen36"
 
     def __init__(self, cfg: Qwen36Config):
-        super().__init__()
-        self.config = cfg
-        self.model = Qwen36Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.reset_parameters()
+        layers = (DecoderLayer(cfg, t) for t in cfg.layer_types)
+        super().__init__(cfg, Backbone(cfg.vocab_size, cfg.hidden_size, layers, RMSNorm, cfg.rms_norm_eps))
 
-    @torch.no_grad()
-    def reset_parameters(self, std: float = 0.02):
-        """HF-style init: normal(0, std) linears/embeddings; (1+w) norms at zero; gated norm, dt_bias at one."""
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                module.weight.normal_(0.0, std)
-            elif isinstance(module, RMSNorm):
-                module.weight.zero_()
-            elif isinstance(module, GatedRMSNorm):
-                module.weight.fill_(1.0)
-            elif isinstance(module, GatedDeltaNet):
-                module.dt_bias.fill_(1.0)
-                module.A_log.copy_(torch.empty_like(module.A_log).uniform_(0.01, 16).log())
-                nn.init.kaiming_uniform_(module.conv1d.weight, a=math.sqrt(5))
-
-    # -- reference path ---------------------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, grad_prefix: int = 0) -> torch.Tensor:
-        """Logits [B, T, V] of a plain full-sequence forward. grad_prefix=n makes positions < n a constant
-        (what response_only replay computes, by an independent route)."""
-        ids_BT = input_ids[None] if input_ids.dim() == 1 else input_ids
-        positions_T = torch.arange(ids_BT.shape[1], device=ids_BT.device)
-        x_BTC = self.model.embed_tokens(ids_BT)
-        for layer in self.model.layers:
-            x_BTC, _ = layer(x_BTC, positions_T, grad_prefix=grad_prefix)
-        logits = self.lm_head(self.model.norm(x_BTC))
-        return logits[0] if input_ids.dim() == 1 else logits
+    def init_module(self, module: nn.Module, std: float) -> None:
+        """(1+w) norms at zero; gated norm, dt_bias at one; A_log and the conv as at construction."""
+        if isinstance(module, RMSNorm):
+            module.weight.zero_()
+        elif isinstance(module, GatedRMSNorm):
+            module.weight.fill_(1.0)
+        elif isinstance(module, GatedDeltaNet):
+            module.dt_bias.fill_(1.0)
+            module.A_log.copy_(torch.empty_like(module.A_log).uniform_(0.01, 16).log())
+            nn.init.kaiming_uniform_(module.conv1d.weight, a=math.sqrt(5))
 
     # -- resident state ---------------------------------------------------------------------------------------
-    def empty_resident(self, num_tokens: int, page_dtype: torch.dtype | None = None) -> Resident:
-        """Preallocated state for `num_tokens` captured tokens."""
+    def empty_resident(self, num_tokens: int, page_dtype: torch.dtype | None = None,
+                       offload: str | None = None) -> Resident:
+        """Preallocated state for `num_tokens` captured tokens, on the device."""
+        if offload is not None:
+            raise ValueError(f"offload={offload!r}: qwen36 keeps its resident state on the device; valid: [None]")
         cfg, w = self.config, self.lm_head.weight
         page_dtype = page_dtype or w.dtype
         layers = []
@@ -376,7 +356,7 @@ class Qwen36ForCausalLM(nn.Module):
                 gdn = layer.linear_attn
                 conv = torch.zeros(gdn.conv_dim, gdn.window, dtype=w.dtype, device=w.device)
                 # fp32 recurrent state (fp64 in fp64 models)
-                ssm = torch.zeros(gdn.num_v, gdn.dk, gdn.dv, dtype=at_least_fp32(w).dtype, device=w.device)
+                ssm = torch.zeros(gdn.num_v, gdn.dk, gdn.dv, dtype=compute_dtype(w), device=w.device)
                 layers.append(RecurrentState(conv, ssm))
         return Resident(layers=layers, num_tokens=num_tokens, last_token=-1)
 
@@ -395,69 +375,6 @@ class Qwen36ForCausalLM(nn.Module):
         out["total"] = sum(out.values())
         return out
 
-    @torch.no_grad()
-    def capture(self, prompt_ids: torch.Tensor, block_size: int = 4096,
-                page_dtype: torch.dtype | None = None) -> Resident:
-        """Resident state of a 1-D prompt: its first P-1 tokens, `block_size` tokens at a time; the last token
-        is kept for replay. Activation memory is bounded by one block."""
-        if prompt_ids.dim() != 1 or prompt_ids.numel() == 0:
-            raise ValueError(f"capture takes a non-empty 1-D prompt, got shape {tuple(prompt_ids.shape)}")
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        num_tokens = prompt_ids.numel() - 1
-        resident = self.empty_resident(num_tokens, page_dtype)
-        resident.last_token = int(prompt_ids[-1])
-        for start in range(0, num_tokens, block_size):
-            end = min(num_tokens, start + block_size)
-            positions_T = torch.arange(start, end, device=prompt_ids.device)
-            x_BTC = self.model.embed_tokens(prompt_ids[start:end])[None]
-            for layer, state in zip(self.model.layers, resident.layers):
-                x_BTC, new_state = layer(x_BTC, positions_T, state, num_cached=start, write=True)
-                if new_state is not None:
-                    state.conv_CW.copy_(new_state[0][0])
-                    state.ssm_GKV.copy_(new_state[1][0])
-        return resident
-
-    @torch.no_grad()
-    def capture_span(self, span_ids: torch.Tensor, *, start: int, num_tokens: int, last_token: int,
-                     block_size: int = 4096, page_dtype: torch.dtype | None = None) -> Resident:
-        """Layer-by-layer capture of prompt tokens [start, start + len(span_ids)) of a prompt whose captured part
-        has `num_tokens` tokens: one layer over the whole span at a time. Context parallel runs it on each
-        rank's span with the span hooks swapped; on one rank (start 0, the whole prompt) it equals `capture`.
-        Activations are one span's hidden states; attention scores and MLP intermediates stay block-sized."""
-        resident = self.empty_resident(span_ids.numel(), page_dtype)
-        resident.num_tokens, resident.last_token = num_tokens, last_token
-        positions_T = torch.arange(start, start + span_ids.numel(), device=span_ids.device)
-        x_BTC = self.model.embed_tokens(span_ids)[None]
-        for layer, state in zip(self.model.layers, resident.layers):
-            x_BTC = layer.capture_span(x_BTC, positions_T, state, block_size)
-        return resident
-
-    # -- replay / scoring -------------------------------------------------------------------------------------
-    def replay_hidden(self, resident: Resident, input_ids_BT: torch.Tensor) -> torch.Tensor:
-        """Final-norm hidden states of tokens that follow the captured span, read against the resident state."""
-        start = resident.num_tokens
-        positions_T = torch.arange(start, start + input_ids_BT.shape[1], device=input_ids_BT.device)
-        x_BTC = self.model.embed_tokens(input_ids_BT)
-        for layer, state in zip(self.model.layers, resident.layers):
-            x_BTC, _ = layer(x_BTC, positions_T, state)
-        return self.model.norm(x_BTC)
-
-    def logprobs(self, resident: Resident, response_ids: torch.Tensor, grad: bool = False,
-                 chunk_size: int = 1024) -> torch.Tensor:
-        """log p(r_i | prompt, r_<i) for each response token: [R] for a 1-D response, [B, R] for a batch of
-        equal-length responses (right padding is harmless: every position only sees earlier ones).
-        grad=True: differentiable w.r.t. the parameters, the resident state being a constant (response_only)."""
-        ids_BR = response_ids[None] if response_ids.dim() == 1 else response_ids
-        B = ids_BR.shape[0]
-        last_B1 = torch.full((B, 1), resident.last_token, dtype=ids_BR.dtype, device=ids_BR.device)
-        # replay [p_last, r_0 .. r_{R-2}] predicting r_0 .. r_{R-1}
-        inputs_BR = torch.cat([last_B1, ids_BR[:, :-1]], dim=1)
-        with torch.set_grad_enabled(grad):
-            h_BRC = self.replay_hidden(resident, inputs_BR)
-            logp_BR = token_logprobs(h_BRC, self.lm_head.weight, ids_BR, chunk_size)
-        return logp_BR[0] if response_ids.dim() == 1 else logp_BR
-
     # -- native rollout ---------------------------------------------------------------------------------------
     @torch.no_grad()
     def start_decode(self, resident: Resident, batch: int, max_new_tokens: int) -> DecodeState:
@@ -473,16 +390,3 @@ class Qwen36ForCausalLM(nn.Module):
                 layers.append(RecurrentState(state.conv_CW.expand(batch, -1, -1).clone(),
                                              state.ssm_GKV.expand(batch, -1, -1, -1).clone()))
         return DecodeState(layers)
-
-    @torch.no_grad()
-    def decode_step(self, resident: Resident, decode: DecodeState, tokens_B: torch.Tensor) -> torch.Tensor:
-        """Feed one token per sequence (the first is the prompt's last token); next-token logits [B, V]."""
-        position = resident.num_tokens + decode.step
-        positions_T = torch.arange(position, position + 1, device=tokens_B.device)
-        x_BTC = self.model.embed_tokens(tokens_B[:, None])
-        for layer, state, dec in zip(self.model.layers, resident.layers, decode.layers):
-            x_BTC, new_state = layer(x_BTC, positions_T, state, decode=dec)
-            if new_state is not None:
-                dec.conv_CW, dec.ssm_GKV = new_state
-        decode.step += 1
-        return at_least_fp32(self.lm_head(self.model.norm(x_BTC))[:, 0])

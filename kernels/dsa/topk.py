@@ -1,0 +1,38 @@
+"""The DSA top-k selection rule, one implementation for the model (one device) and context parallel's merge.
+
+A strict total order on keys: score descending, then position ascending (ties go to the LOWER position; -inf
+marks a masked key and ranks last, masked keys by position too). Index scores are sums of ReLUs, so exact ties
+(often at 0) occur; torch.topk leaves the choice among them unspecified, this rule makes the selection exactly
+reproducible. Under a total order the global top-k of keys split into shards is exact to merge: a key among the
+k best of all keys is among the k best of its own shard (`distributed/cp_topk.py`).
+
+Legend: S keys (the last axis), k selected.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["topk_lowest_position"]
+
+
+def topk_lowest_position(scores__S: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions [..., k'] (int64, ascending; k' = min(k, S)) of the k' best keys of each row along the last axis
+    by (score desc, position asc): the set `scores.sort(-1, descending=True, stable=True).indices[..., :k']`
+    holds. Scores must not be NaN; -0.0 and +0.0 are equal scores (a tie).
+
+    Computed without a full sort: the k'-th largest score v (a value, so ties do not matter) splits each row into
+    keys above v (all taken, fewer than k') and keys equal to v, of which the lowest positions fill the rest."""
+    if not isinstance(k, int) or k < 0:
+        raise ValueError(f"k must be an integer >= 0, got {k!r}")
+    S = scores__S.shape[-1]
+    k = min(k, S)
+    if k == 0 or scores__S.numel() == 0:
+        return torch.empty(scores__S.shape[:-1] + (k,), dtype=torch.long, device=scores__S.device)
+    kth = scores__S.topk(k, dim=-1).values[..., -1:]
+    above = scores__S > kth
+    tie = scores__S == kth
+    need = k - above.sum(-1, keepdim=True, dtype=torch.int32)
+    chosen = above | (tie & (tie.cumsum(-1, dtype=torch.int32) <= need))
+    # exactly k per row, so the row-major nonzero positions reshape to [..., k]
+    return chosen.nonzero()[:, -1].view(scores__S.shape[:-1] + (k,))

@@ -1,0 +1,211 @@
+"""The model contract both families share: the layer walks of each named path, prompt checks, log-probs.
+
+A family supplies its decoder layers, `empty_resident` / `resident_bytes` / `start_decode`, and `init_module`
+(its own parameter init rules); everything that walks the layers lives here, once.
+
+Named paths, each a method of every decoder layer (and of its token mixer), all taking and returning a `carry`:
+what a layer hands the next one (glm52: the DSA selection that IndexShare "shared" layers reuse; qwen36: None).
+- `forward(x, positions, carry, grad_prefix)`: the full-sequence reference; positions < grad_prefix carry no
+  gradient (the detached prompt of response_only replay, computed by an independent route).
+- `capture_block(x, positions, state, start, carry)`: one block of the prompt at positions [start, start + T):
+  writes its pages / advances its recurrent state IN PLACE, attends to what is resident up to its end.
+- `capture_span(x, positions, state, block_size, carry)`: one layer over a whole span (layer-by-layer capture:
+  context parallel runs it per rank's span; offloaded capture writes each layer's pages once).
+- `replay(x, positions, state, carry)`: tokens that follow the resident prompt, read-only against `state`
+  (scoring and replay; autograd when enabled).
+- `decode_step(x, positions, state, cache, carry)`: one token per sequence, `cache` the per-sequence state of
+  the tokens generated so far (native rollout).
+Every layer writes its resident state in place; nothing is returned up to the model to copy.
+
+Legend: B batch, T tokens, C hidden, V vocab, R response tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from longstraw_cli.models.embedding import Embedding
+from longstraw_cli.models.logprobs import token_logprobs
+from longstraw_cli.resident import Resident
+from longstraw_cli.resident.offload import PageWriter, stage_layers
+from longstraw_kernels import at_least_fp32
+
+# a decoder layer's entry points besides forward (FSDP gathers a layer's weights around each)
+LAYER_PATHS = ("capture_block", "capture_span", "replay", "decode_step")
+
+
+def check_prompt(prompt_ids: torch.Tensor, block_size: int) -> None:
+    if prompt_ids.dim() != 1 or prompt_ids.numel() == 0:
+        raise ValueError(f"capture takes a non-empty 1-D prompt, got shape {tuple(prompt_ids.shape)}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+
+
+def stop_grad_prefix(x_BT_: torch.Tensor, n: int) -> torch.Tensor:
+    """Same values; positions < n carry no gradient (the prompt is a constant in response_only mode)."""
+    if n <= 0:
+        return x_BT_
+    return torch.cat([x_BT_[:, :n].detach(), x_BT_[:, n:]], dim=1)
+
+
+@dataclass
+class DecodeState:
+    """Decode state of a batch of responses: one cache per layer, and how many tokens were fed."""
+
+    layers: list
+    step: int = 0
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual around a token mixer, then around the MLP. Subclasses set input_layernorm, the mixer,
+    post_attention_layernorm and mlp (HF's names)."""
+
+    def mlp_residual(self, x_BTC: torch.Tensor, mixed_BTC: torch.Tensor) -> torch.Tensor:
+        x_BTC = x_BTC + mixed_BTC
+        return x_BTC + self.mlp(self.post_attention_layernorm(x_BTC))
+
+    def mlp_residual_blocks(self, x_BTC: torch.Tensor, mixed_BTC: torch.Tensor, block_size: int,
+                            num_blocks: int | None = None) -> torch.Tensor:
+        """The same over a whole span, the MLP in blocks so that [T, FFN] never exists. `num_blocks` (at least
+        the span's) lets every rank run the same number of MLP calls when the MLP holds collectives."""
+        x_BTC = x_BTC + mixed_BTC
+        num_blocks = -(-x_BTC.shape[1] // block_size) if num_blocks is None else num_blocks
+        for b in range(num_blocks):
+            block = x_BTC[:, b * block_size : (b + 1) * block_size]
+            block += self.mlp(self.post_attention_layernorm(block))
+        return x_BTC
+
+
+class Backbone(nn.Module):
+    """HF's `model`: embed_tokens, layers, norm (created in that order)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, layers, norm_cls, eps: float):
+        super().__init__()
+        self.embed_tokens = Embedding(vocab_size, hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm_cls(hidden_size, eps)
+
+
+class CausalLM(nn.Module):
+    """`model` (a Backbone) and `lm_head`; the reference forward, capture, replay, log-probs and decode walks."""
+
+    def __init__(self, cfg, backbone: Backbone):
+        super().__init__()
+        self.config = cfg
+        self.model = backbone
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02):
+        """HF-style init: normal(0, std) linears and embeddings; the family's rules (`init_module`) for the rest."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.normal_(0.0, std)
+            else:
+                self.init_module(module, std)
+
+    def init_module(self, module: nn.Module, std: float) -> None:
+        raise NotImplementedError
+
+    # -- reference path ---------------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, grad_prefix: int = 0) -> torch.Tensor:
+        """Logits [B, T, V] of a plain full-sequence forward. grad_prefix=n makes positions < n a constant
+        (what response_only replay computes, by an independent route)."""
+        ids_BT = input_ids[None] if input_ids.dim() == 1 else input_ids
+        positions_T = torch.arange(ids_BT.shape[1], device=ids_BT.device)
+        x_BTC, carry = self.model.embed_tokens(ids_BT), None
+        for layer in self.model.layers:
+            x_BTC, carry = layer(x_BTC, positions_T, carry, grad_prefix=grad_prefix)
+        logits = self.lm_head(self.model.norm(x_BTC))
+        return logits[0] if input_ids.dim() == 1 else logits
+
+    # -- capture ----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def capture(self, prompt_ids: torch.Tensor, block_size: int = 4096, page_dtype: torch.dtype | None = None,
+                offload: str | None = None) -> Resident:
+        """Resident state of a 1-D prompt: its first P-1 tokens; the last token is kept for replay.
+        On-device state: block by block through all layers (activations bounded by one block).
+        offload="cpu": layer by layer (`capture_span`), so each layer's pages cross to the host once."""
+        check_prompt(prompt_ids, block_size)
+        num_tokens = prompt_ids.numel() - 1
+        if offload is not None:
+            return self.capture_span(prompt_ids[:-1], start=0, num_tokens=num_tokens, last_token=int(prompt_ids[-1]),
+                                     block_size=block_size, page_dtype=page_dtype, offload=offload)
+        resident = self.empty_resident(num_tokens, page_dtype)
+        resident.last_token = int(prompt_ids[-1])
+        for start in range(0, num_tokens, block_size):
+            end = min(num_tokens, start + block_size)
+            positions_T = torch.arange(start, end, device=prompt_ids.device)
+            x_BTC, carry = self.model.embed_tokens(prompt_ids[start:end])[None], None
+            for layer, state in zip(self.model.layers, resident.layers):
+                x_BTC, carry = layer.capture_block(x_BTC, positions_T, state, start, carry)
+        return resident
+
+    @torch.no_grad()
+    def capture_span(self, span_ids: torch.Tensor, *, start: int, num_tokens: int, last_token: int,
+                     block_size: int = 4096, page_dtype: torch.dtype | None = None,
+                     offload: str | None = None) -> Resident:
+        """Layer-by-layer capture of prompt tokens [start, start + len(span_ids)) of a prompt whose captured part
+        has `num_tokens` tokens: one layer over the whole span at a time; offloaded pages are written on the device,
+        then copied to the host while the next layer computes. Context parallel runs it on each rank's span with
+        the span hooks swapped; on one device (start 0, the whole prompt) it equals `capture`. Activations are one
+        span's hidden states; attention scores and MLP intermediates stay block-sized."""
+        if span_ids.dim() != 1 or block_size < 1:
+            raise ValueError(f"capture_span takes a 1-D span and block_size >= 1, got shape "
+                             f"{tuple(span_ids.shape)}, block_size {block_size}")
+        resident = self.empty_resident(span_ids.numel(), page_dtype, offload)
+        resident.num_tokens, resident.last_token = num_tokens, last_token
+        device = self.lm_head.weight.device
+        positions_T = torch.arange(start, start + span_ids.numel(), device=device)
+        x_BTC, carry = self.model.embed_tokens(span_ids.to(device))[None], None
+        pages = PageWriter(resident, device)
+        for i, layer in enumerate(self.model.layers):
+            x_BTC, carry = layer.capture_span(x_BTC, positions_T, pages.get(i), block_size, carry)
+            pages.done(i)
+        pages.finish()
+        return resident
+
+    # -- replay / scoring -------------------------------------------------------------------------------------
+    def replay_hidden(self, resident: Resident, input_ids_BT: torch.Tensor) -> torch.Tensor:
+        """Final-norm hidden states of tokens that follow the captured span, read against the resident state."""
+        start = resident.num_tokens
+        positions_T = torch.arange(start, start + input_ids_BT.shape[1], device=input_ids_BT.device)
+        x_BTC, carry = self.model.embed_tokens(input_ids_BT), None
+        stage = stage_layers(resident, self.lm_head.weight.device, grad=torch.is_grad_enabled())
+        for i, layer in enumerate(self.model.layers):
+            x_BTC, carry = layer.replay(x_BTC, positions_T, stage(i), carry)
+        return self.model.norm(x_BTC)
+
+    def logprobs(self, resident: Resident, response_ids: torch.Tensor, grad: bool = False,
+                 chunk_size: int = 1024) -> torch.Tensor:
+        """log p(r_i | prompt, r_<i) for each response token: [R] for a 1-D response, [B, R] for a batch of
+        equal-length responses (right padding is harmless: every position only sees earlier ones).
+        grad=True: differentiable w.r.t. the parameters, the resident state being a constant (response_only)."""
+        ids_BR = response_ids[None] if response_ids.dim() == 1 else response_ids
+        B = ids_BR.shape[0]
+        last_B1 = torch.full((B, 1), resident.last_token, dtype=ids_BR.dtype, device=ids_BR.device)
+        # replay [p_last, r_0 .. r_{R-2}] predicting r_0 .. r_{R-1}
+        inputs_BR = torch.cat([last_B1, ids_BR[:, :-1]], dim=1)
+        with torch.set_grad_enabled(grad):
+            h_BRC = self.replay_hidden(resident, inputs_BR)
+            logp_BR = token_logprobs(h_BRC, self.lm_head.weight, ids_BR, chunk_size)
+        return logp_BR[0] if response_ids.dim() == 1 else logp_BR
+
+    # -- native rollout ---------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def decode_step(self, resident: Resident, decode: DecodeState, tokens_B: torch.Tensor) -> torch.Tensor:
+        """Feed one token per sequence (the first is the prompt's last token); next-token logits [B, V]."""
+        position = resident.num_tokens + decode.step
+        positions_T = torch.arange(position, position + 1, device=tokens_B.device)
+        x_BTC, carry = self.model.embed_tokens(tokens_B[:, None]), None
+        stage = stage_layers(resident, self.lm_head.weight.device, grad=False)
+        for i, (layer, cache) in enumerate(zip(self.model.layers, decode.layers)):
+            x_BTC, carry = layer.decode_step(x_BTC, positions_T, stage(i), cache, carry)
+        decode.step += 1
+        return at_least_fp32(self.lm_head(self.model.norm(x_BTC))[:, 0])
