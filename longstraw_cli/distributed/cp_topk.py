@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from longstraw_kernels import compute_dtype
 from longstraw_kernels.dsa import topk_lowest_position
 
 __all__ = ["cp_global_topk", "local_selection", "local_selection_mask"]
@@ -61,7 +62,7 @@ def cp_global_topk(scores_local_TS: torch.Tensor, k: int, *, start: int, group=N
     """
     _check(scores_local_TS, k)
     T, S = scores_local_TS.shape
-    dtype = torch.promote_types(scores_local_TS.dtype, torch.float32)
+    dtype = compute_dtype(scores_local_TS)
     if dtype not in _SAME_WIDTH_INT:
         raise ValueError(f"scores must be floating point, got {scores_local_TS.dtype}")
     int_dtype = _SAME_WIDTH_INT[dtype]

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from longstraw_cli.models.embedding import Embedding
@@ -49,6 +50,19 @@ def stop_grad_prefix(x_BT_: torch.Tensor, n: int) -> torch.Tensor:
     if n <= 0:
         return x_BT_
     return torch.cat([x_BT_[:, :n].detach(), x_BT_[:, n:]], dim=1)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate x) * up x), HF's names."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 @dataclass

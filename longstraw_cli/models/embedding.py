@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from longstraw_kernels import compute_dtype
+
 
 class _RowGradLookup(torch.autograd.Function):
     @staticmethod
@@ -25,7 +27,7 @@ class _RowGradLookup(torch.autograd.Function):
         (ids,) = ctx.saved_tensors
         shape, dtype, device = ctx.weight_meta
         rows_U, inverse_N = torch.unique(ids.reshape(-1), return_inverse=True)
-        acc_UC = torch.zeros(rows_U.numel(), shape[1], dtype=torch.promote_types(dtype, torch.float32), device=device)
+        acc_UC = torch.zeros(rows_U.numel(), shape[1], dtype=compute_dtype(dtype), device=device)
         acc_UC.index_add_(0, inverse_N, grad.reshape(-1, shape[1]).to(acc_UC.dtype))
         dweight_VC = torch.zeros(shape, dtype=dtype, device=device)
         dweight_VC[rows_U] = acc_UC.to(dtype)

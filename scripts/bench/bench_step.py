@@ -112,13 +112,13 @@ def release(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: to
 
 # -- the two methods ------------------------------------------------------------------------------------------
 def _layer_hidden(layer: torch.nn.Module, x_BTC: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
-    # the layer also returns its GDN state; the checkpoint must not keep it
+    # the layer returns (x, carry); qwen36's carry is None
     return layer(x_BTC, positions_T)[0]
 
 
 def _glm52_layer(layer: torch.nn.Module, x_BTC: torch.Tensor, positions_T: torch.Tensor, prev_idx):
     # HF's full-sequence route: expanded per-head K/V, the DSA top-k as an attention mask; -> (x, top-k indices)
-    return layer(x_BTC, positions_T, prev_idx=prev_idx)
+    return layer(x_BTC, positions_T, prev_idx)
 
 
 def full_graph_logprobs(model, prompt_ids: torch.Tensor, response_ids: torch.Tensor, chunk_size: int) -> torch.Tensor:

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from longstraw_cli.models import core
-from longstraw_cli.models.core import Backbone, CausalLM, DecodeState, stop_grad_prefix
+from longstraw_cli.models.core import MLP, Backbone, CausalLM, DecodeState, stop_grad_prefix
 from longstraw_cli.models.glm52.config import Glm52Config
 from longstraw_cli.resident import MLAPages, Resident
 from longstraw_cli.resident.offload import host_buffer
@@ -453,17 +453,6 @@ def selected_mask(idx_BTK: torch.Tensor, first: int, num: int) -> torch.Tensor:
     local = torch.where((local >= 0) & (local < num), local, num)
     mask = torch.zeros(B, T, num + 1, dtype=torch.bool, device=idx_BTK.device)
     return mask.scatter_(-1, local, True)[..., :num]
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class TopkRouter(nn.Module):

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from longstraw_cli.models import core
-from longstraw_cli.models.core import Backbone, CausalLM, DecodeState, stop_grad_prefix
+from longstraw_cli.models.core import MLP, Backbone, CausalLM, DecodeState, stop_grad_prefix
 from longstraw_cli.models.qwen36.config import Qwen36Config
 from longstraw_cli.resident import AttentionPages, RecurrentState, Resident
 from longstraw_kernels import at_least_fp32, compute_dtype
@@ -267,17 +267,6 @@ class GatedDeltaNet(nn.Module):
         return y_BTC, full_BXS[..., full_BXS.shape[-1] - self.window :], new_ssm_BGKV
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: Qwen36Config):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DecoderLayer(core.DecoderLayer):
     """One named path per method (see models/core.py); `carry` is unused here (None in, None out)."""
 
@@ -288,7 +277,7 @@ class DecoderLayer(core.DecoderLayer):
             self.linear_attn = GatedDeltaNet(cfg)
         else:
             self.self_attn = GatedAttention(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
