@@ -24,9 +24,10 @@ selection of those rows (a row's top-k does not depend on how queries are blocke
 
 What it simplifies: capture holds, transiently, ONE LAYER's whole-prompt pages on every rank (latent + rope +
 index keys; ~1.4 KB per token in bf16 for GLM-5, 2.8 GB at 2M tokens, about twice that while the gathered
-shards and their concatenation coexist), dropped after the layer: no ring passes. Shards are contiguous, so capture attention is imbalanced (rank N-1's queries see the whole prompt,
-though DSA caps each query at index_topk keys, so the imbalance is in the indexer's scoring). Replay's
-collectives block. No CPU offload of pages under CP.
+shards and their concatenation coexist), dropped after the layer: no ring passes. Shards are contiguous, so
+capture attention is imbalanced (rank N-1's queries see the whole prompt, though DSA caps each query at
+index_topk keys, so the imbalance is in the indexer's scoring). Replay's collectives block. No CPU offload of
+pages under CP. `span_pages_fn` all-gathers the shard sizes once per layer besides the pages.
 
 Legend: B batch, T queries, S keys, C hidden, H heads, L latent, R rope, I index head dim, J index heads,
 K = index_topk, W ranks in the CP group, X = L + R (+ I) numbers gathered per token.
