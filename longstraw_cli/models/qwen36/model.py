@@ -24,8 +24,10 @@ from torch import nn
 from longstraw_cli.models.embedding import Embedding
 from longstraw_cli.models.logprobs import token_logprobs
 from longstraw_cli.models.qwen36.config import Qwen36Config
+from longstraw_cli.models.qwen36.decode import Qwen36Decoder
 from longstraw_cli.resident import AttentionPages, RecurrentState, Resident
 from longstraw_kernels.attention import blockwise_causal_attention, replay_attention
+from longstraw_kernels.attention.decode import decode_pages_attention
 from longstraw_kernels.gdn import gdn_forward
 
 
@@ -136,6 +138,9 @@ class GatedAttention(nn.Module):
         # causal self-attention in the layer-by-layer capture (context parallel swaps in its ring version)
         self.attention_fn = replay_attention
         self.span_attention_fn = blockwise_causal_attention
+        # decode: one query token per response against the shared pages -> (out, lse); context parallel swaps
+        # in its cross-rank merge
+        self.decode_pages_fn = decode_pages_attention
 
     def project(self, x_BTC: torch.Tensor, positions_T: torch.Tensor):
         B, T, _ = x_BTC.shape
@@ -463,6 +468,10 @@ class Qwen36ForCausalLM(nn.Module):
         return logp_BR[0] if response_ids.dim() == 1 else logp_BR
 
     # -- native rollout ---------------------------------------------------------------------------------------
+    def decoder(self, resident: Resident, batch: int, capacity: int):
+        """The static-shaped decode of `batch` responses of up to `capacity` tokens (qwen36/decode.py)."""
+        return Qwen36Decoder(self, resident, batch, capacity)
+
     @torch.no_grad()
     def start_decode(self, resident: Resident, batch: int, max_new_tokens: int) -> DecodeState:
         """Per-sequence decode state for `batch` responses that share the resident prompt: empty response
