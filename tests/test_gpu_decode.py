@@ -3,6 +3,7 @@ against their torch references, the CUDA-graph decode against the same decode ru
 tokens and log-probs) and against replay scoring (bf16 noise), for both families; and `longstraw train
 device=cuda` end to end for two steps with its importance ratio at 1 on the first, on-policy step."""
 
+import copy
 import json
 import os
 import subprocess
@@ -69,11 +70,15 @@ def test_graph_decode_equals_eager_decode_and_replay(name):
     for a, b, la, lb in zip(graph.responses, eager.responses, graph.logprobs, eager.logprobs):
         assert torch.equal(a, b) and torch.equal(la, lb)
     sampled = generate(model, resident, 8, SamplingConfig(max_new_tokens=64), torch.Generator("cuda").manual_seed(0))
+    # bf16 noise, measured: the same weights in fp32, replayed, are the reference for both bf16 paths
+    exact = copy.deepcopy(model).float()
+    exact_resident = exact.capture(prompt, block_size=2048)
     for response, logp in zip(sampled.responses, sampled.logprobs):
+        ref = exact.logprobs(exact_resident, response)
         replay = model.logprobs(resident, response)
-        # the on-policy importance ratio exp(replay - rollout) is 1 up to bf16 noise
-        ratio = torch.exp(replay - logp)
-        assert (ratio - 1).abs().mean() < 2e-2, (ratio - 1).abs().max()
+        decode_err, replay_err = (logp - ref).abs().mean(), (replay - ref).abs().mean()
+        # the rollout's log-probs are as close to exact as replay's own: the on-policy ratio is 1 up to bf16
+        assert decode_err < 1.5 * replay_err + 1e-3, (decode_err, replay_err)
 
 
 @pytest.mark.parametrize("name", ["qwen36_mini", "glm52_mini"])

@@ -54,7 +54,11 @@ def _sample(logits_BV: torch.Tensor, cfg: SamplingConfig, generator: torch.Gener
         drop_BV = sorted_BV.cumsum(-1) - sorted_BV >= cfg.top_p
         sorted_BV = sorted_BV.masked_fill(drop_BV, 0.0)
         probs_BV = torch.zeros_like(probs_BV).scatter(-1, order_BV, sorted_BV)
-    return torch.multinomial(probs_BV, 1, generator=generator)[:, 0]
+    # exponential race: argmax p_i / E_i with E_i ~ Exp(1) independent picks i with probability p_i / sum p (the
+    # minimum of independent exponentials of rates p_i). One elementwise pass and an argmax, no per-row scan;
+    # E is kept above 0 so that p = 0 never wins
+    race_BV = torch.empty_like(probs_BV).exponential_(1.0, generator=generator)
+    return (probs_BV / race_BV.clamp_min_(torch.finfo(race_BV.dtype).tiny)).argmax(-1)
 
 
 @dataclass(frozen=True)
