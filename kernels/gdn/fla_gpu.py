@@ -38,6 +38,8 @@ def fla_recurrent():
     return fused_recurrent_gated_delta_rule
 
 
+# opaque to torch.compile (the compiled decode step): inductor would re-trace the Triton kernel inside
+@torch.compiler.disable
 def gdn_step(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV, scale=None):
     """gdn_recurrent's contract for a few tokens without gradient (decode: T = 1, one state per response): fla's
     fused recurrent kernel on CUDA in bf16/fp16 (one launch, state read and written once), else the torch
