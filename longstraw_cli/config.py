@@ -21,7 +21,7 @@ from longstraw_cli.lora import LoraConfig
 from longstraw_cli.models import MODEL_NAMES
 from longstraw_cli.rl.losses import LossConfig
 from longstraw_cli.rl.tasks import TaskConfig
-from longstraw_cli.rollout.native import SamplingConfig
+from longstraw_cli.rollout.native import NativeConfig, SamplingConfig
 from longstraw_cli.rollout.vllm_engine import VllmConfig
 from longstraw_cli.telemetry.metrics import WandbConfig
 from longstraw_cli.transaction import TransactionConfig
@@ -90,6 +90,7 @@ class RolloutConfig:
     engine: str
     sampling: SamplingConfig
     vllm: VllmConfig | None = None
+    native: NativeConfig = NativeConfig()
 
 
 @dataclass(frozen=True)
@@ -203,6 +204,8 @@ def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
     if engine not in ENGINES:
         raise ConfigError(f"rollout.engine={engine!r}; valid: {list(ENGINES)}")
     vllm_node = rollout_node.pop("vllm", None)
+    native_node = rollout_node.pop("native", None)
+    native = _build(NativeConfig, native_node, "rollout.native") if native_node is not None else NativeConfig()
     sampling = _build(SamplingConfig, rollout_node, "rollout", max_new_tokens=d["response_tokens"])
     vllm = _build(VllmConfig, vllm_node, "rollout.vllm") if vllm_node is not None else None
     if engine == "vllm" and vllm is None:
@@ -219,7 +222,7 @@ def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
 
     return TrainConfig(
         model=model, task=task, reward=reward, loss=loss, transaction=transaction,
-        rollout=RolloutConfig(engine, sampling, vllm), logger=LoggerConfig(backends, wandb), optim=optim,
+        rollout=RolloutConfig(engine, sampling, vllm, native), logger=LoggerConfig(backends, wandb), optim=optim,
         lora=_build(LoraConfig, d["lora"], "lora"), checkpoint=_build(CheckpointConfig, d["checkpoint"], "checkpoint"),
         strategy=_build(StrategyConfig, d["strategy"], "strategy"),
         cp=d["cp"], ep=d["ep"], group_size=d["group_size"], steps=d["steps"], prompt_tokens=d["prompt_tokens"],

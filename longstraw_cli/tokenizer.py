@@ -3,6 +3,11 @@
 The trainer and the tasks need only `encode` (no special tokens), `decode` (special tokens dropped),
 `eos_token_id`, `pad_token_id`, `bos_token_id` and `vocab_size`. The byte tokenizer needs no files, so tests
 and tiny random models run without downloading anything.
+
+A model's embedding table is often larger than its tokenizer (Qwen's and GLM's are padded; a random model's
+vocabulary is its own), and the policy samples from the whole table, which is also what training scores. So
+`decode` never fails on an id the tokenizer lacks: each such id decodes as U+FFFD, the replacement character,
+as undecodable bytes do; the reward sees it, and the trained tokens are the sampled ids themselves.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int]) -> str: ...
 
 
+REPLACEMENT = "\ufffd"
+
+
 class ByteTokenizer:
     """UTF-8 bytes are ids 0..255; pad, bos and eos follow. One token per byte, so lengths are exact."""
 
@@ -37,10 +45,10 @@ class ByteTokenizer:
         data = bytearray()
         for i in ids:
             i = int(i)
-            if not 0 <= i < self.vocab_size:
-                raise ValueError(f"token id {i} is outside the byte tokenizer's vocabulary [0, {self.vocab_size})")
-            if i < 256:
+            if 0 <= i < 256:
                 data.append(i)
+            elif not 0 <= i < self.vocab_size:
+                data += REPLACEMENT.encode("utf-8")
         # A sampled response can stop inside a multi-byte character; replace rather than fail.
         return data.decode("utf-8", errors="replace")
 
@@ -62,7 +70,19 @@ class HFTokenizer:
         return list(self.hf.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.hf.decode(list(ids), skip_special_tokens=True)
+        # runs of known ids decode together (merges across tokens stay intact); unknown ids are U+FFFD
+        text, run = [], []
+        for i in map(int, ids):
+            if 0 <= i < self.vocab_size:
+                run.append(i)
+                continue
+            if run:
+                text.append(self.hf.decode(run, skip_special_tokens=True))
+                run = []
+            text.append(REPLACEMENT)
+        if run:
+            text.append(self.hf.decode(run, skip_special_tokens=True))
+        return "".join(text)
 
 
 def load_tokenizer(spec: str) -> Tokenizer:

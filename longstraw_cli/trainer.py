@@ -212,7 +212,8 @@ class Trainer:
 
     def rollout(self, resident, prompt_ids) -> Rollout:
         if self.engine is None:
-            return generate(self.model, resident, self.cfg.group_size, self.sampling, self.generator)
+            return generate(self.model, resident, self.cfg.group_size, self.sampling, self.generator,
+                            native=self._native_decode())
         self.engine.update_weights(self.model)
         # vLLM gives response i of a request seed + i: draw request seeds far apart
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator, device=self.device)) * 1024 % (2**31)
@@ -220,6 +221,13 @@ class Trainer:
         # free vLLM's weights and KV cache while the transaction runs (a no-op unless configured)
         self.engine.sleep()
         return Rollout([r.to(self.device) for r in rollout.responses], [l.to(self.device) for l in rollout.logprobs])
+
+    def _native_decode(self):
+        """CUDA graphs need plain modules: fsdp2 and deepspeed wrap them with hooks that gather parameters."""
+        native = self.cfg.rollout.native
+        if native.cuda_graph and self.strategy.name in ("fsdp2", "deepspeed"):
+            native = dataclasses.replace(native, cuda_graph=False)
+        return native
 
     def reward(self, example, rollout: Rollout) -> torch.Tensor:
         texts = [self.tokenizer.decode(r.tolist()) for r in rollout.responses]
@@ -251,6 +259,9 @@ class Trainer:
             metrics["entropy"] = float(torch.cat(rollout.entropies).mean())
         metrics["prompt_tokens"] = prompt_ids.numel()
         metrics["response_tokens"] = sum(len(r) for r in rollout.responses)
+        if rollout.decode_steps:
+            metrics["decode_steps"] = rollout.decode_steps
+            metrics["time/decode_per_token"] = times["rollout"] / rollout.decode_steps
         metrics.update({f"time/{k}": v for k, v in times.items()})
         metrics["mem/resident"] = result.resident_bytes["total"]
         metrics["mem/graph_peak"] = result.graph_peak_bytes

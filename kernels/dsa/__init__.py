@@ -23,6 +23,8 @@ def _triton_scores():
     return None if module is None else module.indexer_scores_triton
 
 
+# opaque to torch.compile (the compiled decode step): inductor would re-trace the Triton kernel inside
+@torch.compiler.disable
 def indexer_scores(q_BTJI: torch.Tensor, w_BTJ: torch.Tensor, k: torch.Tensor, scale: float,
                    offset: int | None = None) -> torch.Tensor:
     """Index scores [B, T, S] of queries [B, T, J, I] (per-head weights w [B, T, J]) against keys [S, I] (shared)

@@ -9,6 +9,8 @@ chunked backward otherwise (see triton_sparse.TritonSparseMLA).
 
 from __future__ import annotations
 
+import torch
+
 from longstraw_kernels import kernel_choice, optional_module
 from longstraw_kernels.mla import reference
 
@@ -27,6 +29,8 @@ def use_triton(q_BTHA, latent_PL, rope_PR, idx_BTK) -> bool:
     return module is not None and module.supported(q_BTHA, latent_PL, rope_PR, idx_BTK)
 
 
+# opaque to torch.compile (the compiled decode step): inductor would re-trace the Triton kernel inside
+@torch.compiler.disable
 def sparse_mla_attention(q_BTHA, latent_PL, rope_PR, idx_BTK, *, scale):
     """-> (out_BTHL in q's dtype, lse_BTH); see `reference.sparse_mla_attention`."""
     reference.check_shapes(q_BTHA, latent_PL, rope_PR, idx_BTK)

@@ -1,15 +1,20 @@
 """Native rollout: G responses sampled from the same resident state that the transaction trains on.
 
 All G responses decode as one batch over the shared prompt pages (never copied); each response gets its own copy
-of the small GDN state and its own response K/V. The log-probs of the sampled tokens under the policy
-(temperature 1, no top-p) come out of the same forward, graph-free: they are the on-policy old log-probs.
+of the small recurrent state and its own response keys. The model's `decoder(resident, G, capacity)` gives a
+static-shaped step (preallocated buffers, device-side token ids and step counter), which this loop replays as a
+CUDA graph on GPU: one launch per token instead of one per kernel. The log-probs of the sampled tokens under the
+policy (temperature 1, no top-p) come out of the same forward, graph-free: they are the on-policy old log-probs.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,8 @@ class Rollout:
     logprobs: list[torch.Tensor]
     # entropy of the policy's next-token distribution at each sampled position (None where unknown)
     entropies: list[torch.Tensor] | None = None
+    # decode steps run (the longest response, or up to stop_check_every - 1 more)
+    decode_steps: int = 0
 
 
 def _sample(logits_BV: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
@@ -47,37 +54,114 @@ def _sample(logits_BV: torch.Tensor, cfg: SamplingConfig, generator: torch.Gener
         drop_BV = sorted_BV.cumsum(-1) - sorted_BV >= cfg.top_p
         sorted_BV = sorted_BV.masked_fill(drop_BV, 0.0)
         probs_BV = torch.zeros_like(probs_BV).scatter(-1, order_BV, sorted_BV)
-    return torch.multinomial(probs_BV, 1, generator=generator)[:, 0]
+    # exponential race: argmax p_i / E_i with E_i ~ Exp(1) independent picks i with probability p_i / sum p (the
+    # minimum of independent exponentials of rates p_i). One elementwise pass and an argmax, no per-row scan;
+    # E is kept above 0 so that p = 0 never wins
+    race_BV = torch.empty_like(probs_BV).exponential_(1.0, generator=generator)
+    return (probs_BV / race_BV.clamp_min_(torch.finfo(race_BV.dtype).tiny)).argmax(-1)
+
+
+@dataclass(frozen=True)
+class NativeConfig:
+    """How the native engine runs its decode (not what it samples: that is SamplingConfig)."""
+
+    # replay the static decode step as a CUDA graph on CUDA devices (eager elsewhere, or when capture fails)
+    cuda_graph: bool = True
+    # look at "have all responses stopped?" every this many tokens: a host synchronisation each time
+    stop_check_every: int = 16
+    # with cuda_graph: torch.compile the step first (fuses its ~2,300 small kernels; ~50 s once per process
+    # and model shape, the first rollout pays it)
+    compile: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.stop_check_every, bool) or not isinstance(self.stop_check_every, int) \
+                or self.stop_check_every < 1:
+            raise ValueError(f"stop_check_every must be an integer >= 1, got {self.stop_check_every!r}")
+        for name in ("cuda_graph", "compile"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+
+
+class _GraphedStep:
+    """`decoder.step()` (compiled by torch.compile when asked) replayed as a CUDA graph. The first call runs on a
+    side stream (compilation, cuBLAS handles, Triton kernels, lazy allocations) and IS the first step; the graph
+    is captured right after (capture records, it does not run), and every later call replays it. Falls back to
+    eager if capture fails."""
+
+    def __init__(self, decoder, compile: bool = False):
+        self.decoder, self.graph, self.logits_BV, self.eager = decoder, None, None, False
+        self.step = torch.compile(decoder.step) if compile else decoder.step
+
+    def __call__(self) -> torch.Tensor:
+        if self.eager:
+            return self.step()
+        if self.graph is not None:
+            self.graph.replay()
+            return self.logits_BV
+        side = torch.cuda.Stream(self.decoder.device)
+        side.wait_stream(torch.cuda.current_stream(self.decoder.device))
+        with torch.cuda.stream(side):
+            logits_BV = self.step()
+        torch.cuda.current_stream(self.decoder.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                self.logits_BV = self.step()
+        except RuntimeError as exc:
+            log.warning("decode step could not be captured as a CUDA graph (%s); decoding eagerly",
+                        str(exc).splitlines()[0][:200])
+            self.eager = True
+            return logits_BV
+        self.graph = graph
+        return logits_BV
 
 
 @torch.no_grad()
-def generate(model, resident, num_responses: int, cfg: SamplingConfig,
-             generator: torch.Generator | None = None) -> Rollout:
+def generate(model, resident, num_responses: int, cfg: SamplingConfig, generator: torch.Generator | None = None,
+             native: NativeConfig = NativeConfig()) -> Rollout:
     """Sample `num_responses` continuations of the captured prompt; each ends at its first stop token
-    (included, it is a trained token) or at max_new_tokens."""
-    device = model.lm_head.weight.device
-    decode = model.start_decode(resident, num_responses, cfg.max_new_tokens)
-    tokens_B = torch.full((num_responses,), resident.last_token, dtype=torch.long, device=device)
+    (included, it is a trained token) or at max_new_tokens. No host synchronisation per token: sampled tokens
+    go straight back into the decoder's input buffer; stops are looked at every `stop_check_every` tokens."""
+    decoder = model.decoder(resident, num_responses, cfg.max_new_tokens)
+    device = decoder.device
+    use_graph = native.cuda_graph and device.type == "cuda" and decoder.graph_safe
+    step_fn = _GraphedStep(decoder, native.compile) if use_graph else decoder.step
+    B, R = num_responses, cfg.max_new_tokens
     stop_S = torch.tensor(cfg.stop_token_ids, dtype=torch.long, device=device)
-    done_B = torch.zeros(num_responses, dtype=torch.bool, device=device)
-    lengths_B = torch.full((num_responses,), cfg.max_new_tokens, dtype=torch.long, device=device)
-    sampled, logps, entropies = [], [], []
-    for step in range(cfg.max_new_tokens):
-        logits_BV = model.decode_step(resident, decode, tokens_B)
+    sampled_BR = torch.empty(B, R, dtype=torch.long, device=device)
+    logp_BR = torch.empty(B, R, dtype=torch.promote_types(model.lm_head.weight.dtype, torch.float32), device=device)
+    entropy_BR = torch.empty_like(logp_BR)
+    done_B = torch.zeros(B, dtype=torch.bool, device=device)
+    try:
+        first_BV = step_fn()
+    except Exception as exc:  # noqa: BLE001 - any compiler failure: the same step uncompiled
+        if not (use_graph and native.compile):
+            raise
+        log.warning("torch.compile failed on the decode step (%s); decoding without it",
+                    str(exc).splitlines()[0][:200])
+        # a failure part-way may have written some layers' state: start again from a fresh decoder
+        decoder = model.decoder(resident, num_responses, cfg.max_new_tokens)
+        step_fn = _GraphedStep(decoder, compile=False)
+        first_BV = step_fn()
+    steps = R
+    for step in range(R):
+        logits_BV = first_BV if step == 0 else step_fn()
         tokens_B = _sample(logits_BV, cfg, generator)
         logp_BV = torch.log_softmax(logits_BV, -1)
-        logps.append(logp_BV.gather(-1, tokens_B[:, None])[:, 0])
-        entropies.append(-(logp_BV.exp() * logp_BV).sum(-1))
-        sampled.append(tokens_B)
-        stopped_B = torch.isin(tokens_B, stop_S) & ~done_B
-        lengths_B = torch.where(stopped_B, step + 1, lengths_B)
-        done_B |= stopped_B
-        if bool(done_B.all()):
+        sampled_BR[:, step] = tokens_B
+        logp_BR[:, step] = logp_BV.gather(-1, tokens_B[:, None])[:, 0]
+        entropy_BR[:, step] = -(logp_BV.exp() * logp_BV).sum(-1)
+        decoder.tokens_B.copy_(tokens_B)
+        done_B |= torch.isin(tokens_B, stop_S)
+        if (step + 1) % native.stop_check_every == 0 and bool(done_B.all()):
+            steps = step + 1
             break
-    lengths = lengths_B.clamp(max=len(sampled)).tolist()
+    # each response ends at its first stop token, or at the last step decoded
+    stops_BR = torch.isin(sampled_BR[:, :steps], stop_S)
+    first_B = stops_BR.int().argmax(-1) + 1
+    lengths = torch.where(stops_BR.any(-1), first_B, steps).tolist()
 
-    def split(steps: list[torch.Tensor]) -> list[torch.Tensor]:
-        stacked_BR = torch.stack(steps, 1)
-        return [stacked_BR[i, :n] for i, n in enumerate(lengths)]
+    def split(x_BR: torch.Tensor) -> list[torch.Tensor]:
+        return [x_BR[i, :n] for i, n in enumerate(lengths)]
 
-    return Rollout(split(sampled), split(logps), split(entropies))
+    return Rollout(split(sampled_BR), split(logp_BR), split(entropy_BR), decode_steps=steps)

@@ -622,6 +622,13 @@ class Glm52ForCausalLM(CausalLM):
                                     offload=offload, **kwargs)
 
     # -- native rollout ---------------------------------------------------------------------------------------
+    def decoder(self, resident: Resident, batch: int, capacity: int):
+        """The static-shaped decode of `batch` responses of up to `capacity` tokens (glm52/decode.py, which
+        builds on this module: imported here, not at the top)."""
+        from longstraw_cli.models.glm52.decode import Glm52Decoder
+
+        return Glm52Decoder(self, resident, batch, capacity)
+
     @torch.no_grad()
     def start_decode(self, resident: Resident, batch: int, max_new_tokens: int) -> DecodeState:
         """Per-sequence latent/rope/index keys of the generated tokens; the prompt pages are shared, never copied."""

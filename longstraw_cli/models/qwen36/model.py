@@ -25,9 +25,11 @@ from torch import nn
 from longstraw_cli.models import core
 from longstraw_cli.models.core import MLP, Backbone, CausalLM, DecodeState, stop_grad_prefix
 from longstraw_cli.models.qwen36.config import Qwen36Config
+from longstraw_cli.models.qwen36.decode import Qwen36Decoder
 from longstraw_cli.resident import AttentionPages, RecurrentState, Resident
 from longstraw_kernels import at_least_fp32, compute_dtype
 from longstraw_kernels.attention import blockwise_causal_attention, replay_attention
+from longstraw_kernels.attention.decode import decode_pages_attention
 from longstraw_kernels.gdn import gdn_forward
 
 
@@ -118,6 +120,9 @@ class GatedAttention(nn.Module):
         # causal self-attention in the layer-by-layer capture (context parallel swaps in its ring version)
         self.attention_fn = replay_attention
         self.span_attention_fn = blockwise_causal_attention
+        # decode: one query token per response against the shared pages -> (out, lse); context parallel swaps
+        # in its cross-rank merge
+        self.decode_pages_fn = decode_pages_attention
 
     def project(self, x_BTC: torch.Tensor, positions_T: torch.Tensor):
         B, T, _ = x_BTC.shape
@@ -365,6 +370,10 @@ class Qwen36ForCausalLM(CausalLM):
         return out
 
     # -- native rollout ---------------------------------------------------------------------------------------
+    def decoder(self, resident: Resident, batch: int, capacity: int):
+        """The static-shaped decode of `batch` responses of up to `capacity` tokens (qwen36/decode.py)."""
+        return Qwen36Decoder(self, resident, batch, capacity)
+
     @torch.no_grad()
     def start_decode(self, resident: Resident, batch: int, max_new_tokens: int) -> DecodeState:
         """Per-sequence decode state for `batch` responses that share the resident prompt: empty response

@@ -1,0 +1,131 @@
+"""Decode attention from shared prompt pages (cascade attention): one query token per response.
+
+A decode step of G responses that share one prompt reads the prompt's pages ONCE for all of them: every
+response and every query head of a kv group become rows of one query block against the pages (no mask: each
+response sees the whole prompt), as in FlashInfer's cascade attention and Hydragen. Each response's own keys
+(its generated tokens, a preallocated buffer with a validity mask) are attended separately, and the two parts
+merge by log-sum-exp.
+
+With few kv heads and a few dozen query rows, one attention call over the pages would run on a handful of
+thread blocks: the pages are cut into `num_splits` pieces that become the batch axis of the kernel (split-KV,
+"flash decoding"), and the pieces merge by log-sum-exp. On CUDA in bf16/fp16 each piece runs aten's flash
+attention forward; elsewhere a plain torch softmax (the reference). Shapes are static for a given prompt and
+response capacity, so the whole step can be replayed as a CUDA graph.
+
+Legend: B responses, Q query heads, K kv heads, G = Q // K, M = B * G query rows of a kv group, P pages,
+N pages of one split, S response-key capacity, D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from longstraw_kernels.attention.flash import FLASH_DTYPES
+
+__all__ = ["decode_pages_attention", "decode_response_attention", "merge_partials", "cascade_decode_attention"]
+
+# thread blocks to aim for in one pages call: a few per SM of an H100/H200 (132 SMs)
+TARGET_BLOCKS = 512
+MIN_SPLIT = 1024
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def merge_partials(out_NXD: torch.Tensor, lse_NX: torch.Tensor, dtype: torch.dtype | None = None):
+    """LSE merge of N partials over disjoint keys (dim 0). -> (out_XD in `dtype` or out's, lse_X float32+).
+    A row whose partials are all empty (lse -inf) comes out 0 with lse -inf."""
+    lse_X = torch.logsumexp(lse_NX, dim=0)
+    finite_X = torch.isfinite(lse_X)
+    weight_NX = torch.exp(lse_NX - torch.where(finite_X, lse_X, 0.0)[None]).nan_to_num_(0.0)
+    merged_XD = (weight_NX[..., None] * out_NXD.to(weight_NX.dtype)).sum(0)
+    return merged_XD.to(dtype or out_NXD.dtype), lse_X
+
+
+def _attend_torch(q_HMD, k_HND, v_HND, scale: float):
+    """softmax(scale q k^T) v and its row lse over one set of keys, in fp32 (fp64 stays fp64)."""
+    dtype = _compute_dtype(q_HMD.dtype)
+    scores_HMN = (q_HMD.to(dtype) @ k_HND.to(dtype).transpose(-1, -2)) * scale
+    lse_HM = torch.logsumexp(scores_HMN, dim=-1)
+    out_HMD = torch.exp(scores_HMN - lse_HM[..., None]) @ v_HND.to(dtype)
+    return out_HMD, lse_HM
+
+
+def _attend_flash(q_HMD, k_HND, v_HND, scale: float):
+    out = torch.ops.aten._scaled_dot_product_flash_attention(q_HMD[None], k_HND[None], v_HND[None], 0.0, False,
+                                                             False, scale=scale)
+    return out[0][0], out[1][0]
+
+
+def _splits(num_pages: int, num_kv: int) -> int:
+    return max(1, min(TARGET_BLOCKS // max(num_kv, 1), num_pages // MIN_SPLIT))
+
+
+def decode_pages_attention(q_BQD: torch.Tensor, k_pages_PKD: torch.Tensor, v_pages_PKD: torch.Tensor, *,
+                           scale: float, num_splits: int | None = None):
+    """One query token per response against all shared pages. -> (out_BQD in q's dtype, lse_BQ float32+).
+    With no pages the partial is empty: out 0, lse -inf."""
+    B, Q, D = q_BQD.shape
+    P, K = k_pages_PKD.shape[:2]
+    G = Q // K
+    if P == 0:
+        return q_BQD * 0, q_BQD.new_full((B, Q), float("-inf"), dtype=_compute_dtype(q_BQD.dtype))
+    flash = q_BQD.is_cuda and q_BQD.dtype in FLASH_DTYPES and k_pages_PKD.dtype == q_BQD.dtype and D <= 256
+    attend = _attend_flash if flash else _attend_torch
+    # [B, K*G, D] -> [K, B*G, D]: responses and a group's query heads are rows against the group's kv head
+    q_KMD = q_BQD.reshape(B, K, G, D).transpose(0, 1).reshape(K, B * G, D)
+    splits = num_splits or _splits(P, K)
+    size = P // splits
+    outs, lses = [], []
+    if size > 0:
+        body = size * splits
+        # [splits*N, K, D] -> [splits*K, N, D] views: each split is a batch entry of one kernel call
+        k_SKND = k_pages_PKD[:body].view(splits, size, K, D).transpose(1, 2)
+        v_SKND = v_pages_PKD[:body].view(splits, size, K, D).transpose(1, 2)
+        q_SKMD = q_KMD[None].expand(splits, -1, -1, -1)
+        if flash:
+            out = torch.ops.aten._scaled_dot_product_flash_attention(q_SKMD.contiguous(), k_SKND, v_SKND, 0.0,
+                                                                     False, False, scale=scale)
+            out_SKMD, lse_SKM = out[0], out[1]
+        else:
+            out_SKMD, lse_SKM = _attend_torch(q_SKMD, k_SKND, v_SKND, scale)
+        outs.append(out_SKMD)
+        lses.append(lse_SKM)
+    if size * splits < P:
+        tail_k_KND = k_pages_PKD[size * splits :].transpose(0, 1)
+        tail_v_KND = v_pages_PKD[size * splits :].transpose(0, 1)
+        out_KMD, lse_KM = attend(q_KMD, tail_k_KND, tail_v_KND, scale)
+        outs.append(out_KMD[None])
+        lses.append(lse_KM[None])
+    out_KMD, lse_KM = merge_partials(torch.cat(outs).float() if flash else torch.cat(outs),
+                                     torch.cat(lses).to(_compute_dtype(q_BQD.dtype)), q_BQD.dtype)
+    out_BQD = out_KMD.reshape(K, B, G, D).transpose(0, 1).reshape(B, Q, D)
+    lse_BQ = lse_KM.reshape(K, B, G).transpose(0, 1).reshape(B, Q)
+    return out_BQD, lse_BQ
+
+
+def decode_response_attention(q_BQD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Tensor,
+                              valid_S: torch.Tensor, *, scale: float):
+    """Each response's query against its own keys (a preallocated buffer; `valid_S` marks the filled slots).
+    -> (out_BQD in q's dtype, lse_BQ float32+)."""
+    B, Q, D = q_BQD.shape
+    K = k_BSKD.shape[2]
+    dtype = _compute_dtype(q_BQD.dtype)
+    q_BKGD = q_BQD.reshape(B, K, Q // K, D).to(dtype)
+    scores_BKGS = torch.einsum("bkgd,bskd->bkgs", q_BKGD, k_BSKD.to(dtype)) * scale
+    scores_BKGS = scores_BKGS.masked_fill(~valid_S, float("-inf"))
+    lse_BKG = torch.logsumexp(scores_BKGS, dim=-1)
+    out_BKGD = torch.einsum("bkgs,bskd->bkgd", torch.exp(scores_BKGS - lse_BKG[..., None]), v_BSKD.to(dtype))
+    return out_BKGD.reshape(B, Q, D).to(q_BQD.dtype), lse_BKG.reshape(B, Q)
+
+
+def cascade_decode_attention(q_BQD, k_pages_PKD, v_pages_PKD, k_BSKD, v_BSKD, valid_S, *, scale,
+                             pages_fn=decode_pages_attention):
+    """Pages part (shared by all responses, `pages_fn`: context parallel swaps in its cross-rank version) and
+    response part, merged by log-sum-exp. -> out_BQD in q's dtype."""
+    out_p_BQD, lse_p_BQ = pages_fn(q_BQD, k_pages_PKD, v_pages_PKD, scale=scale)
+    out_r_BQD, lse_r_BQ = decode_response_attention(q_BQD, k_BSKD, v_BSKD, valid_S, scale=scale)
+    out_BQD, _ = merge_partials(torch.stack([out_p_BQD, out_r_BQD]).to(lse_p_BQ.dtype),
+                                torch.stack([lse_p_BQ, lse_r_BQ.to(lse_p_BQ.dtype)]), q_BQD.dtype)
+    return out_BQD

@@ -1,0 +1,142 @@
+"""glm52 native decode: one static-shaped step for G responses that share the resident prompt.
+
+Per layer, each response's latent, rope key and (on "full" indexer layers) index key of its generated tokens
+live in buffers preallocated for `capacity` tokens and filled at slot `step`; the token ids and the step
+counter are device tensors. The DSA selection scores each query against every prompt index key and every
+response slot, masks the slots not yet filled, and takes the top-k with the model's tie rule (equal scores:
+the lower position wins) without a host synchronisation (`topk_lowest_position_static`); sparse MLA then reads
+only the selected prompt pages (the Triton kernel on CUDA) and the selected response keys. Routed experts run
+densely over all experts with the routing weights (zero where not chosen): at decode's few tokens nearly every
+expert is chosen by some response, so this reads each expert's weights once, with static shapes.
+
+A step is CUDA-graph safe when the pages are on the device and the experts are local (`graph_safe`); with
+offloaded pages or expert parallelism (whose all-to-all sizes depend on the routing) it runs eagerly, staging
+each layer's pages as replay does.
+
+Legend: B responses, S response capacity, P prompt pages, C hidden, L latent, R rope dim, I index head dim,
+K selected keys (index_topk), E experts, N tokens (B), X = 2 * moe_intermediate, V vocab.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from longstraw_cli.models.glm52.model import KeyAxis, local_experts, rope_cos_sin
+from longstraw_cli.resident import Resident
+from longstraw_cli.resident.offload import stage_layers
+
+
+def topk_lowest_position_static(scores_BTS: torch.Tensor, k: int) -> torch.Tensor:
+    """`topk_lowest_position` (the k highest scores, equal scores broken toward the lower position, ascending
+    positions) with static shapes and no host synchronisation (no nonzero()). One top-k finds the k-th value;
+    what lies strictly above it is taken from the top-k, and the lowest positions tied with it fill up to k,
+    placed by a running count of the ties."""
+    S = scores_BTS.shape[-1]
+    values_BTk, idx_BTk = scores_BTS.topk(k, dim=-1)
+    kth_BT1 = values_BTk[..., -1:]
+    above_BTk = values_BTk > kth_BT1
+    need_BT1 = k - above_BTk.sum(-1, keepdim=True)
+    tie_BTS = scores_BTS == kth_BT1
+    count_BTS = tie_BTS.cumsum(-1)
+    # the i-th tie (i < need) goes to slot i; the others to a spare slot k that is dropped
+    slot_BTS = torch.where(tie_BTS & (count_BTS <= need_BT1), count_BTS - 1, k)
+    ties_BTk = torch.full((*scores_BTS.shape[:-1], k + 1), S, dtype=torch.long, device=scores_BTS.device)
+    ties_BTk.scatter_(-1, slot_BTS, torch.arange(S, device=scores_BTS.device).expand_as(slot_BTS))
+    # exactly k entries are below S: above-k positions and the first `need` ties; ascending order
+    both = torch.cat([idx_BTk.masked_fill(~above_BTk, S), ties_BTk[..., :k]], dim=-1)
+    return both.sort(dim=-1).values[..., :k]
+
+
+def dense_experts(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_proj_EXC, down_proj_ECI) -> torch.Tensor:
+    """`local_experts` computed over every expert at once: each expert's weights are read once and the
+    routing weights (fp32, zero for experts not chosen) combine the outputs. Static shapes."""
+    w_NE = torch.zeros(x_NC.shape[0], gate_up_proj_EXC.shape[0], dtype=topk_w_Nk.dtype, device=x_NC.device)
+    w_NE.scatter_(1, topk_idx_Nk, topk_w_Nk)
+    gate_ENI, up_ENI = torch.matmul(x_NC, gate_up_proj_EXC.transpose(1, 2)).chunk(2, dim=-1)
+    y_ENC = torch.matmul(F.silu(gate_ENI) * up_ENI, down_proj_ECI.transpose(1, 2))
+    return torch.einsum("enc,ne->nc", y_ENC.to(w_NE.dtype), w_NE).to(x_NC.dtype)
+
+
+class ResponseMLA:
+    """One layer's latent, rope and index keys of the generated tokens, per response."""
+
+    def __init__(self, batch: int, capacity: int, cfg, full_indexer: bool, dtype, device):
+        self.latent_BSL = torch.zeros(batch, capacity, cfg.kv_lora_rank, dtype=dtype, device=device)
+        self.rope_BSR = torch.zeros(batch, capacity, cfg.qk_rope_head_dim, dtype=dtype, device=device)
+        self.index_BSI = (torch.zeros(batch, capacity, cfg.index_head_dim, dtype=dtype, device=device)
+                          if full_indexer else None)
+
+
+class Glm52Decoder:
+    """`step()` feeds `tokens_B` at position num_tokens + step and returns next-token logits [B, V] (fp32+)."""
+
+    def __init__(self, model, resident: Resident, batch: int, capacity: int):
+        w = model.lm_head.weight
+        self.model, self.resident, self.capacity = model, resident, capacity
+        self.device = w.device
+        self.tokens_B = torch.full((batch,), resident.last_token, dtype=torch.long, device=self.device)
+        self.step_1 = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.slots_S = torch.arange(capacity, device=self.device)
+        dtype = resident.layers[0].latent_PL.dtype if resident.layers else w.dtype
+        self.layers = [ResponseMLA(batch, capacity, model.config, layer.self_attn.full_indexer, dtype, self.device)
+                       for layer in model.model.layers]
+        moe_fns = [layer.mlp.experts_fn for layer in model.model.layers if hasattr(layer.mlp, "experts_fn")]
+        self.graph_safe = resident.offload is None and all(fn is local_experts for fn in moe_fns)
+
+    def step(self) -> torch.Tensor:
+        model, cfg = self.model, self.model.config
+        positions_1 = self.step_1 + self.resident.num_tokens
+        valid_S = self.slots_S <= self.step_1
+        x_BTC, idx_BTK = model.model.embed_tokens(self.tokens_B[:, None]), None
+        cos, sin = rope_cos_sin(positions_1, cfg.qk_rope_head_dim, cfg.rope_theta, x_BTC.dtype)
+        stage = stage_layers(self.resident, self.device, grad=False)
+        for i, (layer, buf) in enumerate(zip(model.model.layers, self.layers)):
+            pages = stage(i)
+            h_BTC, idx_BTK = self._attention(layer.self_attn, layer.input_layernorm(x_BTC), cos, sin, pages, buf,
+                                             valid_S, idx_BTK)
+            x_BTC = x_BTC + h_BTC
+            x_BTC = x_BTC + self._mlp(layer.mlp, layer.post_attention_layernorm(x_BTC))
+        logits_BV = model.lm_head(model.model.norm(x_BTC))[:, 0]
+        self.step_1 += 1
+        return logits_BV.to(torch.promote_types(logits_BV.dtype, torch.float32))
+
+    def _attention(self, attn, x_BTC, cos, sin, pages, buf: ResponseMLA, valid_S, prev_idx_BTK):
+        q_resid_BTQ, q_nope, q_rope = attn.project_q(x_BTC, cos, sin)
+        latent_BTL, rope_BTR = attn.project_kv(x_BTC, cos, sin)
+        buf.latent_BSL.index_copy_(1, self.step_1, latent_BTL.to(buf.latent_BSL.dtype))
+        buf.rope_BSR.index_copy_(1, self.step_1, rope_BTR.to(buf.rope_BSR.dtype))
+        P, S = pages.latent_PL.shape[0], self.capacity
+        if attn.indexer is not None:
+            index_BTI = attn.indexer.keys(x_BTC, cos, sin)
+            buf.index_BSI.index_copy_(1, self.step_1, index_BTI.to(buf.index_BSI.dtype))
+            idx_BTK = self._select(attn, x_BTC, q_resid_BTQ, cos, sin, pages, buf, valid_S, P, S)
+        else:
+            idx_BTK = prev_idx_BTK
+        out_BTHL = attn.attend(attn.absorb(q_nope, q_rope), pages, idx_BTK, KeyAxis(P, S, 1),
+                               (buf.latent_BSL, buf.rope_BSR, None))
+        return attn.output(out_BTHL), idx_BTK
+
+    def _select(self, attn, x_BTC, q_resid_BTQ, cos, sin, pages, buf, valid_S, P: int, S: int):
+        """Top-k over the prompt's index keys and the filled response slots; -1 for what is not visible."""
+        q_BTJI, w_BTJ = attn.indexer.queries(x_BTC, q_resid_BTQ, cos, sin)
+        scores_BTS = attn.indexer.scores(q_BTJI, w_BTJ, [pages.index_PI, buf.index_BSI])
+        visible_S = torch.cat([valid_S.new_ones(P), valid_S])
+        scores_BTS = scores_BTS.masked_fill(~visible_S, float("-inf"))
+        topk = attn.cfg.index_topk
+        k = min(topk, P + S)
+        chosen_BTk = topk_lowest_position_static(scores_BTS, k)
+        # a slot not yet filled is picked only when fewer than k keys are visible: it is not attended
+        chosen_BTk = chosen_BTk.masked_fill(chosen_BTk > P + self.step_1, -1)
+        if k < topk:
+            chosen_BTk = F.pad(chosen_BTk, (0, topk - k), value=-1)
+        return chosen_BTk
+
+    def _mlp(self, mlp, x_BTC):
+        if not hasattr(mlp, "experts_fn"):
+            return mlp(x_BTC)
+        x_NC = x_BTC.reshape(-1, x_BTC.shape[-1])
+        topk_idx_Nk, topk_w_Nk = mlp.gate(x_NC)
+        experts_fn = dense_experts if mlp.experts_fn is local_experts else mlp.experts_fn
+        y_NC = experts_fn(x_NC, topk_idx_Nk, topk_w_Nk, mlp.experts.gate_up_proj, mlp.experts.down_proj)
+        return y_NC.view_as(x_BTC) + mlp.shared_experts(x_BTC)

@@ -1,0 +1,95 @@
+"""qwen36 native decode: one static-shaped step for G responses that share the resident prompt.
+
+Everything a step touches is preallocated when decoding starts: each attention layer's response keys/values
+[B, capacity, K, D] (filled at slot `step`, read under a validity mask), each GDN layer's conv window and fp32
+recurrent state per response (copied from the prompt's once). The token ids and the step counter are device
+tensors, updated in place. So a step has no Python-side shape changes and no host synchronisation, and can be
+captured once and replayed as a CUDA graph (rollout/native.py).
+
+Attention reads the prompt pages once per step for all responses (cascade attention: responses and a kv
+group's query heads are the rows of one call over the pages, merged by log-sum-exp with each response's own
+keys); GDN takes one fused recurrent step per response (fla's kernel on CUDA). The projections, norms, gates
+and MLP are the model's own modules, so decode computes what replay computes, in another order of summation.
+
+Legend: B responses, S response capacity, C hidden, Q query heads, K kv heads, D head dim, X conv channels,
+W conv window, G GDN value heads, Dk/Dv GDN head dims, V vocab.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from longstraw_cli.resident import Resident
+from longstraw_kernels.attention.decode import cascade_decode_attention
+from longstraw_kernels.gdn import gdn_step
+
+
+class ResponseKV:
+    """One attention layer's keys/values of the generated tokens, per response."""
+
+    def __init__(self, batch: int, capacity: int, num_kv: int, head_dim: int, dtype, device):
+        self.k_BSKD = torch.zeros(batch, capacity, num_kv, head_dim, dtype=dtype, device=device)
+        self.v_BSKD = torch.zeros_like(self.k_BSKD)
+
+
+class ResponseRecurrent:
+    """One GDN layer's conv window and recurrent state, per response (copies: the prompt's state is shared)."""
+
+    def __init__(self, conv_CW: torch.Tensor, ssm_GKV: torch.Tensor, batch: int):
+        self.conv_BXW = conv_CW.expand(batch, -1, -1).clone()
+        self.ssm_BGKV = ssm_GKV.expand(batch, -1, -1, -1).clone()
+
+
+class Qwen36Decoder:
+    """`step()` feeds `tokens_B` at position num_tokens + step and returns next-token logits [B, V] (fp32+)."""
+
+    def __init__(self, model, resident: Resident, batch: int, capacity: int):
+        cfg, w = model.config, model.lm_head.weight
+        self.model, self.resident, self.capacity = model, resident, capacity
+        self.device = w.device
+        # no host synchronisation and static shapes: a CUDA graph may replay step()
+        self.graph_safe = True
+        self.tokens_B = torch.full((batch,), resident.last_token, dtype=torch.long, device=self.device)
+        self.step_1 = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.slots_S = torch.arange(capacity, device=self.device)
+        self.layers = []
+        for layer, state in zip(model.model.layers, resident.layers):
+            if layer.is_attention:
+                self.layers.append(ResponseKV(batch, capacity, cfg.num_key_value_heads, cfg.head_dim,
+                                              state.k_PKD.dtype, self.device))
+            else:
+                self.layers.append(ResponseRecurrent(state.conv_CW, state.ssm_GKV, batch))
+
+    def step(self) -> torch.Tensor:
+        model = self.model
+        positions_1 = self.step_1 + self.resident.num_tokens
+        valid_S = self.slots_S <= self.step_1
+        x_BTC = model.model.embed_tokens(self.tokens_B[:, None])
+        for layer, pages, state in zip(model.model.layers, self.resident.layers, self.layers):
+            h_BTC = layer.input_layernorm(x_BTC)
+            if layer.is_attention:
+                h_BTC = self._attention(layer.self_attn, h_BTC, positions_1, pages, state, valid_S)
+            else:
+                h_BTC = self._gdn(layer.linear_attn, h_BTC, state)
+            x_BTC = x_BTC + h_BTC
+            x_BTC = x_BTC + layer.mlp(layer.post_attention_layernorm(x_BTC))
+        logits_BV = model.lm_head(model.model.norm(x_BTC))[:, 0]
+        self.step_1 += 1
+        return logits_BV.to(torch.promote_types(logits_BV.dtype, torch.float32))
+
+    def _attention(self, attn, x_BTC, positions_1, pages, kv: ResponseKV, valid_S):
+        q_BTQD, k_BTKD, v_BTKD, gate_BTQD = attn.project(x_BTC, positions_1)
+        kv.k_BSKD.index_copy_(1, self.step_1, k_BTKD.to(kv.k_BSKD.dtype))
+        kv.v_BSKD.index_copy_(1, self.step_1, v_BTKD.to(kv.v_BSKD.dtype))
+        o_BQD = cascade_decode_attention(q_BTQD[:, 0], pages.k_PKD, pages.v_PKD, kv.k_BSKD, kv.v_BSKD, valid_S,
+                                         scale=attn.scale, pages_fn=attn.decode_pages_fn)
+        return attn.output(o_BQD[:, None], gate_BTQD)
+
+    @staticmethod
+    def _gdn(gdn, x_BTC, state: ResponseRecurrent):
+        mixed_BTX = gdn.in_proj_qkv(x_BTC)
+        y_BTC, window_BXW, ssm_BGKV = gdn.mix(x_BTC, mixed_BTX, state.conv_BXW.to(mixed_BTX.dtype),
+                                              state.ssm_BGKV, gdn_step)
+        state.conv_BXW.copy_(window_BXW)
+        state.ssm_BGKV.copy_(ssm_BGKV)
+        return y_BTC

@@ -1,0 +1,79 @@
+"""The real job, measured: `longstraw train` itself, on the GPU, with native rollout; its metrics rows are the record.
+
+Runs `python -m longstraw_cli train <overrides> steps=N run_dir=...` once per prompt length and reads back the
+run's metrics.jsonl: per step the time and CUDA peak of each phase (rollout, reward, capture, score, replay,
+finalize, step) and decode ms per token. Step 0 also pays one-time costs (Triton JIT, cuBLAS/cuDNN handles,
+the first CUDA-graph capture): it is reported as its own row, `warmup`, and the later steps are averaged into
+`steady`; `first_step_extra_s` is step 0's time minus the steady step's. `transaction_s` is the step without
+rollout and reward, what `scripts/bench/bench_step.py` times in isolation. One JSON row per run to --out.
+
+    python scripts/bench/bench_train.py --prompt 65536 262144 -- model=qwen36_mini model.dtype=bfloat16 \\
+        device=cuda task=passkey group_size=8 response_tokens=1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PHASES = ("rollout", "reward", "capture", "score", "replay", "finalize", "step")
+TRANSACTION = ("capture", "score", "replay", "finalize", "step")
+GIB = 2**30
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Step 0 as `warmup`; the mean of the later steps as `steady` (times in s, peaks in GiB)."""
+
+    def phases(row):
+        out = {p: row.get(f"time/{p}", 0.0) for p in PHASES}
+        out["total"] = sum(out.values())
+        out["transaction"] = sum(out[p] for p in TRANSACTION)
+        out["decode_ms_per_token"] = 1e3 * row.get("time/decode_per_token", float("nan"))
+        out.update({f"peak_{p}_gib": row[f"mem/peak_{p}"] / GIB for p in PHASES if f"mem/peak_{p}" in row})
+        return out
+
+    later = [phases(r) for r in rows[1:]] or [phases(rows[0])]
+    steady = {k: sum(p[k] for p in later) / len(later) for k in later[0]}
+    summary = {"warmup": phases(rows[0]), "steady": steady,
+               "first_step_extra_s": phases(rows[0])["total"] - steady["total"],
+               "rollout_over_capture": steady["rollout"] / max(steady["capture"], 1e-9),
+               "step_over_transaction": steady["total"] / max(steady["transaction"], 1e-9),
+               "ratio_mean_step0": rows[0].get("ratio_mean"), "decode_steps": rows[-1].get("decode_steps")}
+    peaks = [v for k, v in steady.items() if k.startswith("peak_")]
+    summary["peak_gib"] = max(peaks) if peaks else None
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompt", type=int, nargs="+", required=True)
+    parser.add_argument("--steps", type=int, default=3, help="steps per run (step 0 is the warm-up)")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("overrides", nargs="*", help="longstraw train overrides (after --)")
+    args = parser.parse_args()
+    for prompt in args.prompt:
+        run_dir = Path(tempfile.mkdtemp(prefix="bench_train_"))
+        cmd = [sys.executable, "-m", "longstraw_cli", "train", *args.overrides, f"prompt_tokens={prompt}",
+               f"steps={args.steps}", f"run_dir={run_dir}", "checkpoint.every=0"]
+        start = time.perf_counter()
+        done = subprocess.run(cmd, env={**os.environ, "HYDRA_FULL_ERROR": "1"})
+        row = {"date": datetime.date.today().isoformat(), "command": " ".join(cmd[1:]), "prompt": prompt,
+               "returncode": done.returncode, "wall_s": time.perf_counter() - start}
+        metrics = run_dir / "metrics.jsonl"
+        if done.returncode == 0 and metrics.exists():
+            row.update(summarize([json.loads(line) for line in metrics.read_text().splitlines()]))
+        print(json.dumps(row), flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""Where a native decode step's time goes: kernels of one eager step (torch.profiler, CUDA time per kernel
+name), the step replayed as a CUDA graph alone, the same with the step compiled by torch.compile first, and the
+sampling that follows each step. Prints a short table; --out appends one JSON row.
+
+    python scripts/bench/profile_decode.py --model qwen36_mini --prompt 262144 --group 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from longstraw_cli.models import build_model  # noqa: E402
+from longstraw_cli.rollout.native import SamplingConfig, _GraphedStep, _sample  # noqa: E402
+
+
+def timed(fn, n: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - start) / n
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen36_mini")
+    parser.add_argument("--prompt", type=int, default=262144)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--capacity", type=int, default=512)
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    model = build_model(args.model, dtype=torch.bfloat16, device="cuda", seed=0)
+    prompt = torch.randint(0, 250, (args.prompt,), device="cuda")
+    with torch.no_grad():
+        resident = model.capture(prompt, block_size=16384)
+        row = {"model": args.model, "prompt": args.prompt, "group": args.group}
+
+        decoder = model.decoder(resident, args.group, args.capacity)
+        decoder.step()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            decoder.step()
+            torch.cuda.synchronize()
+        events = [e for e in prof.key_averages() if e.device_time_total > 0]
+        events.sort(key=lambda e: -e.device_time_total)
+        row["eager_kernels"] = sum(e.count for e in events)
+        row["eager_kernel_ms"] = sum(e.device_time_total for e in events) / 1e3
+        print(f"{row['eager_kernels']} kernel launches, {row['eager_kernel_ms']:.2f} ms of kernel time; top:")
+        for e in events[:10]:
+            print(f"  {e.device_time_total / 1e3:7.3f} ms {e.count:5d}x  {e.key[:110]}")
+
+        graphed = _GraphedStep(decoder)
+        graphed()
+        row["graph_ms"] = timed(graphed, 50)
+        logits = graphed()
+        cfg = SamplingConfig()
+        g = torch.Generator("cuda").manual_seed(0)
+
+        def sample():
+            tokens = _sample(logits, cfg, g)
+            logp = torch.log_softmax(logits, -1)
+            logp.gather(-1, tokens[:, None])
+            (logp.exp() * logp).sum(-1)
+
+        row["sample_ms"] = timed(sample, 50)
+        if args.compile:
+            graphed = _GraphedStep(model.decoder(resident, args.group, args.capacity), compile=True)
+            start = time.perf_counter()
+            graphed()
+            torch.cuda.synchronize()
+            row["compile_s"] = time.perf_counter() - start
+            row["compiled_graph_ms"] = timed(graphed, 50)
+    print(json.dumps(row))
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""Native decode's pieces against their references (CPU): cascade attention over shared pages (split-KV with a
+tail, empty parts), the graph-safe DSA top-k and dense experts, the rollout loop's stop checks, and decoding of
+ids the tokenizer does not have."""
+
+import pytest
+import torch
+
+from conftest import rel_err
+from longstraw_cli.models import build_model
+from longstraw_cli.models.glm52.decode import dense_experts, topk_lowest_position_static
+from longstraw_cli.models.glm52.model import local_experts, topk_lowest_position
+from longstraw_cli.rollout.native import NativeConfig, SamplingConfig, generate
+from longstraw_cli.tokenizer import ByteTokenizer
+from longstraw_kernels.attention.decode import cascade_decode_attention, decode_pages_attention
+from longstraw_kernels.attention.reference import naive_attention
+
+
+def randn(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+@pytest.mark.parametrize("P, splits", [(1000, 7), (1000, 1), (63, 4), (5, 8), (0, None)])
+def test_pages_attention_with_splits_equals_full_softmax(P, splits):
+    B, Q, K, D = 3, 8, 2, 16
+    q, k, v = randn(B, Q, D, seed=0), randn(P, K, D, seed=1), randn(P, K, D, seed=2)
+    out, lse = decode_pages_attention(q, k, v, scale=D**-0.5, num_splits=splits)
+    if P == 0:
+        assert torch.equal(out, torch.zeros_like(q)) and torch.isneginf(lse).all()
+        return
+    no_keys = q.new_empty(B, 0, K, D)
+    ref_out, ref_lse = naive_attention(q[:, None], k, v, no_keys, no_keys, scale=D**-0.5)
+    assert rel_err(out, ref_out[:, 0]) < 1e-12
+    assert rel_err(lse, ref_lse[..., 0]) < 1e-12
+
+
+@pytest.mark.parametrize("P", [300, 0])
+def test_cascade_equals_attention_over_pages_and_filled_response_slots(P):
+    """Only the filled slots of the response buffer count; slot 5 onwards holds garbage that must be ignored."""
+    B, Q, K, D, S, filled = 2, 4, 2, 8, 9, 5
+    q, k, v = randn(B, Q, D, seed=3), randn(P, K, D, seed=4), randn(P, K, D, seed=5)
+    k_resp, v_resp = randn(B, S, K, D, seed=6) * 50, randn(B, S, K, D, seed=7) * 50
+    out = cascade_decode_attention(q, k, v, k_resp, v_resp, torch.arange(S) < filled, scale=0.3)
+    ref, _ = naive_attention(q[:, None], k, v, k_resp[:, :filled], v_resp[:, :filled], scale=0.3)
+    assert rel_err(out, ref[:, 0]) < 1e-12
+
+
+def test_static_topk_equals_topk_lowest_position_on_ties():
+    g = torch.Generator().manual_seed(0)
+    # few distinct values: many exact ties, as the indexer's sums of ReLUs give (often at 0)
+    scores = torch.randint(0, 4, (3, 5, 300), generator=g).double()
+    scores[0, 0, 100:] = float("-inf")
+    for k in (1, 7, 64, 300):
+        assert torch.equal(topk_lowest_position_static(scores, k), topk_lowest_position(scores, k))
+
+
+def test_dense_experts_equal_the_chosen_experts_loop():
+    E, C, I, N, k = 6, 16, 8, 5, 2
+    x, gate_up, down = randn(N, C, seed=0), randn(E, 2 * I, C, seed=1), randn(E, C, I, seed=2)
+    idx = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(n))[:k] for n in range(N)])
+    w = randn(N, k, seed=3).abs()
+    assert rel_err(dense_experts(x, idx, w, gate_up, down), local_experts(x, idx, w, gate_up, down)) < 1e-12
+
+
+@pytest.mark.parametrize("name", ["qwen36_tiny", "glm52_tiny"])
+def test_stop_checks_every_k_tokens_give_the_same_rollout(name):
+    """Looking at the stops every token or every 16 tokens changes when the loop ends, never the responses."""
+    model = build_model(name, seed=0)
+    resident = model.capture(torch.randint(0, 259, (40,), generator=torch.Generator().manual_seed(2)), block_size=16)
+    cfg = SamplingConfig(max_new_tokens=30, stop_token_ids=tuple(range(0, 259, 5)))
+    a = generate(model, resident, 4, cfg, torch.Generator().manual_seed(3), NativeConfig(stop_check_every=1))
+    b = generate(model, resident, 4, cfg, torch.Generator().manual_seed(3), NativeConfig(stop_check_every=16))
+    assert [r.tolist() for r in a.responses] == [r.tolist() for r in b.responses]
+    assert all(torch.equal(x, y) for x, y in zip(a.logprobs, b.logprobs))
+    assert a.decode_steps == max(len(r) for r in a.responses) <= b.decode_steps
+
+
+@pytest.mark.parametrize("bad", [0, -3, 1.5, True])
+def test_native_config_rejects_bad_stop_check(bad):
+    with pytest.raises(ValueError, match="stop_check_every"):
+        NativeConfig(stop_check_every=bad)
+
+
+def test_ids_beyond_the_tokenizer_decode_as_replacement_characters():
+    """A model's vocabulary may exceed its tokenizer's (padded embedding tables, random models): the policy can
+    sample such ids, and decoding them must not crash the reward."""
+    tok = ByteTokenizer()
+    assert tok.decode([104, 105, 53224, 33, tok.eos_token_id, -1]) == "hi\ufffd!\ufffd"
