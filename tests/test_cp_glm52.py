@@ -42,7 +42,8 @@ def problem(prompt_len=PROMPT):
 
 
 def record(model):
-    """Logs every layer's DSA selection: capture (capture_span) and replay / decode (replay, decode_step)."""
+    """Logs every layer's DSA selection: capture (capture_span) and replay / scoring (replay). Decode is compared
+    by its sampled tokens: one rank decodes by the static-shaped step, context parallel by `decode_step`."""
     log = {"capture": [], "replay": []}
     for layer in model.model.layers:
         attn = layer.self_attn
@@ -54,8 +55,7 @@ def record(model):
                 return out
             return call
 
-        attn.replay, attn.decode_step = logged(attn.replay, "replay"), logged(attn.decode_step, "replay")
-        attn.capture_span = logged(attn.capture_span, "capture")
+        attn.replay, attn.capture_span = logged(attn.replay, "replay"), logged(attn.capture_span, "capture")
     return log
 
 

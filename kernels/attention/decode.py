@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from longstraw_kernels import compute_dtype
 from longstraw_kernels.attention.flash import FLASH_DTYPES
 
 __all__ = ["decode_pages_attention", "decode_response_attention", "merge_partials", "cascade_decode_attention"]
@@ -27,10 +28,6 @@ __all__ = ["decode_pages_attention", "decode_response_attention", "merge_partial
 # thread blocks to aim for in one pages call: a few per SM of an H100/H200 (132 SMs)
 TARGET_BLOCKS = 512
 MIN_SPLIT = 1024
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
 
 
 def merge_partials(out_NXD: torch.Tensor, lse_NX: torch.Tensor, dtype: torch.dtype | None = None):
@@ -45,7 +42,7 @@ def merge_partials(out_NXD: torch.Tensor, lse_NX: torch.Tensor, dtype: torch.dty
 
 def _attend_torch(q_HMD, k_HND, v_HND, scale: float):
     """softmax(scale q k^T) v and its row lse over one set of keys, in fp32 (fp64 stays fp64)."""
-    dtype = _compute_dtype(q_HMD.dtype)
+    dtype = compute_dtype(q_HMD.dtype)
     scores_HMN = (q_HMD.to(dtype) @ k_HND.to(dtype).transpose(-1, -2)) * scale
     lse_HM = torch.logsumexp(scores_HMN, dim=-1)
     out_HMD = torch.exp(scores_HMN - lse_HM[..., None]) @ v_HND.to(dtype)
@@ -70,7 +67,7 @@ def decode_pages_attention(q_BQD: torch.Tensor, k_pages_PKD: torch.Tensor, v_pag
     P, K = k_pages_PKD.shape[:2]
     G = Q // K
     if P == 0:
-        return q_BQD * 0, q_BQD.new_full((B, Q), float("-inf"), dtype=_compute_dtype(q_BQD.dtype))
+        return q_BQD * 0, q_BQD.new_full((B, Q), float("-inf"), dtype=compute_dtype(q_BQD.dtype))
     flash = q_BQD.is_cuda and q_BQD.dtype in FLASH_DTYPES and k_pages_PKD.dtype == q_BQD.dtype and D <= 256
     attend = _attend_flash if flash else _attend_torch
     # [B, K*G, D] -> [K, B*G, D]: responses and a group's query heads are rows against the group's kv head
@@ -99,7 +96,7 @@ def decode_pages_attention(q_BQD: torch.Tensor, k_pages_PKD: torch.Tensor, v_pag
         outs.append(out_KMD[None])
         lses.append(lse_KM[None])
     out_KMD, lse_KM = merge_partials(torch.cat(outs).float() if flash else torch.cat(outs),
-                                     torch.cat(lses).to(_compute_dtype(q_BQD.dtype)), q_BQD.dtype)
+                                     torch.cat(lses).to(compute_dtype(q_BQD.dtype)), q_BQD.dtype)
     out_BQD = out_KMD.reshape(K, B, G, D).transpose(0, 1).reshape(B, Q, D)
     lse_BQ = lse_KM.reshape(K, B, G).transpose(0, 1).reshape(B, Q)
     return out_BQD, lse_BQ
@@ -111,7 +108,7 @@ def decode_response_attention(q_BQD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD:
     -> (out_BQD in q's dtype, lse_BQ float32+)."""
     B, Q, D = q_BQD.shape
     K = k_BSKD.shape[2]
-    dtype = _compute_dtype(q_BQD.dtype)
+    dtype = compute_dtype(q_BQD.dtype)
     q_BKGD = q_BQD.reshape(B, K, Q // K, D).to(dtype)
     scores_BKGS = torch.einsum("bkgd,bskd->bkgs", q_BKGD, k_BSKD.to(dtype)) * scale
     scores_BKGS = scores_BKGS.masked_fill(~valid_S, float("-inf"))

@@ -31,7 +31,7 @@ import os
 
 import torch
 
-from longstraw_kernels.attention.reference import _ReplayAttention
+from longstraw_kernels.attention.reference import _ReplayAttention, replay_attention_backward
 
 log = logging.getLogger(__name__)
 
@@ -170,46 +170,51 @@ class _FlashReplayAttention(_ReplayAttention):
 
     @staticmethod
     def backward(ctx, dout_BRQD, dlse_BQR):
-        if dlse_BQR is not None or dout_BRQD is None:
-            # the kernel has no lse cotangent: context-parallel merges take the reference's backward
-            return _ReplayAttention.backward(ctx, dout_BRQD, dlse_BQR)
-        q_BRQD, k_pages_PKD, v_pages_PKD, k_new_BSKD, v_new_BSKD, out_BRQD, lse_BQR = ctx.saved_tensors
-        need_q, need_kp, need_vp, need_kn, need_vn = ctx.needs_input_grad[:5]
-        B, R, Q, D = q_BRQD.shape
-        P, K = k_pages_PKD.shape[:2]
-        S, G = k_new_BSKD.shape[1], Q // K
-        scale = ctx.scale
-        dout_BRQD = dout_BRQD.to(q_BRQD.dtype)
-        dq_BQRD = torch.zeros(B, Q, R, D, dtype=torch.float32, device=q_BRQD.device)
-        dk_new_BSKD = dv_new_BSKD = dk_pages_PKD = dv_pages_PKD = None
-        if S > 0:
-            k_BQSD = k_new_BSKD.transpose(1, 2).repeat_interleave(G, dim=1)
-            v_BQSD = v_new_BSKD.transpose(1, 2).repeat_interleave(G, dim=1)
-            dq, dk_BQSD, dv_BQSD = attend_backward(dout_BRQD.transpose(1, 2), q_BRQD.transpose(1, 2), k_BQSD,
-                                                   v_BQSD, out_BRQD.transpose(1, 2), lse_BQR, R > 1, scale)
-            dq_BQRD += dq.float()
-            # the expanded keys' gradients sum over the G query heads of each kv head
-            if need_kn:
-                dk_new_BSKD = dk_BQSD.float().reshape(B, K, G, S, D).sum(2).transpose(1, 2).to(k_new_BSKD.dtype)
-            if need_vn:
-                dv_new_BSKD = dv_BQSD.float().reshape(B, K, G, S, D).sum(2).transpose(1, 2).to(v_new_BSKD.dtype)
-        if P > 0 and (need_q or need_kp or need_vp):
-            q_1KMD, do_1KMD = _fold_pages_query(q_BRQD, K), _fold_pages_query(dout_BRQD, K)
-            out_1KMD, lse_1KM = _fold_pages_query(out_BRQD, K), _fold_pages_lse(lse_BQR, K)
-            dq_1KMD = torch.zeros(q_1KMD.shape, dtype=torch.float32, device=q_BRQD.device)
-            dk_pages_PKD = torch.empty_like(k_pages_PKD) if need_kp else None
-            dv_pages_PKD = torch.empty_like(v_pages_PKD) if need_vp else None
-            for p0 in range(0, P, BACKWARD_PAGE_CHUNK):
-                p1 = min(P, p0 + BACKWARD_PAGE_CHUNK)
-                dq, dk_1KND, dv_1KND = attend_backward(
-                    do_1KMD, q_1KMD, k_pages_PKD[p0:p1].transpose(0, 1)[None],
-                    v_pages_PKD[p0:p1].transpose(0, 1)[None], out_1KMD, lse_1KM, False, scale)
-                dq_1KMD += dq.float()
-                if need_kp:
-                    dk_pages_PKD[p0:p1] = dk_1KND[0].transpose(0, 1)
-                if need_vp:
-                    dv_pages_PKD[p0:p1] = dv_1KND[0].transpose(0, 1)
-                del dq, dk_1KND, dv_1KND
-            dq_BQRD += _unfold_pages_query(dq_1KMD, B, R)
-        dq_BRQD = dq_BQRD.transpose(1, 2).to(q_BRQD.dtype) if need_q else None
-        return dq_BRQD, dk_pages_PKD, dv_pages_PKD, dk_new_BSKD, dv_new_BSKD, None, None
+        return (*flash_replay_attention_backward(ctx.saved_tensors, ctx.needs_input_grad[:5], dout_BRQD, dlse_BQR,
+                                                 scale=ctx.scale, block_size=ctx.block_size), None, None)
+
+
+def flash_replay_attention_backward(saved, needs_grad, dout_BRQD, dlse_BQR, *, scale, block_size):
+    """`reference.replay_attention_backward`'s contract through aten's flash backward; with an lse cotangent
+    (the kernel has none) or no output cotangent, the reference's."""
+    if dlse_BQR is not None or dout_BRQD is None:
+        return replay_attention_backward(saved, needs_grad, dout_BRQD, dlse_BQR, scale=scale, block_size=block_size)
+    q_BRQD, k_pages_PKD, v_pages_PKD, k_new_BSKD, v_new_BSKD, out_BRQD, lse_BQR = saved
+    need_q, need_kp, need_vp, need_kn, need_vn = needs_grad
+    B, R, Q, D = q_BRQD.shape
+    P, K = k_pages_PKD.shape[:2]
+    S, G = k_new_BSKD.shape[1], Q // K
+    dout_BRQD = dout_BRQD.to(q_BRQD.dtype)
+    dq_BQRD = torch.zeros(B, Q, R, D, dtype=torch.float32, device=q_BRQD.device)
+    dk_new_BSKD = dv_new_BSKD = dk_pages_PKD = dv_pages_PKD = None
+    if S > 0:
+        k_BQSD = k_new_BSKD.transpose(1, 2).repeat_interleave(G, dim=1)
+        v_BQSD = v_new_BSKD.transpose(1, 2).repeat_interleave(G, dim=1)
+        dq, dk_BQSD, dv_BQSD = attend_backward(dout_BRQD.transpose(1, 2), q_BRQD.transpose(1, 2), k_BQSD,
+                                               v_BQSD, out_BRQD.transpose(1, 2), lse_BQR, R > 1, scale)
+        dq_BQRD += dq.float()
+        # the expanded keys' gradients sum over the G query heads of each kv head
+        if need_kn:
+            dk_new_BSKD = dk_BQSD.float().reshape(B, K, G, S, D).sum(2).transpose(1, 2).to(k_new_BSKD.dtype)
+        if need_vn:
+            dv_new_BSKD = dv_BQSD.float().reshape(B, K, G, S, D).sum(2).transpose(1, 2).to(v_new_BSKD.dtype)
+    if P > 0 and (need_q or need_kp or need_vp):
+        q_1KMD, do_1KMD = _fold_pages_query(q_BRQD, K), _fold_pages_query(dout_BRQD, K)
+        out_1KMD, lse_1KM = _fold_pages_query(out_BRQD, K), _fold_pages_lse(lse_BQR, K)
+        dq_1KMD = torch.zeros(q_1KMD.shape, dtype=torch.float32, device=q_BRQD.device)
+        dk_pages_PKD = torch.empty_like(k_pages_PKD) if need_kp else None
+        dv_pages_PKD = torch.empty_like(v_pages_PKD) if need_vp else None
+        for p0 in range(0, P, BACKWARD_PAGE_CHUNK):
+            p1 = min(P, p0 + BACKWARD_PAGE_CHUNK)
+            dq, dk_1KND, dv_1KND = attend_backward(
+                do_1KMD, q_1KMD, k_pages_PKD[p0:p1].transpose(0, 1)[None],
+                v_pages_PKD[p0:p1].transpose(0, 1)[None], out_1KMD, lse_1KM, False, scale)
+            dq_1KMD += dq.float()
+            if need_kp:
+                dk_pages_PKD[p0:p1] = dk_1KND[0].transpose(0, 1)
+            if need_vp:
+                dv_pages_PKD[p0:p1] = dv_1KND[0].transpose(0, 1)
+            del dq, dk_1KND, dv_1KND
+        dq_BQRD += _unfold_pages_query(dq_1KMD, B, R)
+    dq_BRQD = dq_BQRD.transpose(1, 2).to(q_BRQD.dtype) if need_q else None
+    return dq_BRQD, dk_pages_PKD, dv_pages_PKD, dk_new_BSKD, dv_new_BSKD

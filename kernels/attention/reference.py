@@ -23,7 +23,7 @@ import torch
 
 from longstraw_kernels import compute_dtype
 
-__all__ = ["replay_attention", "naive_attention"]
+__all__ = ["replay_attention", "replay_attention_backward", "naive_attention"]
 
 
 def _fold_heads(x_BRQD: torch.Tensor, num_kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
@@ -100,61 +100,69 @@ class _ReplayAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout_BRQD, dlse_BQR):
-        q_BRQD, k_pages_PKD, v_pages_PKD, k_new_BSKD, v_new_BSKD, out_BRQD, lse_BQR = ctx.saved_tensors
-        need_q, need_kp, need_vp, need_kn, need_vn = ctx.needs_input_grad[:5]
-        B, R, Q, D = q_BRQD.shape
-        P, K = k_pages_PKD.shape[:2]
-        S = k_new_BSKD.shape[1]
-        scale, block_size = ctx.scale, ctx.block_size
-        dtype = lse_BQR.dtype
-        if dout_BRQD is None:
-            dout_BRQD = torch.zeros_like(out_BRQD)
+        return (*replay_attention_backward(ctx.saved_tensors, ctx.needs_input_grad[:5], dout_BRQD, dlse_BQR,
+                                           scale=ctx.scale, block_size=ctx.block_size), None, None)
 
-        qs_BKMD = _fold_heads(q_BRQD, K, dtype) * scale
-        do_BKMD = _fold_heads(dout_BRQD, K, dtype)
-        lse_BKM = lse_BQR.reshape(B, K, -1)
-        # dS = P * (dP - delta) with delta = rowsum(dO * O) - dlse; the dlse term is the lse's own gradient.
-        delta_BKM = (do_BKMD * _fold_heads(out_BRQD, K, dtype)).sum(-1)
-        if dlse_BQR is not None:
-            delta_BKM = delta_BKM - dlse_BQR.to(dtype).reshape(B, K, -1)
-        dq_BKMD = torch.zeros_like(qs_BKMD) if need_q else None
 
-        mask_MS = _causal_mask_MS(R, S, Q // K, q_BRQD.device)
-        scores_BKMS, k_BKSD = _new_key_scores(qs_BKMD, k_new_BSKD, mask_MS)
-        v_BKSD = v_new_BSKD.to(dtype).transpose(1, 2)
-        p_BKMS = torch.exp(scores_BKMS - lse_BKM[..., None])
-        ds_BKMS = p_BKMS * (do_BKMD @ v_BKSD.transpose(-1, -2) - delta_BKM[..., None])
-        del scores_BKMS
-        if need_q:
-            dq_BKMD += ds_BKMS @ k_BKSD
-        # Folding made the sum over a group's query heads part of the matmul: no separate GQA reduction.
-        dk_new_BSKD = (ds_BKMS.transpose(-1, -2) @ qs_BKMD).transpose(1, 2).to(k_new_BSKD.dtype) if need_kn else None
-        dv_new_BSKD = (p_BKMS.transpose(-1, -2) @ do_BKMD).transpose(1, 2).to(v_new_BSKD.dtype) if need_vn else None
-        del p_BKMS, ds_BKMS
+def replay_attention_backward(saved, needs_grad, dout_BRQD, dlse_BQR, *, scale, block_size):
+    """Gradients (dq, dk_pages, dv_pages, dk_new, dv_new; None where `needs_grad` is False) from what the
+    forward saved: (q, k_pages, v_pages, k_new, v_new, out, lse). With a GLOBAL out and lse (the merge of this
+    call's keys with others': context-parallel shards) the result is this call's part of the gradient, the
+    ring-attention identity (README.md)."""
+    q_BRQD, k_pages_PKD, v_pages_PKD, k_new_BSKD, v_new_BSKD, out_BRQD, lse_BQR = saved
+    need_q, need_kp, need_vp, need_kn, need_vn = needs_grad
+    B, R, Q, D = q_BRQD.shape
+    P, K = k_pages_PKD.shape[:2]
+    S = k_new_BSKD.shape[1]
+    dtype = lse_BQR.dtype
+    if dout_BRQD is None:
+        dout_BRQD = torch.zeros_like(out_BRQD)
 
-        # A page block's gradient is complete within the block (summed over batch and queries), so it is
-        # written straight into a buffer of the pages' dtype: no float32 copy of the whole prompt.
-        dk_pages_PKD = torch.empty_like(k_pages_PKD) if need_kp else None
-        dv_pages_PKD = torch.empty_like(v_pages_PKD) if need_vp else None
-        if need_q or need_kp or need_vp:
-            for p0 in range(0, P, block_size):
-                p1 = min(p0 + block_size, P)
-                scores_BKMN, k_KND = _page_scores(qs_BKMD, k_pages_PKD[p0:p1])
-                p_BKMN = torch.exp(scores_BKMN - lse_BKM[..., None])
-                del scores_BKMN
-                if need_vp:
-                    dv_pages_PKD[p0:p1] = torch.einsum("bkmn,bkmd->nkd", p_BKMN, do_BKMD)
-                if not (need_q or need_kp):
-                    continue
-                v_KND = v_pages_PKD[p0:p1].to(dtype).transpose(0, 1)
-                ds_BKMN = p_BKMN * (do_BKMD @ v_KND.transpose(-1, -2) - delta_BKM[..., None])
-                if need_q:
-                    dq_BKMD += ds_BKMN @ k_KND
-                if need_kp:
-                    dk_pages_PKD[p0:p1] = torch.einsum("bkmn,bkmd->nkd", ds_BKMN, qs_BKMD)
+    qs_BKMD = _fold_heads(q_BRQD, K, dtype) * scale
+    do_BKMD = _fold_heads(dout_BRQD, K, dtype)
+    lse_BKM = lse_BQR.reshape(B, K, -1)
+    # dS = P * (dP - delta) with delta = rowsum(dO * O) - dlse; the dlse term is the lse's own gradient.
+    delta_BKM = (do_BKMD * _fold_heads(out_BRQD, K, dtype)).sum(-1)
+    if dlse_BQR is not None:
+        delta_BKM = delta_BKM - dlse_BQR.to(dtype).reshape(B, K, -1)
+    dq_BKMD = torch.zeros_like(qs_BKMD) if need_q else None
 
-        dq_BRQD = _unfold_heads(dq_BKMD * scale, R).to(q_BRQD.dtype) if need_q else None
-        return dq_BRQD, dk_pages_PKD, dv_pages_PKD, dk_new_BSKD, dv_new_BSKD, None, None
+    mask_MS = _causal_mask_MS(R, S, Q // K, q_BRQD.device)
+    scores_BKMS, k_BKSD = _new_key_scores(qs_BKMD, k_new_BSKD, mask_MS)
+    v_BKSD = v_new_BSKD.to(dtype).transpose(1, 2)
+    p_BKMS = torch.exp(scores_BKMS - lse_BKM[..., None])
+    ds_BKMS = p_BKMS * (do_BKMD @ v_BKSD.transpose(-1, -2) - delta_BKM[..., None])
+    del scores_BKMS
+    if need_q:
+        dq_BKMD += ds_BKMS @ k_BKSD
+    # Folding made the sum over a group's query heads part of the matmul: no separate GQA reduction.
+    dk_new_BSKD = (ds_BKMS.transpose(-1, -2) @ qs_BKMD).transpose(1, 2).to(k_new_BSKD.dtype) if need_kn else None
+    dv_new_BSKD = (p_BKMS.transpose(-1, -2) @ do_BKMD).transpose(1, 2).to(v_new_BSKD.dtype) if need_vn else None
+    del p_BKMS, ds_BKMS
+
+    # A page block's gradient is complete within the block (summed over batch and queries), so it is
+    # written straight into a buffer of the pages' dtype: no float32 copy of the whole prompt.
+    dk_pages_PKD = torch.empty_like(k_pages_PKD) if need_kp else None
+    dv_pages_PKD = torch.empty_like(v_pages_PKD) if need_vp else None
+    if need_q or need_kp or need_vp:
+        for p0 in range(0, P, block_size):
+            p1 = min(p0 + block_size, P)
+            scores_BKMN, k_KND = _page_scores(qs_BKMD, k_pages_PKD[p0:p1])
+            p_BKMN = torch.exp(scores_BKMN - lse_BKM[..., None])
+            del scores_BKMN
+            if need_vp:
+                dv_pages_PKD[p0:p1] = torch.einsum("bkmn,bkmd->nkd", p_BKMN, do_BKMD)
+            if not (need_q or need_kp):
+                continue
+            v_KND = v_pages_PKD[p0:p1].to(dtype).transpose(0, 1)
+            ds_BKMN = p_BKMN * (do_BKMD @ v_KND.transpose(-1, -2) - delta_BKM[..., None])
+            if need_q:
+                dq_BKMD += ds_BKMN @ k_KND
+            if need_kp:
+                dk_pages_PKD[p0:p1] = torch.einsum("bkmn,bkmd->nkd", ds_BKMN, qs_BKMD)
+
+    dq_BRQD = _unfold_heads(dq_BKMD * scale, R).to(q_BRQD.dtype) if need_q else None
+    return dq_BRQD, dk_pages_PKD, dv_pages_PKD, dk_new_BSKD, dv_new_BSKD
 
 
 def _check_shapes(q_BRQD, k_pages_PKD, v_pages_PKD, k_new_BSKD, v_new_BSKD, block_size):

@@ -22,7 +22,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from longstraw_cli.distributed.cp_attention import cp_capture_attention, cp_replay_attention
+from longstraw_cli.distributed.cp_attention import cp_capture_attention, cp_decode_pages_attention, cp_replay_attention
 from longstraw_cli.distributed.cp_gdn import cp_conv_window, cp_gdn_scan
 from longstraw_cli.distributed.cp_glm52 import apply_context_parallel_glm52
 from longstraw_kernels.gdn import gdn_forward
@@ -57,6 +57,7 @@ def apply_context_parallel(model, group) -> None:
     for layer in model.model.layers:
         if layer.is_attention:
             layer.self_attn.attention_fn = functools.partial(cp_replay_attention, group=group)
+            layer.self_attn.decode_pages_fn = functools.partial(cp_decode_pages_attention, group=group)
             layer.self_attn.span_attention_fn = functools.partial(cp_capture_attention, group=group)
         else:
             # the local scans go through the model's dispatcher: fla's kernel on CUDA (bf16), torch elsewhere

@@ -3,15 +3,17 @@
 Rank 0 holds the first tokens, rank N-1 the last; shard sizes may differ, even be 0. Both functions build on
 `replay_attention` and merge partial results by log-sum-exp, so CP=N reproduces CP=1 up to rounding.
 
-- `cp_replay_attention` (replay, scoring, decode): the response is replicated on every rank. Each rank attends
-  to its own pages (a partial with its lse), the partials are merged across ranks, then merged with the
-  response's causal part. Gradients w.r.t. q, k_new, v_new come out equal to CP=1 on every rank.
+- `cp_replay_attention` (replay, scoring): the response is replicated on every rank. Each rank attends to its
+  own pages (a partial with its lse), the partials are merged across ranks, then merged with the response's
+  causal part; q keeps its dtype, so on GPU in bf16 the flash kernels run forward and backward (the backward
+  from the global out and lse, the ring identity). Gradients w.r.t. q, k_new, v_new equal CP=1 on every rank.
+- `cp_decode_pages_attention` (native decode): one query token per response against this rank's pages, the
+  partials gathered and merged.
 - `cp_capture_attention` (prompt capture, no grad): a rank's queries attend to every page of the lower ranks
   and to their own keys causally. K/V shards go around the ring one hop per step (ring attention).
 
 What it simplifies: contiguous shards only (no zigzag load balancing, so in capture rank N-1 does the most
-work); replay's collectives block (only capture overlaps a ring hop with compute); every partial is computed
-by the torch reference kernel, one query block at a time in capture.
+work); replay's collectives block (only capture overlaps a ring hop with compute).
 
 Shape legend:
     B  batch (responses)     R  queries per response     S  new (response) keys per response
@@ -26,8 +28,10 @@ import torch.distributed as dist
 
 from longstraw_kernels import compute_dtype
 from longstraw_kernels.attention import replay_attention
+from longstraw_kernels.attention.dispatch import replay_attention_backward
+from longstraw_kernels.attention.decode import decode_pages_attention, merge_partials
 
-__all__ = ["cp_replay_attention", "cp_capture_attention"]
+__all__ = ["cp_replay_attention", "cp_capture_attention", "cp_decode_pages_attention"]
 
 
 def _weight_BRQ1(lse_part_BQR: torch.Tensor, lse_BQR: torch.Tensor) -> torch.Tensor:
@@ -39,6 +43,20 @@ def _merge(out_a_BRQD, lse_a_BQR, out_b_BRQD, lse_b_BQR):
     """Differentiable LSE merge of two partials over disjoint keys. At most one lse may be -inf per row."""
     lse_BQR = torch.logaddexp(lse_a_BQR, lse_b_BQR)
     out_BRQD = _weight_BRQ1(lse_a_BQR, lse_BQR) * out_a_BRQD + _weight_BRQ1(lse_b_BQR, lse_BQR) * out_b_BRQD
+    return out_BRQD, lse_BQR
+
+
+def merge_across_ranks(out_r_BRQD, lse_r_BQR, group):
+    """This rank's partial (out_r, lse_r) -> the LSE merge over all ranks' partials, identical on every rank:
+    an all-gather of the lse (small), then an all-reduce of the weighted outs (one partial held, not N)."""
+    lse_list = [torch.empty_like(lse_r_BQR) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(lse_list, lse_r_BQR.contiguous(), group=group)
+    lse_NBQR = torch.stack(lse_list)
+    # With no pages on any rank lse is -inf; clamping it keeps the weights 0 instead of NaN.
+    lse_BQR = torch.logsumexp(lse_NBQR, dim=0).clamp_min(torch.finfo(lse_NBQR.dtype).min)
+    # contiguous: the broadcast product may take the transposed weight's layout, which NCCL refuses
+    out_BRQD = (_weight_BRQ1(lse_r_BQR, lse_BQR) * out_r_BRQD).contiguous()
+    dist.all_reduce(out_BRQD, group=group)
     return out_BRQD, lse_BQR
 
 
@@ -71,14 +89,7 @@ class MergeAcrossRanks(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, out_r_BRQD, lse_r_BQR, group):
-        lse_list = [torch.empty_like(lse_r_BQR) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(lse_list, lse_r_BQR.contiguous(), group=group)
-        lse_NBQR = torch.stack(lse_list)
-        # With no pages on any rank lse is -inf; clamping it keeps the weights 0 instead of NaN.
-        lse_BQR = torch.logsumexp(lse_NBQR, dim=0).clamp_min(torch.finfo(lse_NBQR.dtype).min)
-        # contiguous: the broadcast product may take the transposed weight's layout, which NCCL refuses
-        out_BRQD = (_weight_BRQ1(lse_r_BQR, lse_BQR) * out_r_BRQD).contiguous()
-        dist.all_reduce(out_BRQD, group=group)
+        out_BRQD, lse_BQR = merge_across_ranks(out_r_BRQD, lse_r_BQR, group)
         ctx.save_for_backward(out_r_BRQD, lse_r_BQR, out_BRQD, lse_BQR)
         return out_BRQD, lse_BQR
 
@@ -105,6 +116,48 @@ def _page_partial(q_BRQD, k_pages_PKD, v_pages_PKD, *, scale, block_size):
     )
 
 
+class _CPReplayAttention(torch.autograd.Function):
+    """Replay attention over every rank's pages plus the (replicated) response keys, q in its own dtype (the
+    flash kernel on GPU in bf16). Forward: this rank's page partial, merged across ranks, merged with the
+    response's causal part. Backward, the ring-attention identity: each part's gradient follows from the GLOBAL
+    out and lse, so this rank's pages give its share of dq (summed over ranks by one all-reduce) and its own
+    shard's page gradients, and the response part, computed the same on every rank, gives dq, dk_new, dv_new
+    once, without a collective. No lse cotangent ever reaches a kernel, so the flash backward serves too."""
+
+    @staticmethod
+    def forward(ctx, q_BRQD, k_pages_PKD, v_pages_PKD, k_new_BSKD, v_new_BSKD, scale, block_size, group):
+        with torch.no_grad():
+            out_r_BRQD, lse_r_BQR = _page_partial(q_BRQD, k_pages_PKD, v_pages_PKD, scale=scale,
+                                                  block_size=block_size)
+            out_p_BRQD, lse_p_BQR = merge_across_ranks(out_r_BRQD.to(lse_r_BQR.dtype), lse_r_BQR, group)
+            no_pages_PKD = k_new_BSKD.new_empty((0, *k_new_BSKD.shape[2:]))
+            out_n_BRQD, lse_n_BQR = replay_attention(q_BRQD, no_pages_PKD, no_pages_PKD, k_new_BSKD, v_new_BSKD,
+                                                     scale=scale, block_size=block_size, return_lse=True)
+            out_BRQD, lse_BQR = _merge(out_p_BRQD, lse_p_BQR, out_n_BRQD, lse_n_BQR)
+        out_BRQD = out_BRQD.to(q_BRQD.dtype)
+        ctx.save_for_backward(q_BRQD, k_pages_PKD, v_pages_PKD, k_new_BSKD, v_new_BSKD, out_BRQD, lse_BQR)
+        ctx.scale, ctx.block_size, ctx.group = scale, block_size, group
+        return out_BRQD
+
+    @staticmethod
+    def backward(ctx, dout_BRQD):
+        q_BRQD, k_pages_PKD, v_pages_PKD, k_new_BSKD, v_new_BSKD, out_BRQD, lse_BQR = ctx.saved_tensors
+        _, need_kp, need_vp, need_kn, need_vn = ctx.needs_input_grad[:5]
+        no_pages_PKD = k_new_BSKD.new_empty((0, *k_new_BSKD.shape[2:]))
+        no_keys_BSKD = k_new_BSKD[:, :0]
+        kwargs = dict(scale=ctx.scale, block_size=ctx.block_size)
+        dq_p_BRQD, dk_pages_PKD, dv_pages_PKD, _, _ = replay_attention_backward(
+            (q_BRQD, k_pages_PKD, v_pages_PKD, no_keys_BSKD, no_keys_BSKD, out_BRQD, lse_BQR),
+            (True, need_kp, need_vp, False, False), dout_BRQD, None, **kwargs)
+        dq_p_BRQD = dq_p_BRQD.to(lse_BQR.dtype).contiguous()
+        dist.all_reduce(dq_p_BRQD, group=ctx.group)
+        dq_n_BRQD, _, _, dk_new_BSKD, dv_new_BSKD = replay_attention_backward(
+            (q_BRQD, no_pages_PKD, no_pages_PKD, k_new_BSKD, v_new_BSKD, out_BRQD, lse_BQR),
+            (True, False, False, need_kn, need_vn), dout_BRQD, None, **kwargs)
+        dq_BRQD = (dq_p_BRQD + dq_n_BRQD.to(lse_BQR.dtype)).to(q_BRQD.dtype)
+        return dq_BRQD, dk_pages_PKD, dv_pages_PKD, dk_new_BSKD, dv_new_BSKD, None, None, None
+
+
 def cp_replay_attention(q_BRQD, k_pages_PKD, v_pages_PKD, k_new_BSKD, v_new_BSKD, *, scale, group=None,
                         block_size=1024):
     """-> out_BRQD (q's dtype), the same on every rank: `replay_attention` over all ranks' pages in rank order.
@@ -112,20 +165,20 @@ def cp_replay_attention(q_BRQD, k_pages_PKD, v_pages_PKD, k_new_BSKD, v_new_BSKD
     q, k_new, v_new must be identical on every rank, and so must the loss backpropagated through the output:
     then every rank gets the CP=1 gradients for q, k_new, v_new (and its own shard's page gradients).
     """
-    q_BRQD_c = q_BRQD.to(compute_dtype(q_BRQD.dtype))
-    q_pages_BRQD = AllReduceGrad.apply(q_BRQD_c, group)
-    out_r_BRQD, lse_r_BQR = _page_partial(q_pages_BRQD, k_pages_PKD, v_pages_PKD, scale=scale,
-                                          block_size=block_size)
-    out_p_BRQD, lse_p_BQR = MergeAcrossRanks.apply(out_r_BRQD, lse_r_BQR, group)
-    # The response's causal part is computed redundantly on every rank: it is small next to the prompt, and
-    # it keeps the k_new / v_new gradients local (no collective for them).
-    no_pages_PKD = k_new_BSKD.new_empty((0, *k_new_BSKD.shape[2:]))
-    out_n_BRQD, lse_n_BQR = replay_attention(
-        q_BRQD_c, no_pages_PKD, no_pages_PKD, k_new_BSKD, v_new_BSKD,
-        scale=scale, block_size=block_size, return_lse=True,
-    )
-    out_BRQD, _ = _merge(out_p_BRQD, lse_p_BQR, out_n_BRQD, lse_n_BQR)
-    return out_BRQD.to(q_BRQD.dtype)
+    return _CPReplayAttention.apply(q_BRQD, k_pages_PKD, v_pages_PKD, k_new_BSKD, v_new_BSKD, scale, block_size,
+                                    group)
+
+
+def cp_decode_pages_attention(q_BQD, k_pages_PKD, v_pages_PKD, *, scale, group=None):
+    """`decode_pages_attention` over every rank's pages: each rank's partial (its own shard, q in its own dtype,
+    so the flash kernel runs), one all-gather of (out | lse) packed in fp32 (B*Q*(D+1) values: 131 KB a layer at
+    G=8, Q=16, D=256), merged in rank order. -> (out_BQD, lse_BQ), identical on every rank."""
+    out_BQD, lse_BQ = decode_pages_attention(q_BQD, k_pages_PKD, v_pages_PKD, scale=scale)
+    packed_BQX = torch.cat([out_BQD.to(lse_BQ.dtype), lse_BQ[..., None]], dim=-1).contiguous()
+    gathered = [torch.empty_like(packed_BQX) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, packed_BQX, group=group)
+    packed_NBQX = torch.stack(gathered)
+    return merge_partials(packed_NBQX[..., :-1], packed_NBQX[..., -1], q_BQD.dtype)
 
 
 def _attend_shard_(out_BTQD, lse_BQT, q_BTQD, k_PKD, v_PKD, *, own, scale, block_size):

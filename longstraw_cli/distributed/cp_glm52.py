@@ -4,7 +4,7 @@ Rank r of the CP group owns the CONTIGUOUS shard [start_r, end_r) of the P captu
 and keeps only that shard's pages (latent, rope, index keys); `Resident.num_tokens` is the global count P.
 Only the model's page hooks are set, per attention layer (the model calls them; see models/glm52/model.py):
 `page_range_fn`, `pages_topk_fn`, `pages_attention_fn` (replay, scoring, decode) and `span_pages_fn` (capture);
-`model.capture` becomes `cp_capture_glm52`.
+`model.capture` becomes `cp_capture_glm52`, `model.decoder` the eager `StepDecoder` (decode_step through the hooks).
 
 Replay / scoring / decode (the response is replicated on every rank):
 - DSA selection is GLOBAL and equals the one-rank selection exactly (integer-equal): each rank scores the
@@ -43,7 +43,7 @@ import torch.distributed as dist
 from longstraw_cli.distributed.cp_attention import AllReduceGrad, MergeAcrossRanks
 from longstraw_cli.distributed.cp_topk import cp_global_topk
 from longstraw_cli.distributed.ep import tokens_sharded
-from longstraw_cli.models.core import check_prompt
+from longstraw_cli.models.core import StepDecoder, check_prompt
 from longstraw_cli.resident import MLAPages
 from longstraw_kernels import compute_dtype
 
@@ -144,7 +144,8 @@ def cp_capture_glm52(model, prompt_ids: torch.Tensor, block_size: int = 4096, pa
 
 
 def apply_context_parallel_glm52(model, group) -> None:
-    """Set every attention layer's page hooks to their CP versions, and the model's capture to `cp_capture_glm52`."""
+    """Set every attention layer's page hooks to their CP versions, the model's capture to `cp_capture_glm52` and its
+    decoder to the eager `StepDecoder`."""
     for layer in model.model.layers:
         attn = layer.self_attn
         attn.page_range_fn = functools.partial(cp_page_range, group=group)
@@ -152,3 +153,5 @@ def apply_context_parallel_glm52(model, group) -> None:
         attn.pages_attention_fn = functools.partial(cp_pages_attention, group=group)
         attn.span_pages_fn = functools.partial(cp_span_pages, group=group)
     model.capture = functools.partial(cp_capture_glm52, model, group=group)
+    # the static-shaped decode step selects and attends on one device only; the eager step goes through the hooks
+    model.decoder = functools.partial(StepDecoder, model)

@@ -73,6 +73,23 @@ class DecodeState:
     step: int = 0
 
 
+class StepDecoder:
+    """rollout/native.py's decoder interface (`tokens_B`, `step()`, `device`) over `start_decode` / `decode_step`:
+    eager, shapes growing with the step, so neither graph- nor compile-safe. For hooks that have no static-shaped
+    decode (glm52 under context parallel)."""
+
+    graph_safe = compile_safe = False
+
+    def __init__(self, model, resident: Resident, batch: int, capacity: int):
+        self.model, self.resident = model, resident
+        self.device = model.lm_head.weight.device
+        self.tokens_B = torch.full((batch,), resident.last_token, dtype=torch.long, device=self.device)
+        self.state = model.start_decode(resident, batch, capacity)
+
+    def step(self) -> torch.Tensor:
+        return self.model.decode_step(self.resident, self.state, self.tokens_B)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm residual around a token mixer, then around the MLP. Subclasses set input_layernorm, the mixer,
     post_attention_layernorm and mlp (HF's names)."""

@@ -125,7 +125,8 @@ def generate(model, resident, num_responses: int, cfg: SamplingConfig, generator
     decoder = model.decoder(resident, num_responses, cfg.max_new_tokens)
     device = decoder.device
     use_graph = native.cuda_graph and device.type == "cuda" and decoder.graph_safe
-    step_fn = _GraphedStep(decoder, native.compile) if use_graph else decoder.step
+    compile = use_graph and native.compile and decoder.compile_safe
+    step_fn = _GraphedStep(decoder, compile) if use_graph else decoder.step
     B, R = num_responses, cfg.max_new_tokens
     stop_S = torch.tensor(cfg.stop_token_ids, dtype=torch.long, device=device)
     sampled_BR = torch.empty(B, R, dtype=torch.long, device=device)
@@ -135,7 +136,7 @@ def generate(model, resident, num_responses: int, cfg: SamplingConfig, generator
     try:
         first_BV = step_fn()
     except Exception as exc:  # noqa: BLE001 - any compiler failure: the same step uncompiled
-        if not (use_graph and native.compile):
+        if not compile:
             raise
         log.warning("torch.compile failed on the decode step (%s); decoding without it",
                     str(exc).splitlines()[0][:200])

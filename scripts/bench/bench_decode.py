@@ -60,7 +60,8 @@ def step_bytes(model, resident) -> int:
 def time_generate(model, resident, group: int, tokens: int, graph: bool) -> tuple[float, int]:
     cfg = SamplingConfig(max_new_tokens=tokens)
     native = NativeConfig(cuda_graph=graph, stop_check_every=tokens)
-    generate(model, resident, group, SamplingConfig(max_new_tokens=4), native=native)  # warm-up (compiles)
+    # warm-up at the measured shape (compilation, graph capture, Triton kernels)
+    generate(model, resident, group, cfg, torch.Generator("cuda").manual_seed(1), native)
     torch.cuda.synchronize()
     start = time.perf_counter()
     rollout = generate(model, resident, group, cfg, torch.Generator("cuda").manual_seed(0), native)

@@ -83,6 +83,8 @@ class Glm52Decoder:
                        for layer in model.model.layers]
         moe_fns = [layer.mlp.experts_fn for layer in model.model.layers if hasattr(layer.mlp, "experts_fn")]
         self.graph_safe = resident.offload is None and all(fn is local_experts for fn in moe_fns)
+        # torch 2.11's inductor fails to compile this step (a TypeError in its Triton codegen, seen on an H200)
+        self.compile_safe = False
 
     def step(self) -> torch.Tensor:
         model, cfg = self.model, self.model.config

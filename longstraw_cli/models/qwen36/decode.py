@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from longstraw_cli.resident import Resident
-from longstraw_kernels.attention.decode import cascade_decode_attention
+from longstraw_kernels.attention.decode import cascade_decode_attention, decode_pages_attention
 from longstraw_kernels.gdn import gdn_step
 
 
@@ -49,6 +49,10 @@ class Qwen36Decoder:
         self.device = w.device
         # no host synchronisation and static shapes: a CUDA graph may replay step()
         self.graph_safe = True
+        # torch.compile fuses the step's small kernels (seen on an H200: 7.7 -> 4.2 ms at 256K, G=8); a
+        # cross-rank hook (context parallel) keeps its collectives out of the compiler
+        self.compile_safe = all(layer.self_attn.decode_pages_fn is decode_pages_attention
+                                for layer in model.model.layers if layer.is_attention)
         self.tokens_B = torch.full((batch,), resident.last_token, dtype=torch.long, device=self.device)
         self.step_1 = torch.zeros(1, dtype=torch.long, device=self.device)
         self.slots_S = torch.arange(capacity, device=self.device)
