@@ -5,7 +5,8 @@
 With the native engine the prompt is captured once per iteration and that one resident state serves rollout,
 scoring and replay. With vLLM the rollout runs in vLLM (weights pushed first) and the transaction captures.
 Data parallel ranks take different prompts (example index step * dp + dp_rank) and finalize gradients once per
-step through the configured strategy (`strategy=ddp|fsdp2|deepspeed`, distributed/strategy.py).
+step through the configured strategy (`strategy=ddp|fsdp2|deepspeed`, distributed/strategy.py). Every process
+group comes from `ParallelDims.new_groups`.
 """
 
 from __future__ import annotations
@@ -57,17 +58,13 @@ class Trainer:
         self.rank, local_rank, world_size = env_rank_world()
         # validated against the launch's world size when the config was built (config.train_config)
         self.dims = ParallelDims(world_size, cp=cfg.cp, ep=cfg.ep)
-        self.dp_rank, self.cp_rank = self.dims.coords(self.rank)
+        self.dp_rank, _ = self.dims.coords(self.rank)
         self.device = torch.device(cfg.device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", local_rank)
-        self.cp_group = self.dp_group = self.ep_group = None
-        if world_size > 1:
-            if not dist.is_initialized():
-                dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
-            self.cp_group, self.dp_group = self.dims.new_groups(self.rank)
-            if cfg.ep > 1:
-                self.ep_group = self._ep_group()
+        if world_size > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        self.groups = self.dims.new_groups(self.rank)
         self.run_dir = Path(cfg.run_dir)
         self.checkpoints = CheckpointManager(self.run_dir, keep=cfg.checkpoint.keep, rank=self.rank)
         if not cfg.resume and self.checkpoints.latest() is not None:
@@ -83,12 +80,12 @@ class Trainer:
         # the reference copies the policy's weights before a strategy may shard them
         reference = self._reference()
         self.strategy = make_strategy(cfg.strategy, self.model, self._optimizer, max_grad_norm=cfg.optim.max_grad_norm,
-                                      num_replays=cfg.group_size, dp_group=self.dp_group, cp_group=self.cp_group)
+                                      num_replays=cfg.group_size, dp_group=self.groups.dp, cp_group=self.groups.cp)
         if cfg.ep > 1:
             from longstraw_cli.distributed.ep import is_expert_param
 
             self.strategy.set_expert_slices([p for n, p in self.model.named_parameters() if is_expert_param(n)],
-                                            self.ep_group)
+                                            self.groups.ep)
         self.transaction = Transaction(self.model, self.strategy, cfg.loss, cfg.transaction, reference=reference)
         self.task = make_task(cfg.task, self.tokenizer)
         self.reward_fn = get_reward(cfg.reward or self.task.default_reward)
@@ -132,22 +129,15 @@ class Trainer:
         frozen.load_state_dict(self.model.state_dict())
         return Reference(frozen, self.cfg.transaction)
 
-    def _ep_group(self):
-        """This rank's EP group: ep consecutive ranks of its CP group. new_group is collective: every rank
-        creates every group."""
-        groups = {(d, e): dist.new_group(self.dims.ep_group_ranks(d, e))
-                  for d in range(self.dims.dp) for e in range(self.cfg.cp // self.cfg.ep)}
-        return groups[(self.dp_rank, self.cp_rank // self.cfg.ep)]
-
     def _parallelize(self, model: torch.nn.Module) -> None:
         """Context parallel (pages sharded over the CP group), then expert parallel (experts split over the EP
         group, which lies inside the CP group)."""
         if self.cfg.cp > 1:
-            apply_context_parallel(model, self.cp_group)
+            apply_context_parallel(model, self.groups.cp)
         if self.cfg.ep > 1:
             from longstraw_cli.distributed.ep import apply_expert_parallel
 
-            apply_expert_parallel(model, self.ep_group, cp_group=self.cp_group)
+            apply_expert_parallel(model, self.groups.ep, cp_group=self.groups.cp)
 
     def _vllm_engine(self):
         from longstraw_cli.lora import export_hf
@@ -192,7 +182,8 @@ class Trainer:
         slice of whole tensors. Copies: the live optimizer state is never modified."""
         from longstraw_cli.distributed.ep import ep_shard, gather_rows, is_expert_param
 
-        convert = (lambda t: gather_rows(t, self.ep_group)) if whole else (lambda t: ep_shard(t, self.ep_group))
+        group = self.groups.ep
+        convert = (lambda t: gather_rows(t, group)) if whole else (lambda t: ep_shard(t, group))
         sliced = {n for n, p in self.model.named_parameters() if p.requires_grad and is_expert_param(n)}
         model_state = {n: convert(t) if n in sliced else t for n, t in model_state.items()}
         positions = {id(p): i for i, p in enumerate(self.strategy.params)}

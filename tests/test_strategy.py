@@ -162,9 +162,9 @@ def _worker(rank, world, cp, port, out_dir, names):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         dims = ParallelDims(world, cp=cp)
-        cp_group, dp_group = dims.new_groups(rank)
+        groups = dims.new_groups(rank)
         for name in names:
-            run_case(name, dims, rank, cp_group, dp_group, out_dir)
+            run_case(name, dims, rank, groups.cp, groups.dp, out_dir)
     finally:
         dist.destroy_process_group()
 
