@@ -5,8 +5,8 @@
 With the native engine the prompt is captured once per iteration and that one resident state serves rollout,
 scoring and replay. With vLLM the rollout runs in vLLM (weights pushed first) and the transaction captures.
 Data parallel ranks take different prompts (example index step * dp + dp_rank) and finalize gradients once per
-step through the configured strategy (`strategy=ddp|fsdp2|deepspeed`, distributed/strategy.py). Every process
-group comes from `ParallelDims.new_groups`.
+step through the configured strategy (`strategy=ddp|fsdp2|deepspeed`, distributed/strategy.py), which also gives
+and takes the checkpoint's whole tensors. Every process group comes from `ParallelDims.new_groups`.
 """
 
 from __future__ import annotations
@@ -79,13 +79,8 @@ class Trainer:
             apply_lora(self.model, cfg.lora)
         # the reference copies the policy's weights before a strategy may shard them
         reference = self._reference()
-        self.strategy = make_strategy(cfg.strategy, self.model, self._optimizer, max_grad_norm=cfg.optim.max_grad_norm,
-                                      num_replays=cfg.group_size, dp_group=self.groups.dp, cp_group=self.groups.cp)
-        if cfg.ep > 1:
-            from longstraw_cli.distributed.ep import is_expert_param
-
-            self.strategy.set_expert_slices([p for n, p in self.model.named_parameters() if is_expert_param(n)],
-                                            self.groups.ep)
+        self.strategy = make_strategy(cfg.strategy, self.model, self._optimizer, self.groups,
+                                      max_grad_norm=cfg.optim.max_grad_norm, num_replays=cfg.group_size)
         self.transaction = Transaction(self.model, self.strategy, cfg.loss, cfg.transaction, reference=reference)
         self.task = make_task(cfg.task, self.tokenizer)
         self.reward_fn = get_reward(cfg.reward or self.task.default_reward)
@@ -152,10 +147,8 @@ class Trainer:
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     def _save(self, step: int) -> None:
-        # whole tensors, whatever the strategy (a collective under fsdp2 / deepspeed: every rank is here)
+        # whole tensors, whatever the strategy and ep (a collective under fsdp2 / deepspeed / ep: every rank is here)
         model_state, optimizer_state = self.strategy.state_dict()
-        if self.cfg.ep > 1:
-            model_state, optimizer_state = self._expert_state(model_state, optimizer_state, whole=True)
         self.checkpoints.save(
             step, model_state=model_state, optimizer_state=optimizer_state,
             trainer_state={"step": step, "rng": capture_rng({"sampling": self.generator})},
@@ -170,27 +163,9 @@ class Trainer:
         if set(model_state) != expected:
             raise TrainerError(f"{latest} does not match this model's trainable parameters "
                                f"(e.g. {sorted(set(model_state) ^ expected)[:3]})")
-        if self.cfg.ep > 1:
-            model_state, optimizer_state = self._expert_state(model_state, optimizer_state, whole=False)
         self.strategy.load_state_dict(model_state, optimizer_state)
         restore_rng(trainer_state["rng"], {"sampling": self.generator})
         return int(trainer_state["step"])
-
-    def _expert_state(self, model_state: dict, optimizer_state: dict, *, whole: bool):
-        """Expert-parallel checkpoints hold whole experts and whole AdamW moments, so they resume under any ep:
-        whole=True gathers this rank's slices over the EP group (collective), whole=False takes this rank's
-        slice of whole tensors. Copies: the live optimizer state is never modified."""
-        from longstraw_cli.distributed.ep import ep_shard, gather_rows, is_expert_param
-
-        group = self.groups.ep
-        convert = (lambda t: gather_rows(t, group)) if whole else (lambda t: ep_shard(t, group))
-        sliced = {n for n, p in self.model.named_parameters() if p.requires_grad and is_expert_param(n)}
-        model_state = {n: convert(t) if n in sliced else t for n, t in model_state.items()}
-        positions = {id(p): i for i, p in enumerate(self.strategy.params)}
-        sliced_positions = {positions[id(p)] for n, p in self.model.named_parameters() if n in sliced}
-        state = {i: ({k: convert(v) if torch.is_tensor(v) and v.dim() > 0 else v for k, v in s.items()}
-                     if int(i) in sliced_positions else s) for i, s in optimizer_state["state"].items()}
-        return model_state, {**optimizer_state, "state": state}
 
     # -- one iteration ----------------------------------------------------------------------------------------
     def example(self, step: int):

@@ -6,7 +6,8 @@ The prompt is captured once without autograd; old-policy and reference log-probs
 resident state; each response is replayed alone with autograd and its loss backpropagated at once, so at most one
 response graph is alive; gradients accumulate in .grad, are finalized once (the one distributed reduction, a
 no-op on one rank) and one optimizer step is taken. A strategy (distributed/strategy.py) owns the replay's
-forward/backward, the finalization and the step: `local` (given an optimizer alone), `ddp`, `fsdp2`, `deepspeed`.
+forward/backward, the finalization (clipping to its max_grad_norm included) and the step:
+`LocalStrategy(model, optimizer, max_grad_norm)` on one rank, `ddp`, `fsdp2`, `deepspeed`.
 
 Simplifications: response_only gradients (the resident state is a constant); one prompt per transaction (data
 parallelism across prompts sits above, in the strategy).
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from longstraw_cli.distributed.strategy import LocalStrategy
+from longstraw_cli.distributed.local_strategy import LocalStrategy
 from longstraw_cli.rl.advantages import get_advantage
 from longstraw_cli.rl.losses import GroupShape, LossConfig, response_loss, sum_stats, summarize_stats
 from longstraw_cli.telemetry.memory import GraphMemory, PhaseClock
@@ -33,7 +34,6 @@ class TransactionConfig:
     score_batch: int = 8
     logprob_chunk: int = 512
     advantage: str = "grpo"
-    max_grad_norm: float | None = 1.0
 
     def __post_init__(self):
         for name in ("block_size", "score_batch", "logprob_chunk"):
@@ -87,15 +87,13 @@ def score(model: torch.nn.Module, resident, responses: Sequence[torch.Tensor],
 
 
 class Transaction:
-    """`strategy`: what finalizes gradients and steps (distributed/strategy.py); an optimizer alone means one
-    data-parallel rank, `LocalStrategy(model, optimizer, cfg.max_grad_norm)`."""
+    """`strategy`: what finalizes gradients and steps (distributed/strategy.py); on one data-parallel rank
+    `LocalStrategy(model, optimizer, max_grad_norm)`."""
 
-    def __init__(self, model: torch.nn.Module, strategy: LocalStrategy | torch.optim.Optimizer, loss_cfg: LossConfig,
+    def __init__(self, model: torch.nn.Module, strategy: LocalStrategy, loss_cfg: LossConfig,
                  cfg: TransactionConfig = TransactionConfig(), *, reference: Reference | None = None):
         if loss_cfg.kl_coef > 0 and reference is None:
             raise ValueError(f"kl_coef={loss_cfg.kl_coef} needs a reference policy (kl_coef=0 skips it)")
-        if isinstance(strategy, torch.optim.Optimizer):
-            strategy = LocalStrategy(model, strategy, cfg.max_grad_norm)
         self.model, self.strategy, self.loss_cfg, self.cfg = model, strategy, loss_cfg, cfg
         # kl_coef 0 skips the reference entirely: no capture, no scoring
         self.reference = reference if loss_cfg.kl_coef > 0 else None

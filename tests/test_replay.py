@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conftest import randomize_, rel_err
+from longstraw_cli.distributed.strategy import LocalStrategy
 from longstraw_cli.models import build_model
 from longstraw_cli.rl.losses import GroupShape, LossConfig, response_loss
 from longstraw_cli.rl.advantages import get_advantage
@@ -89,8 +90,8 @@ def make_group(G, R=12, P=60, seed=0):
 
 def run_transaction(model, G, lr=1.0, **kw):
     prompt, responses, rewards = make_group(G, **kw)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    tx = Transaction(model, opt, LossConfig(name="grpo"), TransactionConfig(block_size=16, max_grad_norm=None))
+    strategy = LocalStrategy(model, torch.optim.SGD(model.parameters(), lr=lr), max_grad_norm=None)
+    tx = Transaction(model, strategy, LossConfig(name="grpo"), TransactionConfig(block_size=16))
     return tx, tx.run(prompt, responses, rewards), (prompt, responses, rewards)
 
 
@@ -122,8 +123,8 @@ def test_resident_is_untouched_by_replays_and_no_graph_outlives_a_replay():
     prompt, responses, rewards = make_group(4)
     resident = model.capture(prompt, block_size=16)
     snapshot = [t.clone() for t in resident.tensors()]
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    tx = Transaction(model, opt, LossConfig(name="grpo"), TransactionConfig(block_size=16))
+    strategy = LocalStrategy(model, torch.optim.SGD(model.parameters(), lr=0.0), max_grad_norm=1.0)
+    tx = Transaction(model, strategy, LossConfig(name="grpo"), TransactionConfig(block_size=16))
     result = tx.run(prompt, responses, rewards, resident=resident)
     assert all(torch.equal(a, b) for a, b in zip(snapshot, resident.tensors()))
     assert result.graph_peak_bytes > 0
@@ -163,12 +164,13 @@ def test_accounted_peak_memory_does_not_grow_with_group_size():
 
 def test_transaction_rejects_bad_groups():
     model = tiny(torch.float32)
-    tx = Transaction(model, torch.optim.SGD(model.parameters(), lr=0.0), LossConfig())
+    strategy = LocalStrategy(model, torch.optim.SGD(model.parameters(), lr=0.0), max_grad_norm=1.0)
+    tx = Transaction(model, strategy, LossConfig())
     prompt, responses, rewards = make_group(2)
     with pytest.raises(ValueError, match=">= 2 responses"):
         tx.run(prompt, responses[:1], rewards[:1])
     with pytest.raises(ValueError, match="kl_coef"):
-        Transaction(model, torch.optim.SGD(model.parameters(), lr=0.0), LossConfig(kl_coef=0.1))
+        Transaction(model, strategy, LossConfig(kl_coef=0.1))
 
 
 @pytest.mark.parametrize("block_size", [16, 25, 1000])
