@@ -2,11 +2,12 @@
 
     example -> capture -> rollout -> reward -> transaction (score, replay x G, finalize, step) -> log, checkpoint
 
-With the native engine the prompt is captured once per iteration and that one resident state serves rollout,
-scoring and replay. With vLLM the rollout runs in vLLM (weights pushed first) and the transaction captures.
-Data parallel ranks take different prompts (example index step * dp + dp_rank) and finalize gradients once per
-step through the configured strategy (`strategy=ddp|fsdp2|deepspeed`, distributed/strategy.py), which also gives
-and takes the checkpoint's whole tensors. Every process group comes from `ParallelDims.new_groups`.
+The prompt is captured once per iteration (by the transaction's `capture`) and that one resident state serves
+rollout, scoring and replay. With vLLM the rollout runs first, in vLLM (weights pushed first), and the capture
+follows the reward. One `PhaseClock` per iteration times every phase (and its CUDA peak memory). Data parallel
+ranks take different prompts (example index step * dp + dp_rank) and finalize gradients once per step through
+the configured strategy (`strategy=ddp|fsdp2|deepspeed`, distributed/strategy.py), which also gives and takes
+the checkpoint's whole tensors. Every process group comes from `ParallelDims.new_groups`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import json
 import logging
 import resource
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -33,6 +33,7 @@ from longstraw_cli.models import build_model, from_pretrained
 from longstraw_cli.rl.rewards import get_reward
 from longstraw_cli.rl.tasks import make_task
 from longstraw_cli.rollout.native import Rollout, generate
+from longstraw_cli.telemetry.memory import PhaseClock
 from longstraw_cli.telemetry.metrics import MetricsLogger
 from longstraw_cli.tokenizer import load_tokenizer
 from longstraw_cli.transaction import Reference, Transaction
@@ -173,12 +174,15 @@ class Trainer:
         ids = torch.tensor(self.tokenizer.encode(example.prompt), dtype=torch.long, device=self.device)
         return example, ids
 
-    def capture(self, prompt_ids):
-        return self.transaction.capture(prompt_ids) if self.engine is None else None
+    def capture(self, prompt_ids: torch.Tensor):
+        return self.transaction.capture(prompt_ids)
 
-    def rollout(self, resident, prompt_ids) -> Rollout:
-        if self.engine is None:
-            return generate(self.model, resident, self.cfg.group_size, self.sampling, self.generator)
+    def rollout(self, resident) -> Rollout:
+        """G responses sampled from the resident state (native engine); their log-probs are the on-policy scores."""
+        return generate(self.model, resident, self.cfg.group_size, self.sampling, self.generator)
+
+    def rollout_vllm(self, prompt_ids: torch.Tensor) -> Rollout:
+        """G responses from vLLM, after pushing the policy's weights; no resident state needed."""
         self.engine.update_weights(self.model)
         # vLLM gives response i of a request seed + i: draw request seeds far apart
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator, device=self.device)) * 1024 % (2**31)
@@ -192,36 +196,40 @@ class Trainer:
         return torch.tensor([float(self.reward_fn(t, example)) for t in texts], dtype=torch.float64)
 
     def iteration(self, step: int) -> dict[str, float]:
-        times: dict[str, float] = {}
-
-        def timed(name, fn, *args):
-            start = time.perf_counter()
-            out = fn(*args)
-            times[name] = time.perf_counter() - start
-            return out
-
+        clock = PhaseClock(self.device)
         example, prompt_ids = self.example(step)
-        # ranks call the model a data-dependent number of times here: fsdp2 gathers the weights once around it
-        with self.strategy.full_weights():
-            resident = timed("capture", self.capture, prompt_ids)
-            rollout = timed("rollout", self.rollout, resident, prompt_ids)
-        rewards = timed("reward", self.reward, example, rollout)
+        if self.engine is None:
+            # ranks call the model a data-dependent number of times here: fsdp2 gathers the weights once around it
+            with self.strategy.full_weights():
+                with clock.phase("capture"):
+                    resident = self.capture(prompt_ids)
+                with clock.phase("rollout"):
+                    rollout = self.rollout(resident)
+        else:
+            with clock.phase("rollout"):
+                rollout = self.rollout_vllm(prompt_ids)
+        with clock.phase("reward"):
+            rewards = self.reward(example, rollout)
+        if self.engine is not None:
+            with clock.phase("capture"):
+                resident = self.capture(prompt_ids)
         # native rollout's log-probs are the graph-free on-policy scores of the same resident state; vLLM's come
         # from its own kernels and precision, so the transaction re-scores them from our resident state
         old = rollout.logprobs if self.engine is None else None
-        result = self.transaction.run(prompt_ids, rollout.responses, rewards, resident=resident, old_logprobs=old)
-        times.update(result.seconds)
+        result = self.transaction.run(prompt_ids, rollout.responses, rewards, resident, old_logprobs=old, clock=clock)
+        return self._metrics(prompt_ids, rollout, result, clock)
 
+    def _metrics(self, prompt_ids, rollout: Rollout, result, clock: PhaseClock) -> dict[str, float]:
         metrics = dict(result.stats)
         if rollout.entropies is not None:
             metrics["entropy"] = float(torch.cat(rollout.entropies).mean())
         metrics["prompt_tokens"] = prompt_ids.numel()
         metrics["response_tokens"] = sum(len(r) for r in rollout.responses)
-        metrics.update({f"time/{k}": v for k, v in times.items()})
+        metrics.update(clock.time_metrics())
         metrics["mem/resident"] = result.resident_bytes["total"]
         metrics["mem/graph_peak"] = result.graph_peak_bytes
         metrics["mem/accounted_peak"] = result.accounted_peak_bytes
-        metrics.update({f"mem/peak_{k}": v for k, v in result.cuda_peak_bytes.items()})
+        metrics.update(clock.memory_metrics())
         metrics["mem/rss_peak"] = _rss_peak_bytes()
         return metrics
 

@@ -176,7 +176,7 @@ def test_transaction_runs_and_changes_parameters():
     tx = Transaction(model, strategy, LossConfig(name="grpo"), TransactionConfig(block_size=16))
     for step in range(2):
         responses = [torch.randint(0, 259, (10,), generator=g) for _ in range(3)]
-        result = tx.run(prompt, responses, torch.rand(3, generator=g))
+        result = tx.run(prompt, responses, torch.rand(3, generator=g), tx.capture(prompt))
         assert torch.isfinite(torch.tensor(result.stats["grad_norm"])) and result.stats["grad_norm"] > 0
         assert result.graph_live_bytes_after == 0
         assert result.resident_bytes == model.resident_bytes(59)

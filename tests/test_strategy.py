@@ -114,6 +114,11 @@ class SyncedEveryReplay(DDPStrategy):
         yield self.ddp
 
 
+def run(tx, step, dp_rank):
+    prompt, responses, rewards = problem(step, dp_rank)
+    return tx.run(prompt, responses, rewards, tx.capture(prompt))
+
+
 def run_case(name, dims, rank, groups, out_dir):
     cfg, dtype, options = CASES[name]
     dp_rank, _ = dims.coords(rank)
@@ -136,7 +141,7 @@ def run_case(name, dims, rank, groups, out_dir):
     out = {"norms": [], "reductions": [], "strategy": strategy.name}
     for step in range(options.get("steps", STEPS)):
         meter.counts.clear()
-        out["norms"].append(tx.run(*problem(step, dp_rank)).stats["grad_norm"])
+        out["norms"].append(run(tx, step, dp_rank).stats["grad_norm"])
         out["reductions"].append(dict(meter.counts))
         if options.get("resume") and step == 0:
             checkpoints = CheckpointManager(out_dir / f"{name}_checkpoints", rank=rank)
@@ -149,7 +154,7 @@ def run_case(name, dims, rank, groups, out_dir):
         strategy, tx = build()
         model_state, optimizer_state, _ = checkpoints.load(checkpoints.latest())
         strategy.load_state_dict(model_state, optimizer_state)
-        out["resumed_norm"] = tx.run(*problem(1, dp_rank)).stats["grad_norm"]
+        out["resumed_norm"] = run(tx, 1, dp_rank).stats["grad_norm"]
         out["resumed_params"], _ = strategy.state_dict()
     torch.save(out, out_dir / f"{name}.rank{rank}.pt")
 

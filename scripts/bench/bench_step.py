@@ -168,7 +168,10 @@ class Naive:
 
 
 def run_longstraw(transaction: Transaction, prompt_ids, responses, rewards) -> dict:
-    result = transaction.run(prompt_ids, responses, rewards)
+    clock = PhaseClock(prompt_ids.device)
+    with clock.phase("capture"):
+        resident = transaction.capture(prompt_ids)
+    result = transaction.run(prompt_ids, responses, rewards, resident, clock=clock)
     return {
         "seconds": result.seconds, "cuda_peak_bytes": result.cuda_peak_bytes,
         "resident_bytes": result.resident_bytes["total"], "resident_detail": result.resident_bytes,
