@@ -66,6 +66,7 @@ class OptimConfig:
     lr: float = 1e-2
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
+    # the one clipping threshold: the strategy's (make_strategy), which finalizes gradients; None: no clipping
     max_grad_norm: float | None = 1.0
 
     def __post_init__(self):
@@ -196,8 +197,7 @@ def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
     loss = _build(LossConfig, algo, "algo", max_response_tokens=d["response_tokens"])
     capture = _take(dict(d["capture"]), "capture", {"block_size", "score_batch", "logprob_chunk"})
     optim = _build(OptimConfig, d["optim"], "optim")
-    transaction = _build(TransactionConfig, capture, "capture", advantage=advantage,
-                         max_grad_norm=optim.max_grad_norm)
+    transaction = _build(TransactionConfig, capture, "capture", advantage=advantage)
 
     rollout_node = dict(d["rollout"])
     engine = rollout_node.pop("engine")

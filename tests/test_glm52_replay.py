@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from conftest import rel_err
+from longstraw_cli.distributed.strategy import LocalStrategy
 from longstraw_cli.models import build_model
 from longstraw_cli.models.glm52.model import topk_lowest_position
 from longstraw_cli.rl.losses import LossConfig
@@ -171,11 +172,11 @@ def test_transaction_runs_and_changes_parameters():
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     g = torch.Generator().manual_seed(11)
     prompt = torch.randint(0, 259, (60,), generator=g)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    tx = Transaction(model, opt, LossConfig(name="grpo"), TransactionConfig(block_size=16))
+    strategy = LocalStrategy(model, torch.optim.SGD(model.parameters(), lr=0.5), max_grad_norm=1.0)
+    tx = Transaction(model, strategy, LossConfig(name="grpo"), TransactionConfig(block_size=16))
     for step in range(2):
         responses = [torch.randint(0, 259, (10,), generator=g) for _ in range(3)]
-        result = tx.run(prompt, responses, torch.rand(3, generator=g))
+        result = tx.run(prompt, responses, torch.rand(3, generator=g), tx.capture(prompt))
         assert torch.isfinite(torch.tensor(result.stats["grad_norm"])) and result.stats["grad_norm"] > 0
         assert result.graph_live_bytes_after == 0
         assert result.resident_bytes == model.resident_bytes(59)

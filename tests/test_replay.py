@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from conftest import randomize_, rel_err
+from longstraw_cli.distributed.strategy import LocalStrategy
 from longstraw_cli.models import build_model
 from longstraw_cli.rl.losses import GroupShape, LossConfig, response_loss
 from longstraw_cli.rl.advantages import get_advantage
-from longstraw_cli.telemetry.memory import GraphMemory
+from longstraw_cli.telemetry.memory import GraphMemory, PhaseClock
 from longstraw_cli.transaction import Transaction, TransactionConfig
 
 
@@ -89,9 +90,9 @@ def make_group(G, R=12, P=60, seed=0):
 
 def run_transaction(model, G, lr=1.0, **kw):
     prompt, responses, rewards = make_group(G, **kw)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    tx = Transaction(model, opt, LossConfig(name="grpo"), TransactionConfig(block_size=16, max_grad_norm=None))
-    return tx, tx.run(prompt, responses, rewards), (prompt, responses, rewards)
+    strategy = LocalStrategy(model, torch.optim.SGD(model.parameters(), lr=lr), max_grad_norm=None)
+    tx = Transaction(model, strategy, LossConfig(name="grpo"), TransactionConfig(block_size=16))
+    return tx, tx.run(prompt, responses, rewards, tx.capture(prompt)), (prompt, responses, rewards)
 
 
 def test_transaction_update_is_sum_of_per_response_updates():
@@ -122,9 +123,9 @@ def test_resident_is_untouched_by_replays_and_no_graph_outlives_a_replay():
     prompt, responses, rewards = make_group(4)
     resident = model.capture(prompt, block_size=16)
     snapshot = [t.clone() for t in resident.tensors()]
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    tx = Transaction(model, opt, LossConfig(name="grpo"), TransactionConfig(block_size=16))
-    result = tx.run(prompt, responses, rewards, resident=resident)
+    strategy = LocalStrategy(model, torch.optim.SGD(model.parameters(), lr=0.0), max_grad_norm=1.0)
+    tx = Transaction(model, strategy, LossConfig(name="grpo"), TransactionConfig(block_size=16))
+    result = tx.run(prompt, responses, rewards, resident)
     assert all(torch.equal(a, b) for a, b in zip(snapshot, resident.tensors()))
     assert result.graph_peak_bytes > 0
     assert result.graph_live_bytes_after == 0
@@ -163,12 +164,33 @@ def test_accounted_peak_memory_does_not_grow_with_group_size():
 
 def test_transaction_rejects_bad_groups():
     model = tiny(torch.float32)
-    tx = Transaction(model, torch.optim.SGD(model.parameters(), lr=0.0), LossConfig())
+    strategy = LocalStrategy(model, torch.optim.SGD(model.parameters(), lr=0.0), max_grad_norm=1.0)
+    tx = Transaction(model, strategy, LossConfig())
     prompt, responses, rewards = make_group(2)
     with pytest.raises(ValueError, match=">= 2 responses"):
-        tx.run(prompt, responses[:1], rewards[:1])
+        tx.run(prompt, responses[:1], rewards[:1], tx.capture(prompt))
     with pytest.raises(ValueError, match="kl_coef"):
-        Transaction(model, torch.optim.SGD(model.parameters(), lr=0.0), LossConfig(kl_coef=0.1))
+        Transaction(model, strategy, LossConfig(kl_coef=0.1))
+
+
+def test_transaction_times_its_phases_on_the_callers_clock():
+    """One clock per iteration: the caller's phases (here the capture) and the transaction's land on it, in order;
+    a repeated phase accumulates. On CPU the clock records time only (no allocator peak)."""
+    model = tiny(torch.float32)
+    prompt, responses, rewards = make_group(2)
+    tx = Transaction(model, LocalStrategy(model, torch.optim.SGD(model.parameters(), lr=0.0), max_grad_norm=1.0),
+                     LossConfig())
+    clock = PhaseClock("cpu")
+    with clock.phase("capture"):
+        resident = tx.capture(prompt)
+    result = tx.run(prompt, responses, rewards, resident, clock=clock)
+    assert list(clock.time_metrics()) == ["time/capture", "time/score", "time/replay", "time/finalize", "time/step"]
+    assert result.seconds is clock.seconds and all(s > 0 for s in clock.seconds.values())
+    assert clock.memory_metrics() == {} and result.cuda_peak_bytes == {}
+    replay = clock.seconds["replay"]
+    with clock.phase("replay"):
+        pass
+    assert clock.seconds["replay"] >= replay and len(clock.seconds) == 5
 
 
 @pytest.mark.parametrize("block_size", [16, 25, 1000])
