@@ -103,9 +103,9 @@ def test_glm52_capture_and_replay_through_the_kernel_select_the_same_keys(monkey
     """Capture (one key group, offset = the block's start) and replay (pages, then the response's own keys as a
     second group with its own offset) with the kernel in place of the reference: same selections, so the same
     log-probs bit for bit. Few rows per scoring call, so the per-chunk offsets are exercised too."""
-    from test_glm52_replay import ids, tiny
+    from conftest import ids, random_model
 
-    model = tiny(torch.float32)
+    model = random_model("glm52_tiny", torch.float32)
     prompt, responses = ids(150, 11), torch.stack([ids(20, 12), ids(20, 13)])
     resident = model.capture(prompt, block_size=40)
     ref = model.logprobs(resident, responses)

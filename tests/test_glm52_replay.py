@@ -4,8 +4,7 @@ native rollout and one transaction."""
 import pytest
 import torch
 
-from conftest import rel_err
-from longstraw_cli.models import build_model
+from conftest import grads, ids, random_model, rel_err
 from longstraw_cli.models.glm52.model import topk_lowest_position
 from longstraw_cli.rl.losses import LossConfig
 from longstraw_cli.rollout.native import SamplingConfig, generate
@@ -16,30 +15,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(dtype=torch.float64, seed=0):
-    """glm52_tiny with every parameter and the router bias random (the bias large enough to change choices)."""
-    model = build_model("glm52_tiny", dtype=dtype)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            scale = 0.25 if "norm" in name else 0.1
-            p.copy_((1.0 if "norm" in name else 0.0) + scale * torch.randn(p.shape, generator=g))
-        for name, b in model.named_buffers():
-            b.copy_(0.3 * torch.randn(b.shape, generator=g))
-    return model
+    return random_model("glm52_tiny", dtype, seed)
 
 
 def reference_logprobs(model, prompt, response, grad_prefix):
     logits = model(torch.cat([prompt, response]), grad_prefix=grad_prefix)
     logp = torch.log_softmax(logits.double(), -1)[prompt.numel() - 1 : -1]
     return logp.gather(-1, response[:, None])[:, 0]
-
-
-def grads(model):
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def ids(n, seed):
-    return torch.randint(0, 259, (n,), generator=torch.Generator().manual_seed(seed))
 
 
 def test_topk_ties_go_to_the_lower_position():
