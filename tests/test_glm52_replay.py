@@ -1,5 +1,6 @@
-"""glm52: capture + replay against the full-sequence reference; gradients, immutability, bytes, offload,
-native rollout and one transaction."""
+"""glm52's own checks: top-k ties, latent-only resident bytes, offloaded capture, a transaction that moves the
+experts and not the indexer, LoRA on every linear. The model contract that every family meets (capture and replay
+against the full-sequence reference, gradients, immutability, rollout) is in test_model_contract.py."""
 
 import pytest
 import torch
@@ -7,8 +8,6 @@ import torch
 from conftest import grads, ids, random_model, rel_err
 from longstraw_cli.models.glm52.model import topk_lowest_position
 from longstraw_cli.rl.losses import LossConfig
-from longstraw_cli.rollout.native import SamplingConfig, generate
-from longstraw_cli.telemetry.memory import GraphMemory
 from longstraw_cli.transaction import Transaction, TransactionConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -34,41 +33,6 @@ def test_topk_ties_go_to_the_lower_position():
     assert torch.equal(topk_lowest_position(x, 7), x.topk(7).indices.sort(-1).values)
 
 
-def test_response_only_gradients_match_full_sequence_reference():
-    model = tiny()
-    prompt, response = ids(90, 0), ids(30, 1)
-    weights = torch.randn(30, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-
-    (weights * reference_logprobs(model, prompt, response, grad_prefix=prompt.numel() - 1)).sum().backward()
-    ref = grads(model)
-    model.zero_grad(set_to_none=True)
-    resident = model.capture(prompt, block_size=16)
-    (weights * model.logprobs(resident, response, grad=True)).sum().backward()
-    got = grads(model)
-
-    indexer = {n for n, _ in model.named_parameters() if ".indexer." in n}
-    assert indexer and not indexer & (set(ref) | set(got)), "the indexer must get no gradient"
-    assert got.keys() == ref.keys() == {n for n, _ in model.named_parameters()} - indexer
-    worst = max(rel_err(got[n], ref[n]) for n in ref)
-    print(f"glm52 response_only gradient max rel err vs full-sequence reference (fp64) {worst:.3e}")
-    assert worst <= 1e-10
-    # the check discriminates: the full gradient (prompt not constant) differs
-    model.zero_grad(set_to_none=True)
-    (weights * reference_logprobs(model, prompt, response, grad_prefix=0)).sum().backward()
-    name = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
-    assert rel_err(grads(model)[name], ref[name]) > 1e-3
-
-
-@pytest.mark.parametrize("prompt_len,block_size", [(1, 4), (2, 1), (17, 16), (150, 40)])
-def test_capture_logprobs_match_reference(prompt_len, block_size):
-    model = tiny()
-    prompt, response = ids(prompt_len, prompt_len), ids(25, 100 + prompt_len)
-    resident = model.capture(prompt, block_size=block_size)
-    with torch.no_grad():
-        ref = reference_logprobs(model, prompt, response, 0)
-    assert rel_err(model.logprobs(resident, response), ref) < 1e-12
-
-
 @pytest.mark.parametrize("page_dtype", [None, torch.bfloat16])
 def test_resident_bytes_are_latent_pages_only(page_dtype):
     model = tiny(torch.float32)
@@ -86,24 +50,8 @@ def test_resident_bytes_are_latent_pages_only(page_dtype):
     assert shared and all(resident.layers[i].index_PI is None for i in shared)
 
 
-def test_resident_is_untouched_by_replays_and_no_graph_outlives_a_replay():
-    model = tiny(torch.float32)
-    resident = model.capture(ids(80, 4), block_size=32)
-    snapshot = [t.clone() for t in resident.tensors()]
-    response = ids(12, 5)
-    meter = GraphMemory(exclude=[*model.parameters(), *resident.tensors()])
-    with meter:
-        logp = model.logprobs(resident, response, grad=True)
-        assert meter.live_bytes > 0
-        logp.sum().backward()
-        del logp
-    model.logprobs(resident, torch.stack([response, ids(12, 6)]))
-    assert meter.live_bytes == 0
-    assert all(torch.equal(a, b) for a, b in zip(snapshot, resident.tensors()))
-
-
 @pytest.mark.parametrize("block_size", [16, 45, 1000])
-def test_layer_by_layer_capture_equals_block_capture_and_offload_is_identical(block_size):
+def test_offloaded_capture_is_identical_to_layer_by_layer_capture(block_size):
     model = tiny()
     prompt, response = ids(110, 7), ids(15, 8)
     blockwise = model.capture(prompt, block_size=block_size)
@@ -111,8 +59,7 @@ def test_layer_by_layer_capture_equals_block_capture_and_offload_is_identical(bl
     offloaded = model.capture(prompt, block_size=block_size, offload="cpu")
     assert offloaded.offload == "cpu" and all(t.device.type == "cpu" for t in offloaded.tensors())
     assert offloaded.nbytes() == blockwise.nbytes()
-    for a, b, c in zip(blockwise.tensors(), span.tensors(), offloaded.tensors()):
-        assert rel_err(b, a) < 1e-12
+    for b, c in zip(span.tensors(), offloaded.tensors()):
         assert torch.equal(c, b)
 
     def logp_and_grads(resident):
@@ -125,27 +72,8 @@ def test_layer_by_layer_capture_equals_block_capture_and_offload_is_identical(bl
     lp_off, g_off = logp_and_grads(offloaded)
     assert torch.equal(lp_off, lp_span)
     assert g_off.keys() == g_span.keys() and all(torch.equal(g_off[n], g_span[n]) for n in g_span)
-    assert rel_err(model.logprobs(blockwise, response), lp_span) < 1e-12
     with pytest.raises(ValueError, match="offload"):
         model.capture(prompt, offload="disk")
-
-
-def test_native_rollout_equals_replay_and_greedy_full_forward():
-    model = tiny()
-    prompt = ids(70, 9)
-    for offload in (None, "cpu"):
-        resident = model.capture(prompt, block_size=16, offload=offload)
-        snapshot = [t.clone() for t in resident.tensors()]
-        rollout = generate(model, resident, 3, SamplingConfig(max_new_tokens=20), torch.Generator().manual_seed(1))
-        assert all(torch.equal(a, b) for a, b in zip(snapshot, resident.tensors()))
-        for response, logp in zip(rollout.responses, rollout.logprobs):
-            assert rel_err(logp, model.logprobs(resident, response)) < 1e-10
-    greedy = generate(model, resident, 2, SamplingConfig(temperature=0, max_new_tokens=20)).responses[0]
-    with torch.no_grad():
-        seq = prompt
-        for _ in range(20):
-            seq = torch.cat([seq, model(seq)[-1].argmax()[None]])
-    assert torch.equal(greedy, seq[prompt.numel() :])
 
 
 def test_transaction_runs_and_changes_parameters():
