@@ -3,6 +3,7 @@ pages, the DSA selection of every layer (integer-equal, capture and replay), sco
 (expert gradients slice-wise under EP), native rollout, per-rank resident bytes."""
 
 import collections
+import functools
 import os
 
 import pytest
@@ -13,8 +14,7 @@ from conftest import join_gloo, random_model, rel_err, run_ranks
 from longstraw_cli.distributed import ep as ep_module
 from longstraw_cli.distributed.cp import apply_context_parallel, shard_bounds
 from longstraw_cli.distributed.cp_topk import topk_lowest_index_ties
-from longstraw_cli.distributed.ep import (apply_expert_parallel, expert_bounds, gather_expert_params,
-                                          load_expert_params)
+from longstraw_cli.distributed.ep import apply_expert_parallel, expert_bounds, gather_expert_params, load_expert_params
 from longstraw_cli.distributed.topology import ParallelDims
 from longstraw_cli.models.glm52.model import topk_lowest_position
 from longstraw_cli.rollout.native import SamplingConfig, generate
@@ -95,7 +95,7 @@ def _worker(rank, world, port, out_dir):
         if ep > 1:
             apply_expert_parallel(model, ep_group, cp_group=dist.group.WORLD)
         modes.clear()
-        results[name] = run(model, lambda p: model.capture(p, block_size=BLOCK), prompt_len)
+        results[name] = run(model, functools.partial(model.capture, block_size=BLOCK), prompt_len)
         results[name]["modes"] = dict(modes)
         if ep > 1:
             gathered = gather_expert_params(model, ep_group)
@@ -114,6 +114,8 @@ def _worker(rank, world, port, out_dir):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 4])
 def test_glm52_context_and_expert_parallel_equal_one_rank(tmp_path, world):
     run_ranks(_worker, world, str(tmp_path), timeout_s=300)

@@ -127,6 +127,7 @@ def test_glm52_capture_and_replay_through_the_kernel_select_the_same_keys(monkey
     assert any(o is not None and o > 0 for o in calls) and {0, 7, 14} <= set(calls)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("shared", [True, False], ids=["shared_keys", "per_sequence_keys"])
 def test_cuda_bf16_realistic_sizes(shared):
@@ -142,6 +143,7 @@ def test_cuda_bf16_realistic_sizes(shared):
     assert err < 1e-5
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_fp32_ieee_and_awkward_sizes():
     q_BTJI, w_BTJ, k = make_case(2, 1000, 3001, 16, 72, False, torch.float32, device="cuda")
@@ -153,6 +155,7 @@ def test_cuda_fp32_ieee_and_awkward_sizes():
         assert err < 1e-5
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_env_forces_the_reference(monkeypatch):
     q_BTJI, w_BTJ, k = make_case(1, 100, 300, 4, 16, True, torch.bfloat16, device="cuda")

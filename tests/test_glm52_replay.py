@@ -83,7 +83,7 @@ def test_transaction_runs_and_changes_parameters():
     prompt = torch.randint(0, 259, (60,), generator=g)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     tx = Transaction(model, opt, LossConfig(name="grpo"), TransactionConfig(block_size=16))
-    for step in range(2):
+    for _ in range(2):
         responses = [torch.randint(0, 259, (10,), generator=g) for _ in range(3)]
         result = tx.run(prompt, responses, torch.rand(3, generator=g))
         assert torch.isfinite(torch.tensor(result.stats["grad_norm"])) and result.stats["grad_norm"] > 0

@@ -8,12 +8,11 @@ import pytest
 import torch
 
 import longstraw_kernels.dsa as dsa
-from longstraw_kernels.mla import dispatch as mla_dispatch
-
 from conftest import grads, ids, random_model, rel_err
 from longstraw_cli.models import build_model
+from longstraw_kernels.mla import dispatch as mla_dispatch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 def run(model, prompt, response, offload=None, block_size=512):

@@ -31,6 +31,9 @@ from longstraw_cli.rl.advantages import get_advantage
 from longstraw_cli.rl.losses import LossConfig
 from longstraw_cli.transaction import Transaction, TransactionConfig
 
+# every case runs on spawned gloo ranks or under torchrun
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
 G, STEPS, MAX_GRAD_NORM = 3, 2, 0.5
 TX = TransactionConfig(block_size=16, max_grad_norm=MAX_GRAD_NORM)
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
@@ -212,7 +215,7 @@ def compare(name, got, dtype, lora=False):
     """(worst parameter rel err, worst update rel err) against the one-process average; asserts the norms."""
     want, want_norms = reference(dtype, lora)
     start = make_model(dtype, lora=lora)
-    params = err = update = 0.0
+    err = update = 0.0
     for n, w in want.items():
         err = max(err, rel_err(got["params"][n], w))
         moved = start.get_parameter(n).detach()
