@@ -288,7 +288,7 @@ def test_context_parallel_under_data_parallel_equals_dp2_cp1(dp2, cp2_dp2, name)
         assert got["norms"] == pytest.approx(want["norms"], rel=1e-10)
 
 
-# ddp, the default, runs under torchrun in tests/test_cli.py (test_torchrun_ranks_share_one_run_dir)
+# ddp, the default, runs under torchrun in tests/e2e/test_cli.py (test_torchrun_ranks_share_one_run_dir)
 @pytest.mark.parametrize("name", ["fsdp2", "deepspeed"])
 def test_longstraw_train_under_torchrun(tmp_path, name):
     if name == "deepspeed" and not HAS_DEEPSPEED:
