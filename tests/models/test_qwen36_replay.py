@@ -5,7 +5,7 @@ in test_model_contract.py."""
 import pytest
 import torch
 
-from conftest import randomize_
+from conftest import ids, randomize_
 from longstraw_cli.models import build_model
 from longstraw_cli.rl.losses import LossConfig
 from longstraw_cli.transaction import Transaction
@@ -30,19 +30,10 @@ def test_resident_bytes_match_analytic_formula(page_dtype):
     assert resident.nbytes()["recurrent_state"] == 6 * 4 * 16 * 16 * 4
 
 
-def make_group(G, R=12, P=60, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, 259, (P,), generator=g)
-    responses = [torch.randint(0, 259, (R,), generator=g) for _ in range(G)]
-    rewards = torch.rand(G, generator=g)
-    return prompt, responses, rewards
-
-
 def test_transaction_rejects_bad_groups():
     model = tiny(torch.float32)
     tx = Transaction(model, torch.optim.SGD(model.parameters(), lr=0.0), LossConfig())
-    prompt, responses, rewards = make_group(2)
     with pytest.raises(ValueError, match=">= 2 responses"):
-        tx.run(prompt, responses[:1], rewards[:1])
+        tx.run(ids(60, 0), [ids(12, 1)], torch.rand(1))
     with pytest.raises(ValueError, match="kl_coef"):
         Transaction(model, torch.optim.SGD(model.parameters(), lr=0.0), LossConfig(kl_coef=0.1))
