@@ -31,6 +31,9 @@ from longstraw_cli.rl.advantages import get_advantage
 from longstraw_cli.rl.losses import LossConfig
 from longstraw_cli.transaction import Transaction, TransactionConfig
 
+# every case runs on spawned gloo ranks or under torchrun
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
 G, STEPS, MAX_GRAD_NORM = 3, 2, 0.5
 TX = TransactionConfig(block_size=16)
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
@@ -217,7 +220,7 @@ def compare(name, got, dtype, lora=False):
     """(worst parameter rel err, worst update rel err) against the one-process average; asserts the norms."""
     want, want_norms = reference(dtype, lora)
     start = make_model(dtype, lora=lora)
-    params = err = update = 0.0
+    err = update = 0.0
     for n, w in want.items():
         err = max(err, rel_err(got["params"][n], w))
         moved = start.get_parameter(n).detach()
@@ -290,7 +293,7 @@ def test_context_parallel_under_data_parallel_equals_dp2_cp1(dp2, cp2_dp2, name)
         assert got["norms"] == pytest.approx(want["norms"], rel=1e-10)
 
 
-# ddp, the default, runs under torchrun in tests/test_cli.py (test_torchrun_ranks_share_one_run_dir)
+# ddp, the default, runs under torchrun in tests/e2e/test_cli.py (test_torchrun_ranks_share_one_run_dir)
 @pytest.mark.parametrize("name", ["fsdp2", "deepspeed"])
 def test_longstraw_train_under_torchrun(tmp_path, name):
     if name == "deepspeed" and not HAS_DEEPSPEED:

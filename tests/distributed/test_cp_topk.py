@@ -16,11 +16,14 @@ import torch
 import torch.distributed as dist
 
 from conftest import cached_rank_results, join_gloo, rel_err
-
 from longstraw_cli.distributed.cp import shard_bounds
 from longstraw_cli.distributed.cp_attention import _AllReduceGrad, _MergeAcrossRanks
-from longstraw_cli.distributed.cp_topk import (cp_global_topk, local_selection, local_selection_mask,
-                                               topk_lowest_index_ties)
+from longstraw_cli.distributed.cp_topk import (
+    cp_global_topk,
+    local_selection,
+    local_selection_mask,
+    topk_lowest_index_ties,
+)
 
 F64, F32, BF16 = torch.float64, torch.float32, torch.bfloat16
 # world size -> name -> (keys per rank, T queries, k, kind of scores, dtype). Fewer shards than ranks: CP groups
@@ -200,6 +203,7 @@ def cp_results(tmp_path_factory):
     return cached_rank_results(tmp_path_factory, _worker, "topk")
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world_size,name", [(w, n) for w, cases in CASES.items() for n in cases])
 def test_global_topk_matches_one_rank(cp_results, world_size, name):
     keys_W, T, k, kind, dtype = CASES[world_size][name]
@@ -226,6 +230,7 @@ def test_global_topk_matches_one_rank(cp_results, world_size, name):
     assert torch.equal(selected_T, torch.full((T,), ref_Tk.shape[1])), selected_T
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world_size", list(ATTN_CASES))
 def test_sparse_attention_merged_across_ranks(cp_results, world_size):
     keys_W = ATTN_CASES[world_size][0]
