@@ -17,9 +17,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +24,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from longstraw_cli.checkpoint import atomic_directory
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj", "gate_proj",
                    "up_proj", "down_proj")
@@ -94,6 +93,13 @@ class LoraConfig:
         return self.alpha / self.rank
 
 
+@torch.no_grad()
+def merge_lora(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """W + scale * B @ A (A [r, in], B [out, r]), computed in at least fp32 and rounded once to W's dtype."""
+    dtype = torch.promote_types(torch.promote_types(w.dtype, a.dtype), torch.float32)
+    return (w.to(dtype) + scale * (b.to(dtype) @ a.to(dtype))).to(w.dtype)
+
+
 class LoraLinear(nn.Linear):
     """nn.Linear plus a low-rank update; `weight` and `bias` are the wrapped linear's own Parameters."""
 
@@ -128,13 +134,8 @@ class LoraLinear(nn.Linear):
         delta = F.linear(F.linear(h, self.lora_A), self.lora_B) * self.scaling
         return out + delta.to(out.dtype)
 
-    @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:
-        """W + scale * B @ A, computed in at least fp32 and rounded once to W's dtype."""
-        w = self.weight
-        dtype = torch.promote_types(torch.promote_types(w.dtype, self.lora_A.dtype), torch.float32)
-        delta = self.lora_B.to(dtype) @ self.lora_A.to(dtype)
-        return (w.to(dtype) + self.scaling * delta).to(w.dtype)
+        return merge_lora(self.weight, self.lora_A, self.lora_B, self.scaling)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.rank}, alpha={self.alpha:g}, adapter_enabled={self.adapter_enabled}"
@@ -283,8 +284,7 @@ def merged_state_dict(model: nn.Module, device: str | torch.device | None = None
 def export_hf(model: nn.Module, out_dir: str | Path) -> Path:
     """Write a qwen36 model, adapters merged, as an HF `qwen3_5_text` directory (config.json + model.safetensors).
 
-    The directory appears whole or not at all: files are written into a temp dir beside it, then renamed; an
-    existing out_dir is replaced."""
+    The directory appears whole or not at all (`checkpoint.atomic_directory`); an existing out_dir is replaced."""
     from safetensors.torch import save_file
 
     from longstraw_cli.models.qwen36.hf import config_to_hf
@@ -304,26 +304,13 @@ def export_hf(model: nn.Module, out_dir: str | Path) -> Path:
     hf_config = config_to_hf(model.config)
     hf_config["dtype"] = str(tensors["model.embed_tokens.weight"].dtype).removeprefix("torch.")
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with atomic_directory(out) as tmp:
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        os.chmod(tmp, 0o755)
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return out
 
 
 __all__ = [
     "DEFAULT_TARGETS", "LoraConfig", "LoraLinear", "ReferencePolicy", "adapters_disabled", "apply_lora",
-    "export_hf", "load_lora_state_dict", "lora_layers", "lora_state_dict", "merged_state_dict",
+    "export_hf", "load_lora_state_dict", "lora_layers", "lora_state_dict", "merge_lora", "merged_state_dict",
 ]
