@@ -198,7 +198,7 @@ def plan(argv: list[str]) -> int:
         planned = [spec for spec in families() if spec.plan]
         _fail(f"the memory plan models the {' / '.join(s.name for s in planned)} family only, not "
               f"{model.path or model.name!r}; valid: {sorted(name for s in planned for name in s.configs)} or a "
-              f"{' / '.join(t for s in planned for t in s.hf_model_types)} model.path")
+              f"{' / '.join(t for s in planned for t in s.hf.model_types)} model.path")
 
     def integer(key: str) -> int:
         value = OmegaConf.select(cfg, key)

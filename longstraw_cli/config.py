@@ -172,9 +172,9 @@ def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
         raise ConfigError(f"ep={d['ep']} splits routed experts, but model {model_name!r} has none; use ep=1, or a "
                           f"{' / '.join(s.name for s in with_experts)} model "
                           f"({', '.join(name for s in with_experts for name in s.configs)})")
-    if family is not None and family.export_refusal is not None and (
+    if family is not None and family.hf.export_refusal is not None and (
             d["export_hf"] or d["rollout"].get("engine") == "vllm"):
-        raise ConfigError(f"model {model_name!r}: {family.export_refusal}")
+        raise ConfigError(f"model {model_name!r}: {family.hf.export_refusal}")
     strategy = d.get("strategy", {}).get("name", "ddp") if isinstance(d.get("strategy"), dict) else "ddp"
     if d["ep"] > 1 and strategy != "ddp":
         raise ConfigError(f"ep={d['ep']} runs with strategy=ddp only (fsdp2 and deepspeed do not know the expert "

@@ -300,8 +300,8 @@ def export_hf(model: nn.Module, out_dir: str | Path) -> Path:
     from longstraw_cli.models.spec import family_of
 
     spec = family_of(model)
-    if spec.export_refusal is not None:
-        raise ValueError(f"model family {spec.name!r}: {spec.export_refusal}")
+    if spec.hf.export_refusal is not None:
+        raise ValueError(f"model family {spec.name!r}: {spec.hf.export_refusal}")
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"export target {out} exists and is not a directory")
@@ -312,7 +312,7 @@ def export_hf(model: nn.Module, out_dir: str | Path) -> Path:
         # HF re-ties lm_head to embed_tokens on load; safetensors refuses two names for one storage anyway
         tensors.pop("lm_head.weight", None)
     tensors = {k: v.contiguous() for k, v in tensors.items()}
-    hf_config = spec.config_to_hf(model.config)
+    hf_config = spec.hf.config_to_hf(model.config)
     hf_config["dtype"] = str(tensors["model.embed_tokens.weight"].dtype).removeprefix("torch.")
 
     with atomic_directory(out) as tmp:

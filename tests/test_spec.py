@@ -63,9 +63,9 @@ def test_unknown_names_are_value_errors_naming_the_valid_choices(call, message):
 def test_hf_model_types_map_to_their_family():
     for spec in families():
         cfg = next(iter(spec.configs.values()))
-        hf = spec.config_to_hf(cfg)
-        assert hf["model_type"] in spec.hf_model_types
-        assert family_of_hf(hf) is spec and config_from_hf(hf) == spec.config_from_hf(hf)
+        hf = spec.hf.config_to_hf(cfg)
+        assert hf["model_type"] in spec.hf.model_types
+        assert family_of_hf(hf) is spec and config_from_hf(hf) == spec.hf.config_from_hf(hf)
 
 
 def test_registering_a_name_twice_is_refused():
@@ -87,13 +87,13 @@ def test_parallel_hooks_resolve_and_missing_ones_are_refused():
 
 def test_plan_and_export_are_declared_per_family():
     assert [spec.name for spec in families() if spec.plan] == ["qwen36"]
-    assert get_family("qwen36").export_refusal is None
-    assert "glm52 is not (yet)" in get_family("glm52").export_refusal
+    assert get_family("qwen36").hf.export_refusal is None
+    assert "glm52 is not (yet)" in get_family("glm52").hf.export_refusal
 
 
 def test_config_json_is_read_once_until_it_changes(tmp_path):
     model = build_model("qwen36_tiny", seed=0)
-    (tmp_path / "config.json").write_text(json.dumps(get_family("qwen36").config_to_hf(model.config)))
+    (tmp_path / "config.json").write_text(json.dumps(get_family("qwen36").hf.config_to_hf(model.config)))
     first = hf_model_config(tmp_path)
     assert hf_model_config(tmp_path) is first
     hf = json.loads((tmp_path / "config.json").read_text())

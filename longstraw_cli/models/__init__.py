@@ -53,7 +53,7 @@ def build_model(name: str, *, dtype: torch.dtype = torch.float32, device: str | 
 
 def config_from_hf(hf_config: dict):
     """The family's config of an HF config.json dict, chosen by its model_type."""
-    return family_of_hf(hf_config).config_from_hf(hf_config)
+    return family_of_hf(hf_config).hf.config_from_hf(hf_config)
 
 
 def hf_model_config(path: str | Path) -> tuple[FamilySpec, object]:
@@ -70,7 +70,7 @@ def hf_model_config(path: str | Path) -> tuple[FamilySpec, object]:
 def _read_hf_config(config_file: str, mtime_ns: int, size: int) -> tuple[FamilySpec, object]:
     hf_config = json.loads(Path(config_file).read_text())
     spec = family_of_hf(hf_config)
-    return spec, spec.config_from_hf(hf_config)
+    return spec, spec.hf.config_from_hf(hf_config)
 
 
 def _read_safetensors(path: Path):
@@ -105,7 +105,7 @@ def from_pretrained(path: str | Path, dtype: torch.dtype = torch.float32,
     targets.update(model.named_buffers())
     filled = {name: 0 for name in targets}
     for key, tensor in _read_safetensors(path):
-        mapped = spec.hf_key_map(key, cfg)
+        mapped = spec.hf.key_map(key, cfg)
         if mapped is None:
             continue
         name, index = mapped

@@ -17,8 +17,23 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FamilySpec", "config_with_overrides", "families", "family_of", "family_of_hf", "get_family",
+__all__ = ["FamilySpec", "HFAdapter", "config_with_overrides", "families", "family_of", "family_of_hf", "get_family",
            "register_family"]
+
+
+@dataclass(frozen=True)
+class HFAdapter:
+    """How a family reads and writes Hugging Face directories."""
+
+    # config.json model types it reads
+    model_types: tuple[str, ...]
+    # config.json dict <-> the family's config
+    config_from_hf: Callable[[dict], Any]
+    config_to_hf: Callable[[Any], dict]
+    # (checkpoint key, config) -> (our parameter/buffer name, index of the part the key fills; () = all), or None
+    key_map: Callable[[str, Any], tuple[str, tuple] | None]
+    # None: export_hf and rollout=vllm write this family's directories; else why they do not
+    export_refusal: str | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -28,18 +43,11 @@ class FamilySpec:
     # the NAMED_CONFIGS dict, and the function that builds one with keyword overrides
     configs: Mapping[str, Any]
     named_config: Callable[..., Any]
-    # HF adapter: the config.json model types it reads, config.json dict <-> family config, and
-    # hf_key_map(checkpoint key, config) -> (our parameter/buffer name, index of the part it fills) or None
-    hf_model_types: tuple[str, ...]
-    config_from_hf: Callable[[dict], Any]
-    config_to_hf: Callable[[Any], dict]
-    hf_key_map: Callable[[str, Any], tuple[str, tuple] | None]
+    hf: HFAdapter
     lora_targets: tuple[str, ...]
     # "module:function" hooks: apply_context_parallel(model, group), apply_expert_parallel(model, ep_group, cp_group=)
     context_parallel: str | None = None
     expert_parallel: str | None = None
-    # export_hf / rollout=vllm write HF directories of this family; None: they do, else why they do not
-    export_refusal: str | None = None
     # whether `longstraw plan` models the family's memory
     plan: bool = False
 
@@ -102,9 +110,9 @@ def family_of_hf(hf_config: dict) -> FamilySpec:
     """The family that reads an HF config.json dict, by its model_type."""
     model_type = hf_config.get("model_type")
     for spec in families():
-        if model_type in spec.hf_model_types:
+        if model_type in spec.hf.model_types:
             return spec
-    valid = [t for spec in families() for t in spec.hf_model_types]
+    valid = [t for spec in families() for t in spec.hf.model_types]
     raise ValueError(f"model_type {model_type!r} is not a checkpoint LongStraw reads; valid: {valid}")
 
 

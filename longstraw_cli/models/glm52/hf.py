@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 
 from longstraw_cli.models.glm52.config import Glm52Config
+from longstraw_cli.models.spec import HFAdapter
 
 MODEL_TYPES = ("glm_moe_dsa",)
 
@@ -122,3 +123,10 @@ def config_to_hf(cfg: Glm52Config) -> dict:
         "hidden_act": "silu",
         "attention_bias": False,
     }
+
+
+ADAPTER = HFAdapter(
+    MODEL_TYPES, config_from_hf, config_to_hf, hf_to_local,
+    export_refusal="export_hf and rollout=vllm write HF qwen3_5_text directories, which glm52 is not (yet); use "
+                   "export_hf=false and rollout=native",
+)

@@ -10,15 +10,10 @@ SPEC = register_family(FamilySpec(
     model_cls=Glm52ForCausalLM,
     configs=NAMED_CONFIGS,
     named_config=named_config,
-    hf_model_types=hf.MODEL_TYPES,
-    config_from_hf=hf.config_from_hf,
-    config_to_hf=hf.config_to_hf,
-    hf_key_map=hf.hf_to_local,
+    hf=hf.ADAPTER,
     # routed experts are 3-D parameters, not nn.Linear: they are not adapted
     lora_targets=("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
                   "down_proj"),
     context_parallel="longstraw_cli.distributed.cp_glm52:apply_context_parallel_glm52",
     expert_parallel="longstraw_cli.distributed.ep:apply_expert_parallel",
-    export_refusal="export_hf and rollout=vllm write HF qwen3_5_text directories, which glm52 is not (yet); use "
-                   "export_hf=false and rollout=native",
 ))

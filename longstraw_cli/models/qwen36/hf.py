@@ -7,6 +7,7 @@ text weights under `model.language_model.` beside a vision tower (and `mtp.` hea
 from __future__ import annotations
 
 from longstraw_cli.models.qwen36.config import Qwen36Config
+from longstraw_cli.models.spec import HFAdapter
 
 MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
 
@@ -87,3 +88,6 @@ def config_to_hf(cfg: Qwen36Config) -> dict:
         "hidden_act": "silu",
         "attention_bias": False,
     }
+
+
+ADAPTER = HFAdapter(MODEL_TYPES, config_from_hf, config_to_hf, hf_to_local)
