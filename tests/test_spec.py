@@ -1,6 +1,7 @@
 """The model-family registry: every named config and HF model type maps to one family; unknown names are
 ValueErrors naming the valid choices; the hooks a family names resolve."""
 
+import dataclasses
 import json
 
 import pytest
@@ -68,10 +69,13 @@ def test_hf_model_types_map_to_their_family():
         assert family_of_hf(hf) is spec and config_from_hf(hf) == spec.hf.config_from_hf(hf)
 
 
-def test_registering_a_name_twice_is_refused():
+def test_registering_a_family_or_config_name_twice_is_refused():
     spec = get_family("qwen36")
     with pytest.raises(ValueError, match="registered twice"):
         register_family(spec)
+    with pytest.raises(ValueError, match="names configs \\['qwen36', 'qwen36_mini', 'qwen36_tiny'\\]"):
+        register_family(dataclasses.replace(spec, name="qwen37"))
+    assert [s.name for s in families()] == ["glm52", "qwen36"]
 
 
 def test_parallel_hooks_resolve_and_missing_ones_are_refused():

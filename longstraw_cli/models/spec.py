@@ -70,8 +70,7 @@ _FAMILIES: dict[str, FamilySpec] = {}
 def register_family(spec: FamilySpec) -> FamilySpec:
     if spec.name in _FAMILIES:
         raise ValueError(f"model family {spec.name!r} is registered twice")
-    taken = {name: s.name for s in _FAMILIES.values() for name in s.configs}
-    clash = sorted(set(spec.configs) & set(taken))
+    clash = sorted(name for name in spec.configs if any(name in s.configs for s in _FAMILIES.values()))
     if clash:
         raise ValueError(f"model family {spec.name!r} names configs {clash} that another family already names")
     if getattr(spec.model_cls, "family", None) != spec.name:
