@@ -36,7 +36,7 @@ from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 from longstraw_cli.distributed.strategy import LocalStrategy  # noqa: E402
 from longstraw_cli.lora import LoraConfig, apply_lora  # noqa: E402
-from longstraw_cli.models import MODEL_NAMES, build_model  # noqa: E402
+from longstraw_cli.models import MODEL_NAMES, build_model, family_of  # noqa: E402
 from longstraw_cli.models.logprobs import token_logprobs  # noqa: E402
 from longstraw_cli.plan import plan  # noqa: E402
 from longstraw_cli.rl.advantages import get_advantage  # noqa: E402
@@ -282,8 +282,7 @@ def measure(method: str, bench: dict, prompt_tokens: int, group_size: int, args)
                               + row["resident_bytes"] + row["graph_peak_bytes"])
         if "peak_bytes" in row:
             row["peak_over_bound"] = row["peak_bytes"] / row["bound_bytes"]
-        if model.family != "qwen36":
-            # `longstraw plan` models qwen36 only
+        if not family_of(model).plan:
             return row
         planned = plan(bench["config"], prompt_tokens=prompt_tokens, group_size=group_size,
                        response_tokens=args.response, dtype=args.dtype, lora_rank=args.lora_rank,
