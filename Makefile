@@ -1,4 +1,4 @@
-# LongStraw: `make demo` runs the main job on its embedded default; `make test` runs the CPU suite.
+# LongStraw: `make demo` runs the main job on its embedded default; `make test` runs ruff and the CPU suite.
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
@@ -11,7 +11,9 @@ setup:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "torch==2.13.0"
 	$(PIP) install -q -e ".[test,plot,math]"
 
+# the linter first: it takes a second, the suite minutes
 test: setup
+	$(PYTHON) -m ruff check .
 	$(PYTHON) -m pytest -q tests
 
 demo: setup

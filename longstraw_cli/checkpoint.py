@@ -22,11 +22,13 @@ trainer_state may hold only tensors, numbers, strings, None and lists/tuples/dic
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -149,6 +151,29 @@ def _remove(path: Path) -> None:
     shutil.rmtree(doomed)
 
 
+@contextlib.contextmanager
+def atomic_directory(final: Path) -> Iterator[Path]:
+    """A fresh `<final>.tmp-<pid>` directory beside `final` to write into; on a clean exit it is fsynced and
+    renamed to `final` (an existing `final` is moved to a `.tmp-` name and deleted first), so readers see the
+    old directory or the new one whole, never a part. On an error the temp directory is deleted."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f"{final.name}{_TMP_TAG}{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        yield tmp
+        _fsync_dir(tmp)
+        if final.exists():
+            _remove(final)
+        os.replace(tmp, final)
+        _fsync_dir(final.parent)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
 def _step_of(path: Path) -> int | None:
     match = _STEP_DIR.fullmatch(path.name)
     return int(match.group(1)) if match else None
@@ -202,29 +227,18 @@ class CheckpointManager:
             raise ValueError(f"step must be >= 0, got {step}")
         if trainer_state.get("step", step) != step:
             raise ValueError(f"trainer_state['step'] = {trainer_state['step']} but save was called with step {step}")
-        self.dir.mkdir(parents=True, exist_ok=True)
         final = self.dir / f"step_{step:08d}"
-        tmp = self.dir / f"{final.name}{_TMP_TAG}{os.getpid()}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-
-        save_file(_safetensors_ready(model_state), str(tmp / MODEL_FILE), metadata={"step": str(step)})
-        _fsync_file(tmp / MODEL_FILE)
-        _torch_save(optimizer_state, tmp / OPTIMIZER_FILE)
-        _torch_save({**trainer_state, "step": step}, tmp / TRAINER_FILE)
-        sizes = {name: (tmp / name).stat().st_size for name in (MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE)}
-        with open(tmp / COMPLETE_FILE, "w") as f:
-            json.dump({"step": step, "sizes": sizes}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
-
-        if final.exists():
-            # saving a step twice (a resume that re-saves): the older copy goes first, under a .tmp- name
-            _remove(final)
-        os.replace(tmp, final)
-        _fsync_dir(self.dir)
+        # saving a step twice (a resume that re-saves) replaces the older copy
+        with atomic_directory(final) as tmp:
+            save_file(_safetensors_ready(model_state), str(tmp / MODEL_FILE), metadata={"step": str(step)})
+            _fsync_file(tmp / MODEL_FILE)
+            _torch_save(optimizer_state, tmp / OPTIMIZER_FILE)
+            _torch_save({**trainer_state, "step": step}, tmp / TRAINER_FILE)
+            sizes = {name: (tmp / name).stat().st_size for name in (MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE)}
+            with open(tmp / COMPLETE_FILE, "w") as f:
+                json.dump({"step": step, "sizes": sizes}, f)
+                f.flush()
+                os.fsync(f.fileno())
 
         for old in self.complete()[: -self.keep]:
             _remove(old)

@@ -155,11 +155,9 @@ example: longstraw plan model=qwen36 cp=8 prompt_tokens=2M group_size=8 lora.ran
 def plan(argv: list[str]) -> int:
     from hydra import compose, initialize_config_dir
 
-    import json
-
     from longstraw_cli import plan as planner
     from longstraw_cli.config import ConfigError, ModelConfig
-    from longstraw_cli.models import config_from_hf
+    from longstraw_cli.models import families
 
     if any(a in ("-h", "--help") for a in argv):
         print(PLAN_USAGE)
@@ -192,13 +190,15 @@ def plan(argv: list[str]) -> int:
         model = ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True))
     except ConfigError as e:
         _fail(str(e))
-    if model.path is not None:
-        model_cfg = config_from_hf(json.loads((Path(model.path) / "config.json").read_text()))
-    else:
-        model_cfg = planner.named_config(model.name) if model.name in planner.NAMED_CONFIGS else None
-    if not isinstance(model_cfg, planner.Qwen36Config):
-        _fail(f"the memory plan models the qwen36 family only, not {model.path or model.name!r}; "
-              f"valid: {sorted(planner.NAMED_CONFIGS)} or a qwen3_5_text model.path")
+    try:
+        family, model_cfg = model.family_config()
+    except ValueError as e:
+        _fail(str(e))
+    if not family.plan:
+        planned = [spec for spec in families() if spec.plan]
+        _fail(f"the memory plan models the {' / '.join(s.name for s in planned)} family only, not "
+              f"{model.path or model.name!r}; valid: {sorted(name for s in planned for name in s.configs)} or a "
+              f"{' / '.join(t for s in planned for t in s.hf.model_types)} model.path")
 
     def integer(key: str) -> int:
         value = OmegaConf.select(cfg, key)

@@ -9,7 +9,6 @@ valid choices; the CLI prints it as one line.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Any
 from longstraw_cli.distributed.strategy import StrategyConfig
 from longstraw_cli.distributed.topology import ParallelDims
 from longstraw_cli.lora import LoraConfig
-from longstraw_cli.models import MODEL_NAMES
+from longstraw_cli.models import MODEL_NAMES, families, family_of, hf_model_config
 from longstraw_cli.rl.losses import LossConfig
 from longstraw_cli.rl.tasks import TaskConfig
 from longstraw_cli.rollout.native import NativeConfig, SamplingConfig
@@ -50,15 +49,15 @@ class ModelConfig:
         if self.dtype not in DTYPES:
             raise ConfigError(f"model.dtype={self.dtype!r}; valid: {list(DTYPES)}")
 
-    def max_positions(self) -> int:
+    def family_config(self):
+        """(family spec, the family's model config) of the named shape or of the HF directory's config.json."""
         if self.path is not None:
-            from longstraw_cli.models import config_from_hf
+            return hf_model_config(self.path)
+        spec = family_of(self.name)
+        return spec, spec.configs[self.name]
 
-            return config_from_hf(json.loads((Path(self.path) / "config.json").read_text())).max_position_embeddings
-        from longstraw_cli.models.glm52.config import NAMED_CONFIGS as GLM52_CONFIGS
-        from longstraw_cli.models.qwen36.config import NAMED_CONFIGS
-
-        return {**NAMED_CONFIGS, **GLM52_CONFIGS}[self.name].max_position_embeddings
+    def max_positions(self) -> int:
+        return self.family_config()[1].max_position_embeddings
 
 
 @dataclass(frozen=True)
@@ -66,6 +65,7 @@ class OptimConfig:
     lr: float = 1e-2
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
+    # the one clipping threshold: the strategy's (make_strategy), which finalizes gradients; None: no clipping
     max_grad_norm: float | None = 1.0
 
     def __post_init__(self):
@@ -167,13 +167,16 @@ def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     model_name = str(d["model"].get("name", ""))
-    if d["ep"] > 1 and d["model"].get("path") is None and not model_name.startswith("glm52"):
-        raise ConfigError(f"ep={d['ep']} splits routed experts, but model {model_name!r} has none; "
-                          f"use ep=1, or a glm52 model (glm52, glm52_mini, glm52_tiny)")
-    if model_name.startswith("glm52") and d["model"].get("path") is None and (
+    # a model.path's family is known once its config.json is read (ModelConfig below); a bad name is its error
+    family = family_of(model_name) if d["model"].get("path") is None and model_name in MODEL_NAMES else None
+    if d["ep"] > 1 and family is not None and family.expert_parallel is None:
+        with_experts = [spec for spec in families() if spec.expert_parallel is not None]
+        raise ConfigError(f"ep={d['ep']} splits routed experts, but model {model_name!r} has none; use ep=1, or a "
+                          f"{' / '.join(s.name for s in with_experts)} model "
+                          f"({', '.join(name for s in with_experts for name in s.configs)})")
+    if family is not None and family.hf.export_refusal is not None and (
             d["export_hf"] or d["rollout"].get("engine") == "vllm"):
-        raise ConfigError(f"model {model_name!r}: export_hf and rollout=vllm write HF qwen3_5_text directories, "
-                          f"which glm52 is not (yet); use export_hf=false and rollout=native")
+        raise ConfigError(f"model {model_name!r}: {family.hf.export_refusal}")
     strategy = d.get("strategy", {}).get("name", "ddp") if isinstance(d.get("strategy"), dict) else "ddp"
     if d["ep"] > 1 and strategy != "ddp":
         raise ConfigError(f"ep={d['ep']} runs with strategy=ddp only (fsdp2 and deepspeed do not know the expert "
@@ -196,8 +199,7 @@ def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
     loss = _build(LossConfig, algo, "algo", max_response_tokens=d["response_tokens"])
     capture = _take(dict(d["capture"]), "capture", {"block_size", "score_batch", "logprob_chunk"})
     optim = _build(OptimConfig, d["optim"], "optim")
-    transaction = _build(TransactionConfig, capture, "capture", advantage=advantage,
-                         max_grad_norm=optim.max_grad_norm)
+    transaction = _build(TransactionConfig, capture, "capture", advantage=advantage)
 
     rollout_node = dict(d["rollout"])
     engine = rollout_node.pop("engine")

@@ -17,9 +17,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,19 +25,34 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from longstraw_cli.checkpoint import atomic_directory
+
+# HF's names of a qwen3_5-style layer's linears: qwen36's targets, and a model without a family's
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj", "gate_proj",
                    "up_proj", "down_proj")
-# each family's linears (glm52's routed experts are 3-D parameters, not nn.Linear: they are not adapted)
-FAMILY_TARGETS = {
-    "qwen36": DEFAULT_TARGETS,
-    "glm52": ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
-              "down_proj"),
-}
 # tied to the vocabulary (and possibly to each other): adapting them is a different method, not a target
 NEVER_TARGETED = ("lm_head", "embed_tokens")
 # modules that never receive a gradient from the loss (glm52's DSA indexer runs without autograd)
 NO_GRADIENT_SCOPES = ("indexer",)
 ADAPTER_NAMES = ("lora_A", "lora_B")
+
+
+def _family_targets() -> dict[str, tuple[str, ...]]:
+    # the registry imports this module (qwen36's targets are DEFAULT_TARGETS): ask it at call time
+    from longstraw_cli.models.spec import families
+
+    return {spec.name: spec.lora_targets for spec in families()}
+
+
+def _default_targets(model: nn.Module) -> tuple[str, ...]:
+    family = getattr(model, "family", None)
+    if family is None:
+        return DEFAULT_TARGETS
+    targets = _family_targets()
+    if family not in targets:
+        raise ValueError(f"no default LoRA targets for model family {family!r}; pass lora.target_modules "
+                         f"(known families: {sorted(targets)})")
+    return targets[family]
 
 
 @dataclass(frozen=True)
@@ -50,7 +62,7 @@ class LoraConfig:
     alpha: float = 16.0
     dropout: float = 0.0
     # matched against the module path: the last component, or a dotted suffix ("mlp.down_proj");
-    # None: the model family's FAMILY_TARGETS
+    # None: the model family's `lora_targets` (models/*/spec.py)
     target_modules: tuple[str, ...] | None = None
 
     def __post_init__(self):
@@ -69,7 +81,7 @@ class LoraConfig:
         if isinstance(self.target_modules, str) or not isinstance(self.target_modules, (list, tuple)):
             raise ValueError(
                 f"lora target_modules must be a list of module names, got {self.target_modules!r}; "
-                f"family defaults: {FAMILY_TARGETS}"
+                f"family defaults: {_family_targets()}"
             )
         # a list from the config composer becomes the tuple a frozen config should hold
         object.__setattr__(self, "target_modules", tuple(self.target_modules))
@@ -77,13 +89,13 @@ class LoraConfig:
             if not isinstance(target, str) or not target or target.split(".")[-1] in NEVER_TARGETED:
                 raise ValueError(
                     f"lora target {target!r} is not allowed ({list(NEVER_TARGETED)} are never targeted); "
-                    f"family defaults: {FAMILY_TARGETS}"
+                    f"family defaults: {_family_targets()}"
                 )
         duplicates = sorted({t for t in self.target_modules if self.target_modules.count(t) > 1})
         if duplicates:
             raise ValueError(f"lora target_modules lists {duplicates} more than once")
         if self.rank > 0 and not self.target_modules:
-            raise ValueError(f"lora rank={self.rank} with no target_modules; family defaults: {FAMILY_TARGETS}")
+            raise ValueError(f"lora rank={self.rank} with no target_modules; family defaults: {_family_targets()}")
 
     @property
     def enabled(self) -> bool:
@@ -92,6 +104,13 @@ class LoraConfig:
     @property
     def scaling(self) -> float:
         return self.alpha / self.rank
+
+
+@torch.no_grad()
+def merge_lora(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """W + scale * B @ A (A [r, in], B [out, r]), computed in at least fp32 and rounded once to W's dtype."""
+    dtype = torch.promote_types(torch.promote_types(w.dtype, a.dtype), torch.float32)
+    return (w.to(dtype) + scale * (b.to(dtype) @ a.to(dtype))).to(w.dtype)
 
 
 class LoraLinear(nn.Linear):
@@ -135,13 +154,8 @@ class LoraLinear(nn.Linear):
             return self.weight
         return self.weight + (self.scaling * (self.lora_B @ self.lora_A)).to(self.weight.dtype)
 
-    @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:
-        """W + scale * B @ A, computed in at least fp32 and rounded once to W's dtype."""
-        w = self.weight
-        dtype = torch.promote_types(torch.promote_types(w.dtype, self.lora_A.dtype), torch.float32)
-        delta = self.lora_B.to(dtype) @ self.lora_A.to(dtype)
-        return (w.to(dtype) + self.scaling * delta).to(w.dtype)
+        return merge_lora(self.weight, self.lora_A, self.lora_B, self.scaling)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.rank}, alpha={self.alpha:g}, adapter_enabled={self.adapter_enabled}"
@@ -179,11 +193,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, *, dtype: torch.dtype | None =
     candidates = _candidate_linears(model)
     targets = cfg.target_modules
     if targets is None:
-        family = getattr(model, "family", "qwen36")
-        if family not in FAMILY_TARGETS:
-            raise ValueError(f"no default LoRA targets for model family {family!r}; pass lora.target_modules "
-                             f"(known families: {sorted(FAMILY_TARGETS)})")
-        targets = FAMILY_TARGETS[family]
+        targets = _default_targets(model)
     unknown = [t for t in targets if not any(_matches(name, t) for name in candidates)]
     if unknown:
         names = sorted({name.split(".")[-1] for name in candidates})
@@ -288,16 +298,17 @@ def merged_state_dict(model: nn.Module, device: str | torch.device | None = None
 
 
 def export_hf(model: nn.Module, out_dir: str | Path) -> Path:
-    """Write a qwen36 model, adapters merged, as an HF `qwen3_5_text` directory (config.json + model.safetensors).
+    """Write a model, adapters merged, as an HF directory (config.json + model.safetensors) of its family's
+    model type; a family whose spec refuses export (glm52) raises.
 
-    The directory appears whole or not at all: files are written into a temp dir beside it, then renamed; an
-    existing out_dir is replaced."""
+    The directory appears whole or not at all (`checkpoint.atomic_directory`); an existing out_dir is replaced."""
     from safetensors.torch import save_file
 
-    from longstraw_cli.models.qwen36.hf import config_to_hf
+    from longstraw_cli.models.spec import family_of
 
-    if getattr(model, "family", None) != "qwen36":
-        raise ValueError(f"export_hf writes qwen36 models; got family {getattr(model, 'family', None)!r}")
+    spec = family_of(model)
+    if spec.hf.export_refusal is not None:
+        raise ValueError(f"model family {spec.name!r}: {spec.hf.export_refusal}")
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"export target {out} exists and is not a directory")
@@ -308,29 +319,16 @@ def export_hf(model: nn.Module, out_dir: str | Path) -> Path:
         # HF re-ties lm_head to embed_tokens on load; safetensors refuses two names for one storage anyway
         tensors.pop("lm_head.weight", None)
     tensors = {k: v.contiguous() for k, v in tensors.items()}
-    hf_config = config_to_hf(model.config)
+    hf_config = spec.hf.config_to_hf(model.config)
     hf_config["dtype"] = str(tensors["model.embed_tokens.weight"].dtype).removeprefix("torch.")
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with atomic_directory(out) as tmp:
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        os.chmod(tmp, 0o755)
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return out
 
 
 __all__ = [
     "DEFAULT_TARGETS", "LoraConfig", "LoraLinear", "ReferencePolicy", "adapters_disabled", "apply_lora",
-    "export_hf", "load_lora_state_dict", "lora_layers", "lora_state_dict", "merged_state_dict",
+    "export_hf", "load_lora_state_dict", "lora_layers", "lora_state_dict", "merge_lora", "merged_state_dict",
 ]

@@ -2,10 +2,12 @@
 
     example -> capture -> rollout -> reward -> transaction (score, replay x G, finalize, step) -> log, checkpoint
 
-With the native engine the prompt is captured once per iteration and that one resident state serves rollout,
-scoring and replay. With vLLM the rollout runs in vLLM (weights pushed first) and the transaction captures.
-Data parallel ranks take different prompts (example index step * dp + dp_rank) and finalize gradients once per
-step through the configured strategy (`strategy=ddp|fsdp2|deepspeed`, distributed/strategy.py).
+The prompt is captured once per iteration (by the transaction's `capture`) and that one resident state serves
+rollout, scoring and replay. With vLLM the rollout runs first, in vLLM (weights pushed first), and the capture
+follows the reward. One `PhaseClock` per iteration times every phase (and its CUDA peak memory). Data parallel
+ranks take different prompts (example index step * dp + dp_rank) and finalize gradients once per step through
+the configured strategy (`strategy=ddp|fsdp2|deepspeed`, distributed/strategy.py), which also gives and takes
+the checkpoint's whole tensors. Every process group comes from `ParallelDims.new_groups`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import json
 import logging
 import resource
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -32,6 +33,7 @@ from longstraw_cli.models import build_model, from_pretrained
 from longstraw_cli.rl.rewards import get_reward
 from longstraw_cli.rl.tasks import make_task
 from longstraw_cli.rollout.native import Rollout, generate
+from longstraw_cli.telemetry.memory import PhaseClock
 from longstraw_cli.telemetry.metrics import MetricsLogger
 from longstraw_cli.tokenizer import load_tokenizer
 from longstraw_cli.transaction import Reference, Transaction
@@ -57,17 +59,13 @@ class Trainer:
         self.rank, local_rank, world_size = env_rank_world()
         # validated against the launch's world size when the config was built (config.train_config)
         self.dims = ParallelDims(world_size, cp=cfg.cp, ep=cfg.ep)
-        self.dp_rank, self.cp_rank = self.dims.coords(self.rank)
+        self.dp_rank, _ = self.dims.coords(self.rank)
         self.device = torch.device(cfg.device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", local_rank)
-        self.cp_group = self.dp_group = self.ep_group = None
-        if world_size > 1:
-            if not dist.is_initialized():
-                dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
-            self.cp_group, self.dp_group = self.dims.new_groups(self.rank)
-            if cfg.ep > 1:
-                self.ep_group = self._ep_group()
+        if world_size > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        self.groups = self.dims.new_groups(self.rank)
         self.run_dir = Path(cfg.run_dir)
         self.checkpoints = CheckpointManager(self.run_dir, keep=cfg.checkpoint.keep, rank=self.rank)
         if not cfg.resume and self.checkpoints.latest() is not None:
@@ -82,13 +80,8 @@ class Trainer:
             apply_lora(self.model, cfg.lora)
         # the reference copies the policy's weights before a strategy may shard them
         reference = self._reference()
-        self.strategy = make_strategy(cfg.strategy, self.model, self._optimizer, max_grad_norm=cfg.optim.max_grad_norm,
-                                      num_replays=cfg.group_size, dp_group=self.dp_group, cp_group=self.cp_group)
-        if cfg.ep > 1:
-            from longstraw_cli.distributed.ep import is_expert_param
-
-            self.strategy.set_expert_slices([p for n, p in self.model.named_parameters() if is_expert_param(n)],
-                                            self.ep_group)
+        self.strategy = make_strategy(cfg.strategy, self.model, self._optimizer, self.groups,
+                                      max_grad_norm=cfg.optim.max_grad_norm, num_replays=cfg.group_size)
         self.transaction = Transaction(self.model, self.strategy, cfg.loss, cfg.transaction, reference=reference)
         self.task = make_task(cfg.task, self.tokenizer)
         self.reward_fn = get_reward(cfg.reward or self.task.default_reward)
@@ -132,22 +125,15 @@ class Trainer:
         frozen.load_state_dict(self.model.state_dict())
         return Reference(frozen, self.cfg.transaction)
 
-    def _ep_group(self):
-        """This rank's EP group: ep consecutive ranks of its CP group. new_group is collective: every rank
-        creates every group."""
-        groups = {(d, e): dist.new_group(self.dims.ep_group_ranks(d, e))
-                  for d in range(self.dims.dp) for e in range(self.cfg.cp // self.cfg.ep)}
-        return groups[(self.dp_rank, self.cp_rank // self.cfg.ep)]
-
     def _parallelize(self, model: torch.nn.Module) -> None:
         """Context parallel (pages sharded over the CP group), then expert parallel (experts split over the EP
         group, which lies inside the CP group)."""
         if self.cfg.cp > 1:
-            apply_context_parallel(model, self.cp_group)
+            apply_context_parallel(model, self.groups.cp)
         if self.cfg.ep > 1:
             from longstraw_cli.distributed.ep import apply_expert_parallel
 
-            apply_expert_parallel(model, self.ep_group, cp_group=self.cp_group)
+            apply_expert_parallel(model, self.groups.ep, cp_group=self.groups.cp)
 
     def _vllm_engine(self):
         from longstraw_cli.lora import export_hf
@@ -162,10 +148,8 @@ class Trainer:
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     def _save(self, step: int) -> None:
-        # whole tensors, whatever the strategy (a collective under fsdp2 / deepspeed: every rank is here)
+        # whole tensors, whatever the strategy and ep (a collective under fsdp2 / deepspeed / ep: every rank is here)
         model_state, optimizer_state = self.strategy.state_dict()
-        if self.cfg.ep > 1:
-            model_state, optimizer_state = self._expert_state(model_state, optimizer_state, whole=True)
         self.checkpoints.save(
             step, model_state=model_state, optimizer_state=optimizer_state,
             trainer_state={"step": step, "rng": capture_rng({"sampling": self.generator})},
@@ -180,26 +164,9 @@ class Trainer:
         if set(model_state) != expected:
             raise TrainerError(f"{latest} does not match this model's trainable parameters "
                                f"(e.g. {sorted(set(model_state) ^ expected)[:3]})")
-        if self.cfg.ep > 1:
-            model_state, optimizer_state = self._expert_state(model_state, optimizer_state, whole=False)
         self.strategy.load_state_dict(model_state, optimizer_state)
         restore_rng(trainer_state["rng"], {"sampling": self.generator})
         return int(trainer_state["step"])
-
-    def _expert_state(self, model_state: dict, optimizer_state: dict, *, whole: bool):
-        """Expert-parallel checkpoints hold whole experts and whole AdamW moments, so they resume under any ep:
-        whole=True gathers this rank's slices over the EP group (collective), whole=False takes this rank's
-        slice of whole tensors. Copies: the live optimizer state is never modified."""
-        from longstraw_cli.distributed.ep import ep_shard, gather_rows, is_expert_param
-
-        convert = (lambda t: gather_rows(t, self.ep_group)) if whole else (lambda t: ep_shard(t, self.ep_group))
-        sliced = {n for n, p in self.model.named_parameters() if p.requires_grad and is_expert_param(n)}
-        model_state = {n: convert(t) if n in sliced else t for n, t in model_state.items()}
-        positions = {id(p): i for i, p in enumerate(self.strategy.params)}
-        sliced_positions = {positions[id(p)] for n, p in self.model.named_parameters() if n in sliced}
-        state = {i: ({k: convert(v) if torch.is_tensor(v) and v.dim() > 0 else v for k, v in s.items()}
-                     if int(i) in sliced_positions else s) for i, s in optimizer_state["state"].items()}
-        return model_state, {**optimizer_state, "state": state}
 
     # -- one iteration ----------------------------------------------------------------------------------------
     def example(self, step: int):
@@ -207,13 +174,16 @@ class Trainer:
         ids = torch.tensor(self.tokenizer.encode(example.prompt), dtype=torch.long, device=self.device)
         return example, ids
 
-    def capture(self, prompt_ids):
-        return self.transaction.capture(prompt_ids) if self.engine is None else None
+    def capture(self, prompt_ids: torch.Tensor):
+        return self.transaction.capture(prompt_ids)
 
-    def rollout(self, resident, prompt_ids) -> Rollout:
-        if self.engine is None:
-            return generate(self.model, resident, self.cfg.group_size, self.sampling, self.generator,
-                            native=self._native_decode())
+    def rollout(self, resident) -> Rollout:
+        """G responses sampled from the resident state (native engine); their log-probs are the on-policy scores."""
+        return generate(self.model, resident, self.cfg.group_size, self.sampling, self.generator,
+                        native=self._native_decode())
+
+    def rollout_vllm(self, prompt_ids: torch.Tensor) -> Rollout:
+        """G responses from vLLM, after pushing the policy's weights; no resident state needed."""
         self.engine.update_weights(self.model)
         # vLLM gives response i of a request seed + i: draw request seeds far apart
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator, device=self.device)) * 1024 % (2**31)
@@ -234,26 +204,30 @@ class Trainer:
         return torch.tensor([float(self.reward_fn(t, example)) for t in texts], dtype=torch.float64)
 
     def iteration(self, step: int) -> dict[str, float]:
-        times: dict[str, float] = {}
-
-        def timed(name, fn, *args):
-            start = time.perf_counter()
-            out = fn(*args)
-            times[name] = time.perf_counter() - start
-            return out
-
+        clock = PhaseClock(self.device)
         example, prompt_ids = self.example(step)
-        # ranks call the model a data-dependent number of times here: fsdp2 gathers the weights once around it
-        with self.strategy.full_weights():
-            resident = timed("capture", self.capture, prompt_ids)
-            rollout = timed("rollout", self.rollout, resident, prompt_ids)
-        rewards = timed("reward", self.reward, example, rollout)
+        if self.engine is None:
+            # ranks call the model a data-dependent number of times here: fsdp2 gathers the weights once around it
+            with self.strategy.full_weights():
+                with clock.phase("capture"):
+                    resident = self.capture(prompt_ids)
+                with clock.phase("rollout"):
+                    rollout = self.rollout(resident)
+        else:
+            with clock.phase("rollout"):
+                rollout = self.rollout_vllm(prompt_ids)
+        with clock.phase("reward"):
+            rewards = self.reward(example, rollout)
+        if self.engine is not None:
+            with clock.phase("capture"):
+                resident = self.capture(prompt_ids)
         # native rollout's log-probs are the graph-free on-policy scores of the same resident state; vLLM's come
         # from its own kernels and precision, so the transaction re-scores them from our resident state
         old = rollout.logprobs if self.engine is None else None
-        result = self.transaction.run(prompt_ids, rollout.responses, rewards, resident=resident, old_logprobs=old)
-        times.update(result.seconds)
+        result = self.transaction.run(prompt_ids, rollout.responses, rewards, resident, old_logprobs=old, clock=clock)
+        return self._metrics(prompt_ids, rollout, result, clock)
 
+    def _metrics(self, prompt_ids, rollout: Rollout, result, clock: PhaseClock) -> dict[str, float]:
         metrics = dict(result.stats)
         if rollout.entropies is not None:
             metrics["entropy"] = float(torch.cat(rollout.entropies).mean())
@@ -261,12 +235,12 @@ class Trainer:
         metrics["response_tokens"] = sum(len(r) for r in rollout.responses)
         if rollout.decode_steps:
             metrics["decode_steps"] = rollout.decode_steps
-            metrics["time/decode_per_token"] = times["rollout"] / rollout.decode_steps
-        metrics.update({f"time/{k}": v for k, v in times.items()})
+            metrics["time/decode_per_token"] = clock.seconds["rollout"] / rollout.decode_steps
+        metrics.update(clock.time_metrics())
         metrics["mem/resident"] = result.resident_bytes["total"]
         metrics["mem/graph_peak"] = result.graph_peak_bytes
         metrics["mem/accounted_peak"] = result.accounted_peak_bytes
-        metrics.update({f"mem/peak_{k}": v for k, v in result.cuda_peak_bytes.items()})
+        metrics.update(clock.memory_metrics())
         metrics["mem/rss_peak"] = _rss_peak_bytes()
         return metrics
 

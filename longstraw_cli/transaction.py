@@ -2,11 +2,14 @@
 
     capture -> score (old, reference) -> replay x G -> finalize -> step
 
-The prompt is captured once without autograd; old-policy and reference log-probs are scored graph-free from a
-resident state; each response is replayed alone with autograd and its loss backpropagated at once, so at most one
-response graph is alive; gradients accumulate in .grad, are finalized once (the one distributed reduction, a
-no-op on one rank) and one optimizer step is taken. A strategy (distributed/strategy.py) owns the replay's
-forward/backward, the finalization and the step: `local` (given an optimizer alone), `ddp`, `fsdp2`, `deepspeed`.
+The prompt is captured once without autograd (`capture`, the one place that captures the policy: the caller
+calls it before rollout, or after a rollout that does not need it, and hands the resident state to `run`);
+old-policy and reference log-probs are scored graph-free from the resident state; each response is replayed alone
+with autograd and its loss backpropagated at once, so at most one response graph is alive; gradients accumulate
+in .grad, are finalized once (the one distributed reduction, a no-op on one rank) and one optimizer step is
+taken. A strategy (distributed/strategy.py) owns the replay's forward/backward, the finalization (clipping to
+its max_grad_norm included) and the step: `LocalStrategy(model, optimizer, max_grad_norm)` on one rank, `ddp`,
+`fsdp2`, `deepspeed`. The phases are timed on the caller's `PhaseClock` (the trainer's, for the whole iteration).
 
 Simplifications: response_only gradients (the resident state is a constant); one prompt per transaction (data
 parallelism across prompts sits above, in the strategy).
@@ -20,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from longstraw_cli.distributed.strategy import LocalStrategy
+from longstraw_cli.distributed.local_strategy import LocalStrategy
 from longstraw_cli.rl.advantages import get_advantage
 from longstraw_cli.rl.losses import GroupShape, LossConfig, response_loss, sum_stats, summarize_stats
 from longstraw_cli.telemetry.memory import GraphMemory, PhaseClock
@@ -33,7 +36,6 @@ class TransactionConfig:
     score_batch: int = 8
     logprob_chunk: int = 512
     advantage: str = "grpo"
-    max_grad_norm: float | None = 1.0
 
     def __post_init__(self):
         for name in ("block_size", "score_batch", "logprob_chunk"):
@@ -46,6 +48,7 @@ class TransactionConfig:
 class TransactionResult:
     stats: dict[str, float]
     advantages: list[float]
+    # the clock's phases: the whole iteration's when the caller passed its clock
     seconds: dict[str, float]
     resident_bytes: dict[str, int]
     # the project's own accounting: peak bytes of autograd-saved storages over all replays
@@ -87,22 +90,22 @@ def score(model: torch.nn.Module, resident, responses: Sequence[torch.Tensor],
 
 
 class Transaction:
-    """`strategy`: what finalizes gradients and steps (distributed/strategy.py); an optimizer alone means one
-    data-parallel rank, `LocalStrategy(model, optimizer, cfg.max_grad_norm)`."""
+    """`strategy`: what finalizes gradients and steps (distributed/strategy.py); on one data-parallel rank
+    `LocalStrategy(model, optimizer, max_grad_norm)`."""
 
-    def __init__(self, model: torch.nn.Module, strategy: LocalStrategy | torch.optim.Optimizer, loss_cfg: LossConfig,
+    def __init__(self, model: torch.nn.Module, strategy: LocalStrategy, loss_cfg: LossConfig,
                  cfg: TransactionConfig = TransactionConfig(), *, reference: Reference | None = None):
         if loss_cfg.kl_coef > 0 and reference is None:
             raise ValueError(f"kl_coef={loss_cfg.kl_coef} needs a reference policy (kl_coef=0 skips it)")
-        if isinstance(strategy, torch.optim.Optimizer):
-            strategy = LocalStrategy(model, strategy, cfg.max_grad_norm)
         self.model, self.strategy, self.loss_cfg, self.cfg = model, strategy, loss_cfg, cfg
         # kl_coef 0 skips the reference entirely: no capture, no scoring
         self.reference = reference if loss_cfg.kl_coef > 0 else None
 
     # -- phases -----------------------------------------------------------------------------------------------
     def capture(self, prompt_ids: torch.Tensor):
-        return self.model.capture(prompt_ids, block_size=self.cfg.block_size)
+        """The policy's resident state of the prompt, graph-free (whole weights: a collective under fsdp2)."""
+        with self.strategy.full_weights():
+            return self.model.capture(prompt_ids, block_size=self.cfg.block_size)
 
     def score(self, resident, responses: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return score(self.model, resident, responses, self.cfg)
@@ -133,19 +136,17 @@ class Transaction:
         self.strategy.step()
 
     # -- the transaction --------------------------------------------------------------------------------------
-    def run(self, prompt_ids: torch.Tensor, responses: Sequence[torch.Tensor], rewards: torch.Tensor, *,
-            resident=None, old_logprobs: Sequence[torch.Tensor] | None = None) -> TransactionResult:
-        """`resident`/`old_logprobs` may come from the rollout that sampled the responses from the same state."""
+    def run(self, prompt_ids: torch.Tensor, responses: Sequence[torch.Tensor], rewards: torch.Tensor, resident, *,
+            old_logprobs: Sequence[torch.Tensor] | None = None, clock: PhaseClock | None = None) -> TransactionResult:
+        """score -> replay x G -> finalize -> step for `responses` to the prompt whose capture is `resident`.
+        `old_logprobs` may come from the rollout that sampled the responses from the same state (else scored
+        here); `clock` is the caller's (the iteration's), a fresh one if None."""
         if len(responses) < 2:
             raise ValueError(f"a GRPO group needs >= 2 responses, got {len(responses)}")
         if any(len(r) == 0 for r in responses):
             raise ValueError("every response needs at least one token")
-        device = prompt_ids.device
-        clock = PhaseClock(device)
+        clock = PhaseClock(prompt_ids.device) if clock is None else clock
         self.strategy.zero_grad()
-        if resident is None:
-            with clock.phase("capture"), self.strategy.full_weights():
-                resident = self.capture(prompt_ids)
         with clock.phase("score"), self.strategy.full_weights():
             if old_logprobs is None:
                 old_logprobs = self.score(resident, responses)

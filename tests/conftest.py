@@ -62,6 +62,35 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.08)
 
 
+def random_model(name: str, dtype=torch.float64, seed: int = 0) -> torch.nn.Module:
+    """A named tiny model with every parameter random. qwen36: randomize_. glm52: the router bias random too,
+    large enough to change which experts are chosen."""
+    # imported here: the environment above must be set before any kernel module is imported
+    from longstraw_cli.models import build_model
+
+    model = build_model(name, dtype=dtype)
+    if not name.startswith("glm52"):
+        randomize_(model, seed)
+        return model
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param_name, p in model.named_parameters():
+            scale = 0.25 if "norm" in param_name else 0.1
+            p.copy_((1.0 if "norm" in param_name else 0.0) + scale * torch.randn(p.shape, generator=g))
+        for b in model.buffers():
+            b.copy_(0.3 * torch.randn(b.shape, generator=g))
+    return model
+
+
+def ids(n: int, seed: int) -> torch.Tensor:
+    """n random token ids below 259 (the byte tokenizer's vocabulary), seeded."""
+    return torch.randint(0, 259, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
 def run_ranks(worker, world_size, *args, timeout_s=120):
     """Runs worker(rank, world_size, port, *args) on world_size processes and waits, failing after timeout_s.
 

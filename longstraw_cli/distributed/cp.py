@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from longstraw_cli.distributed.cp_attention import cp_capture_attention, cp_decode_pages_attention, cp_replay_attention
 from longstraw_cli.distributed.cp_gdn import cp_conv_window, cp_gdn_scan
-from longstraw_cli.distributed.cp_glm52 import apply_context_parallel_glm52
+from longstraw_cli.models.spec import family_of
 from longstraw_kernels.gdn import gdn_forward
 
 
@@ -46,14 +46,14 @@ def cp_capture(model, prompt_ids: torch.Tensor, block_size: int = 4096, page_dty
 
 
 def apply_context_parallel(model, group) -> None:
-    """Swap the model's attention / GDN hooks and its capture for their context-parallel versions
-    (glm52: `cp_glm52.apply_context_parallel_glm52`)."""
-    family = getattr(model, "family", None)
-    if family == "glm52":
-        apply_context_parallel_glm52(model, group)
-        return
-    if family != "qwen36":
-        raise ValueError(f"context parallel for model family {family!r}; valid: ['glm52', 'qwen36']")
+    """Swap the model's attention hooks and its capture for their context-parallel versions: the model family's
+    own `context_parallel` hook (qwen36: `apply_context_parallel_qwen36` below; glm52:
+    `cp_glm52.apply_context_parallel_glm52`)."""
+    family_of(model).apply_context_parallel(model, group)
+
+
+def apply_context_parallel_qwen36(model, group) -> None:
+    """qwen36: ring attention over the CP group's pages, GDN state composed across shards, sharded capture."""
     for layer in model.model.layers:
         if layer.is_attention:
             layer.self_attn.attention_fn = functools.partial(cp_replay_attention, group=group)

@@ -28,8 +28,8 @@ import torch.distributed as dist
 
 from longstraw_kernels import compute_dtype
 from longstraw_kernels.attention import replay_attention
-from longstraw_kernels.attention.dispatch import replay_attention_backward
 from longstraw_kernels.attention.decode import decode_pages_attention, merge_partials
+from longstraw_kernels.attention.dispatch import replay_attention_backward
 
 __all__ = ["cp_replay_attention", "cp_capture_attention", "cp_decode_pages_attention"]
 

@@ -25,17 +25,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from longstraw_cli.distributed.comm import rank_world
 from longstraw_kernels import compute_dtype
 from longstraw_kernels.gdn import gdn_chunked
 
 __all__ = ["compose_prefix", "cp_conv_window", "cp_gdn_scan", "gdn_transition", "span_affine"]
-
-
-def _rank_world(group) -> tuple[int, int]:
-    # Without an initialised process group there is one span: single-device runs need no special path.
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
 
 
 def _all_gather(x, group, world: int) -> list[torch.Tensor]:
@@ -112,7 +106,7 @@ def cp_gdn_scan(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV=None
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
         raise ValueError("cp_gdn_scan is capture-only (no autograd through the exchange): call it under "
                          "torch.no_grad() or with inputs that do not require grad")
-    rank, world = _rank_world(group)
+    rank, world = rank_world(group)
     dtype = compute_dtype(*inputs)
     M_BGKK, Sext_BGKV = span_affine(k_BTHK, v_BTGV, g_BTG, beta_BTG, dtype=dtype, chunk_size=chunk_size,
                                     gdn_fn=gdn_fn)
@@ -144,7 +138,7 @@ def cp_conv_window(mixed_BTX, window_BXW, *, group=None):
     B, T, X = mixed_BTX.shape
     W = window_BXW.shape[-1]
     window_BXW = window_BXW.to(mixed_BTX.dtype).expand(B, X, W)
-    rank, world = _rank_world(group)
+    rank, world = rank_world(group)
     if W == 0:
         return window_BXW.clone(), window_BXW.clone()
     num_tail = min(W, T)

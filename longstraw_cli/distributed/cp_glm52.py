@@ -40,6 +40,7 @@ import functools
 import torch
 import torch.distributed as dist
 
+from longstraw_cli.distributed.cp import shard_bounds
 from longstraw_cli.distributed.cp_attention import AllReduceGrad, MergeAcrossRanks
 from longstraw_cli.distributed.cp_topk import cp_global_topk
 from longstraw_cli.distributed.ep import tokens_sharded
@@ -48,11 +49,6 @@ from longstraw_cli.resident import MLAPages
 from longstraw_kernels import compute_dtype
 
 __all__ = ["apply_context_parallel_glm52", "cp_capture_glm52"]
-
-
-def shard_bounds(num_tokens: int, num_ranks: int, rank: int) -> tuple[int, int]:
-    from longstraw_cli.distributed import cp  # cp.py imports this module
-    return cp.shard_bounds(num_tokens, num_ranks, rank)
 
 
 # -- replay / scoring / decode ------------------------------------------------------------------------------------

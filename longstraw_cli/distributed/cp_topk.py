@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from longstraw_cli.distributed.comm import rank_world
 from longstraw_kernels import compute_dtype
 from longstraw_kernels.dsa import topk_lowest_position
 
@@ -38,12 +39,6 @@ __all__ = ["cp_global_topk", "local_selection", "local_selection_mask"]
 # the integer type of the same width, to move (score bits, position) pairs in one integer tensor
 _SAME_WIDTH_INT = {torch.float32: torch.int32, torch.float64: torch.int64}
 
-
-def _rank_world(group) -> tuple[int, int]:
-    # Without an initialised process group there is one shard: single-device runs need no special path.
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
 
 
 def _check(scores_TS, k):
@@ -71,7 +66,7 @@ def cp_global_topk(scores_local_TS: torch.Tensor, k: int, *, start: int, group=N
     pad_position = torch.iinfo(int_dtype).max
     if start < 0 or start + S >= pad_position:
         raise ValueError(f"shard [{start}, {start + S}) outside [0, {pad_position}) for {dtype} scores")
-    rank, world = _rank_world(group)
+    rank, world = rank_world(group)
     device = scores_local_TS.device
 
     local_Tn = topk_lowest_position(scores_local_TS, k)

@@ -1,4 +1,5 @@
-"""The `deepspeed` strategy: DeepSpeed ZeRO over the data-parallel group (see strategy.py for the contract).
+"""The `deepspeed` strategy: DeepSpeed ZeRO over the data-parallel group (contract: local_strategy.py; registered
+by name in strategy.py).
 
 DeepSpeed is optional (`pip install deepspeed`, or the `deepspeed` extra) and imported only here. On CPU it uses
 its CPU accelerator with gloo (DS_ACCELERATOR=cpu, set here when unset; no oneCCL or compiled ops needed).
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from longstraw_cli.distributed.strategy import LocalStrategy, MakeOptimizer, _Replay
+from longstraw_cli.distributed.local_strategy import LocalStrategy, MakeOptimizer, Replay
 
 
 def import_deepspeed():
@@ -92,7 +93,7 @@ class DeepSpeedStrategy(LocalStrategy):
         }
         cp_world = 1 if cp_group is None else dist.get_world_size(cp_group)
         mpu = _ModelParallel(dp_group, cp_group) if cp_world > 1 else None
-        self.engine, *_ = deepspeed.initialize(model=_Replay(model), optimizer=optimizer, config=config, mpu=mpu,
+        self.engine, *_ = deepspeed.initialize(model=Replay(model), optimizer=optimizer, config=config, mpu=mpu,
                                                dist_init_required=False)
         self.engine.set_gradient_accumulation_boundary(True)
         self._coalesced = contextlib.ExitStack()
@@ -122,7 +123,7 @@ class DeepSpeedStrategy(LocalStrategy):
         self.engine.zero_grad()
 
     # -- checkpoints: whole tensors in torch's layout, assembled from ZeRO's partitions (collectives) ----------
-    def state_dict(self):
+    def _local_state_dict(self):
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
         model_state = {}
@@ -141,7 +142,7 @@ class DeepSpeedStrategy(LocalStrategy):
         group = {k: v for k, v in inner.param_groups[0].items() if k != "params"}
         return model_state, {"state": state, "param_groups": [{**group, "params": list(range(len(self.params)))}]}
 
-    def load_state_dict(self, model_state, optimizer_state):
+    def _load_local_state_dict(self, model_state, optimizer_state):
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
         zero = self.engine.optimizer

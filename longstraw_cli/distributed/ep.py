@@ -1,6 +1,7 @@
 """Expert parallelism for glm52's routed experts, applied from outside the model through its `experts_fn` hook.
 
-The hook's contract (single device: `local_experts`, a mirror of HF `GlmMoeDsaExperts.forward`):
+The hook's contract (single device: `local_experts` in models/glm52/experts.py, a mirror of HF
+`GlmMoeDsaExperts.forward`):
 
     experts_fn(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_proj, down_proj) -> y_NC
     y[n] = sum_j topk_w[n, j] * down[e] @ (silu(gate) * up),  (gate, up) = chunk(gate_up[e] @ x[n], 2),
@@ -27,14 +28,9 @@ other ranks' rows), and gradients equal to one rank's: dx and dw on the ranks th
 rank's expert slices the matching slices of the one-rank gradient (zeros, never None, for experts that received
 no token, as the one-rank gradient of the 3-D parameter has).
 
-Order of operations follows HF, and `local_experts`' forward equals HF's bit for bit: per expert, its rows in
-HF's order (top-k slot, then token) through gate_up, silu(gate) * up, down in the activations' dtype; the fp32
-weight multiplies that (promoting), the product is cast back, and a token's contributions are added to zeros in
-ascending expert id, one rounding per add. HF does that with one index_add_ per expert; here the contributions
-are placed in [N, k] slots ordered by expert id and added slot by slot: the same additions in the same order,
-without duplicate indices (so deterministic on GPU too), k adds instead of E index_add_ calls.
-Simplifications: the activation is silu (GLM's `hidden_act`); experts run one matmul each (no grouped GEMM);
-replicated mode sums the partials by all-reduce, so in bf16 it agrees with one rank only up to rounding.
+`local_experts` and the pieces reused here (`pairs_by_expert`, `expert_ffn`, `combine`: HF's order of operations,
+bit for bit) live beside the model in models/glm52/experts.py. Replicated mode sums the partials by all-reduce,
+so in bf16 it agrees with one rank only up to rounding.
 
 Legend: N tokens on this rank, k experts per token, C hidden, I expert intermediate, E experts in all,
 L = E / W experts per rank, W ranks in the EP group, M (token, expert) pairs sent / received.
@@ -48,17 +44,13 @@ import contextvars
 import torch
 from torch import nn
 import torch.distributed as dist
-import torch.nn.functional as F
+
+from longstraw_cli.distributed.comm import rank_world
+from longstraw_cli.models.glm52.experts import combine, expert_ffn, local_experts, pairs_by_expert
 
 __all__ = ["apply_expert_parallel", "ep_experts_alltoall", "ep_experts_replicated", "ep_shard", "expert_bounds",
            "gather_expert_params", "load_expert_params", "local_experts", "tokens_sharded"]
 
-
-def _rank_world(group) -> tuple[int, int]:
-    # Without an initialised process group there is one rank: single-device runs need no special path.
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
 
 
 def expert_bounds(num_experts: int, num_ranks: int, rank: int) -> tuple[int, int]:
@@ -76,7 +68,7 @@ def expert_bounds(num_experts: int, num_ranks: int, rank: int) -> tuple[int, int
 def ep_shard(full_E: torch.Tensor, group=None) -> torch.Tensor:
     """This rank's experts of a full [E, ...] tensor (e.g. gate_up_proj, down_proj): a contiguous detached copy,
     so the full tensor can be freed. Wrap it in nn.Parameter to make it the rank's own parameter."""
-    rank, world = _rank_world(group)
+    rank, world = rank_world(group)
     start, end = expert_bounds(full_E.shape[0], world, rank)
     return full_E.detach()[start:end].clone()
 
@@ -100,67 +92,6 @@ def _check_ids(topk_idx_Nk, num_experts):
         lo, hi = torch.aminmax(topk_idx_Nk)
         if lo < 0 or hi >= num_experts:
             raise ValueError(f"expert ids must lie in [0, {num_experts}), got [{int(lo)}, {int(hi)}]")
-
-
-def _expert_ffn(x_MC, counts_L: list[int], gate_up_L2IC, down_LCI):
-    """down[e] @ (silu(gate) * up) for rows grouped by expert: counts_L[e] consecutive rows for expert e."""
-    # unbind: the backward stacks the experts' gradients once (zeros for idle experts) instead of one
-    # full-size zero tensor per indexed expert.
-    gate_up_list, down_list = gate_up_L2IC.unbind(0), down_LCI.unbind(0)
-    y_list_MC, row = [], 0
-    for e, num_rows in enumerate(counts_L):
-        if num_rows == 0:
-            continue
-        gate, up = F.linear(x_MC[row:row + num_rows], gate_up_list[e]).chunk(2, dim=-1)
-        y_list_MC.append(F.linear(F.silu(gate) * up, down_list[e]))
-        row += num_rows
-    if not y_list_MC:
-        # No rows at all: a zero-row pass keeps the parameters and x in the graph, so their gradients are zeros
-        # (as the one-rank model's are) and this rank's backward reaches the collectives others wait in.
-        gate, up = F.linear(x_MC[:0], gate_up_list[0]).chunk(2, dim=-1)
-        y_list_MC.append(F.linear(F.silu(gate) * up, down_list[0]))
-    return torch.cat(y_list_MC)
-
-
-def _combine(y_MC, pairs_M, topk_idx_Nk, topk_w_Nk, x_NC):
-    """sum over a token's pairs of w * y, added in ascending expert id as HF's per-expert index_add_ does.
-
-    y_MC[i] is the expert output of pair pairs_M[i] (= n * k + j, j the top-k slot); pairs absent from pairs_M
-    contribute nothing."""
-    N, k = topk_idx_Nk.shape
-    contrib_MC = (y_MC * topk_w_Nk.reshape(-1)[pairs_M, None]).to(x_NC.dtype)
-    # slot of (n, j): the rank of topk_idx[n, j] among token n's expert ids
-    slot_Nk = topk_idx_Nk.argsort(dim=1, stable=True).argsort(dim=1)
-    dest_M = pairs_M - pairs_M % k + slot_Nk.reshape(-1)[pairs_M]
-    C = x_NC.shape[1]
-    slots_NkC = contrib_MC.new_zeros(N * k, C).index_copy(0, dest_M, contrib_MC).view(N, k, C)
-    y_NC = x_NC.new_zeros(x_NC.shape)
-    for s in range(k):
-        y_NC = y_NC + slots_NkC[:, s]
-    return y_NC
-
-
-def _pairs_by_expert(topk_idx_Nk, first_expert, num_local):
-    """(token, slot) pairs routed to experts [first_expert, first_expert + L): -> (pairs_M = n * k + j, grouped by
-    expert; counts_L rows per expert). Inside an expert pairs go slot-major (j, then n), HF's row order, so the
-    matmuls see the same rows in the same order and the output matches HF's bit for bit."""
-    N, k = topk_idx_Nk.shape
-    local_kN = topk_idx_Nk.T.reshape(-1) - first_expert
-    slot_major_M = ((local_kN >= 0) & (local_kN < num_local)).nonzero().squeeze(1)
-    slot_major_M = slot_major_M[local_kN[slot_major_M].argsort(stable=True)]
-    counts_L = torch.bincount(local_kN[slot_major_M], minlength=num_local)
-    return (slot_major_M % N) * k + slot_major_M // N, counts_L
-
-
-def local_experts(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_proj, down_proj, *, first_expert: int = 0):
-    """The routed experts on one device: -> y_NC in x's dtype (see the module docstring for the math).
-
-    gate_up_proj [L, 2I, C] and down_proj [L, C, I] hold experts [first_expert, first_expert + L); pairs routed
-    to any other expert contribute nothing. With first_expert = 0 and all experts this is the hook's default.
-    """
-    pairs_M, counts_L = _pairs_by_expert(topk_idx_Nk, first_expert, gate_up_proj.shape[0])
-    y_MC = _expert_ffn(x_NC[pairs_M // topk_idx_Nk.shape[1]], counts_L.tolist(), gate_up_proj, down_proj)
-    return _combine(y_MC, pairs_M, topk_idx_Nk, topk_w_Nk, x_NC)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -190,7 +121,7 @@ def ep_experts_alltoall(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_local, down_local,
     calls it (with x, w requiring grad on all or none), and under autograd every rank backpropagates through
     its output. Three collectives forward (split sizes, tokens, results), two backward.
     """
-    rank, world = _rank_world(group)
+    rank, world = rank_world(group)
     start, end = expert_bounds(num_experts, world, rank)
     L = end - start
     _check_experts(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_local, down_local, L)
@@ -199,7 +130,7 @@ def ep_experts_alltoall(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_local, down_local,
         return local_experts(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_local, down_local)
     k = topk_idx_Nk.shape[1]
     # pairs by expert id, so grouped by destination rank and, inside it, by that rank's local expert
-    pairs_M, send_counts_E = _pairs_by_expert(topk_idx_Nk, 0, num_experts)
+    pairs_M, send_counts_E = pairs_by_expert(topk_idx_Nk, 0, num_experts)
     # recv_counts_WL[s, e]: pairs rank s sends to this rank's local expert e
     recv_counts_E = torch.empty_like(send_counts_E)
     dist.all_to_all_single(recv_counts_E, send_counts_E, group=group)
@@ -213,10 +144,10 @@ def ep_experts_alltoall(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_local, down_local,
     expert_recv_M = torch.arange(L, device=x_NC.device).repeat(world).repeat_interleave(
         recv_counts_WL.reshape(-1), output_size=sum(recv_W))
     by_expert_M = expert_recv_M.argsort(stable=True)
-    y_grouped_MC = _expert_ffn(x_recv_MC[by_expert_M], recv_per_expert_L, gate_up_local, down_local)
+    y_grouped_MC = expert_ffn(x_recv_MC[by_expert_M], recv_per_expert_L, gate_up_local, down_local)
     y_recv_MC = y_grouped_MC[by_expert_M.argsort()]
     y_back_MC = _AllToAll.apply(y_recv_MC, send_W, recv_W, group)
-    return _combine(y_back_MC, pairs_M, topk_idx_Nk, topk_w_Nk, x_NC)
+    return combine(y_back_MC, pairs_M, topk_idx_Nk, topk_w_Nk, x_NC)
 
 
 class _SumAcrossRanks(torch.autograd.Function):
@@ -272,7 +203,7 @@ def ep_experts_replicated(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_local, down_loca
     every rank gets the full one-rank dx and dw, and its own experts' slices of the one-rank expert gradients.
     Collective: one all-reduce forward, one backward (for dx, dw; none when neither requires grad).
     """
-    rank, world = _rank_world(group)
+    rank, world = rank_world(group)
     start, end = expert_bounds(num_experts, world, rank)
     _check_experts(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_local, down_local, end - start)
     _check_ids(topk_idx_Nk, num_experts)
@@ -322,7 +253,7 @@ def apply_expert_parallel(model, group, *, cp_group) -> None:
     dispatches tokens through `EPExperts`. The EP group must lie within the CP group: EP ranks then hold the same
     prompt and response, so they call the same collectives in the same order (ranks with different prompts
     would not: rollout and response lengths differ). cp=1 with ep=1 changes nothing."""
-    rank, world = _rank_world(group)
+    rank, world = rank_world(group)
     if world == 1:
         return
     ep_ranks = set(dist.get_process_group_ranks(group))
@@ -345,7 +276,7 @@ def is_expert_param(name: str) -> bool:
 
 def gather_rows(slice_E: torch.Tensor, group) -> torch.Tensor:
     """The whole [E, ...] tensor from every rank's contiguous slice of experts (collective)."""
-    _, world = _rank_world(group)
+    _, world = rank_world(group)
     parts = [torch.empty_like(slice_E) for _ in range(world)]
     dist.all_gather(parts, slice_E.detach().contiguous(), group=group)
     return torch.cat(parts)

@@ -11,7 +11,8 @@ The Transaction drives a strategy through one optimizer step of G replays:
     strategy.step()
 
 - `local`: one data-parallel rank (one process, or all ranks in one context-parallel group): nothing to reduce.
-  Every strategy name runs as `local` when dp == 1.
+  Every strategy name runs as `local` when dp == 1. With expert parallelism (ep > 1: local or ddp) the grad
+  norm adds the expert slices' squared norms over the EP group.
 - `ddp`: torch DistributedDataParallel over the dp group, around a thin module whose forward is the replay's
   `logprobs`. Replays 0..G-2 run under `no_sync()`, so their gradients accumulate in `.grad`; the last one
   runs synced and its backward all-reduces the accumulated sums, bucket by bucket, once per step.
@@ -34,8 +35,10 @@ attention), so strategies reduce over the dp group only; world = dp x cp, cp-fas
 group is DeepSpeed's model-parallel group, so its norm counts each parameter once.
 
 Checkpoints do not depend on the strategy: `state_dict()` gives the trainable weights by name and the
-optimizer state in torch's layout with whole tensors, as one process holds them; `load_state_dict` takes the
-same. Under fsdp2 and deepspeed both are collectives: every rank calls them.
+optimizer state in torch's layout with whole tensors, as one process holds them (expert slices gathered over
+the EP group); `load_state_dict` takes the same. Under fsdp2, deepspeed and ep both are collectives: every rank
+calls them. The contract and the one-rank strategy live in local_strategy.py; `make_strategy` picks a registered
+builder by name (deepspeed_zero.py is imported only when its builder runs).
 
 Simplifications: fsdp2 needs every rank to produce gradients for the same parameters (no data-dependent
 unused parameters); under fsdp2 the replay's graph memory includes the gathered weights autograd keeps for a
@@ -46,23 +49,23 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from longstraw_cli.distributed.local_strategy import LocalStrategy, MakeOptimizer, Replay, _trainable
+from longstraw_cli.distributed.topology import ProcessGroups
 from longstraw_cli.models.core import LAYER_PATHS
 
-STRATEGIES = ("ddp", "fsdp2", "deepspeed")
+__all__ = ["DDPStrategy", "FSDP2Strategy", "LocalStrategy", "StrategyConfig", "STRATEGIES", "make_strategy"]
+
 # ZeRO-3 is not supported: see deepspeed_zero.py
 ZERO_STAGES = (1, 2)
 # the model contract's entry points that read weights outside forward(); a decoder layer's named paths
 MODEL_METHODS = ("capture", "logprobs", "start_decode", "decode_step")
 LAYER_METHODS = LAYER_PATHS
-
-MakeOptimizer = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
 @dataclass(frozen=True)
@@ -78,97 +81,17 @@ class StrategyConfig:
             raise ValueError(f"zero_stage={self.zero_stage!r}; valid: {list(ZERO_STAGES)}")
 
 
-class LocalStrategy:
-    """One data-parallel rank: gradients accumulate over the replays and are final as they are."""
-
-    name = "local"
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None):
-        self.model, self.optimizer = model, optimizer
-        self.max_grad_norm = float("inf") if max_grad_norm is None else max_grad_norm
-        self.params = [p for group in optimizer.param_groups for p in group["params"]]
-        # expert parallel: parameters of which this rank holds one slice, and the group holding the others
-        self.sliced, self.slice_group = set(), None
-
-    def set_expert_slices(self, params, group) -> None:
-        """Count `params` (this rank's slices of tensors split over `group`) once each in the grad norm."""
-        self.sliced, self.slice_group = {id(p) for p in params}, group
-
-    def weights(self) -> list[torch.Tensor]:
-        """This rank's weight tensors: memory accounted as weights, not as graph."""
-        return list(self.model.parameters())
-
-    # -- one optimizer step -----------------------------------------------------------------------------------
-    def full_weights(self) -> contextlib.AbstractContextManager:
-        """Around graph-free use of the policy (capture, rollout, scoring): whole weights on every rank."""
-        return contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def replay(self, index: int, count: int) -> Iterator[Callable[..., torch.Tensor]]:
-        """Replay `index` of `count`: yields logprobs(resident, ids, chunk_size=...) with autograd."""
-        yield functools.partial(self.model.logprobs, grad=True)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
-
-    def finalize(self) -> float:
-        """Gradients final (reduced) on every rank and clipped; returns the global norm before clipping."""
-        if self.slice_group is None:
-            return float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
-        whole = [p.grad for p in self.params if p.grad is not None and id(p) not in self.sliced]
-        sliced = [p.grad for p in self.params if p.grad is not None and id(p) in self.sliced]
-        sq = torch.stack([torch.nn.utils.get_total_norm(g) ** 2 if g else torch.zeros((), device=self.params[0].device)
-                          for g in (whole, sliced)])
-        # the slices' squared norms add up over the group; the replicated parameters count once
-        dist.all_reduce(sq[1:], group=self.slice_group)
-        norm = sq.sum().sqrt()
-        torch.nn.utils.clip_grads_with_norm_(self.params, self.max_grad_norm, norm)
-        return float(norm)
-
-    def step(self) -> None:
-        self.optimizer.step()
-        self.zero_grad()
-
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-
-    # -- checkpoints ------------------------------------------------------------------------------------------
-    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
-        """(trainable weights by name, optimizer state): whole tensors, torch's layout."""
-        return _trainable(self.model), self.optimizer.state_dict()
-
-    def load_state_dict(self, model_state: dict[str, torch.Tensor], optimizer_state: dict) -> None:
-        params = dict(self.model.named_parameters())
-        with torch.no_grad():
-            for name, tensor in model_state.items():
-                params[name].copy_(tensor)
-        self.optimizer.load_state_dict(optimizer_state)
-
-
-def _trainable(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
-
-
-class _Replay(nn.Module):
-    """The replay as a module's forward, for wrappers that act in forward (DDP, the DeepSpeed engine)."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, resident, response_ids: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
-        return self.model.logprobs(resident, response_ids, grad=True, chunk_size=chunk_size)
-
-
 class DDPStrategy(LocalStrategy):
     name = "ddp"
 
-    def __init__(self, model: nn.Module, make_optimizer: MakeOptimizer, max_grad_norm: float | None, dp_group):
+    def __init__(self, model: nn.Module, make_optimizer: MakeOptimizer, max_grad_norm: float | None, dp_group, *,
+                 ep_group=None):
         from torch.nn.parallel import DistributedDataParallel
 
         # device_ids=None: inputs stay where they are (DDP would rebuild the Resident to move it)
-        self.ddp = DistributedDataParallel(_Replay(model), process_group=dp_group, find_unused_parameters=True)
-        super().__init__(model, make_optimizer([p for p in model.parameters() if p.requires_grad]), max_grad_norm)
+        self.ddp = DistributedDataParallel(Replay(model), process_group=dp_group, find_unused_parameters=True)
+        super().__init__(model, make_optimizer([p for p in model.parameters() if p.requires_grad]), max_grad_norm,
+                         ep_group=ep_group)
 
     @contextlib.contextmanager
     def replay(self, index: int, count: int):
@@ -196,21 +119,27 @@ class FSDP2Strategy(LocalStrategy):
             register_fsdp_forward_method(model, method)
         # parameters are DTensors from here on: the optimizer is built over them
         super().__init__(model, make_optimizer([p for p in model.parameters() if p.requires_grad]), max_grad_norm)
+        self._full_depth = 0
 
     def weights(self):
         return [p.to_local() for p in self.model.parameters()]
 
     @contextlib.contextmanager
     def full_weights(self):
-        self.model.set_reshard_after_forward(False)
-        for module in self.fsdp_modules:
-            module.unshard()
+        # nested (a capture inside the trainer's capture-and-rollout scope): the outermost one gathers
+        self._full_depth += 1
+        if self._full_depth == 1:
+            self.model.set_reshard_after_forward(False)
+            for module in self.fsdp_modules:
+                module.unshard()
         try:
             yield
         finally:
-            self.model.set_reshard_after_forward(True)
-            for module in self.fsdp_modules:
-                module.reshard()
+            self._full_depth -= 1
+            if self._full_depth == 0:
+                self.model.set_reshard_after_forward(True)
+                for module in self.fsdp_modules:
+                    module.reshard()
 
     @contextlib.contextmanager
     def replay(self, index: int, count: int):
@@ -230,12 +159,12 @@ class FSDP2Strategy(LocalStrategy):
         torch.nn.utils.clip_grads_with_norm_(self.params, self.max_grad_norm, norm)
         return float(norm)
 
-    def state_dict(self):
+    def _local_state_dict(self):
         optimizer_state = self.optimizer.state_dict()
         optimizer_state["state"] = {i: {k: _full(v) for k, v in s.items()} for i, s in optimizer_state["state"].items()}
         return {n: _full(p) for n, p in _trainable(self.model).items()}, optimizer_state
 
-    def load_state_dict(self, model_state, optimizer_state):
+    def _load_local_state_dict(self, model_state, optimizer_state):
         params = dict(self.model.named_parameters())
         with torch.no_grad():
             for name, tensor in model_state.items():
@@ -263,17 +192,37 @@ def _shard_like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
                              src_data_rank=None)
 
 
-def make_strategy(cfg: StrategyConfig, model: nn.Module, make_optimizer: MakeOptimizer, *,
-                  max_grad_norm: float | None, num_replays: int, dp_group=None, cp_group=None) -> LocalStrategy:
-    """The strategy `cfg` names, over the data-parallel group `dp_group` (None or one rank: `local`)."""
-    if dp_group is None or dist.get_world_size(dp_group) == 1:
-        return LocalStrategy(model, make_optimizer([p for p in model.parameters() if p.requires_grad]),
-                             max_grad_norm)
-    if cfg.name == "ddp":
-        return DDPStrategy(model, make_optimizer, max_grad_norm, dp_group)
-    if cfg.name == "fsdp2":
-        return FSDP2Strategy(model, make_optimizer, max_grad_norm, dp_group)
+# -- the registry: one small builder per strategy name ------------------------------------------------------------
+def _ddp(cfg, model, make_optimizer, groups, max_grad_norm, num_replays) -> LocalStrategy:
+    return DDPStrategy(model, make_optimizer, max_grad_norm, groups.dp, ep_group=groups.ep)
+
+
+def _fsdp2(cfg, model, make_optimizer, groups, max_grad_norm, num_replays) -> LocalStrategy:
+    return FSDP2Strategy(model, make_optimizer, max_grad_norm, groups.dp)
+
+
+def _deepspeed(cfg, model, make_optimizer, groups, max_grad_norm, num_replays) -> LocalStrategy:
     from longstraw_cli.distributed.deepspeed_zero import DeepSpeedStrategy
 
-    return DeepSpeedStrategy(model, make_optimizer, max_grad_norm, dp_group, cp_group, zero_stage=cfg.zero_stage,
+    return DeepSpeedStrategy(model, make_optimizer, max_grad_norm, groups.dp, groups.cp, zero_stage=cfg.zero_stage,
                              num_replays=num_replays)
+
+
+BUILDERS = {"ddp": _ddp, "fsdp2": _fsdp2, "deepspeed": _deepspeed}
+STRATEGIES = tuple(BUILDERS)
+# strategies whose finalize counts expert slices once in the grad norm
+EXPERT_PARALLEL = ("ddp",)
+
+
+def make_strategy(cfg: StrategyConfig, model: nn.Module, make_optimizer: MakeOptimizer,
+                  groups: ProcessGroups = ProcessGroups(), *, max_grad_norm: float | None,
+                  num_replays: int) -> LocalStrategy:
+    """The strategy `cfg` names over this rank's `groups` (ParallelDims.new_groups): it reduces over groups.dp
+    (None or one rank: `local`) and gathers expert slices over groups.ep (None: no expert parallelism)."""
+    if groups.dp is None or dist.get_world_size(groups.dp) == 1:
+        return LocalStrategy(model, make_optimizer([p for p in model.parameters() if p.requires_grad]),
+                             max_grad_norm, ep_group=groups.ep)
+    if groups.ep is not None and cfg.name not in EXPERT_PARALLEL:
+        raise ValueError(f"strategy={cfg.name!r} does not know expert slices; with ep > 1 valid: "
+                         f"{list(EXPERT_PARALLEL)}")
+    return BUILDERS[cfg.name](cfg, model, make_optimizer, groups, max_grad_norm, num_replays)

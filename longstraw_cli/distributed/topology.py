@@ -1,16 +1,28 @@
-"""One validated topology: cp x dp = world size (ep splits experts inside the same ranks), checked once at start.
+"""One validated topology: cp x dp = world size (ep splits experts inside the same ranks), checked once at start,
+and the one place that builds process groups (`ParallelDims.new_groups` -> `ProcessGroups`).
 
 ep must divide cp: an EP group lies inside one CP group, whose ranks hold the same prompt and responses and so
 make the same collective calls; ranks of different prompts (DP) would not (rollout lengths differ).
 
 Ranks are laid out cp-fastest: rank = dp_rank * cp + cp_rank, so the ranks of one prompt's context-parallel
-group are neighbours (same node first).
+group are neighbours (same node first); an EP group is ep consecutive ranks of a CP group.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ProcessGroups:
+    """This rank's process groups, all None in one process. `ep` is None unless ep > 1 (no group of one rank per
+    expert slice is built); `cp` and `dp` exist on every multi-process run, of one rank where that axis is 1."""
+
+    cp: Any = None
+    dp: Any = None
+    ep: Any = None
 
 
 @dataclass(frozen=True)
@@ -52,14 +64,31 @@ class ParallelDims:
     def dp_group_ranks(self, cp_rank: int) -> list[int]:
         return [d * self.cp + cp_rank for d in range(self.dp)]
 
-    def new_groups(self, rank: int):
-        """(this rank's CP group, its DP group). new_group is collective: every rank creates every group."""
+    def group_ranks(self) -> dict[str, list[list[int]]]:
+        """Every group of every axis, in the order `new_groups` creates them; each axis partitions the ranks
+        ("ep" is empty when ep == 1: no EP groups)."""
+        return {
+            "cp": [self.cp_group_ranks(d) for d in range(self.dp)],
+            "dp": [self.dp_group_ranks(c) for c in range(self.cp)],
+            "ep": [self.ep_group_ranks(d, e) for d in range(self.dp) for e in range(self.cp // self.ep)]
+            if self.ep > 1 else [],
+        }
+
+    def new_groups(self, rank: int) -> ProcessGroups:
+        """This rank's groups (all None for a world of one). new_group is collective: every rank creates every
+        group, in the same order, so every rank calls this once, after init_process_group."""
+        self.coords(rank)
+        if self.world_size == 1:
+            return ProcessGroups()
         import torch.distributed as dist
 
-        dp_rank, cp_rank = self.coords(rank)
-        cp_groups = [dist.new_group(self.cp_group_ranks(d)) for d in range(self.dp)]
-        dp_groups = [dist.new_group(self.dp_group_ranks(c)) for c in range(self.cp)]
-        return cp_groups[dp_rank], dp_groups[cp_rank]
+        mine = {}
+        for axis, groups in self.group_ranks().items():
+            for ranks in groups:
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    mine[axis] = group
+        return ProcessGroups(**mine)
 
 
 def env_rank_world() -> tuple[int, int, int]:

@@ -1,27 +1,31 @@
 """Model families behind one contract: `model(input_ids)`, `capture`, `logprobs`.
 
-`build_model(name)` makes a randomly initialised model of a named shape; `from_pretrained(path)` loads an HF
-directory (config.json + safetensors, sharded or not).
+Each family registers a `FamilySpec` (models/spec.py) from its package's `spec.py`; everything here goes
+through that registry. `build_model(name)` makes a randomly initialised model of a named shape;
+`from_pretrained(path)` loads an HF directory (config.json + safetensors, sharded or not).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from pathlib import Path
 
 import torch
 
-from longstraw_cli.models.glm52 import hf as glm52_hf
-from longstraw_cli.models.glm52.config import NAMED_CONFIGS as GLM52_CONFIGS
-from longstraw_cli.models.glm52.config import named_config as glm52_config
-from longstraw_cli.models.glm52.model import Glm52ForCausalLM
-from longstraw_cli.models.qwen36 import hf as qwen36_hf
-from longstraw_cli.models.qwen36.config import NAMED_CONFIGS as QWEN36_CONFIGS
-from longstraw_cli.models.qwen36.config import named_config as qwen36_config
-from longstraw_cli.models.qwen36.model import Qwen36ForCausalLM
+# each family's spec.py registers it on import
+import longstraw_cli.models.glm52.spec
+import longstraw_cli.models.qwen36.spec  # noqa: F401
+from longstraw_cli.models.spec import (
+    FamilySpec,
+    families,
+    family_of,
+    family_of_hf,
+    get_family,
+)
 
-MODEL_NAMES = sorted([*QWEN36_CONFIGS, *GLM52_CONFIGS])
+MODEL_NAMES = sorted(name for spec in families() for name in spec.configs)
 
 
 @contextlib.contextmanager
@@ -37,26 +41,36 @@ def _default_dtype(dtype: torch.dtype):
 def build_model(name: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                 seed: int | None = None, **overrides) -> torch.nn.Module:
     """A randomly initialised model of a named shape; keyword overrides replace config fields."""
-    if name not in MODEL_NAMES:
-        raise ValueError(f"unknown model {name!r}; valid: {MODEL_NAMES}")
-    if name in GLM52_CONFIGS:
-        cfg, cls = glm52_config(name, **overrides), Glm52ForCausalLM
-    else:
-        cfg, cls = qwen36_config(name, **overrides), Qwen36ForCausalLM
+    spec = family_of(name)
+    cfg = spec.named_config(name, **overrides)
     if seed is not None:
         torch.manual_seed(seed)
     # parameters are born in their dtype and on their device: a 27B shape never exists in fp32 on the host
     with _default_dtype(dtype), torch.device(device):
-        model = cls(cfg)
+        model = spec.model_cls(cfg)
     return model
 
 
 def config_from_hf(hf_config: dict):
-    """The family's config of an HF config.json dict: glm52 for `glm_moe_dsa`, else qwen36 (which names the
-    valid model types when it rejects one)."""
-    if hf_config.get("model_type") in glm52_hf.MODEL_TYPES:
-        return glm52_hf.config_from_hf(hf_config)
-    return qwen36_hf.config_from_hf(hf_config)
+    """The family's config of an HF config.json dict, chosen by its model_type."""
+    return family_of_hf(hf_config).hf.config_from_hf(hf_config)
+
+
+def hf_model_config(path: str | Path) -> tuple[FamilySpec, object]:
+    """(family, family config) of an HF model directory. config.json is read once per process (and again only if
+    it changes): config checks, `longstraw plan` and `from_pretrained` all ask here."""
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{path} is not a Hugging Face model directory (no config.json)")
+    stat = config_file.stat()
+    return _read_hf_config(str(config_file.resolve()), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=16)
+def _read_hf_config(config_file: str, mtime_ns: int, size: int) -> tuple[FamilySpec, object]:
+    hf_config = json.loads(Path(config_file).read_text())
+    spec = family_of_hf(hf_config)
+    return spec, spec.hf.config_from_hf(hf_config)
 
 
 def _read_safetensors(path: Path):
@@ -77,53 +91,26 @@ def _read_safetensors(path: Path):
 
 def from_pretrained(path: str | Path, dtype: torch.dtype = torch.float32,
                     device: str | torch.device = "cpu") -> torch.nn.Module:
-    """Load an HF directory of model_type `qwen3_5_text` or `qwen3_5` (its text weights), or `glm_moe_dsa`."""
+    """Load an HF directory of any registered family's model types (`qwen3_5_text`, `qwen3_5`'s text weights,
+    `glm_moe_dsa`).
+
+    The family's key map names the parameter or buffer each checkpoint key fills, and the part of it (glm52's
+    per-expert keys fill slices of its 3-D expert parameters). Tensors keep their target's dtype (glm52 keeps
+    the router weight and bias and the indexer's weights_proj in fp32)."""
     path = Path(path)
-    config_file = path / "config.json"
-    if not config_file.exists():
-        raise ValueError(f"{path} is not a Hugging Face model directory (no config.json)")
-    hf_config = json.loads(config_file.read_text())
-    if hf_config.get("model_type") in glm52_hf.MODEL_TYPES:
-        return _load_glm52(path, glm52_hf.config_from_hf(hf_config), dtype, device)
-    cfg = qwen36_hf.config_from_hf(hf_config)
+    spec, cfg = hf_model_config(path)
     with _default_dtype(dtype), torch.device(device):
-        model = Qwen36ForCausalLM(cfg)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    loaded = set()
-    for key, tensor in _read_safetensors(path):
-        name = qwen36_hf.hf_to_local_name(key)
-        if name is None:
-            continue
-        if name not in params:
-            raise ValueError(f"{path}: checkpoint key {key!r} has no counterpart in the qwen36 model")
-        if tuple(params[name].shape) != tuple(tensor.shape):
-            raise ValueError(f"{path}: {key} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")
-        with torch.no_grad():
-            params[name].copy_(tensor.to(dtype))
-        loaded.add(name)
-    missing = sorted(set(params) - loaded)
-    if cfg.tie_word_embeddings:
-        missing = [m for m in missing if m != "lm_head.weight"]
-    if missing:
-        raise ValueError(f"{path}: checkpoint lacks {len(missing)} weights, e.g. {missing[:5]}")
-    return model
-
-
-def _load_glm52(path: Path, cfg, dtype: torch.dtype, device) -> torch.nn.Module:
-    """Per-expert checkpoint keys fill slices of the 3-D expert parameters (glm52/hf.py); fp32-kept tensors
-    (router weight and bias, indexer weights_proj) keep their own dtype."""
-    with _default_dtype(dtype), torch.device(device):
-        model = Glm52ForCausalLM(cfg)
+        model = spec.model_cls(cfg)
     targets = dict(model.named_parameters(remove_duplicate=False))
     targets.update(model.named_buffers())
     filled = {name: 0 for name in targets}
     for key, tensor in _read_safetensors(path):
-        mapped = glm52_hf.hf_to_local(key, cfg)
+        mapped = spec.hf.key_map(key, cfg)
         if mapped is None:
             continue
         name, index = mapped
         if name not in targets:
-            raise ValueError(f"{path}: checkpoint key {key!r} has no counterpart in the glm52 model")
+            raise ValueError(f"{path}: checkpoint key {key!r} has no counterpart in the {spec.name} model")
         dest = targets[name][index]
         if tuple(dest.shape) != tuple(tensor.shape):
             raise ValueError(f"{path}: {key} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
@@ -138,4 +125,5 @@ def _load_glm52(path: Path, cfg, dtype: torch.dtype, device) -> torch.nn.Module:
     return model
 
 
-__all__ = ["MODEL_NAMES", "build_model", "config_from_hf", "from_pretrained"]
+__all__ = ["MODEL_NAMES", "build_model", "config_from_hf", "families", "family_of", "from_pretrained",
+           "get_family", "hf_model_config"]

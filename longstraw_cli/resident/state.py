@@ -49,13 +49,13 @@ class MLAPages:
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.latent_PL, self.rope_PR, self.index_PI) if t is not None]
 
-    def empty_on(self, device) -> "MLAPages":
+    def empty_on(self, device) -> MLAPages:
         """Uninitialised pages of the same shapes on `device` (capture writes them, then copies them here)."""
         def like(t):
             return None if t is None else torch.empty(t.shape, dtype=t.dtype, device=device)
         return MLAPages(like(self.latent_PL), like(self.rope_PR), like(self.index_PI))
 
-    def to(self, device, non_blocking: bool = False, index_only: bool = False) -> "MLAPages":
+    def to(self, device, non_blocking: bool = False, index_only: bool = False) -> MLAPages:
         """A copy on `device` (always a copy, also on the same device). index_only: copy the indexer keys only
         and keep referring to these latent/rope pages (a replay under autograd gathers selected rows from them)."""
         def move(t):

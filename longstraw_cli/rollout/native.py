@@ -44,7 +44,7 @@ class Rollout:
     decode_steps: int = 0
 
 
-def _sample(logits_BV: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
+def sample_tokens(logits_BV: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
     if cfg.temperature == 0:
         return logits_BV.argmax(-1)
     probs_BV = torch.softmax(logits_BV / cfg.temperature, dim=-1)
@@ -82,7 +82,7 @@ class NativeConfig:
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
 
-class _GraphedStep:
+class GraphedStep:
     """`decoder.step()` (compiled by torch.compile when asked) replayed as a CUDA graph. The first call runs on a
     side stream (compilation, cuBLAS handles, Triton kernels, lazy allocations) and IS the first step; the graph
     is captured right after (capture records, it does not run), and every later call replays it. Falls back to
@@ -126,7 +126,7 @@ def generate(model, resident, num_responses: int, cfg: SamplingConfig, generator
     device = decoder.device
     use_graph = native.cuda_graph and device.type == "cuda" and decoder.graph_safe
     compile = use_graph and native.compile and decoder.compile_safe
-    step_fn = _GraphedStep(decoder, compile) if use_graph else decoder.step
+    step_fn = GraphedStep(decoder, compile) if use_graph else decoder.step
     B, R = num_responses, cfg.max_new_tokens
     stop_S = torch.tensor(cfg.stop_token_ids, dtype=torch.long, device=device)
     sampled_BR = torch.empty(B, R, dtype=torch.long, device=device)
@@ -142,12 +142,12 @@ def generate(model, resident, num_responses: int, cfg: SamplingConfig, generator
                     str(exc).splitlines()[0][:200])
         # a failure part-way may have written some layers' state: start again from a fresh decoder
         decoder = model.decoder(resident, num_responses, cfg.max_new_tokens)
-        step_fn = _GraphedStep(decoder, compile=False)
+        step_fn = GraphedStep(decoder, compile=False)
         first_BV = step_fn()
     steps = R
     for step in range(R):
         logits_BV = first_BV if step == 0 else step_fn()
-        tokens_B = _sample(logits_BV, cfg, generator)
+        tokens_B = sample_tokens(logits_BV, cfg, generator)
         logp_BV = torch.log_softmax(logits_BV, -1)
         sampled_BR[:, step] = tokens_B
         logp_BR[:, step] = logp_BV.gather(-1, tokens_B[:, None])[:, 0]

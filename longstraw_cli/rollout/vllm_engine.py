@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from longstraw_cli.lora import merge_lora
 from longstraw_cli.rollout.native import Rollout, SamplingConfig
 
 DTYPES = ("bfloat16", "float16", "float32", "auto")
@@ -118,13 +119,11 @@ def _lora_scale(module: nn.Module, rank: int) -> float:
     return float(_only(alpha)) / getattr(module, "rank", rank)
 
 
-@torch.no_grad()
 def merged_lora_weight(module: nn.Module) -> torch.Tensor:
-    """W + scale * B @ A of a LoRA-wrapped linear (A [r, in], B [out, r]), computed in fp32, in W's dtype."""
+    """W + scale * B @ A of a LoRA-wrapped linear (ours or PEFT's), in W's dtype (`lora.merge_lora`)."""
     w = _full(_base_owner(module).weight).detach()
     a, b = _full(_matrix(module.lora_A)).detach(), _full(_matrix(module.lora_B)).detach()
-    scale = _lora_scale(module, a.shape[0])
-    return (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
+    return merge_lora(w, a, b, _lora_scale(module, a.shape[0]))
 
 
 def hf_weights(model: nn.Module, *, merge_lora: bool = True) -> Iterator[tuple[str, torch.Tensor]]:

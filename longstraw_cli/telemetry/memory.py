@@ -76,7 +76,14 @@ class GraphMemory:
 
 
 class PhaseClock:
-    """Wall time (and CUDA peak memory, where there is CUDA) of named phases; repeated phases accumulate."""
+    """Wall time and peak memory of an iteration's named phases: one clock per iteration, made by the trainer and
+    handed to the transaction, so every phase (capture, rollout, reward, score, replay, finalize, step) is
+    measured the same way. Repeated phases accumulate their time and keep their highest peak.
+
+    On CUDA a phase starts and ends with a device synchronize (its time is the work it launched, not the launches),
+    and its peak is `torch.cuda.max_memory_allocated` with the peak statistics reset at its start. On CPU the
+    clock records time only; memory there is `GraphMemory`'s accounting (and the process RSS) instead.
+    """
 
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
@@ -98,3 +105,11 @@ class PhaseClock:
                 peak = torch.cuda.max_memory_allocated(self.device)
                 self.cuda_peak_bytes[name] = max(self.cuda_peak_bytes.get(name, 0), peak)
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def time_metrics(self) -> dict[str, float]:
+        """`time/<phase>` in seconds, in the order the phases first ran."""
+        return {f"time/{name}": s for name, s in self.seconds.items()}
+
+    def memory_metrics(self) -> dict[str, int]:
+        """`mem/peak_<phase>` in bytes (CUDA only: empty on CPU)."""
+        return {f"mem/peak_{name}": b for name, b in self.cuda_peak_bytes.items()}

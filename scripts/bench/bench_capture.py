@@ -88,10 +88,11 @@ def main(argv=None):
         row = {"model": args.model, "prompt_tokens": P, "block_size": args.block_size, "ceiling_flops": ceiling,
                "attention_kernel": forward_backend(), "flops": flops, "gpu": torch.cuda.get_device_name()}
         runs = {
-            "capture": lambda: model.capture(ids, block_size=args.block_size),
-            "capture_span": lambda: model.capture_span(ids[:-1], start=0, num_tokens=P, last_token=int(ids[-1]),
-                                                       block_size=args.block_size),
-            "forward": lambda: unchunked_forward(model, ids[:-1]),
+            "capture": lambda ids=ids: model.capture(ids, block_size=args.block_size),
+            "capture_span": lambda ids=ids, P=P: model.capture_span(ids[:-1], start=0, num_tokens=P,
+                                                                    last_token=int(ids[-1]),
+                                                                    block_size=args.block_size),
+            "forward": lambda ids=ids: unchunked_forward(model, ids[:-1]),
         }
         for name in args.methods.split(","):
             torch.cuda.empty_cache()

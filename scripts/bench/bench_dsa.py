@@ -12,6 +12,7 @@ finite scores and whether the -inf positions agree. --configs times other tile s
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
 import torch
@@ -87,11 +88,11 @@ def main(argv=None):
         max_diff, err, same_inf = compare(out_BTS, ref_BTS)
         del ref_BTS, out_BTS
         torch.cuda.empty_cache()
-        ref_ms = triton.testing.do_bench(lambda: indexer_scores_reference(q_BTJI, w_BTJ, k_SI, scale, offset),
-                                         rep=args.rep, return_mode="median")
+        reference = functools.partial(indexer_scores_reference, q_BTJI, w_BTJ, k_SI, scale, offset)
+        ref_ms = triton.testing.do_bench(reference, rep=args.rep, return_mode="median")
         by_config = {}
         for config in configs:
-            fn = lambda: indexer_scores_triton(q_BTJI, w_BTJ, k_SI, scale, offset, config=config)  # noqa: E731
+            fn = functools.partial(indexer_scores_triton, q_BTJI, w_BTJ, k_SI, scale, offset, config=config)
             by_config["x".join(map(str, config))] = triton.testing.do_bench(fn, rep=args.rep, return_mode="median")
         kernel_ms = by_config["x".join(map(str, configs[0]))]
         best = min(by_config, key=by_config.get)

@@ -18,6 +18,7 @@ choose `triton_sparse.default_config`.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -90,10 +91,10 @@ def bench_size(H, T, args, scale) -> dict:
     paths = {"torch": reference._SparseMLA.apply, "triton": triton_sparse.TritonSparseMLA.apply}
     for name, fn in paths.items():
         with torch.no_grad():
-            row[f"{name}_fwd_ms"] = time_ms(lambda: fn(q, latent, rope, idx, scale), args.repeats)
+            row[f"{name}_fwd_ms"] = time_ms(functools.partial(fn, q, latent, rope, idx, scale), args.repeats)
         q_grad = q.detach().requires_grad_()
 
-        def fwd_bwd():
+        def fwd_bwd(fn=fn, q_grad=q_grad):
             out, _ = fn(q_grad, latent, rope, idx, scale)
             out.backward(dout)
             q_grad.grad = None
@@ -117,8 +118,9 @@ def sweep(q, latent, rope, idx, dout, scale, repeats) -> dict:
     for cfg in SWEEP:
         name = f"h{cfg.block_h}_k{cfg.block_k}_w{cfg.num_warps}_s{cfg.num_stages}"
         kernels = {
-            "forward": lambda: triton_sparse.sparse_mla_forward(q, latent, rope, idx, scale, cfg),
-            "dq": lambda: triton_sparse.sparse_mla_dq(q, latent, rope, idx, out, lse, dout, None, scale, cfg),
+            "forward": functools.partial(triton_sparse.sparse_mla_forward, q, latent, rope, idx, scale, cfg),
+            "dq": functools.partial(triton_sparse.sparse_mla_dq, q, latent, rope, idx, out, lse, dout, None, scale,
+                                    cfg),
         }
         for kind, fn in kernels.items():
             try:

@@ -34,8 +34,9 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
+from longstraw_cli.distributed.strategy import LocalStrategy  # noqa: E402
 from longstraw_cli.lora import LoraConfig, apply_lora  # noqa: E402
-from longstraw_cli.models import MODEL_NAMES, build_model  # noqa: E402
+from longstraw_cli.models import MODEL_NAMES, build_model, family_of  # noqa: E402
 from longstraw_cli.models.logprobs import token_logprobs  # noqa: E402
 from longstraw_cli.plan import plan  # noqa: E402
 from longstraw_cli.rl.advantages import get_advantage  # noqa: E402
@@ -46,6 +47,9 @@ from longstraw_kernels.attention.flash import forward_backend  # noqa: E402
 from longstraw_kernels.attention.reference import replay_attention as reference_attention  # noqa: E402
 from longstraw_kernels.gdn import gdn_chunked  # noqa: E402
 from longstraw_kernels.gdn.fla_gpu import fla_forward  # noqa: E402
+
+# both methods clip to the trainer's default optim.max_grad_norm
+MAX_GRAD_NORM = 1.0
 
 GIB = 2**30
 METHODS = ("longstraw", "naive")
@@ -157,15 +161,17 @@ class Naive:
                 loss.backward()
                 del logp, loss
         with clock.phase("step"):
-            max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else float("inf")
-            torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+            torch.nn.utils.clip_grad_norm_(self.params, MAX_GRAD_NORM)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         return {"seconds": clock.seconds, "cuda_peak_bytes": clock.cuda_peak_bytes}
 
 
 def run_longstraw(transaction: Transaction, prompt_ids, responses, rewards) -> dict:
-    result = transaction.run(prompt_ids, responses, rewards)
+    clock = PhaseClock(prompt_ids.device)
+    with clock.phase("capture"):
+        resident = transaction.capture(prompt_ids)
+    result = transaction.run(prompt_ids, responses, rewards, resident, clock=clock)
     return {
         "seconds": result.seconds, "cuda_peak_bytes": result.cuda_peak_bytes,
         "resident_bytes": result.resident_bytes["total"], "resident_detail": result.resident_bytes,
@@ -276,8 +282,7 @@ def measure(method: str, bench: dict, prompt_tokens: int, group_size: int, args)
                               + row["resident_bytes"] + row["graph_peak_bytes"])
         if "peak_bytes" in row:
             row["peak_over_bound"] = row["peak_bytes"] / row["bound_bytes"]
-        if model.family != "qwen36":
-            # `longstraw plan` models qwen36 only
+        if not family_of(model).plan:
             return row
         planned = plan(bench["config"], prompt_tokens=prompt_tokens, group_size=group_size,
                        response_tokens=args.response, dtype=args.dtype, lora_rank=args.lora_rank,
@@ -420,7 +425,7 @@ def build(args) -> dict:
         use_reference_kernels(model)
         kernels = "reference"
     return {"device": device, "model": model, "optimizer": optimizer, "config": model.config, "kernels": kernels,
-            "transaction": Transaction(model, optimizer, loss_cfg, tx_cfg),
+            "transaction": Transaction(model, LocalStrategy(model, optimizer, MAX_GRAD_NORM), loss_cfg, tx_cfg),
             "naive": Naive(model, optimizer, loss_cfg, tx_cfg)}
 
 

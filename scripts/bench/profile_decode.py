@@ -18,7 +18,7 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from longstraw_cli.models import build_model  # noqa: E402
-from longstraw_cli.rollout.native import SamplingConfig, _GraphedStep, _sample  # noqa: E402
+from longstraw_cli.rollout.native import GraphedStep, SamplingConfig, sample_tokens  # noqa: E402
 
 
 def timed(fn, n: int) -> float:
@@ -59,7 +59,7 @@ def main() -> None:
         for e in events[:10]:
             print(f"  {e.device_time_total / 1e3:7.3f} ms {e.count:5d}x  {e.key[:110]}")
 
-        graphed = _GraphedStep(decoder)
+        graphed = GraphedStep(decoder)
         graphed()
         row["graph_ms"] = timed(graphed, 50)
         logits = graphed()
@@ -67,14 +67,14 @@ def main() -> None:
         g = torch.Generator("cuda").manual_seed(0)
 
         def sample():
-            tokens = _sample(logits, cfg, g)
+            tokens = sample_tokens(logits, cfg, g)
             logp = torch.log_softmax(logits, -1)
             logp.gather(-1, tokens[:, None])
             (logp.exp() * logp).sum(-1)
 
         row["sample_ms"] = timed(sample, 50)
         if args.compile:
-            graphed = _GraphedStep(model.decoder(resident, args.group, args.capacity), compile=True)
+            graphed = GraphedStep(model.decoder(resident, args.group, args.capacity), compile=True)
             start = time.perf_counter()
             graphed()
             torch.cuda.synchronize()

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
+
+from longstraw_cli.models.spec import config_with_overrides
 
 MLP_TYPES = ("dense", "sparse")
 INDEXER_TYPES = ("full", "shared")
@@ -116,17 +117,11 @@ NAMED_CONFIGS: dict[str, Glm52Config] = {
 
 
 def named_config(name: str, **overrides) -> Glm52Config:
-    if name not in NAMED_CONFIGS:
-        raise ValueError(f"unknown glm52 config {name!r}; valid: {sorted(NAMED_CONFIGS)}")
-    fields = {f.name for f in dataclasses.fields(Glm52Config)}
-    bad = sorted(set(overrides) - fields)
-    if bad:
-        raise ValueError(f"unknown model override(s) {bad}; valid: {sorted(fields)}")
-    base = NAMED_CONFIGS[name]
+    base = NAMED_CONFIGS.get(name)
     # a depth override invalidates explicit per-layer patterns of the named shape: derive them again
-    if "num_hidden_layers" in overrides and overrides["num_hidden_layers"] != base.num_hidden_layers:
+    if base is not None and overrides.get("num_hidden_layers", base.num_hidden_layers) != base.num_hidden_layers:
         overrides.setdefault("mlp_layer_types", None)
         if "indexer_types" not in overrides and base.indexer_types is not None:
             pattern = base.indexer_types
             overrides["indexer_types"] = tuple(pattern[i % len(pattern)] for i in range(overrides["num_hidden_layers"]))
-    return dataclasses.replace(base, **overrides)
+    return config_with_overrides("glm52", NAMED_CONFIGS, name, overrides)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 
 from longstraw_cli.models.glm52.config import Glm52Config
+from longstraw_cli.models.spec import HFAdapter
 
 MODEL_TYPES = ("glm_moe_dsa",)
 
@@ -101,29 +102,15 @@ def hf_to_local(key: str, cfg: Glm52Config) -> tuple[str, tuple] | None:
 
 def config_to_hf(cfg: Glm52Config) -> dict:
     """config.json dict (model_type glm_moe_dsa) of a Glm52Config: the inverse of `config_from_hf`."""
+    same_named = ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "moe_intermediate_size",
+                  "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                  "v_head_dim", "n_routed_experts", "num_experts_per_tok", "n_shared_experts", "n_group", "topk_group",
+                  "routed_scaling_factor", "norm_topk_prob", "first_k_dense_replace")
     return {
         "model_type": "glm_moe_dsa",
         "architectures": ["GlmMoeDsaForCausalLM"],
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "num_hidden_layers": cfg.num_hidden_layers,
-        "intermediate_size": cfg.intermediate_size,
-        "moe_intermediate_size": cfg.moe_intermediate_size,
-        "num_attention_heads": cfg.num_attention_heads,
+        **{name: getattr(cfg, name) for name in same_named},
         "num_key_value_heads": cfg.num_attention_heads,
-        "q_lora_rank": cfg.q_lora_rank,
-        "kv_lora_rank": cfg.kv_lora_rank,
-        "qk_nope_head_dim": cfg.qk_nope_head_dim,
-        "qk_rope_head_dim": cfg.qk_rope_head_dim,
-        "v_head_dim": cfg.v_head_dim,
-        "n_routed_experts": cfg.n_routed_experts,
-        "num_experts_per_tok": cfg.num_experts_per_tok,
-        "n_shared_experts": cfg.n_shared_experts,
-        "n_group": cfg.n_group,
-        "topk_group": cfg.topk_group,
-        "routed_scaling_factor": cfg.routed_scaling_factor,
-        "norm_topk_prob": cfg.norm_topk_prob,
-        "first_k_dense_replace": cfg.first_k_dense_replace,
         "mlp_layer_types": list(cfg.layer_mlp_types),
         "indexer_types": list(cfg.layer_indexer_types),
         "index_topk": cfg.index_topk,
@@ -136,3 +123,10 @@ def config_to_hf(cfg: Glm52Config) -> dict:
         "hidden_act": "silu",
         "attention_bias": False,
     }
+
+
+ADAPTER = HFAdapter(
+    MODEL_TYPES, config_from_hf, config_to_hf, hf_to_local,
+    export_refusal="export_hf and rollout=vllm write HF qwen3_5_text directories, which glm52 is not (yet); use "
+                   "export_hf=false and rollout=native",
+)

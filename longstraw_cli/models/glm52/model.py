@@ -58,6 +58,7 @@ from torch import nn
 from longstraw_cli.models import core
 from longstraw_cli.models.core import MLP, Backbone, CausalLM, DecodeState, stop_grad_prefix
 from longstraw_cli.models.glm52.config import Glm52Config
+from longstraw_cli.models.glm52.experts import local_experts
 from longstraw_cli.resident import MLAPages, Resident
 from longstraw_cli.resident.offload import host_buffer
 from longstraw_kernels import at_least_fp32, compute_dtype
@@ -493,18 +494,6 @@ class Experts(nn.Module):
         E, C, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, C))
         self.down_proj = nn.Parameter(torch.empty(E, C, I))
-
-
-def local_experts(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_proj_EXC, down_proj_ECI) -> torch.Tensor:
-    """Every chosen expert on this device, one expert at a time (HF's eager loop). The fp32 routing weight
-    multiplies each expert's output before it is added (so the router gets its gradient through it)."""
-    y_NC = torch.zeros_like(x_NC)
-    for e in topk_idx_Nk.unique().tolist():
-        token, slot = torch.where(topk_idx_Nk == e)
-        gate, up = F.linear(x_NC[token], gate_up_proj_EXC[e]).chunk(2, dim=-1)
-        h = F.linear(F.silu(gate) * up, down_proj_ECI[e]) * topk_w_Nk[token, slot, None]
-        y_NC.index_add_(0, token, h.to(y_NC.dtype))
-    return y_NC
 
 
 class MoE(nn.Module):

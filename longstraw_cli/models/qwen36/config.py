@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
+
+from longstraw_cli.models.spec import config_with_overrides
 
 
 @dataclass(frozen=True)
@@ -66,56 +67,24 @@ class Qwen36Config:
 NAMED_CONFIGS: dict[str, Qwen36Config] = {
     # Qwen3.6-27B
     "qwen36": Qwen36Config(
-        vocab_size=248320,
-        hidden_size=5120,
-        intermediate_size=17408,
-        num_hidden_layers=64,
-        num_attention_heads=24,
-        num_key_value_heads=4,
-        head_dim=256,
-        linear_num_key_heads=16,
-        linear_num_value_heads=48,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
+        vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
+        num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
+        linear_key_head_dim=128, linear_value_head_dim=128,
     ),
     # benchmark shape, ~2.4B
     "qwen36_mini": Qwen36Config(
-        vocab_size=248320,
-        hidden_size=2048,
-        intermediate_size=6144,
-        num_hidden_layers=24,
-        num_attention_heads=16,
-        num_key_value_heads=2,
-        head_dim=256,
-        linear_num_key_heads=8,
-        linear_num_value_heads=16,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
+        vocab_size=248320, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=16,
+        num_key_value_heads=2, head_dim=256, linear_num_key_heads=8, linear_num_value_heads=16,
+        linear_key_head_dim=128, linear_value_head_dim=128,
     ),
     # CPU tests: two (3 GDN + 1 attention) groups, byte-level vocab
     "qwen36_tiny": Qwen36Config(
-        vocab_size=259,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        rope_theta=10_000.0,
-        max_position_embeddings=65_536,
+        vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, rope_theta=10_000.0, max_position_embeddings=65_536,
     ),
 }
 
 
 def named_config(name: str, **overrides) -> Qwen36Config:
-    if name not in NAMED_CONFIGS:
-        raise ValueError(f"unknown qwen36 config {name!r}; valid: {sorted(NAMED_CONFIGS)}")
-    fields = {f.name for f in dataclasses.fields(Qwen36Config)}
-    bad = sorted(set(overrides) - fields)
-    if bad:
-        raise ValueError(f"unknown model override(s) {bad}; valid: {sorted(fields)}")
-    return dataclasses.replace(NAMED_CONFIGS[name], **overrides)
+    return config_with_overrides("qwen36", NAMED_CONFIGS, name, overrides)

@@ -7,6 +7,7 @@ text weights under `model.language_model.` beside a vision tower (and `mtp.` hea
 from __future__ import annotations
 
 from longstraw_cli.models.qwen36.config import Qwen36Config
+from longstraw_cli.models.spec import HFAdapter
 
 MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
 
@@ -56,33 +57,25 @@ def config_from_hf(hf: dict) -> Qwen36Config:
     return cfg
 
 
-def hf_to_local_name(name: str) -> str | None:
-    """Our parameter name for an HF checkpoint key, or None for weights we do not use."""
-    if name.startswith("model.language_model."):
-        return "model." + name[len("model.language_model."):]
-    if name.startswith(("model.visual.", "mtp.", "visual.")):
+def hf_to_local(key: str, cfg: Qwen36Config) -> tuple[str, tuple] | None:
+    """(our parameter name, () = the whole of it) for an HF checkpoint key, or None for weights we do not use.
+    Names map one to one, so cfg is not needed; it is the key-map signature every family shares."""
+    if key.startswith("model.language_model."):
+        return "model." + key[len("model.language_model."):], ()
+    if key.startswith(("model.visual.", "mtp.", "visual.")):
         return None
-    return name
+    return key, ()
 
 
 def config_to_hf(cfg: Qwen36Config) -> dict:
     """config.json dict (model_type qwen3_5_text) of a Qwen36Config: the inverse of `config_from_hf`."""
+    same_named = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
+                  "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "full_attention_interval")
     return {
         "model_type": "qwen3_5_text",
         "architectures": ["Qwen3_5ForCausalLM"],
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_hidden_layers,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "linear_num_key_heads": cfg.linear_num_key_heads,
-        "linear_num_value_heads": cfg.linear_num_value_heads,
-        "linear_key_head_dim": cfg.linear_key_head_dim,
-        "linear_value_head_dim": cfg.linear_value_head_dim,
-        "linear_conv_kernel_dim": cfg.linear_conv_kernel_dim,
-        "full_attention_interval": cfg.full_attention_interval,
+        **{name: getattr(cfg, name) for name in same_named},
         "layer_types": list(cfg.layer_types),
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_parameters": {
@@ -95,3 +88,6 @@ def config_to_hf(cfg: Qwen36Config) -> dict:
         "hidden_act": "silu",
         "attention_bias": False,
     }
+
+
+ADAPTER = HFAdapter(MODEL_TYPES, config_from_hf, config_to_hf, hf_to_local)

@@ -19,7 +19,7 @@ from longstraw_kernels.attention.decode import decode_pages_attention
 from longstraw_kernels.gdn import gdn_step
 from longstraw_kernels.gdn.reference import gdn_recurrent
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 def randn(*shape, seed, dtype=torch.bfloat16):

@@ -13,9 +13,13 @@ import torch
 import torch.distributed as dist
 
 from conftest import cached_rank_results, join_gloo, rel_err
-
-from longstraw_cli.distributed.ep import (ep_experts_alltoall, ep_experts_replicated, ep_shard, expert_bounds,
-                                          local_experts)
+from longstraw_cli.distributed.ep import (
+    ep_experts_alltoall,
+    ep_experts_replicated,
+    ep_shard,
+    expert_bounds,
+    local_experts,
+)
 
 # world size -> name -> (tokens per rank, E, k, C, I, experts that may be chosen (None: all), dtype).
 # Replicated mode uses every rank's tokens together on every rank. Fewer token shards than ranks: EP groups of
@@ -130,6 +134,7 @@ def assert_close(got, ref, tol, what):
         assert rel_err(got, ref) <= tol, (what, rel_err(got, ref))
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("world_size,name", [(w, n) for w, cases in CASES.items() for n in cases])
 def test_matches_one_rank(ep_results, world_size, name, mode):
@@ -153,6 +158,7 @@ def test_matches_one_rank(ep_results, world_size, name, mode):
             assert_close(got[n], ref[n][ep_rank * L:(ep_rank + 1) * L], tol, (rank, n))
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world_size", list(CASES))
 def test_errors_before_any_collective(ep_results, world_size):
     for results in ep_results(world_size):

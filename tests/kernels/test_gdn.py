@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 
 from conftest import rel_err
-
 from longstraw_kernels.gdn.reference import gdn_chunked, gdn_recurrent
 
 B, H, K, V = 2, 2, 8, 6
@@ -140,9 +139,8 @@ def test_two_spans_with_carried_state_match_one_span(fn, split):
 
 
 @pytest.mark.parametrize("fn", [gdn_recurrent, gdn_chunked])
-@pytest.mark.parametrize(
-    "dtype, state_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.float64, torch.float64)]
-)
+@pytest.mark.parametrize("dtype, state_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                                 (torch.float64, torch.float64)])
 def test_dtypes(fn, dtype, state_dtype):
     x = make_inputs(T=20, G=2 * H, dtype=dtype, with_state=False)
     o, s = run(fn, x)

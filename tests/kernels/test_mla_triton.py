@@ -130,6 +130,7 @@ def test_dispatch_takes_torch_off_cuda_and_when_asked(monkeypatch):
 
 # -- GLM-5 sizes on the GPU ---------------------------------------------------------------------------------------
 
+@pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("H", [16, 64])
 def test_cuda_bf16_glm5_sizes(H):
@@ -139,6 +140,7 @@ def test_cuda_bf16_glm5_sizes(H):
     assert out_err < 2e-2 and lse_err < 1e-3 and dq_err < 3e-2
 
 
+@pytest.mark.gpu
 @needs_cuda
 def test_cuda_fp32_is_ieee_with_a_key_tail():
     # K = 300: nine blocks of 32 and a tail of 12; fp32 dots must not be TF32 (which would give ~1e-3)
@@ -148,6 +150,7 @@ def test_cuda_fp32_is_ieee_with_a_key_tail():
     assert max(errs) < 1e-5
 
 
+@pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("page_grad", [False, True])
 def test_cuda_dispatcher_bf16(monkeypatch, page_grad):

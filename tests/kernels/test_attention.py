@@ -5,7 +5,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import rel_err
-
 from longstraw_kernels.attention.reference import naive_attention, replay_attention
 
 

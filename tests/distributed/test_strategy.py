@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from conftest import free_port, randomize_, rel_err
 from longstraw_cli.checkpoint import CheckpointManager
 from longstraw_cli.distributed.cp import apply_context_parallel
-from longstraw_cli.distributed.strategy import DDPStrategy, StrategyConfig, make_strategy
+from longstraw_cli.distributed.strategy import DDPStrategy, LocalStrategy, StrategyConfig, make_strategy
 from longstraw_cli.distributed.topology import ParallelDims
 from longstraw_cli.lora import LoraConfig, apply_lora
 from longstraw_cli.models import build_model
@@ -31,8 +31,11 @@ from longstraw_cli.rl.advantages import get_advantage
 from longstraw_cli.rl.losses import LossConfig
 from longstraw_cli.transaction import Transaction, TransactionConfig
 
+# every case runs on spawned gloo ranks or under torchrun
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
 G, STEPS, MAX_GRAD_NORM = 3, 2, 0.5
-TX = TransactionConfig(block_size=16, max_grad_norm=MAX_GRAD_NORM)
+TX = TransactionConfig(block_size=16)
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 NO_DEEPSPEED = "deepspeed is not installed (pip install deepspeed, or the `deepspeed` extra)"
 UNUSED = "indexer_weight"
@@ -114,19 +117,23 @@ class SyncedEveryReplay(DDPStrategy):
         yield self.ddp
 
 
-def run_case(name, dims, rank, cp_group, dp_group, out_dir):
+def run(tx, step, dp_rank):
+    prompt, responses, rewards = problem(step, dp_rank)
+    return tx.run(prompt, responses, rewards, tx.capture(prompt))
+
+
+def run_case(name, dims, rank, groups, out_dir):
     cfg, dtype, options = CASES[name]
     dp_rank, _ = dims.coords(rank)
 
     def build():
         model = make_model(dtype, lora=options.get("lora", False), unused=options.get("unused", False))
         if dims.cp > 1:
-            apply_context_parallel(model, cp_group)
+            apply_context_parallel(model, groups.cp)
         if options.get("control"):
-            strategy = SyncedEveryReplay(model, adamw, MAX_GRAD_NORM, dp_group)
+            strategy = SyncedEveryReplay(model, adamw, MAX_GRAD_NORM, groups.dp)
         else:
-            strategy = make_strategy(cfg, model, adamw, max_grad_norm=MAX_GRAD_NORM, num_replays=G,
-                                     dp_group=dp_group, cp_group=cp_group)
+            strategy = make_strategy(cfg, model, adamw, groups, max_grad_norm=MAX_GRAD_NORM, num_replays=G)
         return strategy, Transaction(model, strategy, LossConfig(name="grpo"), TX)
 
     strategy, tx = build()
@@ -137,7 +144,7 @@ def run_case(name, dims, rank, cp_group, dp_group, out_dir):
     out = {"norms": [], "reductions": [], "strategy": strategy.name}
     for step in range(options.get("steps", STEPS)):
         meter.counts.clear()
-        out["norms"].append(tx.run(*problem(step, dp_rank)).stats["grad_norm"])
+        out["norms"].append(run(tx, step, dp_rank).stats["grad_norm"])
         out["reductions"].append(dict(meter.counts))
         if options.get("resume") and step == 0:
             checkpoints = CheckpointManager(out_dir / f"{name}_checkpoints", rank=rank)
@@ -150,7 +157,7 @@ def run_case(name, dims, rank, cp_group, dp_group, out_dir):
         strategy, tx = build()
         model_state, optimizer_state, _ = checkpoints.load(checkpoints.latest())
         strategy.load_state_dict(model_state, optimizer_state)
-        out["resumed_norm"] = tx.run(*problem(1, dp_rank)).stats["grad_norm"]
+        out["resumed_norm"] = run(tx, 1, dp_rank).stats["grad_norm"]
         out["resumed_params"], _ = strategy.state_dict()
     torch.save(out, out_dir / f"{name}.rank{rank}.pt")
 
@@ -162,9 +169,9 @@ def _worker(rank, world, cp, port, out_dir, names):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         dims = ParallelDims(world, cp=cp)
-        cp_group, dp_group = dims.new_groups(rank)
+        groups = dims.new_groups(rank)
         for name in names:
-            run_case(name, dims, rank, cp_group, dp_group, out_dir)
+            run_case(name, dims, rank, groups, out_dir)
     finally:
         dist.destroy_process_group()
 
@@ -191,7 +198,8 @@ def reference(dtype, lora=False):
     """One process: per step, both data-parallel ranks' replays accumulate, the sum is halved, then clip and step."""
     torch.set_num_threads(1)
     model = make_model(dtype, lora=lora)
-    tx = Transaction(model, adamw([p for p in model.parameters() if p.requires_grad]), LossConfig(name="grpo"), TX)
+    strategy = LocalStrategy(model, adamw([p for p in model.parameters() if p.requires_grad]), MAX_GRAD_NORM)
+    tx = Transaction(model, strategy, LossConfig(name="grpo"), TX)
     norms = []
     for step in range(STEPS):
         tx.strategy.zero_grad()
@@ -212,7 +220,7 @@ def compare(name, got, dtype, lora=False):
     """(worst parameter rel err, worst update rel err) against the one-process average; asserts the norms."""
     want, want_norms = reference(dtype, lora)
     start = make_model(dtype, lora=lora)
-    params = err = update = 0.0
+    err = update = 0.0
     for n, w in want.items():
         err = max(err, rel_err(got["params"][n], w))
         moved = start.get_parameter(n).detach()
@@ -285,7 +293,7 @@ def test_context_parallel_under_data_parallel_equals_dp2_cp1(dp2, cp2_dp2, name)
         assert got["norms"] == pytest.approx(want["norms"], rel=1e-10)
 
 
-# ddp, the default, runs under torchrun in tests/test_cli.py (test_torchrun_ranks_share_one_run_dir)
+# ddp, the default, runs under torchrun in tests/e2e/test_cli.py (test_torchrun_ranks_share_one_run_dir)
 @pytest.mark.parametrize("name", ["fsdp2", "deepspeed"])
 def test_longstraw_train_under_torchrun(tmp_path, name):
     if name == "deepspeed" and not HAS_DEEPSPEED:

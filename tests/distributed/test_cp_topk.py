@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from conftest import cached_rank_results, join_gloo, rel_err
-
 from longstraw_cli.distributed.cp import shard_bounds
 from longstraw_cli.distributed.cp_attention import AllReduceGrad, MergeAcrossRanks
 from longstraw_cli.distributed.cp_topk import cp_global_topk, local_selection, local_selection_mask
@@ -200,6 +199,7 @@ def cp_results(tmp_path_factory):
     return cached_rank_results(tmp_path_factory, _worker, "topk")
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world_size,name", [(w, n) for w, cases in CASES.items() for n in cases])
 def test_global_topk_matches_one_rank(cp_results, world_size, name):
     keys_W, T, k, kind, dtype = CASES[world_size][name]
@@ -226,6 +226,7 @@ def test_global_topk_matches_one_rank(cp_results, world_size, name):
     assert torch.equal(selected_T, torch.full((T,), ref_Tk.shape[1])), selected_T
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world_size", list(ATTN_CASES))
 def test_sparse_attention_merged_across_ranks(cp_results, world_size):
     keys_W = ATTN_CASES[world_size][0]

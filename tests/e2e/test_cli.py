@@ -1,6 +1,12 @@
-"""`longstraw train` end to end: good and bad input, Hydra behaviour, resume after a kill, learning, torchrun."""
+"""`longstraw train` end to end: good and bad input, Hydra behaviour, resume after a kill, learning, torchrun.
 
+Most cases call the CLI in this process (`train_here`): a bad input, `--cfg job`, a sweep and the learning run
+prove the same there as in a child process, without its start-up. A child process runs where the process is the
+thing under test: the console script's exit code and stderr, kill -9 and resume, torchrun's ranks."""
+
+import dataclasses
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -10,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from longstraw_cli.__main__ import main
 from longstraw_cli.cli import check_overrides
 from longstraw_cli.config import ConfigError
 
@@ -20,6 +27,37 @@ DETERMINISTIC = ("reward_mean", "reward_std", "loss", "pg_loss", "grad_norm", "e
 def longstraw(args, cwd, env=None, timeout=900):
     return subprocess.run([sys.executable, "-m", "longstraw_cli", "train", *args], cwd=cwd, capture_output=True,
                           text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture
+def train_here(tmp_path, monkeypatch, capsys):
+    """`longstraw train ARGS` in this process, in tmp_path: -> (exit code, stdout, stderr). Hydra sets sys.argv,
+    the root logger's handlers (its log file, a console on the captured stdout) and its global state; all are put
+    back afterwards."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+
+    def run(args):
+        capsys.readouterr()
+        try:
+            code = main(["train", *args])
+        except SystemExit as e:
+            code = e.code
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    yield run
+    for handler in root.handlers:
+        if handler not in handlers:
+            handler.close()
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    GlobalHydra.instance().clear()
 
 
 def rows(run_dir: Path) -> list[dict]:
@@ -54,32 +92,48 @@ def test_bad_keys_and_group_options_are_caught_before_hydra(override, expected):
     (["strategy.name=zero"], "strategy: name='zero'; valid: ['ddp', 'fsdp2', 'deepspeed']"),
     (["strategy=deepspeed", "strategy.zero_stage=3"], "strategy: zero_stage=3; valid: [1, 2]"),
 ])
-def test_bad_input_exits_nonzero_with_one_line(tmp_path, args, expected):
-    out = longstraw([*args, f"run_dir={tmp_path / 'run'}"], cwd=tmp_path)
-    assert out.returncode != 0
-    assert "Traceback" not in out.stderr
+def test_bad_input_exits_2_with_one_line(train_here, tmp_path, args, expected):
+    code, _, err = train_here([*args, f"run_dir={tmp_path / 'run'}"])
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0], err
+
+
+def test_console_script_exits_2_with_one_line_and_no_traceback(tmp_path):
+    script = Path(sys.executable).with_name("longstraw")
+    if not script.exists():
+        pytest.skip(f"the console script is not installed beside {sys.executable}")
+    out = subprocess.run([str(script), "train", "group_size=1", f"run_dir={tmp_path / 'run'}"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
     lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and expected in lines[0], out.stderr
+    assert len(lines) == 1 and "group_size must be an integer >= 2, got 1" in lines[0], out.stderr
 
 
-def test_bad_jsonl_row_names_file_and_line(tmp_path):
+def test_hydra_full_error_raises_instead_of_one_line(train_here, tmp_path, monkeypatch):
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    with pytest.raises(ConfigError, match="group_size must be an integer >= 2, got 1"):
+        train_here(["group_size=1", f"run_dir={tmp_path / 'run'}"])
+
+
+def test_bad_jsonl_row_names_file_and_line(train_here, tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text('{"prompt": "p", "answer": "a"}\n{"prompt": "p"}\n')
-    out = longstraw(["task=jsonl", f"task.path={data}", f"run_dir={tmp_path / 'run'}"], cwd=tmp_path)
-    assert out.returncode != 0 and "Traceback" not in out.stderr
-    assert f"{data}:2" in out.stderr
+    code, _, err = train_here(["task=jsonl", f"task.path={data}", f"run_dir={tmp_path / 'run'}"])
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert f"{data}:2" in err
 
 
-def test_cfg_job_prints_and_does_not_run(tmp_path):
-    out = longstraw(["--cfg", "job", "group_size=3"], cwd=tmp_path)
-    assert out.returncode == 0
-    assert "group_size: 3" in out.stdout and not (tmp_path / "runs").exists()
+def test_cfg_job_prints_and_does_not_run(train_here, tmp_path):
+    code, out, _ = train_here(["--cfg", "job", "group_size=3"])
+    assert code == 0
+    assert "group_size: 3" in out and not (tmp_path / "runs").exists()
 
 
-def test_multirun_sweep_runs_each_job(tmp_path):
-    out = longstraw(["-m", "group_size=2,3", "steps=1", *SMALL[:2], "logger.backends=[jsonl]",
-                     f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path)
-    assert out.returncode == 0, out.stderr
+def test_multirun_sweep_runs_each_job(train_here, tmp_path):
+    code, _, err = train_here(["-m", "group_size=2,3", "steps=1", *SMALL[:2], "logger.backends=[jsonl]",
+                               f"hydra.sweep.dir={tmp_path / 'sweep'}"])
+    assert code == 0, err
     for job, g in (("0", 2), ("1", 3)):
         [row] = rows(tmp_path / "sweep" / job)
         assert row["num_tokens"] <= 8 * g
@@ -97,13 +151,14 @@ def test_train_config_is_typed_and_frozen():
     tc = train_config(OmegaConf.to_container(cfg, resolve=True))
     assert tc.loss.name == "dapo" and tc.loss.clip_high == 0.28 and tc.lora.rank == 4 and tc.group_size == 6
     assert tc.rollout.sampling.max_new_tokens == tc.response_tokens
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         tc.group_size = 3
     with pytest.raises(ConfigError, match="cp=3 does not divide the world size 4; valid: \\[1, 2, 4\\]"):
         train_config({**OmegaConf.to_container(cfg, resolve=True), "cp": 3}, world_size=4)
 
 
-def test_resume_after_kill_continues_with_uninterrupted_metrics(tmp_path):
+@pytest.mark.slow
+def test_resume_after_kill_continues_with_uninterrupted_metrics(train_here, tmp_path):
     common = [*SMALL, "steps=10", "checkpoint.every=1"]
     full = longstraw([*common, f"run_dir={tmp_path / 'full'}"], cwd=tmp_path)
     assert full.returncode == 0, full.stderr
@@ -126,8 +181,8 @@ def test_resume_after_kill_continues_with_uninterrupted_metrics(tmp_path):
     killed_at = len(rows(run))
     assert killed_at < 10
 
-    again = longstraw([*common, f"run_dir={run}"], cwd=tmp_path)
-    assert again.returncode != 0 and "resume=true" in again.stderr
+    code, _, err = train_here([*common, f"run_dir={run}"])
+    assert code == 2 and "resume=true" in err
     resumed = longstraw([*common, f"run_dir={run}", "resume=true"], cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     got, want = rows(run), rows(tmp_path / "full")
@@ -136,10 +191,11 @@ def test_resume_after_kill_continues_with_uninterrupted_metrics(tmp_path):
         assert {k: a[k] for k in DETERMINISTIC} == {k: b[k] for k in DETERMINISTIC}
 
 
-def test_learning_raises_mean_reward(tmp_path):
-    out = longstraw(["steps=20", "prompt_tokens=256", "logger.backends=[jsonl]", f"run_dir={tmp_path / 'run'}"],
-                    cwd=tmp_path)
-    assert out.returncode == 0, out.stderr
+@pytest.mark.slow
+def test_learning_raises_mean_reward(train_here, tmp_path):
+    code, _, err = train_here(["steps=20", "prompt_tokens=256", "logger.backends=[jsonl]",
+                               f"run_dir={tmp_path / 'run'}"])
+    assert code == 0, err
     reward = [r["reward_mean"] for r in rows(tmp_path / "run")]
     first, last = sum(reward[:4]) / 4, sum(reward[-4:]) / 4
     print(f"mean reward first 4 steps {first:.3f}, last 4 steps {last:.3f}")
@@ -147,6 +203,8 @@ def test_learning_raises_mean_reward(tmp_path):
     assert (tmp_path / "run" / "memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_torchrun_ranks_share_one_run_dir(tmp_path):
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                           "-m", "longstraw_cli", "train", *SMALL, "steps=2"], cwd=tmp_path, capture_output=True,
@@ -158,11 +216,11 @@ def test_torchrun_ranks_share_one_run_dir(tmp_path):
     assert [r["step"] for r in rows(run)] == [0, 1]
 
 
-def test_lora_with_kl_reference_trains_adapters_only_and_exports_hf(tmp_path):
+def test_lora_with_kl_reference_trains_adapters_only_and_exports_hf(train_here, tmp_path):
     run = tmp_path / "run"
-    out = longstraw([*SMALL, "steps=2", "lora.rank=4", "algo.kl_coef=0.05", "export_hf=true", f"run_dir={run}"],
-                    cwd=tmp_path)
-    assert out.returncode == 0, out.stderr
+    code, _, err = train_here([*SMALL, "steps=2", "lora.rank=4", "algo.kl_coef=0.05", "export_hf=true",
+                               f"run_dir={run}"])
+    assert code == 0, err
     first, second = rows(run)
     # fresh adapters are a no-op: the policy is the reference, so the KL starts at exactly zero
     assert first["kl_mean"] == 0.0 and second["kl_mean"] > 0
@@ -176,13 +234,15 @@ def test_lora_with_kl_reference_trains_adapters_only_and_exports_hf(tmp_path):
     assert not any("lora" in n for n, _ in merged.named_parameters())
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("model, parallel", [("qwen36_tiny", ["cp=2"]), ("glm52_tiny", ["cp=2", "ep=2"])])
-def test_cp2_train_step_matches_cp1(tmp_path, model, parallel):
+def test_cp2_train_step_matches_cp1(train_here, tmp_path, model, parallel):
     """Two ranks sharing each prompt (glm52: also splitting the experts) train as one rank does."""
     args = [f"model={model}", "steps=2", "prompt_tokens=256", "response_tokens=8", "group_size=4",
             "model.dtype=float64", "logger.backends=[jsonl]"]
-    one = longstraw([*args, f"run_dir={tmp_path / 'cp1'}"], cwd=tmp_path)
-    assert one.returncode == 0, one.stderr
+    code, _, err = train_here([*args, f"run_dir={tmp_path / 'cp1'}"])
+    assert code == 0, err
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                           "-m", "longstraw_cli", "train", *args, *parallel, f"run_dir={tmp_path / 'cp2'}"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=900)
@@ -204,6 +264,8 @@ def torchrun(args, cwd, nproc=2):
                           text=True, timeout=900, env=env)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_expert_parallel_checkpoint_resumes_exactly_under_any_ep(tmp_path):
     """ep=2 checkpoints hold whole experts and whole AdamW moments: a run stopped after step 2 and resumed with
     ep=2 (slices taken again) or ep=1 logs the steps of an uninterrupted ep=2 run. The KL term (against a frozen

@@ -66,8 +66,9 @@ def test_flash_attn_is_used_when_installed(monkeypatch):
         assert rel_err(lse[0], want_lse[0]) < 1e-6  # the lse comes back in float32
         q = torch.randn(2, 3, 9, 16, generator=g, dtype=torch.float64)
         out, lse = flash.attend(q, k, v, True, 0.3, "flash_attn")
-        want_out, want_lse = naive_attention(q.transpose(1, 2), k[0, :, :0].transpose(0, 1), v[0, :, :0].transpose(0, 1),
-                                             k.transpose(1, 2), v.transpose(1, 2), scale=0.3)
+        want_out, want_lse = naive_attention(q.transpose(1, 2), k[0, :, :0].transpose(0, 1),
+                                             v[0, :, :0].transpose(0, 1), k.transpose(1, 2), v.transpose(1, 2),
+                                             scale=0.3)
         assert rel_err(out, want_out.transpose(1, 2)) < 1e-12 and rel_err(lse, want_lse) < 1e-6
     finally:
         flash.flash_attn_func.cache_clear()

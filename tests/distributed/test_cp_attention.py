@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 
 from conftest import cached_rank_results, join_gloo, rel_err
-
 from longstraw_cli.distributed.cp_attention import cp_capture_attention, cp_replay_attention
 from longstraw_kernels.attention import replay_attention
 
@@ -116,6 +115,7 @@ def _cases(table):
     return [(w, name) for w, cases in table.items() for name in cases]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world_size,name", _cases(REPLAY_CASES))
 def test_replay_matches_one_rank(cp_results, world_size, name):
     pages_N, R, S, B, Q, K, D, block_size = case = REPLAY_CASES[world_size][name]
@@ -136,6 +136,7 @@ def test_replay_matches_one_rank(cp_results, world_size, name):
             assert rel_err(got[n], ref[n][p0 : p0 + pages_N[cp_rank]]) <= TOL, (rank, n)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world_size,name", _cases(CAPTURE_CASES))
 def test_capture_matches_one_rank(cp_results, world_size, name):
     tokens_N, Q, K, D, block_size = case = CAPTURE_CASES[world_size][name]

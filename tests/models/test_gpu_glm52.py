@@ -8,13 +8,11 @@ import pytest
 import torch
 
 import longstraw_kernels.dsa as dsa
+from conftest import grads, ids, random_model, rel_err
+from longstraw_cli.models import build_model
 from longstraw_kernels.mla import dispatch as mla_dispatch
 
-from conftest import rel_err
-from longstraw_cli.models import build_model
-from test_glm52_replay import grads, ids, tiny
-
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 def run(model, prompt, response, offload=None, block_size=512):
@@ -30,8 +28,8 @@ def run(model, prompt, response, offload=None, block_size=512):
 def test_fp64_on_cuda_equals_the_cpu():
     """Same weights, same prompt (longer than index_topk): the CUDA run in fp64 (torch paths: the kernels
     take bf16/fp32 only) gives the CPU's log-probs and gradients."""
-    cpu = tiny()
-    gpu = tiny().cuda()
+    cpu = random_model("glm52_tiny")
+    gpu = random_model("glm52_tiny").cuda()
     prompt, response = ids(700, 0), ids(40, 1)
     logp_cpu, g_cpu = run(cpu, prompt, response, block_size=128)
     logp_gpu, g_gpu = run(gpu, prompt.cuda(), response.cuda(), block_size=128)

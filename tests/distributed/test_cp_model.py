@@ -54,6 +54,8 @@ def _worker(rank, world, port, out_dir, dtype):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("world, dtype, tol", [(2, torch.float64, 1e-10), (4, torch.float64, 1e-10),
                                                (2, torch.float32, 1e-5)])
 def test_context_parallel_equals_one_rank(tmp_path, world, dtype, tol):

@@ -3,21 +3,20 @@ pages, the DSA selection of every layer (integer-equal, capture and replay), sco
 (expert gradients slice-wise under EP), native rollout, per-rank resident bytes."""
 
 import collections
+import functools
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import join_gloo, rel_err, run_ranks
-from test_glm52_replay import tiny
+from conftest import join_gloo, random_model, rel_err, run_ranks
 from longstraw_cli.distributed import ep as ep_module
 from longstraw_cli.distributed.cp import apply_context_parallel, shard_bounds
-from longstraw_cli.distributed.ep import (apply_expert_parallel, expert_bounds, gather_expert_params,
-                                          load_expert_params)
+from longstraw_cli.distributed.ep import apply_expert_parallel, expert_bounds, gather_expert_params, load_expert_params
 from longstraw_cli.distributed.topology import ParallelDims
-from longstraw_kernels.dsa import topk_lowest_position
 from longstraw_cli.rollout.native import SamplingConfig, generate
+from longstraw_kernels.dsa import topk_lowest_position
 
 # index_topk is 16: with 74 captured tokens every query past 16 selects, and selections cross shard boundaries
 PROMPT, RESPONSE, BLOCK = 75, 13, 16
@@ -74,7 +73,7 @@ def run(model, capture, prompt_len=PROMPT):
 
 
 def reference(dtype, prompt_len):
-    model = tiny(dtype, seed=3)
+    model = random_model("glm52_tiny", dtype, seed=3)
     return run(model, lambda p: model.capture_span(p[:-1], start=0, num_tokens=p.numel() - 1,
                                                    last_token=int(p[-1]), block_size=BLOCK), prompt_len)
 
@@ -90,13 +89,13 @@ def _worker(rank, world, port, out_dir):
                 lambda *a, fn=fn, mode=mode, **k: (modes.update([mode]), fn(*a, **k))[1])
     results = {}
     for name, ep, dtype, prompt_len in CASES[world]:
-        model = tiny(dtype, seed=3)
+        model = random_model("glm52_tiny", dtype, seed=3)
         full = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith(EXPERTS)}
         apply_context_parallel(model, dist.group.WORLD)
         if ep > 1:
             apply_expert_parallel(model, ep_group, cp_group=dist.group.WORLD)
         modes.clear()
-        results[name] = run(model, lambda p: model.capture(p, block_size=BLOCK), prompt_len)
+        results[name] = run(model, functools.partial(model.capture, block_size=BLOCK), prompt_len)
         results[name]["modes"] = dict(modes)
         if ep > 1:
             gathered = gather_expert_params(model, ep_group)
@@ -107,7 +106,7 @@ def _worker(rank, world, port, out_dir):
                                            for n in full)
     # the EP group outside the CP group (each rank its own CP group) is refused
     try:
-        apply_expert_parallel(tiny(), dist.group.WORLD, cp_group=alone)
+        apply_expert_parallel(random_model("glm52_tiny"), dist.group.WORLD, cp_group=alone)
         results["refused"] = False
     except ValueError as e:
         results["refused"] = "within the CP group" in str(e)
@@ -115,6 +114,8 @@ def _worker(rank, world, port, out_dir):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 4])
 def test_glm52_context_and_expert_parallel_equal_one_rank(tmp_path, world):
     run_ranks(_worker, world, str(tmp_path), timeout_s=300)
@@ -191,5 +192,5 @@ def test_topk_on_batched_rows_is_the_stable_sort():
     scores = torch.relu(torch.randn(3, 40, 50, generator=g, dtype=torch.float64)).round(decimals=1)
     scores[:, :, 35:] = float("-inf")
     for k in (1, 7, 16, 36, 50):
-        expected = scores.sort(dim=-1, descending=True, stable=True).indices[..., :k].sort(-1).values
+        expected = scores.sort(dim=-1, descending=True, stable=True).indices[..., :k].sort(dim=-1).values
         assert torch.equal(topk_lowest_position(scores, k), expected)

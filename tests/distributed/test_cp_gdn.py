@@ -9,9 +9,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from conftest import free_port, rel_err
-
-from longstraw_cli.distributed.cp_gdn import (compose_prefix, cp_conv_window, cp_gdn_scan, gdn_transition,
-                                              span_affine)
+from longstraw_cli.distributed.cp_gdn import compose_prefix, cp_conv_window, cp_gdn_scan, gdn_transition, span_affine
 from longstraw_kernels.gdn import gdn_chunked, gdn_recurrent
 
 B, H, G, K, V, X, W = 2, 2, 4, 8, 6, 5, 3
@@ -136,6 +134,7 @@ def _worker(rank, world, port, spans, out_dir):
 
 # world 2: rank 1's conv window reaches into the window before rank 0; world 4: an empty span and spans shorter
 # than W in the middle, uneven everywhere.
+@pytest.mark.distributed
 @pytest.mark.parametrize("spans", [[2, 35], [11, 0, 2, 24]], ids=["world2", "world4"])
 def test_cp_ranks_match_one_rank(spans, tmp_path):
     world = len(spans)

@@ -1,45 +1,27 @@
-"""glm52: capture + replay against the full-sequence reference; gradients, immutability, bytes, offload,
-native rollout and one transaction."""
+"""glm52's own checks: top-k ties, latent-only resident bytes, offloaded capture, a transaction that moves the
+experts and not the indexer, LoRA on every linear. The model contract that every family meets (capture and replay
+against the full-sequence reference, gradients, immutability, rollout) is in test_model_contract.py."""
 
 import pytest
 import torch
 
-from conftest import rel_err
-from longstraw_cli.models import build_model
+from conftest import grads, ids, random_model, rel_err
+from longstraw_cli.distributed.strategy import LocalStrategy
 from longstraw_cli.models.glm52.model import topk_lowest_position
 from longstraw_cli.rl.losses import LossConfig
-from longstraw_cli.rollout.native import SamplingConfig, generate
-from longstraw_cli.telemetry.memory import GraphMemory
 from longstraw_cli.transaction import Transaction, TransactionConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(dtype=torch.float64, seed=0):
-    """glm52_tiny with every parameter and the router bias random (the bias large enough to change choices)."""
-    model = build_model("glm52_tiny", dtype=dtype)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            scale = 0.25 if "norm" in name else 0.1
-            p.copy_((1.0 if "norm" in name else 0.0) + scale * torch.randn(p.shape, generator=g))
-        for name, b in model.named_buffers():
-            b.copy_(0.3 * torch.randn(b.shape, generator=g))
-    return model
+    return random_model("glm52_tiny", dtype, seed)
 
 
 def reference_logprobs(model, prompt, response, grad_prefix):
     logits = model(torch.cat([prompt, response]), grad_prefix=grad_prefix)
     logp = torch.log_softmax(logits.double(), -1)[prompt.numel() - 1 : -1]
     return logp.gather(-1, response[:, None])[:, 0]
-
-
-def grads(model):
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def ids(n, seed):
-    return torch.randint(0, 259, (n,), generator=torch.Generator().manual_seed(seed))
 
 
 def test_topk_ties_go_to_the_lower_position():
@@ -50,41 +32,6 @@ def test_topk_ties_go_to_the_lower_position():
     assert topk_lowest_position(scores[..., 4:], 3).tolist() == [[[0, 1, 2]]]
     x = torch.randn(3, 5, 50, generator=torch.Generator().manual_seed(0))
     assert torch.equal(topk_lowest_position(x, 7), x.topk(7).indices.sort(-1).values)
-
-
-def test_response_only_gradients_match_full_sequence_reference():
-    model = tiny()
-    prompt, response = ids(90, 0), ids(30, 1)
-    weights = torch.randn(30, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-
-    (weights * reference_logprobs(model, prompt, response, grad_prefix=prompt.numel() - 1)).sum().backward()
-    ref = grads(model)
-    model.zero_grad(set_to_none=True)
-    resident = model.capture(prompt, block_size=16)
-    (weights * model.logprobs(resident, response, grad=True)).sum().backward()
-    got = grads(model)
-
-    indexer = {n for n, _ in model.named_parameters() if ".indexer." in n}
-    assert indexer and not indexer & (set(ref) | set(got)), "the indexer must get no gradient"
-    assert got.keys() == ref.keys() == {n for n, _ in model.named_parameters()} - indexer
-    worst = max(rel_err(got[n], ref[n]) for n in ref)
-    print(f"glm52 response_only gradient max rel err vs full-sequence reference (fp64) {worst:.3e}")
-    assert worst <= 1e-10
-    # the check discriminates: the full gradient (prompt not constant) differs
-    model.zero_grad(set_to_none=True)
-    (weights * reference_logprobs(model, prompt, response, grad_prefix=0)).sum().backward()
-    name = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
-    assert rel_err(grads(model)[name], ref[name]) > 1e-3
-
-
-@pytest.mark.parametrize("prompt_len,block_size", [(1, 4), (2, 1), (17, 16), (150, 40)])
-def test_capture_logprobs_match_reference(prompt_len, block_size):
-    model = tiny()
-    prompt, response = ids(prompt_len, prompt_len), ids(25, 100 + prompt_len)
-    resident = model.capture(prompt, block_size=block_size)
-    with torch.no_grad():
-        ref = reference_logprobs(model, prompt, response, 0)
-    assert rel_err(model.logprobs(resident, response), ref) < 1e-12
 
 
 @pytest.mark.parametrize("page_dtype", [None, torch.bfloat16])
@@ -104,24 +51,8 @@ def test_resident_bytes_are_latent_pages_only(page_dtype):
     assert shared and all(resident.layers[i].index_PI is None for i in shared)
 
 
-def test_resident_is_untouched_by_replays_and_no_graph_outlives_a_replay():
-    model = tiny(torch.float32)
-    resident = model.capture(ids(80, 4), block_size=32)
-    snapshot = [t.clone() for t in resident.tensors()]
-    response = ids(12, 5)
-    meter = GraphMemory(exclude=[*model.parameters(), *resident.tensors()])
-    with meter:
-        logp = model.logprobs(resident, response, grad=True)
-        assert meter.live_bytes > 0
-        logp.sum().backward()
-        del logp
-    model.logprobs(resident, torch.stack([response, ids(12, 6)]))
-    assert meter.live_bytes == 0
-    assert all(torch.equal(a, b) for a, b in zip(snapshot, resident.tensors()))
-
-
 @pytest.mark.parametrize("block_size", [16, 45, 1000])
-def test_layer_by_layer_capture_equals_block_capture_and_offload_is_identical(block_size):
+def test_offloaded_capture_is_identical_to_layer_by_layer_capture(block_size):
     model = tiny()
     prompt, response = ids(110, 7), ids(15, 8)
     blockwise = model.capture(prompt, block_size=block_size)
@@ -129,8 +60,7 @@ def test_layer_by_layer_capture_equals_block_capture_and_offload_is_identical(bl
     offloaded = model.capture(prompt, block_size=block_size, offload="cpu")
     assert offloaded.offload == "cpu" and all(t.device.type == "cpu" for t in offloaded.tensors())
     assert offloaded.nbytes() == blockwise.nbytes()
-    for a, b, c in zip(blockwise.tensors(), span.tensors(), offloaded.tensors()):
-        assert rel_err(b, a) < 1e-12
+    for b, c in zip(span.tensors(), offloaded.tensors()):
         assert torch.equal(c, b)
 
     def logp_and_grads(resident):
@@ -143,27 +73,8 @@ def test_layer_by_layer_capture_equals_block_capture_and_offload_is_identical(bl
     lp_off, g_off = logp_and_grads(offloaded)
     assert torch.equal(lp_off, lp_span)
     assert g_off.keys() == g_span.keys() and all(torch.equal(g_off[n], g_span[n]) for n in g_span)
-    assert rel_err(model.logprobs(blockwise, response), lp_span) < 1e-12
     with pytest.raises(ValueError, match="offload"):
         model.capture(prompt, offload="disk")
-
-
-def test_native_rollout_equals_replay_and_greedy_full_forward():
-    model = tiny()
-    prompt = ids(70, 9)
-    for offload in (None, "cpu"):
-        resident = model.capture(prompt, block_size=16, offload=offload)
-        snapshot = [t.clone() for t in resident.tensors()]
-        rollout = generate(model, resident, 3, SamplingConfig(max_new_tokens=20), torch.Generator().manual_seed(1))
-        assert all(torch.equal(a, b) for a, b in zip(snapshot, resident.tensors()))
-        for response, logp in zip(rollout.responses, rollout.logprobs):
-            assert rel_err(logp, model.logprobs(resident, response)) < 1e-10
-    greedy = generate(model, resident, 2, SamplingConfig(temperature=0, max_new_tokens=20)).responses[0]
-    with torch.no_grad():
-        seq = prompt
-        for _ in range(20):
-            seq = torch.cat([seq, model(seq)[-1].argmax()[None]])
-    assert torch.equal(greedy, seq[prompt.numel() :])
 
 
 def test_transaction_runs_and_changes_parameters():
@@ -171,11 +82,11 @@ def test_transaction_runs_and_changes_parameters():
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     g = torch.Generator().manual_seed(11)
     prompt = torch.randint(0, 259, (60,), generator=g)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    tx = Transaction(model, opt, LossConfig(name="grpo"), TransactionConfig(block_size=16))
-    for step in range(2):
+    strategy = LocalStrategy(model, torch.optim.SGD(model.parameters(), lr=0.5), max_grad_norm=1.0)
+    tx = Transaction(model, strategy, LossConfig(name="grpo"), TransactionConfig(block_size=16))
+    for _ in range(2):
         responses = [torch.randint(0, 259, (10,), generator=g) for _ in range(3)]
-        result = tx.run(prompt, responses, torch.rand(3, generator=g))
+        result = tx.run(prompt, responses, torch.rand(3, generator=g), tx.capture(prompt))
         assert torch.isfinite(torch.tensor(result.stats["grad_norm"])) and result.stats["grad_norm"] > 0
         assert result.graph_live_bytes_after == 0
         assert result.resident_bytes == model.resident_bytes(59)

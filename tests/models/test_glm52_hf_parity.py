@@ -5,7 +5,6 @@ import json
 import pytest
 import torch
 
-from conftest import rel_err
 from longstraw_cli.models import MODEL_NAMES, build_model, from_pretrained
 from longstraw_cli.models.glm52.model import topk_lowest_position
 
@@ -119,18 +118,6 @@ def test_capture_logprobs_match_hf(hf_dir, block_size):
     print(f"capture(block={block_size}) + logprobs max abs err {err:.3e}; top-k min rel gap {guard.min_gap:.2e}")
     assert guard.strict_rows > 0 and guard.min_gap > 1e-5
     assert err <= 1e-4
-
-
-def test_batched_scoring_equals_single(hf_dir):
-    path, _ = hf_dir
-    ours = from_pretrained(path)
-    g = torch.Generator().manual_seed(3)
-    prompt = torch.randint(0, 300, (90,), generator=g)
-    responses = torch.randint(0, 300, (3, 20), generator=g)
-    resident = ours.capture(prompt, block_size=32)
-    batched = ours.logprobs(resident, responses)
-    for i in range(3):
-        assert rel_err(batched[i], ours.logprobs(resident, responses[i])) < 1e-6
 
 
 def test_config_round_trip_and_rejections(hf_dir, tmp_path):

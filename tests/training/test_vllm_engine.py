@@ -11,15 +11,15 @@ from types import SimpleNamespace
 # with triton importable, transformers' Qwen3.5 binds fla and crashes on CPU (conftest does this too)
 sys.modules.setdefault("fla", None)
 
-import pytest
-import torch
-import torch.nn.functional as F
-from torch import nn
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
 
-from conftest import randomize_, rel_err
-from longstraw_cli.models import build_model
-from longstraw_cli.rollout.native import Rollout, SamplingConfig
-from longstraw_cli.rollout.vllm_engine import (
+from conftest import randomize_, rel_err  # noqa: E402
+from longstraw_cli.models import build_model  # noqa: E402
+from longstraw_cli.rollout.native import Rollout, SamplingConfig  # noqa: E402
+from longstraw_cli.rollout.vllm_engine import (  # noqa: E402
     SAMPLING_FIELDS,
     VllmConfig,
     VllmEngine,
@@ -302,7 +302,8 @@ def test_engine_call_order_against_a_stand_in_vllm(stand_in_vllm):
     assert llm.kwargs == dict(
         model="/models/tiny", dtype="bfloat16", gpu_memory_utilization=0.25, tensor_parallel_size=1,
         enforce_eager=True, max_model_len=4096, enable_sleep_mode=True,
-        distributed_executor_backend="external_launcher", seed=0, skip_tokenizer_init=True, logprobs_mode="raw_logprobs",
+        distributed_executor_backend="external_launcher", seed=0, skip_tokenizer_init=True,
+        logprobs_mode="raw_logprobs",
     )
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
 
@@ -346,6 +347,7 @@ def test_engine_without_sleep_never_sleeps(stand_in_vllm):
 
 
 # -- real vLLM (GPU machines with the extra installed) ------------------------------------------------------------
+@pytest.mark.gpu
 def test_real_vllm_engine_generates_and_takes_pushed_weights(tmp_path):
     pytest.importorskip("vllm")
     if not torch.cuda.is_available():

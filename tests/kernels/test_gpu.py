@@ -6,7 +6,7 @@ import torch
 
 from conftest import randomize_, rel_err
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 def attention_inputs(B, R, S, P, Q, K, D, dtype, seed=0):

@@ -103,9 +103,9 @@ def test_glm52_capture_and_replay_through_the_kernel_select_the_same_keys(monkey
     """Capture (one key group, offset = the block's start) and replay (pages, then the response's own keys as a
     second group with its own offset) with the kernel in place of the reference: same selections, so the same
     log-probs bit for bit. Few rows per scoring call, so the per-chunk offsets are exercised too."""
-    from test_glm52_replay import ids, tiny
+    from conftest import ids, random_model
 
-    model = tiny(torch.float32)
+    model = random_model("glm52_tiny", torch.float32)
     prompt, responses = ids(150, 11), torch.stack([ids(20, 12), ids(20, 13)])
     resident = model.capture(prompt, block_size=40)
     ref = model.logprobs(resident, responses)
@@ -127,6 +127,7 @@ def test_glm52_capture_and_replay_through_the_kernel_select_the_same_keys(monkey
     assert any(o is not None and o > 0 for o in calls) and {0, 7, 14} <= set(calls)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("shared", [True, False], ids=["shared_keys", "per_sequence_keys"])
 def test_cuda_bf16_realistic_sizes(shared):
@@ -142,6 +143,7 @@ def test_cuda_bf16_realistic_sizes(shared):
     assert err < 1e-5
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_fp32_ieee_and_awkward_sizes():
     q_BTJI, w_BTJ, k = make_case(2, 1000, 3001, 16, 72, False, torch.float32, device="cuda")
@@ -153,6 +155,7 @@ def test_cuda_fp32_ieee_and_awkward_sizes():
         assert err < 1e-5
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_env_forces_the_reference(monkeypatch):
     q_BTJI, w_BTJ, k = make_case(1, 100, 300, 4, 16, True, torch.bfloat16, device="cuda")

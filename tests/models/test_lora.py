@@ -14,8 +14,17 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from conftest import randomize_, rel_err  # noqa: E402
 from longstraw_cli.lora import (  # noqa: E402
-    DEFAULT_TARGETS, LoraConfig, LoraLinear, ReferencePolicy, adapters_disabled, apply_lora, export_hf,
-    load_lora_state_dict, lora_layers, lora_state_dict, merged_state_dict,
+    DEFAULT_TARGETS,
+    LoraConfig,
+    LoraLinear,
+    ReferencePolicy,
+    adapters_disabled,
+    apply_lora,
+    export_hf,
+    load_lora_state_dict,
+    lora_layers,
+    lora_state_dict,
+    merged_state_dict,
 )
 from longstraw_cli.models import build_model, from_pretrained  # noqa: E402
 from longstraw_cli.models.qwen36.hf import config_from_hf, config_to_hf  # noqa: E402

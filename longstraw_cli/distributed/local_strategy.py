@@ -1,0 +1,133 @@
+"""The strategy contract and its one-rank form, `LocalStrategy`, which every other strategy extends (ddp and fsdp2
+in strategy.py, deepspeed in deepspeed_zero.py; `make_strategy` there picks one by name).
+
+A strategy owns what happens to gradients and weights across ranks: the replay's forward/backward, gradient
+finalization (the one reduction per step, clipping to `max_grad_norm`, the global norm), the optimizer step, and
+whole-tensor state dicts. Expert parallelism is part of it: given the EP group, the grad norm counts each expert
+slice once, `state_dict()` gathers the slices into whole [E, ...] tensors (weights and optimizer moments) and
+`load_state_dict()` takes whole tensors and keeps this rank's slice, so a checkpoint resumes under any ep.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from longstraw_cli.distributed.ep import ep_shard, gather_rows, is_expert_param
+
+MakeOptimizer = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+class LocalStrategy:
+    """One data-parallel rank: gradients accumulate over the replays and are final as they are. `ep_group`: the
+    group over which the model's routed experts are split (distributed/ep.py), None without expert parallelism."""
+
+    name = "local"
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None, *,
+                 ep_group=None):
+        self.model, self.optimizer = model, optimizer
+        self.max_grad_norm = float("inf") if max_grad_norm is None else max_grad_norm
+        self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        # expert parallel: parameters of which this rank holds one slice; ep_group holds the others
+        self.ep_group = ep_group
+        self.sliced = set() if ep_group is None else {id(p) for n, p in model.named_parameters() if is_expert_param(n)}
+
+    def weights(self) -> list[torch.Tensor]:
+        """This rank's weight tensors: memory accounted as weights, not as graph."""
+        return list(self.model.parameters())
+
+    # -- one optimizer step -----------------------------------------------------------------------------------
+    def full_weights(self) -> contextlib.AbstractContextManager:
+        """Around graph-free use of the policy (capture, rollout, scoring): whole weights on every rank. May be
+        nested: the outermost one gathers."""
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def replay(self, index: int, count: int) -> Iterator[Callable[..., torch.Tensor]]:
+        """Replay `index` of `count`: yields logprobs(resident, ids, chunk_size=...) with autograd."""
+        yield functools.partial(self.model.logprobs, grad=True)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def finalize(self) -> float:
+        """Gradients final (reduced) on every rank and clipped; returns the global norm before clipping."""
+        if self.ep_group is None:
+            return float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
+        whole = [p.grad for p in self.params if p.grad is not None and id(p) not in self.sliced]
+        sliced = [p.grad for p in self.params if p.grad is not None and id(p) in self.sliced]
+        sq = torch.stack([torch.nn.utils.get_total_norm(g) ** 2 if g else torch.zeros((), device=self.params[0].device)
+                          for g in (whole, sliced)])
+        # the slices' squared norms add up over the group; the replicated parameters count once
+        dist.all_reduce(sq[1:], group=self.ep_group)
+        norm = sq.sum().sqrt()
+        torch.nn.utils.clip_grads_with_norm_(self.params, self.max_grad_norm, norm)
+        return float(norm)
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.zero_grad()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # -- checkpoints ------------------------------------------------------------------------------------------
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """(trainable weights by name, optimizer state): whole tensors in torch's layout, as one process holds
+        them, whatever the strategy and ep. A collective under fsdp2, deepspeed and ep: every rank calls it."""
+        model_state, optimizer_state = self._local_state_dict()
+        if self.ep_group is None:
+            return model_state, optimizer_state
+        return self._convert_experts(model_state, optimizer_state, lambda t: gather_rows(t, self.ep_group))
+
+    def load_state_dict(self, model_state: dict[str, torch.Tensor], optimizer_state: dict) -> None:
+        """Takes what `state_dict` gives (whole tensors); each rank keeps its shard and its expert slice."""
+        if self.ep_group is not None:
+            model_state, optimizer_state = self._convert_experts(model_state, optimizer_state,
+                                                                 lambda t: ep_shard(t, self.ep_group))
+        self._load_local_state_dict(model_state, optimizer_state)
+
+    def _local_state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """Whole tensors over the data-parallel ranks; expert parameters still this rank's slice."""
+        return _trainable(self.model), self.optimizer.state_dict()
+
+    def _load_local_state_dict(self, model_state: dict[str, torch.Tensor], optimizer_state: dict) -> None:
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in model_state.items():
+                params[name].copy_(tensor)
+        self.optimizer.load_state_dict(optimizer_state)
+
+    def _convert_experts(self, model_state: dict, optimizer_state: dict, convert: Callable):
+        """`convert` applied to every expert parameter and to its optimizer state's tensors (not the scalar step):
+        gathering slices into whole tensors, or slicing whole ones. Copies: the live optimizer state is never
+        modified."""
+        sliced = {n for n, p in self.model.named_parameters() if p.requires_grad and id(p) in self.sliced}
+        model_state = {n: convert(t) if n in sliced else t for n, t in model_state.items()}
+        # optimizer state keys are positions in the optimizer's parameter list, as in torch's own layout
+        positions = {id(p): i for i, p in enumerate(self.params)}
+        sliced_positions = {positions[id(p)] for n, p in self.model.named_parameters() if n in sliced}
+        state = {i: ({k: convert(v) if torch.is_tensor(v) and v.dim() > 0 else v for k, v in s.items()}
+                     if int(i) in sliced_positions else s) for i, s in optimizer_state["state"].items()}
+        return model_state, {**optimizer_state, "state": state}
+
+
+def _trainable(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+
+
+class Replay(nn.Module):
+    """The replay as a module's forward, for wrappers that act in forward (DDP, the DeepSpeed engine)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, resident, response_ids: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
+        return self.model.logprobs(resident, response_ids, grad=True, chunk_size=chunk_size)

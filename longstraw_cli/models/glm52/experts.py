@@ -1,0 +1,88 @@
+"""glm52's routed experts on one device: the default `experts_fn` of a MoE layer, and the pieces of it that
+expert parallelism (distributed/ep.py) reuses around its all-to-all.
+
+The contract (a mirror of HF `GlmMoeDsaExperts.forward`):
+
+    experts_fn(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_proj, down_proj) -> y_NC
+    y[n] = sum_j topk_w[n, j] * down[e] @ (silu(gate) * up),  (gate, up) = chunk(gate_up[e] @ x[n], 2),
+    e = topk_idx[n, j]
+
+Order of operations follows HF, and `local_experts`' forward equals HF's bit for bit: per expert, its rows in
+HF's order (top-k slot, then token) through gate_up, silu(gate) * up, down in the activations' dtype; the fp32
+weight multiplies that (promoting), the product is cast back, and a token's contributions are added to zeros in
+ascending expert id, one rounding per add. HF does that with one index_add_ per expert; here the contributions
+are placed in [N, k] slots ordered by expert id and added slot by slot: the same additions in the same order,
+without duplicate indices (so deterministic on GPU too), k adds instead of E index_add_ calls.
+Simplifications: the activation is silu (GLM's `hidden_act`); experts run one matmul each (no grouped GEMM).
+
+Legend: N tokens, k experts per token, C hidden, I expert intermediate, L experts held here, M (token, expert)
+pairs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["combine", "expert_ffn", "local_experts", "pairs_by_expert"]
+
+
+def expert_ffn(x_MC, counts_L: list[int], gate_up_L2IC, down_LCI):
+    """down[e] @ (silu(gate) * up) for rows grouped by expert: counts_L[e] consecutive rows for expert e."""
+    # unbind: the backward stacks the experts' gradients once (zeros for idle experts) instead of one
+    # full-size zero tensor per indexed expert.
+    gate_up_list, down_list = gate_up_L2IC.unbind(0), down_LCI.unbind(0)
+    y_list_MC, row = [], 0
+    for e, num_rows in enumerate(counts_L):
+        if num_rows == 0:
+            continue
+        gate, up = F.linear(x_MC[row:row + num_rows], gate_up_list[e]).chunk(2, dim=-1)
+        y_list_MC.append(F.linear(F.silu(gate) * up, down_list[e]))
+        row += num_rows
+    if not y_list_MC:
+        # No rows at all: a zero-row pass keeps the parameters and x in the graph, so their gradients are zeros
+        # (as the one-rank model's are) and this rank's backward reaches the collectives others wait in.
+        gate, up = F.linear(x_MC[:0], gate_up_list[0]).chunk(2, dim=-1)
+        y_list_MC.append(F.linear(F.silu(gate) * up, down_list[0]))
+    return torch.cat(y_list_MC)
+
+
+def combine(y_MC, pairs_M, topk_idx_Nk, topk_w_Nk, x_NC):
+    """sum over a token's pairs of w * y, added in ascending expert id as HF's per-expert index_add_ does.
+
+    y_MC[i] is the expert output of pair pairs_M[i] (= n * k + j, j the top-k slot); pairs absent from pairs_M
+    contribute nothing."""
+    N, k = topk_idx_Nk.shape
+    contrib_MC = (y_MC * topk_w_Nk.reshape(-1)[pairs_M, None]).to(x_NC.dtype)
+    # slot of (n, j): the rank of topk_idx[n, j] among token n's expert ids
+    slot_Nk = topk_idx_Nk.argsort(dim=1, stable=True).argsort(dim=1)
+    dest_M = pairs_M - pairs_M % k + slot_Nk.reshape(-1)[pairs_M]
+    C = x_NC.shape[1]
+    slots_NkC = contrib_MC.new_zeros(N * k, C).index_copy(0, dest_M, contrib_MC).view(N, k, C)
+    y_NC = x_NC.new_zeros(x_NC.shape)
+    for s in range(k):
+        y_NC = y_NC + slots_NkC[:, s]
+    return y_NC
+
+
+def pairs_by_expert(topk_idx_Nk, first_expert, num_local):
+    """(token, slot) pairs routed to experts [first_expert, first_expert + L): -> (pairs_M = n * k + j, grouped by
+    expert; counts_L rows per expert). Inside an expert pairs go slot-major (j, then n), HF's row order, so the
+    matmuls see the same rows in the same order and the output matches HF's bit for bit."""
+    N, k = topk_idx_Nk.shape
+    local_kN = topk_idx_Nk.T.reshape(-1) - first_expert
+    slot_major_M = ((local_kN >= 0) & (local_kN < num_local)).nonzero().squeeze(1)
+    slot_major_M = slot_major_M[local_kN[slot_major_M].argsort(stable=True)]
+    counts_L = torch.bincount(local_kN[slot_major_M], minlength=num_local)
+    return (slot_major_M % N) * k + slot_major_M // N, counts_L
+
+
+def local_experts(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_proj, down_proj, *, first_expert: int = 0):
+    """The routed experts on one device: -> y_NC in x's dtype (see the module docstring for the math).
+
+    gate_up_proj [L, 2I, C] and down_proj [L, C, I] hold experts [first_expert, first_expert + L); pairs routed
+    to any other expert contribute nothing. With first_expert = 0 and all experts this is the hook's default.
+    """
+    pairs_M, counts_L = pairs_by_expert(topk_idx_Nk, first_expert, gate_up_proj.shape[0])
+    y_MC = expert_ffn(x_NC[pairs_M // topk_idx_Nk.shape[1]], counts_L.tolist(), gate_up_proj, down_proj)
+    return combine(y_MC, pairs_M, topk_idx_Nk, topk_w_Nk, x_NC)

@@ -1,0 +1,109 @@
+"""The model-family registry: every named config and HF model type maps to one family; unknown names are
+ValueErrors naming the valid choices; the hooks a family names resolve."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from longstraw_cli.models import (
+    MODEL_NAMES,
+    build_model,
+    config_from_hf,
+    from_pretrained,
+    hf_model_config,
+)
+from longstraw_cli.models.spec import (
+    _resolve,
+    config_with_overrides,
+    families,
+    family_of,
+    family_of_hf,
+    get_family,
+    register_family,
+)
+
+
+def test_both_families_are_registered_by_name():
+    assert [spec.name for spec in families()] == ["glm52", "qwen36"]
+    assert MODEL_NAMES == sorted(name for spec in families() for name in spec.configs)
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_every_named_config_maps_to_its_family(name):
+    spec = family_of(name)
+    assert name.startswith(spec.name) and spec.model_cls.family == spec.name
+    assert spec.named_config(name) == spec.configs[name]
+
+
+def test_a_model_maps_to_its_family_through_wrappers():
+    model = build_model("glm52_tiny", seed=0)
+    assert family_of(model) is get_family("glm52")
+    wrapper = torch.nn.Module()
+    wrapper.module = model
+    assert family_of(wrapper) is get_family("glm52")
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: family_of("qwen99"), "unknown model 'qwen99'; valid: ['glm52', 'glm52_mini'"),
+    (lambda: get_family("llama"), "unknown model family 'llama'; valid: ['glm52', 'qwen36']"),
+    (lambda: family_of(torch.nn.Linear(2, 2)), "unknown model family None; valid: ['glm52', 'qwen36']"),
+    (lambda: build_model("glm53_tiny"), "unknown model 'glm53_tiny'; valid: "),
+    (lambda: family_of_hf({"model_type": "llama"}),
+     "model_type 'llama' is not a checkpoint LongStraw reads; valid: ['glm_moe_dsa', 'qwen3_5_text', 'qwen3_5']"),
+    (lambda: config_with_overrides("qwen36", get_family("qwen36").configs, "qwen36_tiny", {"width": 3}),
+     "unknown model override(s) ['width']"),
+])
+def test_unknown_names_are_value_errors_naming_the_valid_choices(call, message):
+    with pytest.raises(ValueError) as e:
+        call()
+    assert message in str(e.value)
+
+
+def test_hf_model_types_map_to_their_family():
+    for spec in families():
+        cfg = next(iter(spec.configs.values()))
+        hf = spec.hf.config_to_hf(cfg)
+        assert hf["model_type"] in spec.hf.model_types
+        assert family_of_hf(hf) is spec and config_from_hf(hf) == spec.hf.config_from_hf(hf)
+
+
+def test_registering_a_family_or_config_name_twice_is_refused():
+    spec = get_family("qwen36")
+    with pytest.raises(ValueError, match="registered twice"):
+        register_family(spec)
+    with pytest.raises(ValueError, match="names configs \\['qwen36', 'qwen36_mini', 'qwen36_tiny'\\]"):
+        register_family(dataclasses.replace(spec, name="qwen37"))
+    assert [s.name for s in families()] == ["glm52", "qwen36"]
+
+
+def test_parallel_hooks_resolve_and_missing_ones_are_refused():
+    for spec in families():
+        for hook in (spec.context_parallel, spec.expert_parallel):
+            if hook is not None:
+                assert callable(_resolve(hook))
+    qwen = get_family("qwen36")
+    assert qwen.expert_parallel is None
+    with pytest.raises(ValueError, match="no routed experts to split; valid: \\['glm52'\\]"):
+        qwen.apply_expert_parallel(build_model("qwen36_tiny"), None)
+
+
+def test_plan_and_export_are_declared_per_family():
+    assert [spec.name for spec in families() if spec.plan] == ["qwen36"]
+    assert get_family("qwen36").hf.export_refusal is None
+    assert "glm52 is not (yet)" in get_family("glm52").hf.export_refusal
+
+
+def test_config_json_is_read_once_until_it_changes(tmp_path):
+    model = build_model("qwen36_tiny", seed=0)
+    (tmp_path / "config.json").write_text(json.dumps(get_family("qwen36").hf.config_to_hf(model.config)))
+    first = hf_model_config(tmp_path)
+    assert hf_model_config(tmp_path) is first
+    hf = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "num_hidden_layers": 4, "layer_types": None}) + "\n")
+    spec, cfg = hf_model_config(tmp_path)
+    assert spec.name == "qwen36" and cfg.num_hidden_layers == 4
+    with pytest.raises(ValueError, match="no config.json"):
+        from_pretrained(tmp_path / "missing")
+
