@@ -8,7 +8,7 @@ import pytest
 
 from longstraw_cli.rl.rewards import get_reward
 from longstraw_cli.rl.tasks import Example, TaskConfig, get_task, make_task
-from longstraw_cli.tokenizer import ByteTokenizer, load_tokenizer
+from longstraw_cli.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 SYNTHETIC = ["passkey", "kv_retrieval", "variable_tracking", "char_choice"]
 LENGTHS = [200, 1000, 5000]
@@ -57,8 +57,8 @@ def test_byte_tokenizer_round_trip():
     assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.vocab_size) == (256, 257, 258, 259)
     # A response cut inside a multi-byte character decodes with a replacement character.
     assert tok.decode(tok.encode("é")[:1]) == "\ufffd"
-    with pytest.raises(ValueError, match="259"):
-        tok.decode([259])
+    # ids the tokenizer lacks (a padded embedding table samples them) decode as the replacement character
+    assert tok.decode([104, 259, 248_319, -1, 105]) == "h\ufffd\ufffd\ufffdi"
 
 
 def test_load_tokenizer_missing_directory(tmp_path):
@@ -218,3 +218,19 @@ def test_string_rewards():
     assert get_reward("exact_line")("\nParis\nbecause ...", ex) == 1.0
     assert get_reward("exact_word")("Paris because", ex) == 1.0
     assert get_reward("contains")("anything", Example("p", "")) == 0.0
+
+
+def test_hf_tokenizer_decodes_ids_beyond_its_vocabulary_as_replacement_characters():
+    """Known ids decode together (a run at a time); each id past len(tokenizer) is U+FFFD."""
+
+    class Letters:
+        eos_token_id, pad_token_id, bos_token_id = 9, None, None
+
+        def __len__(self):
+            return 10
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(97 + i) for i in ids if not (skip_special_tokens and i == 9))
+
+    tok = HFTokenizer(Letters())
+    assert tok.decode([0, 1, 12, 2, 9, 151_000]) == "ab\ufffdc\ufffd"
