@@ -12,8 +12,9 @@ as undecodable bytes do; the reward sees it, and the trained tokens are the samp
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Protocol
 
 
 class Tokenizer(Protocol):

@@ -42,8 +42,8 @@ import contextlib
 import contextvars
 
 import torch
-from torch import nn
 import torch.distributed as dist
+from torch import nn
 
 from longstraw_cli.distributed.comm import rank_world
 from longstraw_cli.models.glm52.experts import combine, expert_ffn, local_experts, pairs_by_expert

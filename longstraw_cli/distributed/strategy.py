@@ -56,7 +56,7 @@ import torch.distributed as dist
 from torch import nn
 
 from longstraw_cli.distributed.local_strategy import LocalStrategy, MakeOptimizer, Replay, _trainable
-from longstraw_cli.distributed.topology import ProcessGroups
+from longstraw_cli.distributed.topology import SINGLE_PROCESS, ProcessGroups
 from longstraw_cli.models.core import LAYER_PATHS
 
 __all__ = ["DDPStrategy", "FSDP2Strategy", "LocalStrategy", "StrategyConfig", "STRATEGIES", "make_strategy"]
@@ -215,7 +215,7 @@ EXPERT_PARALLEL = ("ddp",)
 
 
 def make_strategy(cfg: StrategyConfig, model: nn.Module, make_optimizer: MakeOptimizer,
-                  groups: ProcessGroups = ProcessGroups(), *, max_grad_norm: float | None,
+                  groups: ProcessGroups = SINGLE_PROCESS, *, max_grad_norm: float | None,
                   num_replays: int) -> LocalStrategy:
     """The strategy `cfg` names over this rank's `groups` (ParallelDims.new_groups): it reduces over groups.dp
     (None or one rank: `local`) and gathers expert slices over groups.ep (None: no expert parallelism)."""

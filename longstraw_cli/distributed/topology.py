@@ -25,6 +25,9 @@ class ProcessGroups:
     ep: Any = None
 
 
+# one process: no groups
+SINGLE_PROCESS = ProcessGroups()
+
 @dataclass(frozen=True)
 class ParallelDims:
     world_size: int

@@ -9,7 +9,7 @@ Legend: `_G` is the group axis (one entry per response to the same prompt).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor

@@ -26,8 +26,9 @@ Legend: `_R` is one response's token axis.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -81,7 +82,7 @@ class LossVariant:
 
 
 LOSS_REGISTRY: dict[str, LossVariant] = {}
-AGGREGATION_REGISTRY: dict[str, Callable[[int, GroupShape, "LossConfig"], float]] = {}
+AGGREGATION_REGISTRY: dict[str, Callable[[int, GroupShape, LossConfig], float]] = {}
 KL_REGISTRY: dict[str, Callable[[Tensor, Tensor], Tensor]] = {}
 
 

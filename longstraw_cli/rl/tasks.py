@@ -28,9 +28,10 @@ import math
 import operator
 import random
 import string
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, ClassVar, Iterator
+from typing import ClassVar
 
 from longstraw_cli.tokenizer import Tokenizer
 

@@ -22,7 +22,7 @@ def _storage_key(t: torch.Tensor) -> tuple[str, int]:
 class _Saved:
     __slots__ = ("tensor", "meter", "key", "__weakref__")
 
-    def __init__(self, tensor: torch.Tensor, meter: "GraphMemory", key):
+    def __init__(self, tensor: torch.Tensor, meter: GraphMemory, key):
         self.tensor, self.meter, self.key = tensor, meter, key
 
     def __del__(self):

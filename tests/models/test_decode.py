@@ -7,12 +7,12 @@ import torch
 
 from conftest import rel_err
 from longstraw_cli.models import build_model
-from longstraw_cli.models.glm52.decode import dense_experts, topk_lowest_position_static
-from longstraw_cli.models.glm52.model import local_experts, topk_lowest_position
-from longstraw_cli.rollout.native import NativeConfig, SamplingConfig, sample_tokens, generate
+from longstraw_cli.models.glm52.experts import dense_experts, local_experts
+from longstraw_cli.rollout.native import NativeConfig, SamplingConfig, generate, sample_tokens
 from longstraw_cli.tokenizer import ByteTokenizer
 from longstraw_kernels.attention.decode import cascade_decode_attention, decode_pages_attention
 from longstraw_kernels.attention.reference import naive_attention
+from longstraw_kernels.dsa.topk import topk_lowest_position, topk_lowest_position_static
 
 
 def randn(*shape, seed):

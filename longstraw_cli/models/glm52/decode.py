@@ -22,40 +22,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from longstraw_cli.models.glm52.model import KeyAxis, local_experts, rope_cos_sin
+from longstraw_cli.models.glm52.experts import dense_experts, local_experts
+from longstraw_cli.models.glm52.model import KeyAxis, rope_cos_sin
 from longstraw_cli.resident import Resident
 from longstraw_cli.resident.offload import stage_layers
-
-
-def topk_lowest_position_static(scores_BTS: torch.Tensor, k: int) -> torch.Tensor:
-    """`topk_lowest_position` (the k highest scores, equal scores broken toward the lower position, ascending
-    positions) with static shapes and no host synchronisation (no nonzero()). One top-k finds the k-th value;
-    what lies strictly above it is taken from the top-k, and the lowest positions tied with it fill up to k,
-    placed by a running count of the ties."""
-    S = scores_BTS.shape[-1]
-    values_BTk, idx_BTk = scores_BTS.topk(k, dim=-1)
-    kth_BT1 = values_BTk[..., -1:]
-    above_BTk = values_BTk > kth_BT1
-    need_BT1 = k - above_BTk.sum(-1, keepdim=True)
-    tie_BTS = scores_BTS == kth_BT1
-    count_BTS = tie_BTS.cumsum(-1)
-    # the i-th tie (i < need) goes to slot i; the others to a spare slot k that is dropped
-    slot_BTS = torch.where(tie_BTS & (count_BTS <= need_BT1), count_BTS - 1, k)
-    ties_BTk = torch.full((*scores_BTS.shape[:-1], k + 1), S, dtype=torch.long, device=scores_BTS.device)
-    ties_BTk.scatter_(-1, slot_BTS, torch.arange(S, device=scores_BTS.device).expand_as(slot_BTS))
-    # exactly k entries are below S: above-k positions and the first `need` ties; ascending order
-    both = torch.cat([idx_BTk.masked_fill(~above_BTk, S), ties_BTk[..., :k]], dim=-1)
-    return both.sort(dim=-1).values[..., :k]
-
-
-def dense_experts(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_proj_EXC, down_proj_ECI) -> torch.Tensor:
-    """`local_experts` computed over every expert at once: each expert's weights are read once and the
-    routing weights (fp32, zero for experts not chosen) combine the outputs. Static shapes."""
-    w_NE = torch.zeros(x_NC.shape[0], gate_up_proj_EXC.shape[0], dtype=topk_w_Nk.dtype, device=x_NC.device)
-    w_NE.scatter_(1, topk_idx_Nk, topk_w_Nk)
-    gate_ENI, up_ENI = torch.matmul(x_NC, gate_up_proj_EXC.transpose(1, 2)).chunk(2, dim=-1)
-    y_ENC = torch.matmul(F.silu(gate_ENI) * up_ENI, down_proj_ECI.transpose(1, 2))
-    return torch.einsum("enc,ne->nc", y_ENC.to(w_NE.dtype), w_NE).to(x_NC.dtype)
+from longstraw_kernels.dsa.topk import topk_lowest_position_static
 
 
 class ResponseMLA:

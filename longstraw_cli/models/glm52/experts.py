@@ -86,3 +86,13 @@ def local_experts(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_proj, down_proj, *, firs
     pairs_M, counts_L = pairs_by_expert(topk_idx_Nk, first_expert, gate_up_proj.shape[0])
     y_MC = expert_ffn(x_NC[pairs_M // topk_idx_Nk.shape[1]], counts_L.tolist(), gate_up_proj, down_proj)
     return combine(y_MC, pairs_M, topk_idx_Nk, topk_w_Nk, x_NC)
+
+
+def dense_experts(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_proj_EXC, down_proj_ECI) -> torch.Tensor:
+    """`local_experts` computed over every expert at once: each expert's weights are read once and the
+    routing weights (fp32, zero for experts not chosen) combine the outputs. Static shapes."""
+    w_NE = torch.zeros(x_NC.shape[0], gate_up_proj_EXC.shape[0], dtype=topk_w_Nk.dtype, device=x_NC.device)
+    w_NE.scatter_(1, topk_idx_Nk, topk_w_Nk)
+    gate_ENI, up_ENI = torch.matmul(x_NC, gate_up_proj_EXC.transpose(1, 2)).chunk(2, dim=-1)
+    y_ENC = torch.matmul(F.silu(gate_ENI) * up_ENI, down_proj_ECI.transpose(1, 2))
+    return torch.einsum("enc,ne->nc", y_ENC.to(w_NE.dtype), w_NE).to(x_NC.dtype)
