@@ -137,10 +137,12 @@ def sparse_mla_backward(q_BTHA, latent_PL, rope_PR, idx_BTK, out_BTHL, lse_BTH, 
 def check_shapes(q_BTHA, latent_PL, rope_PR, idx_BTK) -> None:
     """ValueError naming the shapes when q, the pages and idx do not fit together."""
     if q_BTHA.dim() != 4 or idx_BTK.dim() != 3 or idx_BTK.shape[:2] != q_BTHA.shape[:2]:
-        raise ValueError(f"expected q [B, T, H, A] and idx [B, T, K]; got {tuple(q_BTHA.shape)}, {tuple(idx_BTK.shape)}")
+        raise ValueError(f"expected q [B, T, H, A] and idx [B, T, K]; got {tuple(q_BTHA.shape)}, "
+                         f"{tuple(idx_BTK.shape)}")
     if latent_PL.shape[-1] + rope_PR.shape[-1] != q_BTHA.shape[-1] or latent_PL.shape[0] != rope_PR.shape[0]:
         raise ValueError(
-            f"q's last dim {q_BTHA.shape[-1]} must be latent {tuple(latent_PL.shape)} + rope {tuple(rope_PR.shape)} dims"
+            f"q's last dim {q_BTHA.shape[-1]} must be latent {tuple(latent_PL.shape)} + rope "
+            f"{tuple(rope_PR.shape)} dims"
         )
 
 

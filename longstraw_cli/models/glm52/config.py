@@ -64,7 +64,8 @@ class Glm52Config:
                              f"({self.index_head_dim}): the indexer rotates its first qk_rope_head_dim dims")
         if self.n_routed_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
             raise ValueError(f"n_routed_experts={self.n_routed_experts}, n_group={self.n_group}, "
-                             f"topk_group={self.topk_group}: experts must split into groups, 1 <= topk_group <= n_group")
+                             f"topk_group={self.topk_group}: experts must split into groups, "
+                             "1 <= topk_group <= n_group")
         if self.n_routed_experts // self.n_group < 2 and self.n_group > 1:
             raise ValueError("group scores sum the top-2 experts of a group: need >= 2 experts per group")
         if not 0 < self.num_experts_per_tok <= self.n_routed_experts * self.topk_group // self.n_group:

@@ -518,7 +518,8 @@ class DecoderLayer(core.DecoderLayer):
     def __init__(self, cfg: Glm52Config, layer_idx: int):
         super().__init__()
         self.self_attn = MLAttention(cfg, layer_idx)
-        self.mlp = MoE(cfg) if cfg.layer_mlp_types[layer_idx] == "sparse" else MLP(cfg.hidden_size, cfg.intermediate_size)
+        sparse = cfg.layer_mlp_types[layer_idx] == "sparse"
+        self.mlp = MoE(cfg) if sparse else MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

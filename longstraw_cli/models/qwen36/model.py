@@ -202,7 +202,8 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_z = nn.Linear(cfg.hidden_size, self.value_dim, bias=False)
         self.in_proj_b = nn.Linear(cfg.hidden_size, self.num_v, bias=False)
         self.in_proj_a = nn.Linear(cfg.hidden_size, self.num_v, bias=False)
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, cfg.linear_conv_kernel_dim, groups=self.conv_dim, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, cfg.linear_conv_kernel_dim, groups=self.conv_dim,
+                                bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v))
         self.A_log = nn.Parameter(torch.empty(self.num_v).uniform_(0.01, 16).log())
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
