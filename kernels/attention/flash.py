@@ -31,7 +31,11 @@ import os
 
 import torch
 
-from longstraw_kernels.attention.reference import _ReplayAttention, replay_attention_backward
+from longstraw_kernels.attention.reference import (
+    _ReplayAttention,
+    replay_attention_backward,
+    save_for_replay_backward,
+)
 
 log = logging.getLogger(__name__)
 
@@ -163,15 +167,9 @@ class _FlashReplayAttention(_ReplayAttention):
         lse_BQR = lses[0] if len(lses) == 1 else torch.logaddexp(lses[0], lses[1])
         out_BQRD = sum(torch.exp(l - lse_BQR)[..., None] * o for o, l in zip(outs, lses))
         out_BRQD = out_BQRD.transpose(1, 2).to(q_BRQD.dtype).contiguous()
-        ctx.save_for_backward(q_BRQD, k_pages_PKD, v_pages_PKD, k_new_BSKD, v_new_BSKD, out_BRQD, lse_BQR)
-        ctx.scale, ctx.block_size = scale, block_size
-        ctx.set_materialize_grads(False)
+        save_for_replay_backward(ctx, (q_BRQD, k_pages_PKD, v_pages_PKD, k_new_BSKD, v_new_BSKD, out_BRQD, lse_BQR),
+                                 scale, block_size, flash_replay_attention_backward)
         return out_BRQD, lse_BQR
-
-    @staticmethod
-    def backward(ctx, dout_BRQD, dlse_BQR):
-        return (*flash_replay_attention_backward(ctx.saved_tensors, ctx.needs_input_grad[:5], dout_BRQD, dlse_BQR,
-                                                 scale=ctx.scale, block_size=ctx.block_size), None, None)
 
 
 def flash_replay_attention_backward(saved, needs_grad, dout_BRQD, dlse_BQR, *, scale, block_size):

@@ -92,16 +92,23 @@ class _ReplayAttention(torch.autograd.Function):
 
         out_BRQD = _unfold_heads(out_BKMD, R).to(q_BRQD.dtype)
         lse_BQR = lse_BKM.reshape(B, Q, R)
-        # Pages are saved by reference: they are the resident state, a copy would double it.
-        ctx.save_for_backward(q_BRQD, k_pages_PKD, v_pages_PKD, k_new_BSKD, v_new_BSKD, out_BRQD, lse_BQR)
-        ctx.scale, ctx.block_size = scale, block_size
-        ctx.set_materialize_grads(False)
+        save_for_replay_backward(ctx, (q_BRQD, k_pages_PKD, v_pages_PKD, k_new_BSKD, v_new_BSKD, out_BRQD, lse_BQR),
+                                 scale, block_size, replay_attention_backward)
         return out_BRQD, lse_BQR
 
     @staticmethod
     def backward(ctx, dout_BRQD, dlse_BQR):
-        return (*replay_attention_backward(ctx.saved_tensors, ctx.needs_input_grad[:5], dout_BRQD, dlse_BQR,
-                                           scale=ctx.scale, block_size=ctx.block_size), None, None)
+        return (*ctx.backward_fn(ctx.saved_tensors, ctx.needs_input_grad[:5], dout_BRQD, dlse_BQR,
+                                 scale=ctx.scale, block_size=ctx.block_size), None, None)
+
+
+def save_for_replay_backward(ctx, saved, scale, block_size, backward_fn) -> None:
+    """What every replay-attention Function keeps for its backward: (q, k_pages, v_pages, k_new, v_new, out, lse)
+    and the backward that reads them. Pages are saved by reference: they are the resident state, a copy would
+    double it."""
+    ctx.save_for_backward(*saved)
+    ctx.scale, ctx.block_size, ctx.backward_fn = scale, block_size, backward_fn
+    ctx.set_materialize_grads(False)
 
 
 def replay_attention_backward(saved, needs_grad, dout_BRQD, dlse_BQR, *, scale, block_size):

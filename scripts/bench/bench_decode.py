@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import time
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch  # noqa: E402
+from rows import emit  # noqa: E402
 
 from longstraw_cli.models import build_model  # noqa: E402
 from longstraw_cli.rollout.native import NativeConfig, SamplingConfig, generate  # noqa: E402
@@ -136,10 +136,7 @@ def main() -> None:
             row.update(hf_decode(model, prompt, min(args.tokens, 32)))
             # tokens per second: G per step for ours, one per step for HF at batch 1
             row["throughput_over_hf"] = (args.group / row["graph_ms"]) / (1 / row["hf_decode_ms"])
-        print(json.dumps(row), flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        emit(row, args.out)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from rows import emit
+
 PHASES = ("rollout", "reward", "capture", "score", "replay", "finalize", "step")
 TRANSACTION = ("capture", "score", "replay", "finalize", "step")
 GIB = 2**30
@@ -69,10 +71,7 @@ def main() -> None:
         metrics = run_dir / "metrics.jsonl"
         if done.returncode == 0 and metrics.exists():
             row.update(summarize([json.loads(line) for line in metrics.read_text().splitlines()]))
-        print(json.dumps(row), flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        emit(row, args.out)
 
 
 if __name__ == "__main__":
