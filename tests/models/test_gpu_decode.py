@@ -88,6 +88,7 @@ def test_longstraw_train_on_cuda_two_steps(name, tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "longstraw_cli", "train", f"model={name}", "model.dtype=bfloat16", "device=cuda",
            "task=passkey", "prompt_tokens=4096", "group_size=4", "response_tokens=32", "steps=2",
+           "rollout.native.compile=false",
            f"run_dir={run_dir}"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "HYDRA_FULL_ERROR": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
