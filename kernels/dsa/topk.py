@@ -48,16 +48,20 @@ def topk_lowest_position(scores__S: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def topk_lowest_position_static(scores__S: torch.Tensor, k: int) -> torch.Tensor:
-    """`topk_lowest_position`, the same positions, with no host synchronisation (a CUDA graph may replay it: the
-    decode step): each chosen key is scattered to its rank among the chosen of its row. 12 more bytes per score
-    (an int32 running count, an int64 slot) than the nonzero() compaction: for a few rows at a time."""
+    """`topk_lowest_position`, the same positions, with no host synchronisation and no scan over the keys (a CUDA
+    graph replays it in the decode step, a few rows against every key): the top-k gives the keys strictly above
+    the k-th value; a second top-k over the positions of the keys tied with it (key S - position, so the lowest
+    come first) gives the ties that fill up to k."""
     k = _check(scores__S, k)
     S = scores__S.shape[-1]
     if k == 0 or scores__S.numel() == 0:
         return torch.empty(scores__S.shape[:-1] + (k,), dtype=torch.long, device=scores__S.device)
-    chosen = _chosen(scores__S, k)
-    # the i-th chosen key of a row goes to slot i; the others to a spare slot k that is dropped
-    slot = torch.where(chosen, chosen.cumsum(-1, dtype=torch.int32) - 1, k).long()
-    out = torch.empty(scores__S.shape[:-1] + (k + 1,), dtype=torch.long, device=scores__S.device)
-    out.scatter_(-1, slot, torch.arange(S, device=scores__S.device).expand_as(slot))
-    return out[..., :k]
+    values, idx = scores__S.topk(k, dim=-1)
+    kth = values[..., -1:]
+    above = values > kth
+    need = k - above.sum(-1, keepdim=True)
+    rank_S = torch.arange(S, 0, -1, dtype=torch.int32, device=scores__S.device)
+    ties = S - torch.where(scores__S == kth, rank_S, 0).topk(k, dim=-1).values.long()
+    ties = ties.masked_fill(torch.arange(k, device=scores__S.device) >= need, S)
+    # exactly k entries are below S: the keys above the k-th value and the first `need` ties
+    return torch.cat([idx.masked_fill(~above, S), ties], dim=-1).sort(dim=-1).values[..., :k]

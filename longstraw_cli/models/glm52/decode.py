@@ -93,7 +93,10 @@ class Glm52Decoder:
     def _select(self, attn, x_BTC, q_resid_BTQ, cos, sin, pages, buf, valid_S, P: int, S: int):
         """Top-k over the prompt's index keys and the filled response slots; -1 for what is not visible."""
         q_BTJI, w_BTJ = attn.indexer.queries(x_BTC, q_resid_BTQ, cos, sin)
-        scores_BTS = attn.indexer.scores(q_BTJI, w_BTJ, [pages.index_PI, buf.index_BSI])
+        # the prompt's keys are shared: the B responses are B query rows of one call, so the keys are read once
+        pages_1BP = attn.indexer.scores(q_BTJI.transpose(0, 1), w_BTJ.transpose(0, 1), [pages.index_PI])
+        own_BTS = attn.indexer.scores(q_BTJI, w_BTJ, [buf.index_BSI])
+        scores_BTS = torch.cat([pages_1BP.transpose(0, 1), own_BTS], dim=-1)
         visible_S = torch.cat([valid_S.new_ones(P), valid_S])
         scores_BTS = scores_BTS.masked_fill(~visible_S, float("-inf"))
         topk = attn.cfg.index_topk
