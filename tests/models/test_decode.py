@@ -2,11 +2,14 @@
 tail, empty parts), the graph-safe DSA top-k and dense experts, the rollout loop's stop checks, and decoding of
 ids the tokenizer does not have."""
 
+import functools
+
 import pytest
 import torch
 
-from conftest import rel_err
+from conftest import ids, random_model, rel_err
 from longstraw_cli.models import build_model
+from longstraw_cli.models.core import StepDecoder
 from longstraw_cli.models.glm52.experts import dense_experts, local_experts
 from longstraw_cli.rollout.native import NativeConfig, SamplingConfig, generate, sample_tokens
 from longstraw_cli.tokenizer import ByteTokenizer
@@ -95,3 +98,18 @@ def test_exponential_race_samples_the_tempered_softmax(temperature):
                      torch.Generator().manual_seed(0))
     freq = torch.bincount(tokens, minlength=5).double() / tokens.numel()
     assert (freq - torch.softmax(logits.double() / temperature, -1)).abs().max() < 0.01
+
+
+@pytest.mark.parametrize("name", ["qwen36_tiny", "glm52_tiny"])
+def test_static_decoder_equals_the_layer_paths_decode(name):
+    """The static-shaped decoder (rollout's default) and the eager decode through each layer's `decode_step`
+    path (what glm52 under context parallel uses) sample the same tokens with the same log-probs (fp64)."""
+    model = random_model(name, torch.float64)
+    resident = model.capture(ids(50, 0), block_size=16)
+    cfg = SamplingConfig(max_new_tokens=12)
+    static = generate(model, resident, 3, cfg, torch.Generator().manual_seed(4))
+    model.decoder = functools.partial(StepDecoder, model)
+    eager = generate(model, resident, 3, cfg, torch.Generator().manual_seed(4))
+    assert [r.tolist() for r in static.responses] == [r.tolist() for r in eager.responses]
+    for a, b in zip(static.logprobs, eager.logprobs):
+        assert rel_err(a, b) < 1e-10
