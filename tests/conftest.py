@@ -132,3 +132,14 @@ def cached_rank_results(tmp_path_factory, worker, name: str):
         return cache[world_size]
 
     return get
+
+
+def saved_hf_model(tmp_path_factory, config_cls, model_cls, config: dict, randomize) -> tuple:
+    """An HF model of `config`, every weight random (`randomize`), saved as a checkpoint directory. -> (path,
+    model): the oracle and what from_pretrained reads."""
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**config)).eval()
+    randomize(model)
+    path = tmp_path_factory.mktemp(model_cls.__name__)
+    model.save_pretrained(path)
+    return path, model

@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from conftest import saved_hf_model
 from longstraw_cli.models import MODEL_NAMES, build_model, from_pretrained
 from longstraw_cli.models.glm52.model import topk_lowest_position
 
@@ -60,13 +61,8 @@ class TopkGuard:
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory, one_thread):
-    torch.manual_seed(0)
-    cfg = transformers.GlmMoeDsaConfig(**TINY)
-    model = transformers.GlmMoeDsaForCausalLM(cfg).eval()
-    randomize_glm_(model)
-    path = tmp_path_factory.mktemp("glm_moe_dsa")
-    model.save_pretrained(path)
-    return path, model
+    return saved_hf_model(tmp_path_factory, transformers.GlmMoeDsaConfig, transformers.GlmMoeDsaForCausalLM, TINY,
+                          randomize_glm_)
 
 
 def test_checkpoint_stores_experts_per_expert_and_loads(hf_dir):

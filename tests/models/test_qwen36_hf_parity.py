@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from conftest import randomize_
+from conftest import randomize_, saved_hf_model
 from longstraw_cli.models import build_model, from_pretrained
 
 transformers = pytest.importorskip("transformers")
@@ -20,13 +20,8 @@ TINY_TEXT = dict(
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3_5TextConfig(**TINY_TEXT)
-    model = transformers.Qwen3_5ForCausalLM(cfg).eval()
-    randomize_(model)
-    path = tmp_path_factory.mktemp("qwen3_5_text")
-    model.save_pretrained(path)
-    return path, model
+    return saved_hf_model(tmp_path_factory, transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM,
+                          TINY_TEXT, randomize_)
 
 
 def test_full_sequence_logits_match_hf(hf_dir):
