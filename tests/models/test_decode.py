@@ -113,3 +113,18 @@ def test_static_decoder_equals_the_layer_paths_decode(name):
     assert [r.tolist() for r in static.responses] == [r.tolist() for r in eager.responses]
     for a, b in zip(static.logprobs, eager.logprobs):
         assert rel_err(a, b) < 1e-10
+
+
+def test_offloaded_decode_keeps_latent_pages_on_the_host_and_moves_index_keys_once():
+    """Decode over offloaded pages never stages whole layers: the decoder holds device copies of the index keys
+    (made once) and the host's own latent and rope pages, from which sparse attention gathers selected rows."""
+    model = random_model("glm52_tiny")
+    resident = model.capture(ids(70, 9), block_size=16, offload="cpu")
+    decoder = model.decoder(resident, 2, 8)
+    assert not decoder.graph_safe
+    for host, used in zip(resident.layers, decoder.pages):
+        assert used.latent_PL is host.latent_PL and used.rope_PR is host.rope_PR
+        if host.index_PI is None:
+            assert used.index_PI is None
+        else:
+            assert used.index_PI is not host.index_PI and torch.equal(used.index_PI, host.index_PI)

@@ -10,8 +10,10 @@ densely over all experts with the routing weights (zero where not chosen): at de
 expert is chosen by some response, so this reads each expert's weights once, with static shapes.
 
 A step is CUDA-graph safe when the pages are on the device and the experts are local (`graph_safe`); with
-offloaded pages or expert parallelism (whose all-to-all sizes depend on the routing) it runs eagerly, staging
-each layer's pages as replay does.
+offloaded pages or expert parallelism (whose all-to-all sizes depend on the routing) it runs eagerly. Offloaded,
+decode does not move whole layers per token: the index keys (every token scores all of them: 128 values a token
+on each "full" layer) go to the device once per rollout, and of the latent and rope pages only the rows the top-k
+selects cross per token (B x index_topk x 576 values a layer, whatever the prompt's length).
 
 Legend: B responses, S response capacity, P prompt pages, C hidden, L latent, R rope dim, I index head dim,
 K selected keys (index_topk), E experts, N tokens (B), X = 2 * moe_intermediate, V vocab.
@@ -25,7 +27,6 @@ import torch.nn.functional as F
 from longstraw_cli.models.glm52.experts import dense_experts, local_experts
 from longstraw_cli.models.glm52.model import KeyAxis, rope_cos_sin
 from longstraw_cli.resident import Resident
-from longstraw_cli.resident.offload import stage_layers
 from longstraw_kernels.dsa.topk import topk_lowest_position_static
 
 
@@ -52,6 +53,10 @@ class Glm52Decoder:
         dtype = resident.layers[0].latent_PL.dtype if resident.layers else w.dtype
         self.layers = [ResponseMLA(batch, capacity, model.config, layer.self_attn.full_indexer, dtype, self.device)
                        for layer in model.model.layers]
+        # offloaded pages: the index keys that every token scores in full move to the device once, for the whole
+        # rollout; the latent and rope pages stay on the host and sparse attention fetches only the selected rows
+        self.pages = (resident.layers if resident.offload is None
+                      else [pages.to(self.device, index_only=True) for pages in resident.layers])
         moe_fns = [layer.mlp.experts_fn for layer in model.model.layers if hasattr(layer.mlp, "experts_fn")]
         self.graph_safe = resident.offload is None and all(fn is local_experts for fn in moe_fns)
         # torch 2.11's inductor fails to compile this step (a TypeError in its Triton codegen, seen on an H200)
@@ -63,9 +68,7 @@ class Glm52Decoder:
         valid_S = self.slots_S <= self.step_1
         x_BTC, idx_BTK = model.model.embed_tokens(self.tokens_B[:, None]), None
         cos, sin = rope_cos_sin(positions_1, cfg.qk_rope_head_dim, cfg.rope_theta, x_BTC.dtype)
-        stage = stage_layers(self.resident, self.device, grad=False)
-        for i, (layer, buf) in enumerate(zip(model.model.layers, self.layers)):
-            pages = stage(i)
+        for layer, pages, buf in zip(model.model.layers, self.pages, self.layers):
             h_BTC, idx_BTK = self._attention(layer.self_attn, layer.input_layernorm(x_BTC), cos, sin, pages, buf,
                                              valid_S, idx_BTK)
             x_BTC = x_BTC + h_BTC
