@@ -25,11 +25,11 @@ import torch.distributed as dist
 
 from longstraw_cli.checkpoint import CheckpointManager, capture_rng, restore_rng
 from longstraw_cli.config import TrainConfig
-from longstraw_cli.distributed.cp import apply_context_parallel
 from longstraw_cli.distributed.strategy import make_strategy
 from longstraw_cli.distributed.topology import ParallelDims, env_rank_world
 from longstraw_cli.lora import adapters_disabled, apply_lora
 from longstraw_cli.models import build_model, from_pretrained
+from longstraw_cli.models.spec import family_of
 from longstraw_cli.rl.rewards import get_reward
 from longstraw_cli.rl.tasks import make_task
 from longstraw_cli.rollout.native import Rollout, generate
@@ -128,12 +128,11 @@ class Trainer:
     def _parallelize(self, model: torch.nn.Module) -> None:
         """Context parallel (pages sharded over the CP group), then expert parallel (experts split over the EP
         group, which lies inside the CP group)."""
+        family = family_of(model)
         if self.cfg.cp > 1:
-            apply_context_parallel(model, self.groups.cp)
+            family.apply_context_parallel(model, self.groups.cp)
         if self.cfg.ep > 1:
-            from longstraw_cli.distributed.ep import apply_expert_parallel
-
-            apply_expert_parallel(model, self.groups.ep, cp_group=self.groups.cp)
+            family.apply_expert_parallel(model, self.groups.ep, cp_group=self.groups.cp)
 
     def _vllm_engine(self):
         from longstraw_cli.lora import export_hf
