@@ -20,7 +20,7 @@ Where the bytes come from (s: bytes per element of `dtype`, f: of the compute dt
 - response graph: what autograd saves per response token and layer, written term by term from what the code
   saves (`_gdn_graph`, `_attention_graph_per_token`; replay always runs the torch chunked GDN, whose backward
   is right on every Triton): for qwen36_mini in bf16 295 KB per token per GDN layer and 162 KB per attention
-  layer, the project's GraphMemory accounting to within 1% (tests/test_plan.py).
+  layer, the project's GraphMemory accounting to within 1% (tests/models/test_plan.py).
 - capture activations: one block of `block_size` tokens through the heaviest layer, estimated as what that
   layer would save for backward (everything inside it coexists at some point, graph or not) plus the kernels'
   own buffers. `kernels="gpu"` (CUDA, bf16/fp16): flash attention keeps scores on chip but merges two partial
