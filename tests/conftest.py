@@ -143,3 +143,15 @@ def saved_hf_model(tmp_path_factory, config_cls, model_cls, config: dict, random
     path = tmp_path_factory.mktemp(model_cls.__name__)
     model.save_pretrained(path)
     return path, model
+
+
+def capture_error_against_hf(hf, ours, prompt_len: int, response_len: int, block_size: int) -> float:
+    """Max abs error of our capture + logprobs against HF's full-sequence log-softmax, seeded random ids."""
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, 300, (prompt_len,), generator=g)
+    response = torch.randint(0, 300, (response_len,), generator=g)
+    with torch.no_grad():
+        logits = hf(torch.cat([prompt, response])[None]).logits[0].float()
+    ref = torch.log_softmax(logits, -1)[prompt.numel() - 1 : -1].gather(-1, response[:, None])[:, 0]
+    got = ours.logprobs(ours.capture(prompt, block_size=block_size), response)
+    return (got - ref).abs().max().item()

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from conftest import saved_hf_model
+from conftest import capture_error_against_hf, saved_hf_model
 from longstraw_cli.models import MODEL_NAMES, build_model, from_pretrained
 from longstraw_cli.models.glm52.model import topk_lowest_position
 
@@ -102,15 +102,8 @@ def test_capture_logprobs_match_hf(hf_dir, block_size):
     path, hf = hf_dir
     ours = from_pretrained(path)
     guard = TopkGuard(ours)
-    g = torch.Generator().manual_seed(2)
-    prompt = torch.randint(0, 300, (193,), generator=g)  # 192 captured tokens: 48 divides it, 100 and 7 do not
-    response = torch.randint(0, 300, (40,), generator=g)
-    with torch.no_grad():
-        logits = hf(torch.cat([prompt, response])[None]).logits[0].float()
-    ref = torch.log_softmax(logits, -1)[prompt.numel() - 1 : -1].gather(-1, response[:, None])[:, 0]
-    resident = ours.capture(prompt, block_size=block_size)
-    got = ours.logprobs(resident, response)
-    err = (got - ref).abs().max().item()
+    # 192 captured tokens: 48 divides it, 100 and 7 do not
+    err = capture_error_against_hf(hf, ours, 193, 40, block_size)
     print(f"capture(block={block_size}) + logprobs max abs err {err:.3e}; top-k min rel gap {guard.min_gap:.2e}")
     assert guard.strict_rows > 0 and guard.min_gap > 1e-5
     assert err <= 1e-4

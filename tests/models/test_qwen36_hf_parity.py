@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from conftest import randomize_, saved_hf_model
+from conftest import capture_error_against_hf, randomize_, saved_hf_model
 from longstraw_cli.models import build_model, from_pretrained
 
 transformers = pytest.importorskip("transformers")
@@ -40,15 +40,8 @@ def test_full_sequence_logits_match_hf(hf_dir):
 def test_capture_logprobs_match_hf(hf_dir, block_size):
     path, hf = hf_dir
     ours = from_pretrained(path)
-    g = torch.Generator().manual_seed(2)
-    prompt = torch.randint(0, 300, (241,), generator=g)  # 240 captured tokens: 48 divides it, 100 and 7 do not
-    response = torch.randint(0, 300, (60,), generator=g)
-    with torch.no_grad():
-        logits = hf(torch.cat([prompt, response])[None]).logits[0].float()
-    ref = torch.log_softmax(logits, -1)[prompt.numel() - 1 : -1].gather(-1, response[:, None])[:, 0]
-    resident = ours.capture(prompt, block_size=block_size)
-    got = ours.logprobs(resident, response)
-    err = (got - ref).abs().max().item()
+    # 240 captured tokens: 48 divides it, 100 and 7 do not
+    err = capture_error_against_hf(hf, ours, 241, 60, block_size)
     print(f"capture(block={block_size}) + logprobs max abs err {err:.3e}")
     assert err <= 1e-4
 
