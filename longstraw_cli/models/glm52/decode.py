@@ -98,10 +98,9 @@ class Glm52Decoder:
         q_BTJI, w_BTJ = attn.indexer.queries(x_BTC, q_resid_BTQ, cos, sin)
         # the prompt's keys are shared: the B responses are B query rows of one call, so the keys are read once
         pages_1BP = attn.indexer.scores(q_BTJI.transpose(0, 1), w_BTJ.transpose(0, 1), [pages.index_PI])
-        own_BTS = attn.indexer.scores(q_BTJI, w_BTJ, [buf.index_BSI])
+        # every prompt key is visible; of the response slots only the filled ones
+        own_BTS = attn.indexer.scores(q_BTJI, w_BTJ, [buf.index_BSI]).masked_fill(~valid_S, float("-inf"))
         scores_BTS = torch.cat([pages_1BP.transpose(0, 1), own_BTS], dim=-1)
-        visible_S = torch.cat([valid_S.new_ones(P), valid_S])
-        scores_BTS = scores_BTS.masked_fill(~visible_S, float("-inf"))
         topk = attn.cfg.index_topk
         k = min(topk, P + S)
         chosen_BTk = topk_lowest_position_static(scores_BTS, k)
