@@ -90,6 +90,29 @@ class StepDecoder:
         return self.model.decode_step(self.resident, self.state, self.tokens_B)
 
 
+class StaticDecoder:
+    """What every static-shaped decode step (models/<family>/decode.py) shares: the token ids fed and the step
+    counter live on the device and change in place, the response slots are fixed, so a CUDA graph may replay
+    `step()`. A subclass's `step()` starts from `embed()` and ends with `logits()`."""
+
+    def __init__(self, model, resident: Resident, batch: int, capacity: int):
+        self.model, self.resident, self.capacity = model, resident, capacity
+        self.device = model.lm_head.weight.device
+        self.tokens_B = torch.full((batch,), resident.last_token, dtype=torch.long, device=self.device)
+        self.step_1 = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.slots_S = torch.arange(capacity, device=self.device)
+
+    def embed(self):
+        """-> (embedded tokens [B, 1, C], their positions [1], the filled response slots [S] bool)."""
+        positions_1 = self.step_1 + self.resident.num_tokens
+        return self.model.model.embed_tokens(self.tokens_B[:, None]), positions_1, self.slots_S <= self.step_1
+
+    def logits(self, x_BTC: torch.Tensor) -> torch.Tensor:
+        """Next-token logits [B, V] (fp32 or wider) of the last layer's output; the step counter moves on."""
+        self.step_1 += 1
+        return at_least_fp32(self.model.lm_head(self.model.model.norm(x_BTC))[:, 0])
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm residual around a token mixer, then around the MLP. Subclasses set input_layernorm, the mixer,
     post_attention_layernorm and mlp (HF's names)."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from longstraw_cli.models.core import StaticDecoder
 from longstraw_cli.models.glm52.experts import dense_experts, local_experts
 from longstraw_cli.models.glm52.model import KeyAxis, rope_cos_sin
 from longstraw_cli.resident import Resident
@@ -40,17 +41,12 @@ class ResponseMLA:
                           if full_indexer else None)
 
 
-class Glm52Decoder:
+class Glm52Decoder(StaticDecoder):
     """`step()` feeds `tokens_B` at position num_tokens + step and returns next-token logits [B, V] (fp32+)."""
 
     def __init__(self, model, resident: Resident, batch: int, capacity: int):
-        w = model.lm_head.weight
-        self.model, self.resident, self.capacity = model, resident, capacity
-        self.device = w.device
-        self.tokens_B = torch.full((batch,), resident.last_token, dtype=torch.long, device=self.device)
-        self.step_1 = torch.zeros(1, dtype=torch.long, device=self.device)
-        self.slots_S = torch.arange(capacity, device=self.device)
-        dtype = resident.layers[0].latent_PL.dtype if resident.layers else w.dtype
+        super().__init__(model, resident, batch, capacity)
+        dtype = resident.layers[0].latent_PL.dtype if resident.layers else model.lm_head.weight.dtype
         self.layers = [ResponseMLA(batch, capacity, model.config, layer.self_attn.full_indexer, dtype, self.device)
                        for layer in model.model.layers]
         # offloaded pages: the index keys that every token scores in full move to the device once, for the whole
@@ -64,18 +60,14 @@ class Glm52Decoder:
 
     def step(self) -> torch.Tensor:
         model, cfg = self.model, self.model.config
-        positions_1 = self.step_1 + self.resident.num_tokens
-        valid_S = self.slots_S <= self.step_1
-        x_BTC, idx_BTK = model.model.embed_tokens(self.tokens_B[:, None]), None
+        (x_BTC, positions_1, valid_S), idx_BTK = self.embed(), None
         cos, sin = rope_cos_sin(positions_1, cfg.qk_rope_head_dim, cfg.rope_theta, x_BTC.dtype)
         for layer, pages, buf in zip(model.model.layers, self.pages, self.layers):
             h_BTC, idx_BTK = self._attention(layer.self_attn, layer.input_layernorm(x_BTC), cos, sin, pages, buf,
                                              valid_S, idx_BTK)
             x_BTC = x_BTC + h_BTC
             x_BTC = x_BTC + self._mlp(layer.mlp, layer.post_attention_layernorm(x_BTC))
-        logits_BV = model.lm_head(model.model.norm(x_BTC))[:, 0]
-        self.step_1 += 1
-        return logits_BV.to(torch.promote_types(logits_BV.dtype, torch.float32))
+        return self.logits(x_BTC)
 
     def _attention(self, attn, x_BTC, cos, sin, pages, buf: ResponseMLA, valid_S, prev_idx_BTK):
         q_resid_BTQ, q_nope, q_rope = attn.project_q(x_BTC, cos, sin)

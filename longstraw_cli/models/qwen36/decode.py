@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from longstraw_cli.models.core import StaticDecoder
 from longstraw_cli.resident import Resident
 from longstraw_kernels.attention.decode import cascade_decode_attention, decode_pages_attention
 from longstraw_kernels.gdn import gdn_step
@@ -40,22 +41,18 @@ class ResponseRecurrent:
         self.ssm_BGKV = ssm_GKV.expand(batch, -1, -1, -1).clone()
 
 
-class Qwen36Decoder:
+class Qwen36Decoder(StaticDecoder):
     """`step()` feeds `tokens_B` at position num_tokens + step and returns next-token logits [B, V] (fp32+)."""
 
     def __init__(self, model, resident: Resident, batch: int, capacity: int):
-        cfg, w = model.config, model.lm_head.weight
-        self.model, self.resident, self.capacity = model, resident, capacity
-        self.device = w.device
+        super().__init__(model, resident, batch, capacity)
+        cfg = model.config
         # no host synchronisation and static shapes: a CUDA graph may replay step()
         self.graph_safe = True
         # torch.compile fuses the step's small kernels (seen on an H200: 7.7 -> 4.2 ms at 256K, G=8); a
         # cross-rank hook (context parallel) keeps its collectives out of the compiler
         self.compile_safe = all(layer.self_attn.decode_pages_fn is decode_pages_attention
                                 for layer in model.model.layers if layer.is_attention)
-        self.tokens_B = torch.full((batch,), resident.last_token, dtype=torch.long, device=self.device)
-        self.step_1 = torch.zeros(1, dtype=torch.long, device=self.device)
-        self.slots_S = torch.arange(capacity, device=self.device)
         self.layers = []
         for layer, state in zip(model.model.layers, resident.layers):
             if layer.is_attention:
@@ -66,20 +63,15 @@ class Qwen36Decoder:
 
     def step(self) -> torch.Tensor:
         model = self.model
-        positions_1 = self.step_1 + self.resident.num_tokens
-        valid_S = self.slots_S <= self.step_1
-        x_BTC = model.model.embed_tokens(self.tokens_B[:, None])
+        x_BTC, positions_1, valid_S = self.embed()
         for layer, pages, state in zip(model.model.layers, self.resident.layers, self.layers):
             h_BTC = layer.input_layernorm(x_BTC)
             if layer.is_attention:
                 h_BTC = self._attention(layer.self_attn, h_BTC, positions_1, pages, state, valid_S)
             else:
                 h_BTC = self._gdn(layer.linear_attn, h_BTC, state)
-            x_BTC = x_BTC + h_BTC
-            x_BTC = x_BTC + layer.mlp(layer.post_attention_layernorm(x_BTC))
-        logits_BV = model.lm_head(model.model.norm(x_BTC))[:, 0]
-        self.step_1 += 1
-        return logits_BV.to(torch.promote_types(logits_BV.dtype, torch.float32))
+            x_BTC = layer.mlp_residual(x_BTC, h_BTC)
+        return self.logits(x_BTC)
 
     def _attention(self, attn, x_BTC, positions_1, pages, kv: ResponseKV, valid_S):
         q_BTQD, k_BTKD, v_BTKD, gate_BTQD = attn.project(x_BTC, positions_1)
