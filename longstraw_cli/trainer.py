@@ -192,9 +192,9 @@ class Trainer:
         return Rollout([r.to(self.device) for r in rollout.responses], [l.to(self.device) for l in rollout.logprobs])
 
     def _native_decode(self):
-        """CUDA graphs need plain modules: fsdp2 and deepspeed wrap them with hooks that gather parameters."""
+        """The rollout's decode settings; no CUDA graph where the strategy's hooks run around module calls."""
         native = self.cfg.rollout.native
-        if native.cuda_graph and self.strategy.name in ("fsdp2", "deepspeed"):
+        if native.cuda_graph and not self.strategy.cuda_graphs:
             native = dataclasses.replace(native, cuda_graph=False)
         return native
 

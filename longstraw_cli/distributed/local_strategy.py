@@ -28,6 +28,8 @@ class LocalStrategy:
     group over which the model's routed experts are split (distributed/ep.py), None without expert parallelism."""
 
     name = "local"
+    # the model's own modules run the decode step, so a CUDA graph may replay it
+    cuda_graphs = True
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None, *,
                  ep_group=None):

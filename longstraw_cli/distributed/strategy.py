@@ -102,6 +102,8 @@ class DDPStrategy(LocalStrategy):
 
 class FSDP2Strategy(LocalStrategy):
     name = "fsdp2"
+    # hooks gather the sharded weights around each module call: not something to replay as a CUDA graph
+    cuda_graphs = False
 
     def __init__(self, model: nn.Module, make_optimizer: MakeOptimizer, max_grad_norm: float | None, dp_group):
         from torch.distributed.device_mesh import DeviceMesh
