@@ -153,6 +153,16 @@ def _positive(name: str, value: Any, minimum: int = 1) -> None:
         raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
+def _check_exact(d: dict, strategy: str, world_size: int) -> None:
+    """capture.gradient=exact: what it runs with (one line naming what does not)."""
+    if d["cp"] > 1:
+        raise ConfigError(f"capture.gradient=exact does not run under context parallel yet; got cp={d['cp']} "
+                          f"(valid: cp=1, or capture.gradient=response_only)")
+    if world_size // d["cp"] > 1 and strategy != "ddp":
+        raise ConfigError(f"capture.gradient=exact reduces gradients after the prompt's walk: strategy=ddp only "
+                          f"with data parallelism; got strategy={strategy!r}")
+
+
 def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
     """TrainConfig from the resolved container of the composed config (hydra node removed)."""
     d = dict(d)
@@ -197,9 +207,11 @@ def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
     algo = dict(d["algo"])
     advantage = algo.pop("advantage", "grpo")
     loss = _build(LossConfig, algo, "algo", max_response_tokens=d["response_tokens"])
-    capture = _take(dict(d["capture"]), "capture", {"block_size", "score_batch", "logprob_chunk"})
+    capture = _take(dict(d["capture"]), "capture", {"block_size", "score_batch", "logprob_chunk", "gradient"})
     optim = _build(OptimConfig, d["optim"], "optim")
     transaction = _build(TransactionConfig, capture, "capture", advantage=advantage)
+    if transaction.exact:
+        _check_exact(d, strategy, world_size)
 
     rollout_node = dict(d["rollout"])
     engine = rollout_node.pop("engine")

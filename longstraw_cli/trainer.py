@@ -238,6 +238,8 @@ class Trainer:
         metrics.update(clock.time_metrics())
         metrics["mem/resident"] = result.resident_bytes["total"]
         metrics["mem/graph_peak"] = result.graph_peak_bytes
+        if result.state_grad_bytes:
+            metrics["mem/state_grad"] = result.state_grad_bytes
         metrics["mem/accounted_peak"] = result.accounted_peak_bytes
         metrics.update(clock.memory_metrics())
         metrics["mem/rss_peak"] = _rss_peak_bytes()

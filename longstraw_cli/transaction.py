@@ -11,8 +11,13 @@ taken. A strategy (distributed/strategy.py) owns the replay's forward/backward, 
 its max_grad_norm included) and the step: `LocalStrategy(model, optimizer, max_grad_norm)` on one rank, `ddp`,
 `fsdp2`, `deepspeed`. The phases are timed on the caller's `PhaseClock` (the trainer's, for the whole iteration).
 
-Simplifications: response_only gradients (the resident state is a constant); one prompt per transaction (data
-parallelism across prompts sits above, in the strategy).
+Gradients (`TransactionConfig.gradient`): `response_only` treats the resident state as a constant; `exact` also
+sends the replays' gradient back through the prompt (resident/gradient.py): the capture keeps the carried states
+at its block boundaries, the replays read the resident state as leaves whose gradients collect in one buffer, and
+after the last replay the model walks the prompt in reverse (`prompt_backward`, its own phase "prompt"); the
+gradient reduction the strategy does at the last replay then follows the walk instead (`sync_gradients`).
+
+Simplifications: one prompt per transaction (data parallelism across prompts sits above, in the strategy).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from longstraw_cli.distributed.local_strategy import LocalStrategy
+from longstraw_cli.resident.gradient import StateGrad, check_gradient_mode
 from longstraw_cli.rl.advantages import get_advantage
 from longstraw_cli.rl.losses import GroupShape, LossConfig, response_loss, sum_stats, summarize_stats
 from longstraw_cli.telemetry.memory import GraphMemory, PhaseClock
@@ -36,12 +42,19 @@ class TransactionConfig:
     score_batch: int = 8
     logprob_chunk: int = 512
     advantage: str = "grpo"
+    # response_only: the resident state is a constant; exact: the gradient through the prompt too
+    gradient: str = "response_only"
 
     def __post_init__(self):
         for name in ("block_size", "score_batch", "logprob_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         get_advantage(self.advantage)
+        check_gradient_mode(self.gradient)
+
+    @property
+    def exact(self) -> bool:
+        return self.gradient == "exact"
 
 
 @dataclass
@@ -56,10 +69,12 @@ class TransactionResult:
     # saved storages still alive after the last replay (0 unless a graph leaked)
     graph_live_bytes_after: int
     cuda_peak_bytes: dict[str, int] = field(default_factory=dict)
+    # exact mode: the resident state's gradient buffer
+    state_grad_bytes: int = 0
 
     @property
     def accounted_peak_bytes(self) -> int:
-        return self.resident_bytes["total"] + self.graph_peak_bytes
+        return self.resident_bytes["total"] + self.state_grad_bytes + self.graph_peak_bytes
 
 
 class Reference:
@@ -97,6 +112,9 @@ class Transaction:
                  cfg: TransactionConfig = TransactionConfig(), *, reference: Reference | None = None):
         if loss_cfg.kl_coef > 0 and reference is None:
             raise ValueError(f"kl_coef={loss_cfg.kl_coef} needs a reference policy (kl_coef=0 skips it)")
+        if cfg.exact and not strategy.exact_gradients:
+            raise ValueError(f"gradient='exact' needs a strategy that reduces after the prompt's walk; "
+                             f"strategy {strategy.name!r} cannot (valid: local, ddp)")
         self.model, self.strategy, self.loss_cfg, self.cfg = model, strategy, loss_cfg, cfg
         # kl_coef 0 skips the reference entirely: no capture, no scoring
         self.reference = reference if loss_cfg.kl_coef > 0 else None
@@ -104,22 +122,28 @@ class Transaction:
     # -- phases -----------------------------------------------------------------------------------------------
     def capture(self, prompt_ids: torch.Tensor):
         """The policy's resident state of the prompt, graph-free (whole weights: a collective under fsdp2)."""
+        boundaries = {"boundaries": True} if self.cfg.exact else {}
         with self.strategy.full_weights():
-            return self.model.capture(prompt_ids, block_size=self.cfg.block_size)
+            return self.model.capture(prompt_ids, block_size=self.cfg.block_size, **boundaries)
 
     def score(self, resident, responses: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return score(self.model, resident, responses, self.cfg)
 
-    def replay(self, resident, responses, old_logprobs, ref_logprobs, advantages) -> tuple[list[dict], GraphMemory]:
-        """One response at a time: forward with autograd, loss, backward, graph freed."""
+    def replay(self, resident, responses, old_logprobs, ref_logprobs, advantages,
+               state_grad: StateGrad | None = None) -> tuple[list[dict], GraphMemory]:
+        """One response at a time: forward with autograd, loss, backward, graph freed. With `state_grad` (exact
+        mode) the replays read the resident state as leaves whose gradients collect there, and none of them
+        reduces gradients across ranks (the prompt's walk comes after them)."""
         group = GroupShape.from_lengths([len(r) for r in responses])
         meter = GraphMemory(exclude=[*self.strategy.weights(), *resident.tensors()])
+        view = resident if state_grad is None else state_grad.replay_view(resident)
+        count = len(responses) + (state_grad is not None)
         stats = []
         with meter:
             for i, response in enumerate(responses):
                 # the strategy's replay context: no gradient reduction before the last replay
-                with self.strategy.replay(i, len(responses)) as logprobs:
-                    logp = logprobs(resident, response, chunk_size=self.cfg.logprob_chunk)
+                with self.strategy.replay(i, count) as logprobs:
+                    logp = logprobs(view, response, chunk_size=self.cfg.logprob_chunk)
                     ref = None if ref_logprobs is None else ref_logprobs[i]
                     loss, s = response_loss(self.loss_cfg, logp, old_logprobs[i], advantages[i], group, ref)
                     self.strategy.backward(loss)
@@ -152,8 +176,16 @@ class Transaction:
                 old_logprobs = self.score(resident, responses)
             ref_logprobs = None if self.reference is None else self.reference(prompt_ids, responses)
         advantages = get_advantage(self.cfg.advantage)(rewards.double()).tolist()
+        state_grad = StateGrad(resident) if self.cfg.exact else None
+        state_grad_bytes = 0 if state_grad is None else state_grad.nbytes()
         with clock.phase("replay"):
-            per_response, meter = self.replay(resident, responses, old_logprobs, ref_logprobs, advantages)
+            per_response, meter = self.replay(resident, responses, old_logprobs, ref_logprobs, advantages,
+                                              state_grad)
+        if state_grad is not None:
+            with clock.phase("prompt"), meter:
+                self.model.prompt_backward(prompt_ids, resident, state_grad, self.cfg.block_size)
+                del state_grad
+                self.strategy.sync_gradients()
         with clock.phase("finalize"):
             grad_norm = self.finalize()
         with clock.phase("step"):
@@ -164,5 +196,5 @@ class Transaction:
         return TransactionResult(
             stats=stats, advantages=advantages, seconds=clock.seconds, resident_bytes=resident.nbytes(),
             graph_peak_bytes=meter.peak_bytes, graph_live_bytes_after=meter.live_bytes,
-            cuda_peak_bytes=clock.cuda_peak_bytes,
+            cuda_peak_bytes=clock.cuda_peak_bytes, state_grad_bytes=state_grad_bytes,
         )

@@ -77,6 +77,8 @@ class DeepSpeedStrategy(LocalStrategy):
     name = "deepspeed"
     # ZeRO's hooks manage the parameters around each module call: no CUDA graph
     cuda_graphs = False
+    # the engine reduces inside the last replay's backward; none follows a later walk
+    exact_gradients = False
 
     def __init__(self, model: nn.Module, make_optimizer: MakeOptimizer, max_grad_norm: float | None, dp_group,
                  cp_group=None, *, zero_stage: int, num_replays: int):

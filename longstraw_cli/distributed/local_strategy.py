@@ -30,6 +30,8 @@ class LocalStrategy:
     name = "local"
     # the model's own modules run the decode step, so a CUDA graph may replay it
     cuda_graphs = True
+    # exact mode's prompt walk may follow the replays: gradients stay local until `sync_gradients`
+    exact_gradients = True
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None, *,
                  ep_group=None):
@@ -57,6 +59,10 @@ class LocalStrategy:
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
+
+    def sync_gradients(self) -> None:
+        """After backward passes outside the replays (exact mode's prompt walk), all of whose replays ran unsynced:
+        the reduction the last replay's backward would have done. Nothing to reduce on one rank."""
 
     def finalize(self) -> float:
         """Gradients final (reduced) on every rank and clipped; returns the global norm before clipping."""

@@ -99,11 +99,27 @@ class DDPStrategy(LocalStrategy):
         with sync:
             yield self.ddp
 
+    def sync_gradients(self) -> None:
+        """DDP's reduction by hand: the mean over the data-parallel ranks of every gradient. Parameters that got
+        none here get a zero one first, so that every rank reduces the same list."""
+        group = self.ddp.process_group
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in self.params]
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=group)
+        flat /= dist.get_world_size(group)
+        for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            g.copy_(reduced)
+
 
 class FSDP2Strategy(LocalStrategy):
     name = "fsdp2"
     # hooks gather the sharded weights around each module call: not something to replay as a CUDA graph
     cuda_graphs = False
+    # the reduce-scatter runs inside the last replay's backward; none follows a later walk
+    exact_gradients = False
 
     def __init__(self, model: nn.Module, make_optimizer: MakeOptimizer, max_grad_norm: float | None, dp_group):
         from torch.distributed.device_mesh import DeviceMesh

@@ -15,6 +15,10 @@ what a layer hands the next one (glm52: the DSA selection that IndexShare "share
   (scoring and replay; autograd when enabled).
 - `decode_step(x, positions, state, cache, carry)`: one token per sequence, `cache` the per-sequence state of
   the tokens generated so far (native rollout).
+- `recompute_block(x, positions, state, carry) -> (x, carry, written)`: exact mode's reverse walk: capture_block's
+  function of one prompt block with autograd. `state` is what the block reads (a paged layer: the pages BEFORE the
+  block; a carried one: the state at the block's start); `written` is what capture_block writes, in the state's
+  own layout (the block's pages, or the state at its end), returned instead of written.
 Every layer writes its resident state in place; nothing is returned up to the model to copy.
 
 Legend: B batch, T tokens, C hidden, V vocab, R response tokens.
@@ -31,11 +35,13 @@ from torch import nn
 from longstraw_cli.models.embedding import Embedding
 from longstraw_cli.models.logprobs import token_logprobs
 from longstraw_cli.resident import Resident
+from longstraw_cli.resident.gradient import StateGrad, leaves
 from longstraw_cli.resident.offload import PageWriter, stage_layers
+from longstraw_cli.resident.state import prefix, snapshot
 from longstraw_kernels import at_least_fp32
 
 # a decoder layer's entry points besides forward (FSDP gathers a layer's weights around each)
-LAYER_PATHS = ("capture_block", "capture_span", "replay", "decode_step")
+LAYER_PATHS = ("capture_block", "capture_span", "replay", "decode_step", "recompute_block")
 
 
 def check_prompt(prompt_ids: torch.Tensor, block_size: int) -> None:
@@ -182,19 +188,26 @@ class CausalLM(nn.Module):
     # -- capture ----------------------------------------------------------------------------------------------
     @torch.no_grad()
     def capture(self, prompt_ids: torch.Tensor, block_size: int = 4096, page_dtype: torch.dtype | None = None,
-                offload: str | None = None) -> Resident:
+                offload: str | None = None, boundaries: bool = False) -> Resident:
         """Resident state of a 1-D prompt: its first P-1 tokens; the last token is kept for replay.
         On-device state: block by block through all layers (activations bounded by one block).
-        offload="cpu": layer by layer (`capture_span`), so each layer's pages cross to the host once."""
+        offload="cpu": layer by layer (`capture_span`), so each layer's pages cross to the host once.
+        boundaries=True (exact mode): also keep the carried states at each block's start (`Resident.boundaries`)."""
         check_prompt(prompt_ids, block_size)
         num_tokens = prompt_ids.numel() - 1
         if offload is not None:
+            if boundaries:
+                raise ValueError("exact gradients (boundaries=True) need the resident state on the device; "
+                                 f"got offload={offload!r}")
             return self.capture_span(prompt_ids[:-1], start=0, num_tokens=num_tokens, last_token=int(prompt_ids[-1]),
                                      block_size=block_size, page_dtype=page_dtype, offload=offload)
         resident = self.empty_resident(num_tokens, page_dtype)
         resident.last_token = int(prompt_ids[-1])
+        resident.boundaries = [] if boundaries else None
         for start in range(0, num_tokens, block_size):
             end = min(num_tokens, start + block_size)
+            if boundaries:
+                resident.boundaries.append(snapshot(resident))
             positions_T = torch.arange(start, end, device=prompt_ids.device)
             x_BTC, carry = self.model.embed_tokens(prompt_ids[start:end])[None], None
             for layer, state in zip(self.model.layers, resident.layers):
@@ -250,6 +263,47 @@ class CausalLM(nn.Module):
             h_BRC = self.replay_hidden(resident, inputs_BR)
             logp_BR = token_logprobs(h_BRC, self.lm_head.weight, ids_BR, chunk_size)
         return logp_BR[0] if response_ids.dim() == 1 else logp_BR
+
+    # -- exact mode ---------------------------------------------------------------------------------------------
+    def prompt_backward(self, prompt_ids: torch.Tensor, resident: Resident, grad: StateGrad, block_size: int) -> None:
+        """Exact mode's reverse walk (resident/gradient.py): the parameters' gradient through the prompt, added
+        into their .grad. `grad` holds what the replays sent into the resident state; `resident` must have been
+        captured with boundaries=True and the same block_size. Consumes `grad` (its page buffers are completed
+        block by block, back to front)."""
+        if resident.boundaries is None:
+            raise ValueError("prompt_backward needs a capture with boundaries=True (exact mode)")
+        starts = list(range(0, resident.num_tokens, block_size))
+        if len(starts) != len(resident.boundaries):
+            raise ValueError(f"the capture kept {len(resident.boundaries)} block boundaries; block_size={block_size} "
+                             f"gives {len(starts)} blocks of {resident.num_tokens} tokens")
+        device = self.lm_head.weight.device
+        # the carried states' gradient at the end of the block being walked: the replays' to start with
+        carried = [grads if state.CARRIED else None for state, grads in zip(resident.layers, grad.layers)]
+        for b in reversed(range(len(starts))):
+            start, end = starts[b], min(resident.num_tokens, starts[b] + block_size)
+            positions_T = torch.arange(start, end, device=device)
+            x_BTC, carry = self.model.embed_tokens(prompt_ids[start:end].to(device))[None], None
+            outputs, output_grads, carried_in = [], [], []
+            for i, (layer, state) in enumerate(zip(self.model.layers, resident.layers)):
+                if state.CARRIED:
+                    targets = {name: torch.zeros_like(t) for name, t in carried[i].items()}
+                    read, grad_out = leaves(resident.boundaries[b][i], targets), carried[i]
+                else:
+                    targets = {name: t[:start] for name, t in grad.layers[i].items()}
+                    read = leaves(prefix(state, start), targets)
+                    grad_out = {name: t[start:end] for name, t in grad.layers[i].items()}
+                carried_in.append(targets if state.CARRIED else None)
+                x_BTC, carry, written = layer.recompute_block(x_BTC, positions_T, read, carry)
+                for name, g in grad_out.items():
+                    out = getattr(written, name)
+                    if out.requires_grad:
+                        outputs.append(out)
+                        output_grads.append(g.to(out.dtype))
+            del x_BTC, carry, written
+            if outputs:
+                torch.autograd.backward(outputs, output_grads)
+            del outputs, output_grads
+            carried = carried_in
 
     # -- native rollout ---------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -3,6 +3,11 @@
 Capture runs without autograd, so every tensor here is a constant to the replays that read it. Replays never
 write into it; only `capture` fills it.
 
+Exact mode (`capture.gradient=exact`, resident/gradient.py) differentiates through it: each kind of layer state
+names its differentiable fields (`GRAD_FIELDS`) and whether a prompt block reads it as the PAGES of the positions
+before the block (paged: attention K/V, MLA latent and rope keys) or as the state CARRIED from the block before
+(recurrent: GDN conv and recurrent state). DSA indexer keys only select (top-k), so they carry no gradient.
+
 Legend: P pages (captured prompt tokens), K kv heads, D head dim, C conv channels, W conv window (kernel - 1),
 G value heads of a recurrent layer, Dk/Dv its key/value head dims, L MLA latent dim (kv_lora_rank), R rope dim,
 I indexer head dim.
@@ -13,6 +18,7 @@ them onto its device one layer at a time (`resident.offload.LayerStager`).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +31,9 @@ class AttentionPages:
     k_PKD: torch.Tensor
     v_PKD: torch.Tensor
 
+    GRAD_FIELDS = ("k_PKD", "v_PKD")
+    CARRIED = False
+
 
 @dataclass
 class RecurrentState:
@@ -34,6 +43,9 @@ class RecurrentState:
     conv_CW: torch.Tensor
     # recurrent state, always fp32
     ssm_GKV: torch.Tensor
+
+    GRAD_FIELDS = ("conv_CW", "ssm_GKV")
+    CARRIED = True
 
 
 @dataclass
@@ -45,6 +57,9 @@ class MLAPages:
     latent_PL: torch.Tensor
     rope_PR: torch.Tensor
     index_PI: torch.Tensor | None
+
+    GRAD_FIELDS = ("latent_PL", "rope_PR")
+    CARRIED = False
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.latent_PL, self.rope_PR, self.index_PI) if t is not None]
@@ -86,6 +101,9 @@ class Resident:
     last_token: int
     # None: pages on the compute device; "cpu": in (pinned) CPU memory, staged one layer at a time
     offload: str | None = None
+    # exact mode: per capture block, the CARRIED layer states at the block's start (None for paged layers);
+    # the reverse walk recomputes each block from them (models/core.py `prompt_backward`)
+    boundaries: list[list] | None = None
 
     def nbytes(self) -> dict[str, int]:
         """Bytes by component, as allocated (the components of the layer kinds present, then "total")."""
@@ -102,8 +120,14 @@ class Resident:
                 out["latent_pages"] += _nbytes(layer.latent_PL)
                 out["rope_pages"] += _nbytes(layer.rope_PR)
                 out["index_pages"] += 0 if layer.index_PI is None else _nbytes(layer.index_PI)
+        if self.boundaries is not None:
+            out["boundary_states"] = sum(_nbytes(t) for t in self.boundary_tensors())
         out["total"] = sum(out.values())
         return out
+
+    def boundary_tensors(self) -> list[torch.Tensor]:
+        return [getattr(s, f.name) for block in self.boundaries or [] for s in block if s is not None
+                for f in dataclasses.fields(s)]
 
     def tensors(self) -> list[torch.Tensor]:
         out = []
@@ -114,7 +138,20 @@ class Resident:
                 out += [layer.conv_CW, layer.ssm_GKV]
             else:
                 out += layer.tensors()
-        return out
+        return out + self.boundary_tensors()
+
+
+def prefix(state, num: int):
+    """A paged layer state's first `num` positions (views; None fields stay None)."""
+    def head(t):
+        return None if t is None else t[:num]
+    return dataclasses.replace(state, **{f.name: head(getattr(state, f.name)) for f in dataclasses.fields(state)})
+
+
+def snapshot(resident: Resident) -> list:
+    """Copies of the resident's CARRIED layer states (None for paged layers): a capture block boundary."""
+    return [dataclasses.replace(s, **{f.name: getattr(s, f.name).clone() for f in dataclasses.fields(s)})
+            if s.CARRIED else None for s in resident.layers]
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -27,7 +27,7 @@ METRICS_FILE = "metrics.jsonl"
 # console order: training signal first, then time by phase in the trainer's order, then memory
 _HEAD_KEYS = ("reward_mean", "reward_std", "loss", "pg_loss", "kl_loss", "kl_mean", "ppo_kl", "clip_frac",
               "ratio_mean", "grad_norm", "num_tokens", "tokens")
-_PHASES = ("rollout", "reward", "capture", "score", "replay", "finalize", "step")
+_PHASES = ("rollout", "reward", "capture", "score", "replay", "prompt", "finalize", "step")
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Gradient finalization strategies (ddp, fsdp2, deepspeed) on gloo CPU ranks, against one process that sums
 both data-parallel ranks' gradients and averages them: parameters after two optimizer steps and grad norms, one
 reduction per step and none during replays, context parallel underneath, LoRA, an unused parameter, resume from
-a checkpoint, and `longstraw train strategy=...` under torchrun.
+a checkpoint, exact gradients (ddp reduces after the prompt's walk), and `longstraw train strategy=...` under
+torchrun.
 
 The ranks run every case in one spawn per layout (process start-up and the first DDP/FSDP import cost more than
 the cases themselves); the tests then read what each case left."""
@@ -27,6 +28,7 @@ from longstraw_cli.distributed.strategy import DDPStrategy, LocalStrategy, Strat
 from longstraw_cli.distributed.topology import ParallelDims
 from longstraw_cli.lora import LoraConfig, apply_lora
 from longstraw_cli.models import build_model
+from longstraw_cli.resident.gradient import StateGrad
 from longstraw_cli.rl.advantages import get_advantage
 from longstraw_cli.rl.losses import LossConfig
 from longstraw_cli.transaction import Transaction, TransactionConfig
@@ -36,6 +38,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 G, STEPS, MAX_GRAD_NORM = 3, 2, 0.5
 TX = TransactionConfig(block_size=16)
+EXACT_TX = TransactionConfig(block_size=16, gradient="exact")
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 NO_DEEPSPEED = "deepspeed is not installed (pip install deepspeed, or the `deepspeed` extra)"
 UNUSED = "indexer_weight"
@@ -50,6 +53,8 @@ CASES = {
     "ddp_lora": (StrategyConfig("ddp"), torch.float64, {"lora": True, "unused": True}),
     # control for the reduction counter: DDP synced in every replay must show reductions during replays
     "ddp_synced_every_replay": (StrategyConfig("ddp"), torch.float64, {"control": True, "steps": 1}),
+    # capture.gradient=exact: the replays run unsynced, the prompt's walk follows, then `sync_gradients`
+    "ddp_exact": (StrategyConfig("ddp"), torch.float64, {"exact": True}),
 }
 COUNTED = ("ddp", "fsdp2", "deepspeed_zero1", "deepspeed_zero2", "ddp_synced_every_replay")
 CP_CASES = ("ddp", "fsdp2")
@@ -134,7 +139,7 @@ def run_case(name, dims, rank, groups, out_dir):
             strategy = SyncedEveryReplay(model, adamw, MAX_GRAD_NORM, groups.dp)
         else:
             strategy = make_strategy(cfg, model, adamw, groups, max_grad_norm=MAX_GRAD_NORM, num_replays=G)
-        return strategy, Transaction(model, strategy, LossConfig(name="grpo"), TX)
+        return strategy, Transaction(model, strategy, LossConfig(name="grpo"), EXACT_TX if options.get("exact") else TX)
 
     strategy, tx = build()
     # the counter slows a step down: it watches only the cases that assert on it
@@ -194,20 +199,25 @@ def cp2_dp2(tmp_path_factory):
 
 
 @functools.cache
-def reference(dtype, lora=False):
-    """One process: per step, both data-parallel ranks' replays accumulate, the sum is halved, then clip and step."""
+def reference(dtype, lora=False, exact=False):
+    """One process: per step, both data-parallel ranks' replays (and exact: prompt walks) accumulate, the sum is
+    halved, then clip and step."""
     torch.set_num_threads(1)
     model = make_model(dtype, lora=lora)
     strategy = LocalStrategy(model, adamw([p for p in model.parameters() if p.requires_grad]), MAX_GRAD_NORM)
-    tx = Transaction(model, strategy, LossConfig(name="grpo"), TX)
+    cfg = EXACT_TX if exact else TX
+    tx = Transaction(model, strategy, LossConfig(name="grpo"), cfg)
     norms = []
     for step in range(STEPS):
         tx.strategy.zero_grad()
         for d in range(2):
             prompt, responses, rewards = problem(step, d)
             resident = tx.capture(prompt)
-            advantages = get_advantage(TX.advantage)(rewards.double()).tolist()
-            tx.replay(resident, responses, tx.score(resident, responses), None, advantages)
+            advantages = get_advantage(cfg.advantage)(rewards.double()).tolist()
+            state_grad = StateGrad(resident) if exact else None
+            tx.replay(resident, responses, tx.score(resident, responses), None, advantages, state_grad)
+            if exact:
+                model.prompt_backward(prompt, resident, state_grad, cfg.block_size)
         for p in model.parameters():
             if p.grad is not None:
                 p.grad /= 2
@@ -216,9 +226,9 @@ def reference(dtype, lora=False):
     return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}, norms
 
 
-def compare(name, got, dtype, lora=False):
+def compare(name, got, dtype, lora=False, exact=False):
     """(worst parameter rel err, worst update rel err) against the one-process average; asserts the norms."""
-    want, want_norms = reference(dtype, lora)
+    want, want_norms = reference(dtype, lora, exact)
     start = make_model(dtype, lora=lora)
     err = update = 0.0
     for n, w in want.items():
@@ -235,7 +245,7 @@ def compare(name, got, dtype, lora=False):
 TOLERANCE = {torch.float64: (1e-12, 1e-10, 1e-12), torch.float32: (2e-5, 2e-4, 1e-5)}
 
 
-@pytest.mark.parametrize("name", ["ddp", "fsdp2", "deepspeed_zero1", "deepspeed_zero2", "ddp_lora"])
+@pytest.mark.parametrize("name", ["ddp", "fsdp2", "deepspeed_zero1", "deepspeed_zero2", "ddp_lora", "ddp_exact"])
 def test_two_data_parallel_ranks_equal_one_process_average(dp2, name):
     if name.startswith("deepspeed") and not HAS_DEEPSPEED:
         pytest.skip(NO_DEEPSPEED)
@@ -244,7 +254,8 @@ def test_two_data_parallel_ranks_equal_one_process_average(dp2, name):
     for rank in range(2):
         got = dp2(name, rank)
         assert got["strategy"] == cfg.name
-        err, update, want_norms = compare(f"{name} rank {rank}", got, dtype, lora=options.get("lora", False))
+        err, update, want_norms = compare(f"{name} rank {rank}", got, dtype, lora=options.get("lora", False),
+                                          exact=options.get("exact", False))
         assert err <= params_tol and update <= update_tol
         assert got["norms"] == pytest.approx(want_norms, rel=norm_tol)
 
@@ -263,6 +274,12 @@ def test_one_reduction_per_step_and_none_during_replays(dp2, name):
     # the counter sees DDP's reductions inside a replay's backward when they are there
     control = dp2("ddp_synced_every_replay", 0)["reductions"]
     assert all(control[0].get(f"replay {i}", 0) > 0 for i in range(G)), control
+
+
+def test_exact_gradients_differ_from_response_only(dp2):
+    """The ddp_exact case above is not response_only under another name: the prompt's gradient moved it."""
+    err = max(rel_err(dp2("ddp_exact", 0)["params"][n], p) for n, p in dp2("ddp", 0)["params"].items())
+    assert err > 1e-6
 
 
 def test_ddp_with_lora_trains_adapters_only_and_tolerates_a_parameter_without_gradient(dp2):

@@ -91,6 +91,7 @@ def test_bad_keys_and_group_options_are_caught_before_hydra(override, expected):
     (["algo.kl_estimator=k9"], "unknown kl_estimator 'k9'; valid choices: ['k1', 'k2', 'k3']"),
     (["strategy.name=zero"], "strategy: name='zero'; valid: ['ddp', 'fsdp2', 'deepspeed']"),
     (["strategy=deepspeed", "strategy.zero_stage=3"], "strategy: zero_stage=3; valid: [1, 2]"),
+    (["capture.gradient=full"], "capture: gradient='full'; valid: ['response_only', 'exact']"),
 ])
 def test_bad_input_exits_2_with_one_line(train_here, tmp_path, args, expected):
     code, _, err = train_here([*args, f"run_dir={tmp_path / 'run'}"])
@@ -155,6 +156,31 @@ def test_train_config_is_typed_and_frozen():
         tc.group_size = 3
     with pytest.raises(ConfigError, match="cp=3 does not divide the world size 4; valid: \\[1, 2, 4\\]"):
         train_config({**OmegaConf.to_container(cfg, resolve=True), "cp": 3}, world_size=4)
+
+
+def test_exact_gradient_refuses_what_it_does_not_run_with():
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from longstraw_cli.cli import CONF_DIR
+    from longstraw_cli.config import train_config
+
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = OmegaConf.to_container(compose("config", overrides=["capture.gradient=exact", "run_dir=x"]),
+                                     resolve=True)
+    assert train_config(cfg).transaction.exact
+    with pytest.raises(ConfigError, match="does not run under context parallel yet; got cp=2"):
+        train_config({**cfg, "cp": 2}, world_size=2)
+    with pytest.raises(ConfigError, match="strategy=ddp only with data parallelism; got strategy='fsdp2'"):
+        train_config({**cfg, "strategy": {"name": "fsdp2"}}, world_size=2)
+
+
+def test_exact_gradient_train_runs_the_prompt_walk(train_here, tmp_path):
+    code, _, err = train_here(["steps=2", *SMALL, "capture.gradient=exact", "capture.block_size=100",
+                               f"run_dir={tmp_path / 'run'}"])
+    assert code == 0, err
+    for row in rows(tmp_path / "run"):
+        assert row["time/prompt"] > 0 and row["mem/state_grad"] > 0
 
 
 @pytest.mark.slow

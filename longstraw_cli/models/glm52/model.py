@@ -359,19 +359,37 @@ class MLAttention(nn.Module):
         """x's latent/rope/index keys become pages start.., then x attends to pages [0, start + T) causally.
         -> (y_BTC, idx_BTK): the selection, in prompt positions (shared layers reuse it)."""
         end = start + x_BTC.shape[1]
-        cos, sin = rope_cos_sin(positions_T, self.rope_dim, self.cfg.rope_theta, x_BTC.dtype)
-        q_resid, q_nope, q_rope = self.project_q(x_BTC, cos, sin)
-        latent_BTL, rope_BTR = self.project_kv(x_BTC, cos, sin)
-        pages.latent_PL[start:end].copy_(latent_BTL[0])
-        pages.rope_PR[start:end].copy_(rope_BTR[0])
-        if self.indexer is not None:
-            pages.index_PI[start:end].copy_(self.indexer.keys(x_BTC, cos, sin)[0])
+        cos, sin, (q_resid, q_nope, q_rope), new = self.project(x_BTC, positions_T)
+        for page, block in zip((pages.latent_PL, pages.rope_PR, pages.index_PI), new):
+            if page is not None:
+                page[start:end].copy_(block[0])
         axis = KeyAxis(end, 0, x_BTC.shape[1])
         if self.indexer is not None:
             idx_BTK = self.select(x_BTC, q_resid, cos, sin, [pages.index_PI[:end]], axis)
         else:
             idx_BTK = prev_idx
         return self.output(self.attend(self.absorb(q_nope, q_rope), pages, idx_BTK, axis)), idx_BTK
+
+    def recompute_block(self, x_BTC, positions_T, before: MLAPages, prev_idx=None):
+        """capture_block's function (B = 1): x's keys, rounded to the page dtype, continue the pages `before` it;
+        x selects among both and attends to the selected pages and the selected keys of its own (sparse, merged by
+        LSE). -> (y_BTC, idx_BTK, x's pages: latent and rope; no index keys, which carry no gradient)."""
+        start, T = before.latent_PL.shape[0], x_BTC.shape[1]
+        cos, sin, (q_resid, q_nope, q_rope), new = self.project(x_BTC, positions_T)
+        latent_TL, rope_TR = new[0][0].to(before.latent_PL.dtype), new[1][0].to(before.rope_PR.dtype)
+        if self.indexer is not None:
+            keys = [before.index_PI, new[2][0].to(before.index_PI.dtype)]
+            idx_BTK = self.select(x_BTC, q_resid, cos, sin, keys, KeyAxis(start, T, T))
+        else:
+            idx_BTK = prev_idx
+        q_BTHA = self.absorb(q_nope, q_rope)
+        own_BTK = torch.where(idx_BTK >= start, idx_BTK - start, -1)
+        out, lse = self.sparse_attention_fn(q_BTHA, latent_TL, rope_TR, own_BTK, scale=self.scale)
+        if start > 0:
+            out_pages, lse_pages = self.pages_attention_fn(q_BTHA, before, idx_BTK, 0, start, scale=self.scale,
+                                                           sparse_attention_fn=self.sparse_attention_fn)
+            out, lse = merge_lse(out_pages, lse_pages, out, lse)
+        return self.output(out), idx_BTK, MLAPages(latent_TL, rope_TR, None)
 
     def replay(self, x_BTC, positions_T, pages: MLAPages, prev_idx=None):
         """x continues the prompt: it attends to the selected pages plus its own keys (causal), pages read only.
@@ -530,6 +548,10 @@ class DecoderLayer(core.DecoderLayer):
     def capture_block(self, x_BTC, positions_T, pages, start: int, carry=None):
         h, idx = self.self_attn.capture_block(self.input_layernorm(x_BTC), positions_T, pages, start, carry)
         return self.mlp_residual(x_BTC, h), idx
+
+    def recompute_block(self, x_BTC, positions_T, pages, carry=None):
+        h, idx, written = self.self_attn.recompute_block(self.input_layernorm(x_BTC), positions_T, pages, carry)
+        return self.mlp_residual(x_BTC, h), idx, written
 
     def capture_span(self, x_BTC, positions_T, pages, block_size: int, carry=None, num_blocks: int | None = None):
         h, idx = self.self_attn.capture_span(self.input_layernorm(x_BTC), positions_T, pages, block_size, carry)

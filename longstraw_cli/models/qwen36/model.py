@@ -27,6 +27,7 @@ from longstraw_cli.models.core import MLP, Backbone, CausalLM, DecodeState, stop
 from longstraw_cli.models.qwen36.config import Qwen36Config
 from longstraw_cli.models.qwen36.decode import Qwen36Decoder
 from longstraw_cli.resident import AttentionPages, RecurrentState, Resident
+from longstraw_cli.resident.state import prefix
 from longstraw_kernels import at_least_fp32, compute_dtype
 from longstraw_kernels.attention import blockwise_causal_attention, replay_attention
 from longstraw_kernels.attention.decode import decode_pages_attention
@@ -150,14 +151,19 @@ class GatedAttention(nn.Module):
 
     def capture_block(self, x_BTC, positions_T, pages: AttentionPages, start: int):
         """x's keys become pages start.., then x attends to the pages before them plus its own keys (causal)."""
-        q_BTQD, k_BTKD, v_BTKD, gate_BTQD = self.project(x_BTC, positions_T)
+        y_BTC, written = self.recompute_block(x_BTC, positions_T, prefix(pages, start))
         end = start + x_BTC.shape[1]
-        pages.k_PKD[start:end].copy_(k_BTKD[0])
-        pages.v_PKD[start:end].copy_(v_BTKD[0])
-        # read back what replay will read, so capture and replay see the same (possibly rounded) keys
-        k_BTKD, v_BTKD = pages.k_PKD[start:end][None], pages.v_PKD[start:end][None]
-        o_BTQD = self.attention_fn(q_BTQD, pages.k_PKD[:start], pages.v_PKD[:start], k_BTKD, v_BTKD, scale=self.scale)
-        return self.output(o_BTQD, gate_BTQD)
+        pages.k_PKD[start:end].copy_(written.k_PKD)
+        pages.v_PKD[start:end].copy_(written.v_PKD)
+        return y_BTC
+
+    def recompute_block(self, x_BTC, positions_T, before: AttentionPages):
+        """capture_block's function: x attends to the pages `before` it plus its own keys (causal), its keys
+        rounded to the page dtype first, as replay will read them. -> (y_BTC, x's pages)."""
+        q_BTQD, k_BTKD, v_BTKD, gate_BTQD = self.project(x_BTC, positions_T)
+        k_BTKD, v_BTKD = k_BTKD.to(before.k_PKD.dtype), v_BTKD.to(before.v_PKD.dtype)
+        o_BTQD = self.attention_fn(q_BTQD, before.k_PKD, before.v_PKD, k_BTKD, v_BTKD, scale=self.scale)
+        return self.output(o_BTQD, gate_BTQD), AttentionPages(k_BTKD[0], v_BTKD[0])
 
     def replay(self, x_BTC, positions_T, pages: AttentionPages):
         """x continues the pages: it attends to every page plus its own keys (causal)."""
@@ -224,10 +230,15 @@ class GatedDeltaNet(nn.Module):
 
     def capture_block(self, x_BTC, positions_T, state: RecurrentState, start: int):
         """One prompt block from `state`, which it advances in place to the block's end."""
-        y_BTC, conv_BXW, ssm_BGKV = self.mix(x_BTC, *self.read(state, x_BTC), self.gdn_fn)
-        state.conv_CW.copy_(conv_BXW[0])
-        state.ssm_GKV.copy_(ssm_BGKV[0])
+        y_BTC, written = self.recompute_block(x_BTC, positions_T, state)
+        state.conv_CW.copy_(written.conv_CW)
+        state.ssm_GKV.copy_(written.ssm_GKV)
         return y_BTC
+
+    def recompute_block(self, x_BTC, positions_T, state: RecurrentState):
+        """capture_block's function: one prompt block from `state`. -> (y_BTC, the state at the block's end)."""
+        y_BTC, conv_BXW, ssm_BGKV = self.mix(x_BTC, *self.read(state, x_BTC), self.gdn_fn)
+        return y_BTC, RecurrentState(conv_BXW[0], ssm_BGKV[0])
 
     def replay(self, x_BTC, positions_T, state: RecurrentState):
         """Tokens after the prompt, from the prompt's state, which is read, never written."""
@@ -302,6 +313,10 @@ class DecoderLayer(core.DecoderLayer):
     def capture_block(self, x_BTC, positions_T, state, start: int, carry=None):
         h = self.mixer.capture_block(self.input_layernorm(x_BTC), positions_T, state, start)
         return self.mlp_residual(x_BTC, h), None
+
+    def recompute_block(self, x_BTC, positions_T, state, carry=None):
+        h, written = self.mixer.recompute_block(self.input_layernorm(x_BTC), positions_T, state)
+        return self.mlp_residual(x_BTC, h), None, written
 
     def capture_span(self, x_BTC, positions_T, state, block_size: int, carry=None):
         h = self.mixer.capture_span(self.input_layernorm(x_BTC), positions_T, state, block_size)
