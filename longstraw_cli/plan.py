@@ -4,7 +4,16 @@
     score   = weights + optimizer + resident + one graph-free scoring batch
     replay  = weights + optimizer + grads + resident + one response graph + the logits chunk's backward
     step    = weights + optimizer + grads + resident + AdamW's foreach temporary
+    prompt  = weights + optimizer + grads + resident + state gradient + one block's graph + one layer's page
+              gradient (exact mode's reverse walk; `gradient="exact"`)
     peak    = the largest phase
+
+Exact mode (`capture.gradient=exact`, resident/gradient.py) adds to the resident state the boundary states (the
+GDN conv + recurrent state at each capture block's start, kept from capture on), and from the first replay to
+the end of the walk the state gradient (the pages' and GDN states' size in the compute dtype) plus, transiently,
+one attention layer's page gradient in the page dtype (what a backward produces for one layer's pages before it
+is added into the buffer). The walk's graph is one capture block's through every layer: `response_graph_bytes`
+of block_size tokens (a prompt block saves per token what a response token saves).
 
 Grads exist only from the first replay to the step (the transaction zeroes them to None), so capture and score
 do not carry them. `bound` is the method's analytic bound, weights + grads + optimizer + resident + one response
@@ -49,6 +58,7 @@ import torch
 
 from longstraw_cli.lora import DEFAULT_TARGETS
 from longstraw_cli.models.qwen36.config import NAMED_CONFIGS, Qwen36Config, named_config
+from longstraw_cli.resident.gradient import check_gradient_mode
 
 GIB = 2**30
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
@@ -215,11 +225,12 @@ def _attention_scores(cfg: Qwen36Config, batch: int, queries: int, keys: int, ke
 def plan(model_name_or_cfg, *, cp: int = 1, prompt_tokens: int, group_size: int, response_tokens: int,
          dtype: str = "bfloat16", lora_rank: int = 0, gpu_mem_gib: float = 139.0, block_size: int = 8192,
          score_batch: int = 8, logprob_chunk: int = 1024, attention_block: int = 1024,
-         moment_dtype: str | None = None, kernels: str = "auto") -> dict:
+         moment_dtype: str | None = None, kernels: str = "auto", gradient: str = "response_only") -> dict:
     """Per-rank bytes of one transaction by component and by phase; see the module docstring.
     kernels: "gpu" (flash attention, fla's GDN forward), "reference" (the torch kernels), "auto": gpu for
-    bf16/fp16, where the model dispatches to them on CUDA, reference otherwise."""
+    bf16/fp16, where the model dispatches to them on CUDA, reference otherwise. gradient: response_only | exact."""
     cfg = _config(model_name_or_cfg)
+    check_gradient_mode(gradient)
     if kernels not in KERNELS:
         raise ValueError(f"kernels={kernels!r}; valid: {list(KERNELS)}")
     if kernels == "auto":
@@ -265,27 +276,40 @@ def plan(model_name_or_cfg, *, cp: int = 1, prompt_tokens: int, group_size: int,
     # foreach AdamW: one temporary (sqrt of the second moment) the size of the trainable set
     step_transient = trainable * m
 
-    base = weights + optimizer + resident["total"]
+    exact = gradient == "exact"
+    carried = resident["recurrent_state"] + resident["conv_state"]
+    boundaries = math.ceil(captured / block_size) * carried if exact else 0
+    state_grad = (resident["kv_pages"] * f // s + resident["recurrent_state"] + resident["conv_state"] * f // s
+                  if exact else 0)
+    num_attn = sum(t == "full_attention" for t in cfg.layer_types)
+    page_grad_transient = resident["kv_pages"] // max(num_attn, 1) if exact else 0
+    block_graph = response_graph_bytes(cfg, block, dtype) if exact else 0
+
+    base = weights + optimizer + resident["total"] + boundaries
     phases = {
         "capture": base + capture_act,
         "score": base + score_act,
-        "replay": base + grads + graph + replay_transient,
+        "replay": base + grads + state_grad + graph + replay_transient + page_grad_transient,
         "step": base + grads + step_transient,
     }
+    if exact:
+        phases["prompt"] = base + grads + state_grad + block_graph + page_grad_transient
     peak = max(phases.values())
     budget = int(gpu_mem_gib * GIB)
     return {
         "model": model_name_or_cfg if isinstance(model_name_or_cfg, str) else "custom",
         "cp": cp, "prompt_tokens": prompt_tokens, "group_size": group_size, "response_tokens": response_tokens,
         "dtype": dtype, "lora_rank": lora_rank, "block_size": block_size, "score_batch": score_batch,
-        "kernels": kernels,
+        "kernels": kernels, "gradient": gradient,
         "params": counts["total"], "trainable_params": trainable,
         "weights": weights, "grads": grads, "optimizer": optimizer,
         "resident": resident["total"], "resident_detail": resident,
         "capture_activations": capture_act, "score_activations": score_act,
         "response_graph": graph, "replay_transient": replay_transient, "step_transient": step_transient,
+        "boundary_states": boundaries, "state_grad": state_grad, "block_graph": block_graph,
+        "page_grad_transient": page_grad_transient,
         "phases": phases, "peak": peak,
-        "bound": weights + grads + optimizer + resident["total"] + graph,
+        "bound": weights + grads + optimizer + resident["total"] + boundaries + state_grad + max(graph, block_graph),
         "budget": budget, "fits": peak <= budget,
     }
 
@@ -331,12 +355,18 @@ def report(cfg: Qwen36Config, title: str, prompts: list[int], **common) -> int:
         return 2
     print(f"{title} ({cfg.num_hidden_layers} layers), cp={common['cp']}, G={common['group_size']}, "
           f"R={common['response_tokens']}, {common['dtype']}, lora_rank={common['lora_rank']}, "
-          f"block={common['block_size']}, kernels={common['kernels']}; GiB per rank")
+          f"block={common['block_size']}, kernels={common['kernels']}, "
+          f"gradient={common.get('gradient', 'response_only')}; GiB per rank")
     print(f"{'prompt':>9} " + " ".join(f"{c:>9}" for c in short) + f" {'bound':>9} {'peak':>9} {'phase':>8}  fits")
     for p in plans:
         phase = max(p["phases"], key=p["phases"].get)
         print(f"{p['prompt_tokens']:>9} " + " ".join(f"{p[c] / GIB:>9.2f}" for c in columns)
               + f" {p['bound'] / GIB:>9.2f} {p['peak'] / GIB:>9.2f} {phase:>8}  {'yes' if p['fits'] else 'NO'}")
+    for p in plans:
+        if p["gradient"] == "exact":
+            print(f"{p['prompt_tokens']:>9} exact: boundary states {p['boundary_states'] / GIB:.2f}, state gradient "
+                  f"{p['state_grad'] / GIB:.2f}, block graph {p['block_graph'] / GIB:.2f}, page gradient "
+                  f"{p['page_grad_transient'] / GIB:.2f}")
     print(f"longest prompt that fits in {common['gpu_mem_gib']:g} GiB: {longest} tokens ({longest / 2**20:.2f}M)")
     return 0
 
