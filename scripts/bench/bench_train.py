@@ -25,8 +25,8 @@ from pathlib import Path
 
 from rows import emit
 
-PHASES = ("rollout", "reward", "capture", "score", "replay", "finalize", "step")
-TRANSACTION = ("capture", "score", "replay", "finalize", "step")
+PHASES = ("rollout", "reward", "capture", "score", "replay", "prompt", "finalize", "step")
+TRANSACTION = ("capture", "score", "replay", "prompt", "finalize", "step")
 GIB = 2**30
 
 
