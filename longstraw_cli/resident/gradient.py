@@ -47,8 +47,10 @@ def leaves(state, targets: dict[str, torch.Tensor]):
 
 def _drain_into(target: torch.Tensor):
     def drain(leaf: torch.Tensor) -> None:
-        target.add_(leaf.grad)
-        leaf.grad = None
+        # None where a kernel's backward gave this input no gradient (the flash path over zero pages)
+        if leaf.grad is not None:
+            target.add_(leaf.grad)
+            leaf.grad = None
     return drain
 
 

@@ -5,7 +5,9 @@ Per response: one forward over the whole sequence with autograd (checkpointed pe
 response tokens only (`logits_to_keep=R + 1`), a policy-gradient loss, backward. The gradient is the exact one
 (nothing detached), what `capture.gradient=exact` computes. Times are CUDA-synchronised; the peak is
 `torch.cuda.max_memory_allocated` over the response. A short warm-up sequence runs first (Triton JIT). One JSON
-row per prompt length to stdout and --out; a prompt that does not fit is recorded as such (the OOM is caught).
+row per prompt length to stdout and --out; a prompt that does not fit is recorded as such (the OOM is caught),
+and so is a backward that refuses to run (fla's gated backward on Hopper with Triton < 3.7.1: then nothing is
+timed, and this machine cannot measure the baseline with fla).
 
     python scripts/bench/bench_hf_train.py --model qwen36_mini --prompt 65536 262144 --response 1024
 """
@@ -66,18 +68,22 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     model = hf_model(args.model)
-    one_response(model, args.warmup, min(args.response, args.warmup // 2), seed=0)
-    for prompt in args.prompt:
+    for prompt in [args.warmup, *args.prompt]:
         row = {"bench": "hf_train", "model": args.model, "prompt": prompt, "response": args.response,
-               "date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
-               "torch": torch.__version__}
+               "warmup": prompt == args.warmup, "date": datetime.date.today().isoformat(),
+               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
         try:
-            row.update(one_response(model, prompt, args.response, seed=1))
+            row.update(one_response(model, prompt, min(args.response, prompt), seed=1))
         except torch.OutOfMemoryError as e:
             row.update(error="out of memory", detail=str(e).splitlines()[0])
-            model.zero_grad(set_to_none=True)
-            torch.cuda.empty_cache()
+        except RuntimeError as e:
+            # fla's gated backward refuses Hopper with Triton >= 3.4, < 3.7.1 (fla issue 640)
+            row.update(error="runtime error", detail=str(e).splitlines()[0])
+        model.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
         emit(row, args.out)
+        if "error" in row and prompt == args.warmup:
+            return
 
 
 if __name__ == "__main__":

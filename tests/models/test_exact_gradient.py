@@ -8,7 +8,8 @@ import torch
 
 from conftest import grads, ids, random_model, rel_err
 from longstraw_cli.lora import LoraConfig, apply_lora, lora_layers
-from longstraw_cli.resident.gradient import StateGrad
+from longstraw_cli.resident import AttentionPages
+from longstraw_cli.resident.gradient import StateGrad, leaves
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -127,3 +128,26 @@ def test_walk_refuses_a_capture_without_boundaries():
     resident = model.capture(prompt, block_size=8, boundaries=True)
     with pytest.raises(ValueError, match="block_size=5 gives 4 blocks"):
         model.prompt_backward(prompt, resident, StateGrad(resident), 5)
+
+
+class NoPageGradient(torch.autograd.Function):
+    """Like the flash backward over zero pages: the pages input gets None, not a zero tensor."""
+
+    @staticmethod
+    def forward(ctx, q, pages):
+        return q * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2, None
+
+
+def test_leaves_drain_gradients_and_tolerate_none():
+    pages = AttentionPages(torch.zeros(3, 2), torch.zeros(3, 2))
+    targets = {"k_PKD": torch.zeros(3, 2), "v_PKD": torch.ones(3, 2)}
+    view = leaves(pages, targets)
+    (view.k_PKD * torch.arange(6.0).view(3, 2)).sum().backward()
+    assert torch.equal(targets["k_PKD"], torch.arange(6.0).view(3, 2)) and view.k_PKD.grad is None
+    q = torch.ones(2, requires_grad=True)
+    NoPageGradient.apply(q, view.v_PKD).sum().backward()
+    assert torch.equal(targets["v_PKD"], torch.ones(3, 2))
