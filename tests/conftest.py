@@ -31,6 +31,24 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / ref).item()
 
 
+def gdn_inputs(B, T, H, G, K, V, with_state=True, seed=0) -> dict:
+    """Random fp64 CPU inputs of the gated delta rule: q, k unit-norm; log-decay g in about (-3, 0); beta in
+    (0, 1); a random initial state (None without one)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    return {
+        "q": torch.nn.functional.normalize(randn(B, T, H, K), dim=-1),
+        "k": torch.nn.functional.normalize(randn(B, T, H, K), dim=-1),
+        "v": randn(B, T, G, V),
+        "g": -torch.nn.functional.softplus(randn(B, T, G)),
+        "beta": torch.sigmoid(randn(B, T, G)),
+        "state": randn(B, G, K, V) * 0.5 if with_state else None,
+    }
+
+
 def free_port() -> int:
     """A free TCP port on localhost for a gloo rendezvous."""
     with socket.socket() as s:

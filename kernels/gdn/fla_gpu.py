@@ -1,15 +1,20 @@
-"""Gated DeltaNet forward on CUDA through fla's Triton kernels, for graph-free work: the chunked kernel for
-capture and scoring, the fused recurrent kernel for one decode token (`gdn_step`).
+"""Gated DeltaNet on CUDA: fla's Triton kernels for graph-free work (the chunked kernel for capture and scoring,
+the fused recurrent kernel for one decode token, `gdn_step`), our own Triton chunked op (`triton_chunk.py`)
+where a gradient is needed.
 
-fla's gated backward refuses on Hopper below Triton 3.7.1 (fla issue 640: wrong results there), so anything
-that needs a gradient stays on the torch chunked implementation. q and k come in L2-normalised in fp32 and are
-cast to v's dtype for the kernel; g and beta stay fp32; states are fp32 [B, G, K, V], fla's layout.
+fla's gated backward refuses on Hopper below Triton 3.7.1 (fla issue 640: wrong results there), so fla serves
+forwards only. For fla, q and k come in L2-normalised in fp32 and are cast to v's dtype for the kernel; g and
+beta stay fp32; states are fp32 [B, G, K, V], fla's layout.
+
+LONGSTRAW_GDN_KERNEL = auto (default) | torch: torch takes the torch reference `gdn_chunked` wherever a gradient
+is needed (A/B benchmarks, or a fallback should our kernel misbehave); graph-free work keeps fla either way.
 """
 
 import functools
 
 import torch
 
+from longstraw_kernels import kernel_choice, optional_module
 from longstraw_kernels.gdn.reference import gdn_chunked, gdn_recurrent
 
 
@@ -57,10 +62,27 @@ def gdn_step(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV, scale=
     return o_BTGV, final_BGKV
 
 
+def triton_chunk():
+    """longstraw_kernels.gdn.triton_chunk, or None where Triton does not import."""
+    return optional_module("longstraw_kernels.gdn.triton_chunk")
+
+
+def use_triton(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV=None, chunk_size=64) -> bool:
+    """Whether a gradient-needing call takes `triton_chunk`: CUDA, auto, Triton imports, inputs it supports."""
+    if kernel_choice("LONGSTRAW_GDN_KERNEL") == "torch" or not v_BTGV.is_cuda:
+        return False
+    module = triton_chunk()
+    return module is not None and module.supported(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV,
+                                                   chunk_size)
+
+
 def gdn_forward(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV=None, scale=None, chunk_size=64):
-    """gdn_chunked's contract; fla's kernel on CUDA when no gradient is needed and v is bf16/fp16."""
+    """gdn_chunked's contract. On CUDA: our Triton op when a gradient is needed (see `use_triton`), fla's forward
+    when none is and v is bf16/fp16; gdn_chunked everywhere else (CPU, fp64, T = 0)."""
     inputs = (q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+    if needs_grad and use_triton(*inputs, chunk_size):
+        return triton_chunk().gdn_chunked_triton(*inputs, scale, chunk_size)
     kernel = fla_forward() if v_BTGV.is_cuda and v_BTGV.dtype in (torch.bfloat16, torch.float16) else None
     if kernel is None or needs_grad or chunk_size != 64 or v_BTGV.shape[1] == 0:
         return gdn_chunked(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV, scale, chunk_size)

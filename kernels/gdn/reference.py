@@ -4,9 +4,11 @@ Two implementations of one recurrence, per value head with a state S [K, V]:
 
     S <- S * exp(g_t);  delta_t = beta_t (v_t - S^T k_t);  S <- S + k_t delta_t^T;  o_t = S^T (scale q_t)
 
-`gdn_recurrent` runs it token by token; `gdn_chunked` solves each chunk at once with the WY/UT transform and
-scans sequentially over chunks (derivation in README.md beside this file). Both match Hugging Face's
-`torch_recurrent_gated_delta_rule` / `torch_chunk_gated_delta_rule` with use_qk_l2norm_in_kernel=False.
+`gdn_recurrent` runs it token by token; `gdn_chunked` solves each chunk at once with the WY/UT transform
+(`chunk_terms`, batched over chunks) and scans sequentially over chunks in a Python loop (derivation in README.md
+beside this file). Both match Hugging Face's `torch_recurrent_gated_delta_rule` / `torch_chunk_gated_delta_rule`
+with use_qk_l2norm_in_kernel=False. `triton_chunk.py` runs the same `chunk_terms` and replaces the loop with
+Triton kernels.
 
 Simplifications against the fused kernels: q and k must come in L2-normalised (no in-kernel norm), no
 variable-length packing (cu_seqlens), and the chunked form keeps every chunk's [C, C] matrices in memory.
@@ -17,12 +19,14 @@ Shape legend:
     K key dim, V value dim, N number of chunks, C chunk size.
 """
 
+from typing import NamedTuple
+
 import torch
 
 from longstraw_kernels import compute_dtype
 
 
-def _prepare(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV, scale):
+def prepare_inputs(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV, scale):
     """Validate shapes, cast to the compute dtype, expand key heads to value heads, move time to dim 2."""
     if q_BTHK.dim() != 4 or q_BTHK.shape != k_BTHK.shape:
         raise ValueError(f"q and k must both be [B, T, H, K], got {tuple(q_BTHK.shape)} and {tuple(k_BTHK.shape)}")
@@ -54,7 +58,7 @@ def _prepare(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV, scale)
 
 def gdn_recurrent(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV=None, scale=None):
     """Token-by-token gated delta rule; returns (o_BTGV in v's dtype, final_state_BGKV in the compute dtype)."""
-    q_BGTK, k_BGTK, v_BGTV, g_BGT, beta_BGT, state_BGKV = _prepare(
+    q_BGTK, k_BGTK, v_BGTV, g_BGT, beta_BGT, state_BGKV = prepare_inputs(
         q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV, scale
     )
     o_list_BGV = []
@@ -75,13 +79,39 @@ def gdn_chunked(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV=None
     """Same result as `gdn_recurrent`: WY/UT transform within chunks of `chunk_size`, sequential over chunks."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size}")
-    q_BGTK, k_BGTK, v_BGTV, g_BGT, beta_BGT, state_BGKV = _prepare(
+    q_BGTK, k_BGTK, v_BGTV, g_BGT, beta_BGT, state_BGKV = prepare_inputs(
         q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV, scale
     )
-    B, G, T, _ = k_BGTK.shape
-    if T == 0:
+    if k_BGTK.shape[2] == 0:
         return v_BTGV.new_zeros(v_BTGV.shape), state_BGKV
 
+    terms = chunk_terms(q_BGTK, k_BGTK, v_BGTV, g_BGT, beta_BGT, chunk_size)
+    o_list_BGCV = []
+    for n in range(terms.chunk_decay_BGN.shape[-1]):
+        u_BGCV = terms.w_v_BGNCV[:, :, n] - terms.w_k_BGNCK[:, :, n] @ state_BGKV
+        o_list_BGCV.append(terms.q_decayed_BGNCK[:, :, n] @ state_BGKV + terms.attn_BGNCC[:, :, n] @ u_BGCV)
+        write_BGKV = terms.k_to_end_BGNCK[:, :, n].transpose(-1, -2) @ u_BGCV
+        state_BGKV = state_BGKV * terms.chunk_decay_BGN[:, :, n, None, None] + write_BGKV
+    o_BGTV = torch.cat(o_list_BGCV, dim=2)[:, :, : k_BGTK.shape[2]]
+    return o_BGTV.transpose(1, 2).contiguous().to(v_BTGV.dtype), state_BGKV
+
+
+class ChunkTerms(NamedTuple):
+    """What each chunk contributes from its own tokens (README.md's names), for all N chunks at once. With S0 a
+    chunk's start state: U = w_v - w_k S0, O = q_decayed S0 + attn U, S_C = chunk_decay S0 + k_to_end^T U."""
+
+    w_v_BGNCV: torch.Tensor  # (I + A)^-1 (beta V)
+    w_k_BGNCK: torch.Tensor  # (I + A)^-1 (beta exp(b) K)
+    attn_BGNCC: torch.Tensor  # (Q K^T) * D, diagonal included: o_i sees its own write u_i
+    q_decayed_BGNCK: torch.Tensor  # exp(b) Q
+    k_to_end_BGNCK: torch.Tensor  # exp(b_C - b) K
+    chunk_decay_BGN: torch.Tensor  # exp(b_C)
+
+
+def chunk_terms(q_BGTK, k_BGTK, v_BGTV, g_BGT, beta_BGT, chunk_size: int) -> ChunkTerms:
+    """The per-chunk terms of prepared inputs (`prepare_inputs`), T padded to N = ceil(T / chunk_size) chunks.
+    Batched over chunks: everything the sequential scan over chunks does not need to wait for."""
+    B, G, T, _ = k_BGTK.shape
     # Padded tokens have g = 0 (no decay) and beta = k = 0 (no write), so they leave the state untouched.
     C = chunk_size
     N = -(-T // C)
@@ -105,18 +135,11 @@ def gdn_chunked(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV=None
     w_k_BGNCK = torch.linalg.solve_triangular(
         a_BGNCC, kbeta_BGNCK * b_BGNC.exp()[..., None], upper=False, unitriangular=True
     )
-
-    # Intra-chunk attention includes the diagonal: o_i sees its own write u_i.
-    attn_BGNCC = (q_BGNCK @ k_BGNCK.transpose(-1, -2)) * decay_BGNCC
-    q_decayed_BGNCK = q_BGNCK * b_BGNC.exp()[..., None]
-    k_to_end_BGNCK = k_BGNCK * (b_BGNC[..., -1:] - b_BGNC).exp()[..., None]
-    chunk_decay_BGN = b_BGNC[..., -1].exp()
-
-    o_list_BGCV = []
-    for n in range(N):
-        u_BGCV = w_v_BGNCV[:, :, n] - w_k_BGNCK[:, :, n] @ state_BGKV
-        o_list_BGCV.append(q_decayed_BGNCK[:, :, n] @ state_BGKV + attn_BGNCC[:, :, n] @ u_BGCV)
-        write_BGKV = k_to_end_BGNCK[:, :, n].transpose(-1, -2) @ u_BGCV
-        state_BGKV = state_BGKV * chunk_decay_BGN[:, :, n, None, None] + write_BGKV
-    o_BGTV = torch.cat(o_list_BGCV, dim=2)[:, :, :T]
-    return o_BGTV.transpose(1, 2).contiguous().to(v_BTGV.dtype), state_BGKV
+    return ChunkTerms(
+        w_v_BGNCV=w_v_BGNCV,
+        w_k_BGNCK=w_k_BGNCK,
+        attn_BGNCC=(q_BGNCK @ k_BGNCK.transpose(-1, -2)) * decay_BGNCC,
+        q_decayed_BGNCK=q_BGNCK * b_BGNC.exp()[..., None],
+        k_to_end_BGNCK=k_BGNCK * (b_BGNC[..., -1:] - b_BGNC).exp()[..., None],
+        chunk_decay_BGN=b_BGNC[..., -1].exp(),
+    )

@@ -5,9 +5,8 @@ import functools
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from conftest import rel_err
+from conftest import gdn_inputs, rel_err
 from longstraw_kernels.gdn.reference import gdn_chunked, gdn_recurrent
 
 B, H, K, V = 2, 2, 8, 6
@@ -17,20 +16,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_inputs(T, G, dtype=torch.float64, with_state=True, seed=0):
-    """q, k unit-norm; log-decay g in about (-3, 0); beta in (0, 1); all leaves require grad."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen, dtype=torch.float64)
-
-    inputs = {
-        "q": F.normalize(randn(B, T, H, K), dim=-1),
-        "k": F.normalize(randn(B, T, H, K), dim=-1),
-        "v": randn(B, T, G, V),
-        "g": -F.softplus(randn(B, T, G)),
-        "beta": torch.sigmoid(randn(B, T, G)),
-        "state": randn(B, G, K, V) * 0.5 if with_state else None,
-    }
+    """`gdn_inputs` at this file's B, H, K, V in `dtype`; all leaves require grad."""
+    inputs = gdn_inputs(B, T, H, G, K, V, with_state=with_state, seed=seed)
     return {name: None if t is None else t.to(dtype).requires_grad_() for name, t in inputs.items()}
 
 
