@@ -1,0 +1,49 @@
+"""capture.gradient=exact on CUDA (skipped without it), both families at the GPU shapes with fewer layers, in bf16:
+the kernels the walk and the replays take there (flash attention forward/backward over pages, including the
+walk's first block with zero pages; the Triton GDN op; sparse MLA) give the gradient of the same weights in
+fp32 through the torch kernels, up to bf16 noise; the bf16 gradient is far from response_only's."""
+
+import copy
+
+import pytest
+import torch
+
+from conftest import grads, rel_err
+from longstraw_cli.models import build_model
+from longstraw_cli.resident.gradient import StateGrad
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def exact_grads(model, prompt, responses, block_size, exact=True):
+    model.zero_grad(set_to_none=True)
+    resident = model.capture(prompt, block_size=block_size, boundaries=exact)
+    state_grad = StateGrad(resident) if exact else None
+    view = state_grad.replay_view(resident) if exact else resident
+    for i, response in enumerate(responses):
+        w = torch.linspace(-1, 1, len(response), device="cuda") * (i + 1)
+        (w * model.logprobs(view, response, grad=True)).sum().backward()
+    if exact:
+        model.prompt_backward(prompt, resident, state_grad, block_size)
+    out = grads(model)
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+@pytest.mark.parametrize("name, layers", [("qwen36_mini", 4), ("glm52_mini", 2)])
+def test_exact_gradient_on_gpu_matches_fp32(name, layers):
+    model = build_model(name, dtype=torch.bfloat16, device="cuda", seed=0, num_hidden_layers=layers)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 250, (3000,), generator=g).cuda()
+    responses = [torch.randint(0, 250, (64,), generator=g).cuda() for _ in range(3)]
+    got = exact_grads(model, prompt, responses, 1024)
+    reference = copy.deepcopy(model).float()
+    want = exact_grads(reference, prompt, responses, 1024)
+    only = exact_grads(reference, prompt, responses, 1024, exact=False)
+    assert got.keys() == want.keys()
+    errors = {n: rel_err(got[n].float(), want[n]) for n in want}
+    worst = max(errors, key=errors.get)
+    print(f"{name}: bf16 exact vs fp32 exact, worst {worst} {errors[worst]:.2e}")
+    assert errors[worst] < 5e-2
+    sensitive = max(want, key=lambda n: rel_err(only[n], want[n]) if n in only else 0)
+    assert rel_err(only[sensitive], want[sensitive]) > 10 * errors[sensitive]
