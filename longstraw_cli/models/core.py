@@ -35,7 +35,7 @@ from torch import nn
 from longstraw_cli.models.embedding import Embedding
 from longstraw_cli.models.logprobs import token_logprobs
 from longstraw_cli.resident import Resident
-from longstraw_cli.resident.gradient import StateGrad, leaves
+from longstraw_cli.resident.gradient import StateGrad, WholePrompt, leaves
 from longstraw_cli.resident.offload import PageWriter, stage_layers
 from longstraw_cli.resident.state import prefix, snapshot
 from longstraw_kernels import at_least_fp32
@@ -159,6 +159,9 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # exact mode's reverse walk: where the prompt's pages and block boundaries are (swapped from outside:
+        # context parallel splits them over its ranks)
+        self.prompt_placement_fn = WholePrompt
         self.reset_parameters()
 
     @torch.no_grad()
@@ -269,7 +272,8 @@ class CausalLM(nn.Module):
         """Exact mode's reverse walk (resident/gradient.py): the parameters' gradient through the prompt, added
         into their .grad. `grad` holds what the replays sent into the resident state; `resident` must have been
         captured with boundaries=True and the same block_size. Consumes `grad` (its page buffers are completed
-        block by block, back to front)."""
+        block by block, back to front). `prompt_placement_fn` says where pages and boundaries are: under context
+        parallel every rank walks every block (see distributed/cp_walk.py)."""
         if resident.boundaries is None:
             raise ValueError("prompt_backward needs a capture with boundaries=True (exact mode)")
         starts = list(range(0, resident.num_tokens, block_size))
@@ -277,21 +281,23 @@ class CausalLM(nn.Module):
             raise ValueError(f"the capture kept {len(resident.boundaries)} block boundaries; block_size={block_size} "
                              f"gives {len(starts)} blocks of {resident.num_tokens} tokens")
         device = self.lm_head.weight.device
+        placement = self.prompt_placement_fn(resident)
         # the carried states' gradient at the end of the block being walked: the replays' to start with
         carried = [grads if state.CARRIED else None for state, grads in zip(resident.layers, grad.layers)]
         for b in reversed(range(len(starts))):
             start, end = starts[b], min(resident.num_tokens, starts[b] + block_size)
+            boundary, written_grads = placement.boundary(b, start), placement.block_grads(grad, start, end)
+            num_before = placement.num_before(start)
             positions_T = torch.arange(start, end, device=device)
             x_BTC, carry = self.model.embed_tokens(prompt_ids[start:end].to(device))[None], None
             outputs, output_grads, carried_in = [], [], []
             for i, (layer, state) in enumerate(zip(self.model.layers, resident.layers)):
                 if state.CARRIED:
                     targets = {name: torch.zeros_like(t) for name, t in carried[i].items()}
-                    read, grad_out = leaves(resident.boundaries[b][i], targets), carried[i]
+                    read, grad_out = leaves(boundary[i], targets), carried[i]
                 else:
-                    targets = {name: t[:start] for name, t in grad.layers[i].items()}
-                    read = leaves(prefix(state, start), targets)
-                    grad_out = {name: t[start:end] for name, t in grad.layers[i].items()}
+                    targets = {name: t[:num_before] for name, t in grad.layers[i].items()}
+                    read, grad_out = leaves(prefix(state, num_before), targets), written_grads[i]
                 carried_in.append(targets if state.CARRIED else None)
                 x_BTC, carry, written = layer.recompute_block(x_BTC, positions_T, read, carry)
                 for name, g in grad_out.items():
@@ -302,7 +308,7 @@ class CausalLM(nn.Module):
             del x_BTC, carry, written
             if outputs:
                 torch.autograd.backward(outputs, output_grads)
-            del outputs, output_grads
+            del outputs, output_grads, written_grads, boundary
             carried = carried_in
 
     # -- native rollout ---------------------------------------------------------------------------------------

@@ -15,6 +15,10 @@ prompt's keys, values and recurrent state. Exact mode keeps that gradient withou
 
 Memory: the buffer (the size of the differentiable pages, in the compute dtype), the boundary states, one
 block's graph. Compute: about one more forward and one backward over the prompt.
+
+Where the walk finds what it reads is the model's `prompt_placement_fn` (a hook): `WholePrompt` here, every page
+and boundary on this device; context parallel swaps in `distributed.cp_walk.ShardedPrompt`, whose pages,
+buffers and boundaries are split over the ranks.
 """
 
 from __future__ import annotations
@@ -71,3 +75,24 @@ class StateGrad:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for grads in self.layers for t in grads.values())
+
+
+class WholePrompt:
+    """Where the reverse walk reads on one device: every page and every block boundary of `resident` is here.
+    The walk asks, per block [start, end): `num_before(start)` (how many of this device's pages lie before it: a
+    prefix of them), `block_grads(grad, start, end)` (per layer the gradient of the pages the block writes:
+    views into the buffer; None for carried layers) and `boundary(block, start)` (the carried states at its
+    start; None for paged layers)."""
+
+    def __init__(self, resident: Resident):
+        self.resident = resident
+
+    def num_before(self, start: int) -> int:
+        return start
+
+    def block_grads(self, grad: StateGrad, start: int, end: int) -> list[dict[str, torch.Tensor] | None]:
+        return [None if state.CARRIED else {name: t[start:end] for name, t in grads.items()}
+                for state, grads in zip(self.resident.layers, grad.layers)]
+
+    def boundary(self, block: int, start: int) -> list:
+        return self.resident.boundaries[block]

@@ -102,8 +102,9 @@ class Resident:
     # None: pages on the compute device; "cpu": in (pinned) CPU memory, staged one layer at a time
     offload: str | None = None
     # exact mode: per capture block, the CARRIED layer states at the block's start (None for paged layers);
-    # the reverse walk recomputes each block from them (models/core.py `prompt_backward`)
-    boundaries: list[list] | None = None
+    # the reverse walk recomputes each block from them (models/core.py `prompt_backward`). Under context parallel
+    # a rank keeps those of the blocks that start in its shard; the others' entries are None (cp_walk.py)
+    boundaries: list[list | None] | None = None
 
     def nbytes(self) -> dict[str, int]:
         """Bytes by component, as allocated (the components of the layer kinds present, then "total")."""
@@ -126,8 +127,8 @@ class Resident:
         return out
 
     def boundary_tensors(self) -> list[torch.Tensor]:
-        return [getattr(s, f.name) for block in self.boundaries or [] for s in block if s is not None
-                for f in dataclasses.fields(s)]
+        return [getattr(s, f.name) for block in self.boundaries or [] if block is not None for s in block
+                if s is not None for f in dataclasses.fields(s)]
 
     def tensors(self) -> list[torch.Tensor]:
         out = []

@@ -32,6 +32,9 @@ Hooks (swapped from outside: GPU kernels, context parallel, expert parallel; the
 - `MLAttention.page_range_fn(pages, positions_T, num_new) -> (first, num_pages, scores_new)`: in replay and
   decode, which prompt positions `pages` hold ([first, first + len)) of num_pages, and whether this device
   scores the new keys. Default `all_pages`: (0, all, True).
+- `MLAttention.block_range_fn(pages, positions_T, num_new) -> (first, num_pages, scores_new)`: the same for exact
+  mode's reverse walk (`recompute_block`), where `pages` are the pages BEFORE the block that this device holds
+  and the block's own keys are the new ones. Default `all_pages` (context parallel: `cp_block_range`).
 - `MLAttention.pages_topk_fn(scores_BTS, k, first) -> idx_BTk`: replay and decode's top-k when the scores are of
   positions first.. only (context parallel: over every rank's keys). Default `pages_topk` (first is 0).
 - `MLAttention.pages_attention_fn(q_BTHA, pages, idx_BTK, first, num_pages, *, scale, sparse_attention_fn)
@@ -252,6 +255,7 @@ class MLAttention(nn.Module):
         self.topk_fn = topk_lowest_position
         self.sparse_attention_fn = sparse_mla_attention
         self.page_range_fn = all_pages
+        self.block_range_fn = all_pages
         self.pages_topk_fn = pages_topk
         self.pages_attention_fn = local_pages_attention
         self.span_pages_fn = own_pages
@@ -371,22 +375,25 @@ class MLAttention(nn.Module):
         return self.output(self.attend(self.absorb(q_nope, q_rope), pages, idx_BTK, axis)), idx_BTK
 
     def recompute_block(self, x_BTC, positions_T, before: MLAPages, prev_idx=None):
-        """capture_block's function (B = 1): x's keys, rounded to the page dtype, continue the pages `before` it;
-        x selects among both and attends to the selected pages and the selected keys of its own (sparse, merged by
-        LSE). -> (y_BTC, idx_BTK, x's pages: latent and rope; no index keys, which carry no gradient)."""
-        start, T = before.latent_PL.shape[0], x_BTC.shape[1]
+        """capture_block's function (B = 1): x's keys, rounded to the page dtype, continue the pages before it
+        (`before`: those this device holds; `block_range_fn` says which); x selects among both and attends to the
+        selected pages and the selected keys of its own (sparse, merged by LSE).
+        -> (y_BTC, idx_BTK, x's pages: latent and rope; no index keys, which carry no gradient)."""
+        T = x_BTC.shape[1]
+        first, start, scores_new = self.block_range_fn(before, positions_T, T)
         cos, sin, (q_resid, q_nope, q_rope), new = self.project(x_BTC, positions_T)
         latent_TL, rope_TR = new[0][0].to(before.latent_PL.dtype), new[1][0].to(before.rope_PR.dtype)
         if self.indexer is not None:
-            keys = [before.index_PI, new[2][0].to(before.index_PI.dtype)]
-            idx_BTK = self.select(x_BTC, q_resid, cos, sin, keys, KeyAxis(start, T, T))
+            keys = [before.index_PI] + ([new[2][0].to(before.index_PI.dtype)] if scores_new else [])
+            idx_BTK = self.select(x_BTC, q_resid, cos, sin, keys, KeyAxis(start, T, T), first,
+                                  lambda scores_BTS, k: self.pages_topk_fn(scores_BTS, k, first))
         else:
             idx_BTK = prev_idx
         q_BTHA = self.absorb(q_nope, q_rope)
         own_BTK = torch.where(idx_BTK >= start, idx_BTK - start, -1)
         out, lse = self.sparse_attention_fn(q_BTHA, latent_TL, rope_TR, own_BTK, scale=self.scale)
         if start > 0:
-            out_pages, lse_pages = self.pages_attention_fn(q_BTHA, before, idx_BTK, 0, start, scale=self.scale,
+            out_pages, lse_pages = self.pages_attention_fn(q_BTHA, before, idx_BTK, first, start, scale=self.scale,
                                                            sparse_attention_fn=self.sparse_attention_fn)
             out, lse = merge_lse(out_pages, lse_pages, out, lse)
         return self.output(out), idx_BTK, MLAPages(latent_TL, rope_TR, None)
