@@ -109,6 +109,38 @@ def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def random_lora_(model: torch.nn.Module, targets: tuple[str, ...], seed: int = 5) -> None:
+    """LoRA of rank 2 on `targets`, both factors random (fresh adapters are a no-op with a zero B)."""
+    from longstraw_cli.lora import LoraConfig, apply_lora, lora_layers
+
+    apply_lora(model, LoraConfig(rank=2, alpha=4.0, target_modules=targets))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in lora_layers(model).values():
+            layer.lora_A.copy_(torch.randn(layer.lora_A.shape, generator=g, dtype=torch.float64) * 0.1)
+            layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=g, dtype=torch.float64) * 0.1)
+
+
+def exact_grads(model, prompt, responses, weights, block_size, tamper=None) -> dict[str, torch.Tensor]:
+    """capture.gradient=exact by hand: the capture with boundaries, sum_i <weights_i, log p(response_i)> replayed
+    against a leaf view of the resident state, then the reverse walk; -> the parameter gradients.
+    `tamper(state_grad, resident)` runs between the two (a control)."""
+    from longstraw_cli.resident.gradient import StateGrad
+
+    model.zero_grad(set_to_none=True)
+    resident = model.capture(prompt, block_size=block_size, boundaries=True)
+    state_grad = StateGrad(resident)
+    view = state_grad.replay_view(resident)
+    for response, w in zip(responses, weights):
+        (w * model.logprobs(view, response, grad=True)).sum().backward()
+    if tamper is not None:
+        tamper(state_grad, resident)
+    model.prompt_backward(prompt, resident, state_grad, block_size)
+    out = grads(model)
+    model.zero_grad(set_to_none=True)
+    return out
+
+
 def run_ranks(worker, world_size, *args, timeout_s=120):
     """Runs worker(rank, world_size, port, *args) on world_size processes and waits, failing after timeout_s.
 

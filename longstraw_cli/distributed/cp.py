@@ -13,6 +13,9 @@ What changes, through the model's swappable hooks:
 - replay, scoring and decode: the response is replicated; each rank attends to its pages and the partials are
   merged across ranks inside the attention Function, whose backward all-reduces dq, so every rank holds the
   same parameter gradients as one rank would. GDN layers replay from the replicated final state.
+- exact mode (`capture.gradient=exact`): the capture also keeps the GDN states at the starts of the capture
+  blocks in the rank's shard (the span hooks keep them while they scan), and the prompt's reverse walk runs on
+  every rank over every block with the pages where they are (cp_walk.py).
 """
 
 from __future__ import annotations
@@ -22,27 +25,55 @@ import functools
 import torch
 import torch.distributed as dist
 
+from longstraw_cli.distributed.comm import shard_bounds
 from longstraw_cli.distributed.cp_attention import cp_capture_attention, cp_decode_pages_attention, cp_replay_attention
-from longstraw_cli.distributed.cp_gdn import cp_conv_window, cp_gdn_scan
+from longstraw_cli.distributed.cp_gdn import SpanBoundaries, cp_conv_window, cp_gdn_scan
+from longstraw_cli.distributed.cp_walk import ShardedPrompt, owned_blocks
 from longstraw_cli.models.spec import family_of
+from longstraw_cli.resident import RecurrentState
 from longstraw_kernels.gdn import gdn_forward
 
-
-def shard_bounds(num_tokens: int, num_ranks: int, rank: int) -> tuple[int, int]:
-    """Contiguous, near-equal shards: the first num_tokens % num_ranks ranks get one token more."""
-    base, extra = divmod(num_tokens, num_ranks)
-    start = rank * base + min(rank, extra)
-    return start, start + base + (rank < extra)
+__all__ = ["apply_context_parallel", "apply_context_parallel_qwen36", "cp_capture", "shard_bounds"]
 
 
-def cp_capture(model, prompt_ids: torch.Tensor, block_size: int = 4096, page_dtype=None, *, group=None):
-    """This rank's resident state of a 1-D prompt that every rank of the CP group holds."""
+def cp_capture(model, prompt_ids: torch.Tensor, block_size: int = 4096, page_dtype=None, boundaries: bool = False,
+               *, group=None):
+    """This rank's resident state of a 1-D prompt that every rank of the CP group holds. boundaries=True (exact
+    mode): also the GDN states at the start of each capture block that starts in this rank's shard
+    (`Resident.boundaries`, None for the other blocks), kept by the GDN span hooks while they scan."""
     if prompt_ids.dim() != 1 or prompt_ids.numel() == 0:
         raise ValueError(f"capture takes a non-empty 1-D prompt, got shape {tuple(prompt_ids.shape)}")
     num_tokens = prompt_ids.numel() - 1
     start, end = shard_bounds(num_tokens, dist.get_world_size(group), dist.get_rank(group))
-    return model.capture_span(prompt_ids[start:end], start=start, num_tokens=num_tokens,
-                              last_token=int(prompt_ids[-1]), block_size=block_size, page_dtype=page_dtype)
+    capture = functools.partial(model.capture_span, prompt_ids[start:end], start=start, num_tokens=num_tokens,
+                                last_token=int(prompt_ids[-1]), block_size=block_size, page_dtype=page_dtype)
+    if not boundaries:
+        return capture()
+    owned = owned_blocks(num_tokens, block_size, start, end)
+    spans = {i: SpanBoundaries([b * block_size - start for b in owned])
+             for i, layer in enumerate(model.model.layers) if not layer.is_attention}
+    _set_span_hooks(model, group, spans)
+    try:
+        resident = capture()
+    finally:
+        _set_span_hooks(model, group)
+    resident.boundaries = [None] * -(-num_tokens // block_size)
+    for j, b in enumerate(owned):
+        resident.boundaries[b] = [RecurrentState(spans[i].conv_XW[j], spans[i].ssm_GKV[j]) if i in spans else None
+                                  for i in range(len(resident.layers))]
+    return resident
+
+
+def _set_span_hooks(model, group, spans: dict[int, SpanBoundaries] | None = None) -> None:
+    """The GDN layers' capture hooks: the span's state composed across shards and its conv window gathered; with
+    `spans` (layer index -> SpanBoundaries) the states at their offsets kept there too."""
+    for i, layer in enumerate(model.model.layers):
+        if not layer.is_attention:
+            kept = None if spans is None else spans[i]
+            # the local scans go through the model's dispatcher: fla's kernel on CUDA (bf16), torch elsewhere
+            layer.linear_attn.span_gdn_fn = functools.partial(cp_gdn_scan, group=group, gdn_fn=gdn_forward,
+                                                              boundaries=kept)
+            layer.linear_attn.window_fn = functools.partial(cp_conv_window, group=group, boundaries=kept)
 
 
 def apply_context_parallel(model, group) -> None:
@@ -53,14 +84,13 @@ def apply_context_parallel(model, group) -> None:
 
 
 def apply_context_parallel_qwen36(model, group) -> None:
-    """qwen36: ring attention over the CP group's pages, GDN state composed across shards, sharded capture."""
+    """qwen36: ring attention over the CP group's pages, GDN state composed across shards, sharded capture, the
+    exact-mode walk over sharded pages."""
     for layer in model.model.layers:
         if layer.is_attention:
             layer.self_attn.attention_fn = functools.partial(cp_replay_attention, group=group)
             layer.self_attn.decode_pages_fn = functools.partial(cp_decode_pages_attention, group=group)
             layer.self_attn.span_attention_fn = functools.partial(cp_capture_attention, group=group)
-        else:
-            # the local scans go through the model's dispatcher: fla's kernel on CUDA (bf16), torch elsewhere
-            layer.linear_attn.span_gdn_fn = functools.partial(cp_gdn_scan, group=group, gdn_fn=gdn_forward)
-            layer.linear_attn.window_fn = functools.partial(cp_conv_window, group=group)
+    _set_span_hooks(model, group)
     model.capture = functools.partial(cp_capture, model, group=group)
+    model.prompt_placement_fn = functools.partial(ShardedPrompt, group=group)

@@ -12,6 +12,11 @@ for another's scan, and the composed final state is the state after the WHOLE se
 rank. The short causal conv in front of the scan needs only the W inputs before the span, which
 `cp_conv_window` gathers the same way.
 
+Exact mode (`capture.gradient=exact`) needs the carried state at every capture block's start. Given a
+`SpanBoundaries`, `cp_gdn_scan` runs its second (output) scan in pieces cut at the block starts inside the span
+and keeps the state before each piece, and `cp_conv_window` keeps the W conv inputs before each: no extra scan,
+only more, shorter kernel calls. Each rank keeps the boundaries of its own span (cp_walk.py).
+
 Simplifications: capture only (no autograd through the exchange; `cp_gdn_scan` refuses inputs that require
 grad); the spans are contiguous in rank order (no zigzag); every rank must make the same calls in the same
 order with the same B, G, K, V (T may differ, 0 included).
@@ -22,6 +27,8 @@ G value heads (a multiple of H), K key dim, V value dim, X conv channels, W conv
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.distributed as dist
 
@@ -29,7 +36,18 @@ from longstraw_cli.distributed.comm import rank_world
 from longstraw_kernels import compute_dtype
 from longstraw_kernels.gdn import gdn_chunked
 
-__all__ = ["compose_prefix", "cp_conv_window", "cp_gdn_scan", "gdn_transition", "span_affine"]
+__all__ = ["SpanBoundaries", "compose_prefix", "cp_conv_window", "cp_gdn_scan", "gdn_transition", "span_affine"]
+
+
+@dataclass
+class SpanBoundaries:
+    """One GDN layer's carried state at given offsets of this rank's span (exact mode's capture: the capture
+    blocks that start in the span), batch row 0: per offset the W conv inputs before it (`cp_conv_window`) and
+    the recurrent state before it (`cp_gdn_scan`). Offsets ascending, in [0, T)."""
+
+    offsets: list[int]
+    conv_XW: list[torch.Tensor] = field(default_factory=list)
+    ssm_GKV: list[torch.Tensor] = field(default_factory=list)
 
 
 def _all_gather(x, group, world: int) -> list[torch.Tensor]:
@@ -93,14 +111,15 @@ def compose_prefix(M_NBGKK, Sext_NBGKV, initial_BGKV=None):
 
 
 def cp_gdn_scan(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV=None, *, group=None, scale=None,
-                chunk_size=64, gdn_fn=gdn_chunked):
+                chunk_size=64, gdn_fn=gdn_chunked, boundaries: SpanBoundaries | None = None):
     """Gated delta rule over a sequence split across the ranks of `group` (rank r holds the r-th contiguous span;
     spans may be uneven or empty). -> (o_local_BTGV in v's dtype, final_state_BGKV after the WHOLE sequence,
     identical on every rank, in the compute dtype).
 
     `initial_state_BGKV` is the state before rank 0's span and must be the same on every rank. Positional
     arguments match `gdn_fn`, so `functools.partial(cp_gdn_scan, group=g)` can stand in for it. Collective:
-    every rank of the group must call it, with the same B, G, K, V and dtypes.
+    every rank of the group must call it, with the same B, G, K, V and dtypes. `boundaries`: the states at its
+    offsets are kept there (the local scan then runs in pieces cut at them).
     """
     inputs = (q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
@@ -117,12 +136,23 @@ def cp_gdn_scan(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV=None
     S_in_NBGKV, final_BGKV = compose_prefix(packed_NBGKW[..., V:], packed_NBGKW[..., :V], initial_state_BGKV)
     if v_BTGV.shape[1] == 0:
         return v_BTGV.new_zeros(v_BTGV.shape), final_BGKV
-    o_BTGV, _ = gdn_fn(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, S_in_NBGKV[rank], scale=scale,
-                       chunk_size=chunk_size)
+    if boundaries is None or not boundaries.offsets:
+        o_BTGV, _ = gdn_fn(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, S_in_NBGKV[rank], scale=scale,
+                           chunk_size=chunk_size)
+        return o_BTGV, final_BGKV
+    # the pieces' outputs go into one buffer: no second copy of the span's output
+    o_BTGV, state_BGKV = torch.empty_like(v_BTGV), S_in_NBGKV[rank]
+    edges = [0, *(t for t in boundaries.offsets if t > 0), v_BTGV.shape[1]]
+    for t0, t1 in zip(edges, edges[1:]):
+        if t0 in boundaries.offsets:
+            boundaries.ssm_GKV.append(state_BGKV[0].clone())
+        o_BTGV[:, t0:t1], state_BGKV = gdn_fn(q_BTHK[:, t0:t1], k_BTHK[:, t0:t1], v_BTGV[:, t0:t1],
+                                              g_BTG[:, t0:t1], beta_BTG[:, t0:t1], state_BGKV, scale=scale,
+                                              chunk_size=chunk_size)
     return o_BTGV, final_BGKV
 
 
-def cp_conv_window(mixed_BTX, window_BXW, *, group=None):
+def cp_conv_window(mixed_BTX, window_BXW, *, group=None, boundaries: SpanBoundaries | None = None):
     """Conv windows of a sequence split across the ranks of `group`: -> (window_in_BXW, window_out_BXW).
 
     `mixed_BTX`: this rank's pre-conv inputs; `window_BXW`: the W inputs before rank 0's span (zeros for a fresh
@@ -130,7 +160,7 @@ def cp_conv_window(mixed_BTX, window_BXW, *, group=None):
     i.e. the last W of [window, span_0, ..., span_{r-1}]; window_out = the last W after the whole sequence (the
     conv state to keep), identical on every rank. Spans shorter than W (or empty) are handled: every rank
     contributes its last min(W, T) inputs, right-aligned in W slots, with a validity row. One collective;
-    results in mixed_BTX's dtype.
+    results in mixed_BTX's dtype. `boundaries`: the window before each of its offsets is kept there.
     """
     if mixed_BTX.dim() != 3 or window_BXW.dim() != 3 or window_BXW.shape[1] != mixed_BTX.shape[2]:
         raise ValueError(f"need mixed [B, T, X] and window [B, X, W] with the same X, got "
@@ -140,7 +170,20 @@ def cp_conv_window(mixed_BTX, window_BXW, *, group=None):
     window_BXW = window_BXW.to(mixed_BTX.dtype).expand(B, X, W)
     rank, world = rank_world(group)
     if W == 0:
-        return window_BXW.clone(), window_BXW.clone()
+        window_in_BXW, window_out_BXW = window_BXW.clone(), window_BXW.clone()
+    else:
+        window_in_BXW, window_out_BXW = _gather_windows(mixed_BTX, window_BXW, group, rank, world)
+    if boundaries is not None:
+        # the last W of [window_in | the span's inputs before t], batch row 0
+        boundaries.conv_XW += [torch.cat([window_in_BXW[0, :, t:], mixed_BTX[0, max(0, t - W) : t].T], dim=-1)
+                               for t in boundaries.offsets]
+    return window_in_BXW, window_out_BXW
+
+
+def _gather_windows(mixed_BTX, window_BXW, group, rank: int, world: int):
+    """`cp_conv_window`'s exchange, W > 0."""
+    B, T, X = mixed_BTX.shape
+    W = window_BXW.shape[-1]
     num_tail = min(W, T)
     # Channel X of the tail marks the valid slots, so lengths travel in the same collective.
     tail_BYW = mixed_BTX.new_zeros(B, X + 1, W)

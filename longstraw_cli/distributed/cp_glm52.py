@@ -3,8 +3,9 @@
 Rank r of the CP group owns the CONTIGUOUS shard [start_r, end_r) of the P captured prompt tokens (`shard_bounds`)
 and keeps only that shard's pages (latent, rope, index keys); `Resident.num_tokens` is the global count P.
 Only the model's page hooks are set, per attention layer (the model calls them; see models/glm52/model.py):
-`page_range_fn`, `pages_topk_fn`, `pages_attention_fn` (replay, scoring, decode) and `span_pages_fn` (capture);
-`model.capture` becomes `cp_capture_glm52`, `model.decoder` the eager `StepDecoder` (decode_step through the hooks).
+`page_range_fn`, `pages_topk_fn`, `pages_attention_fn` (replay, scoring, decode), `block_range_fn` (exact mode's
+walk) and `span_pages_fn` (capture); `model.capture` becomes `cp_capture_glm52`, `model.decoder` the eager
+`StepDecoder` (decode_step through the hooks), `model.prompt_placement_fn` cp_walk.py's `ShardedPrompt`.
 
 Replay / scoring / decode (the response is replicated on every rank):
 - DSA selection is GLOBAL and equals the one-rank selection exactly (integer-equal): each rank scores the
@@ -16,6 +17,13 @@ Replay / scoring / decode (the response is replicated on every rank):
   rows with none: out 0, lse -inf), q passes through `AllReduceGrad` first (every rank's pages contribute to
   dq), the partials merge across ranks (`MergeAcrossRanks`), then locally with the replicated new-key part.
   Every rank ends with the parameter gradients of one rank.
+
+Exact mode (`capture.gradient=exact`): the prompt's reverse walk runs on every rank over every block
+(cp_walk.py). A block's queries select among every rank's pages before the block plus the block's own keys
+(`cp_block_range` says where this rank's part of them lies; the last rank scores the block's keys, as the
+continuation of its part, maybe empty) by the same global top-k, and attend to them through
+`cp_pages_attention`; its MoE layers see REPLICATED tokens (expert parallel: the all-reduce mode). glm52 has no
+carried state: its capture keeps no boundary states.
 
 Capture (no grad): every rank computes its shard's latent / rope / index keys and writes its own pages, then
 all-gathers every rank's pages of the layer (576 + 128 numbers per token for glm52) and selects and attends
@@ -40,15 +48,16 @@ import functools
 import torch
 import torch.distributed as dist
 
-from longstraw_cli.distributed.cp import shard_bounds
+from longstraw_cli.distributed.comm import shard_bounds
 from longstraw_cli.distributed.cp_attention import AllReduceGrad, MergeAcrossRanks
 from longstraw_cli.distributed.cp_topk import cp_global_topk
+from longstraw_cli.distributed.cp_walk import ShardedPrompt, owned_blocks
 from longstraw_cli.distributed.ep import tokens_sharded
 from longstraw_cli.models.core import StepDecoder, check_prompt
 from longstraw_cli.resident import MLAPages
 from longstraw_kernels import compute_dtype
 
-__all__ = ["apply_context_parallel_glm52", "cp_capture_glm52"]
+__all__ = ["apply_context_parallel_glm52", "cp_block_range", "cp_capture_glm52"]
 
 
 # -- replay / scoring / decode ------------------------------------------------------------------------------------
@@ -61,6 +70,21 @@ def cp_page_range(pages: MLAPages, positions_T: torch.Tensor, num_new: int, *, g
     start, end = shard_bounds(num_pages, world, rank)
     assert pages.latent_PL.shape[0] == end - start, "pages are not this rank's shard"
     return start, num_pages, rank == world - 1
+
+
+def cp_block_range(pages: MLAPages, positions_T: torch.Tensor, num_new: int, *, group) -> tuple[int, int, bool]:
+    """`MLAttention.block_range_fn` (exact mode's walk): `pages` are this rank's pages before the block. The ranks'
+    parts partition the positions before the block in rank order (contiguous shards), so this rank's first
+    position is the count of the lower ranks' pages (one all-gather of the counts). -> (that first position,
+    the block's start, whether this rank scores the block's own keys: the last rank, whose part ends at the
+    start)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    count = torch.tensor([pages.latent_PL.shape[0]], device=pages.latent_PL.device)
+    counts = [torch.empty_like(count) for _ in range(world)]
+    dist.all_gather(counts, count, group=group)
+    counts = [int(n) for n in counts]
+    assert sum(counts) == int(positions_T[-1]) + 1 - num_new, "pages are not the ranks' pages before the block"
+    return sum(counts[:rank]), sum(counts), rank == world - 1
 
 
 @torch.no_grad()
@@ -116,11 +140,13 @@ def cp_span_pages(pages: MLAPages, *, group) -> MLAPages:
 
 
 @torch.no_grad()
-def cp_capture_glm52(model, prompt_ids: torch.Tensor, block_size: int = 4096, page_dtype=None, *, group):
+def cp_capture_glm52(model, prompt_ids: torch.Tensor, block_size: int = 4096, page_dtype=None,
+                     boundaries: bool = False, *, group):
     """This rank's resident state of a 1-D prompt that every rank of the CP group holds: the pages of its shard,
     num_tokens the global count. MoE layers see SHARDED tokens here (`tokens_sharded`: expert parallel uses
     all-to-all), and every rank runs the same number of MLP blocks (the largest shard's), so that collective
-    calls match across ranks."""
+    calls match across ranks. boundaries=True (exact mode): `Resident.boundaries` as cp_walk.py lays them out,
+    with no carried state in them."""
     check_prompt(prompt_ids, block_size)
     num_tokens = prompt_ids.numel() - 1
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -136,18 +162,24 @@ def cp_capture_glm52(model, prompt_ids: torch.Tensor, block_size: int = 4096, pa
     with tokens_sharded():
         for layer, pages in zip(model.model.layers, resident.layers):
             x_BTC, idx = layer.capture_span(x_BTC, positions_T, pages, block_size, idx, num_blocks)
+    if boundaries:
+        resident.boundaries = [None] * -(-num_tokens // block_size)
+        for b in owned_blocks(num_tokens, block_size, start, end):
+            resident.boundaries[b] = [None] * len(resident.layers)
     return resident
 
 
 def apply_context_parallel_glm52(model, group) -> None:
-    """Set every attention layer's page hooks to their CP versions, the model's capture to `cp_capture_glm52` and its
-    decoder to the eager `StepDecoder`."""
+    """Set every attention layer's page hooks to their CP versions, the model's capture to `cp_capture_glm52`, its
+    decoder to the eager `StepDecoder` and its walk's placement to `ShardedPrompt`."""
     for layer in model.model.layers:
         attn = layer.self_attn
         attn.page_range_fn = functools.partial(cp_page_range, group=group)
         attn.pages_topk_fn = functools.partial(cp_pages_topk, group=group)
         attn.pages_attention_fn = functools.partial(cp_pages_attention, group=group)
+        attn.block_range_fn = functools.partial(cp_block_range, group=group)
         attn.span_pages_fn = functools.partial(cp_span_pages, group=group)
     model.capture = functools.partial(cp_capture_glm52, model, group=group)
+    model.prompt_placement_fn = functools.partial(ShardedPrompt, group=group)
     # the static-shaped decode step selects and attends on one device only; the eager step goes through the hooks
     model.decoder = functools.partial(StepDecoder, model)

@@ -6,8 +6,7 @@ that drop the carried-state or the page gradient are caught; the transaction and
 import pytest
 import torch
 
-from conftest import grads, ids, random_model, rel_err
-from longstraw_cli.lora import LoraConfig, apply_lora, lora_layers
+from conftest import exact_grads, grads, ids, random_lora_, random_model, rel_err
 from longstraw_cli.resident import AttentionPages
 from longstraw_cli.resident.gradient import StateGrad, leaves
 
@@ -37,23 +36,6 @@ def reference_grads(model, prompt, responses, weights):
     model.zero_grad(set_to_none=True)
     for response, w in zip(responses, weights):
         (w * full_logprobs(model, prompt, response)).sum().backward()
-    out = grads(model)
-    model.zero_grad(set_to_none=True)
-    return out
-
-
-def exact_grads(model, prompt, responses, weights, block_size, tamper=None):
-    """G replays against a leaf view of the resident state, then the reverse walk. `tamper(state_grad)` runs
-    between the two (a control)."""
-    model.zero_grad(set_to_none=True)
-    resident = model.capture(prompt, block_size=block_size, boundaries=True)
-    state_grad = StateGrad(resident)
-    view = state_grad.replay_view(resident)
-    for response, w in zip(responses, weights):
-        (w * model.logprobs(view, response, grad=True)).sum().backward()
-    if tamper is not None:
-        tamper(state_grad, resident)
-    model.prompt_backward(prompt, resident, state_grad, block_size)
     out = grads(model)
     model.zero_grad(set_to_none=True)
     return out
@@ -102,12 +84,7 @@ def test_lora_on_keys_and_values_gets_the_prompt_gradient(name, targets):
     """LoRA on the projections that make the prompt's keys/values: exact equals the full-sequence gradient;
     response_only's (the prompt a constant) is a different thing."""
     model = random_model(name)
-    apply_lora(model, LoraConfig(rank=2, alpha=4.0, target_modules=targets))
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for layer in lora_layers(model).values():
-            layer.lora_A.copy_(torch.randn(layer.lora_A.shape, generator=g, dtype=torch.float64) * 0.1)
-            layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=g, dtype=torch.float64) * 0.1)
+    random_lora_(model, targets)
     prompt, responses, weights = group()
     ref = reference_grads(model, prompt, responses, weights)
     assert ref and all("lora_" in n for n in ref)
