@@ -154,10 +154,8 @@ def _positive(name: str, value: Any, minimum: int = 1) -> None:
 
 
 def _check_exact(d: dict, strategy: str, world_size: int) -> None:
-    """capture.gradient=exact: what it runs with (one line naming what does not)."""
-    if d["cp"] > 1:
-        raise ConfigError(f"capture.gradient=exact does not run under context parallel yet; got cp={d['cp']} "
-                          f"(valid: cp=1, or capture.gradient=response_only)")
+    """capture.gradient=exact: what it runs with (one line naming what does not). Context and expert parallel
+    run it (every CP rank walks the prompt: distributed/cp_walk.py)."""
     if world_size // d["cp"] > 1 and strategy != "ddp":
         raise ConfigError(f"capture.gradient=exact reduces gradients after the prompt's walk: strategy=ddp only "
                           f"with data parallelism; got strategy={strategy!r}")

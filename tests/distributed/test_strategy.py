@@ -1,8 +1,8 @@
 """Gradient finalization strategies (ddp, fsdp2, deepspeed) on gloo CPU ranks, against one process that sums
 both data-parallel ranks' gradients and averages them: parameters after two optimizer steps and grad norms, one
 reduction per step and none during replays, context parallel underneath, LoRA, an unused parameter, resume from
-a checkpoint, exact gradients (ddp reduces after the prompt's walk), and `longstraw train strategy=...` under
-torchrun.
+a checkpoint, exact gradients (ddp reduces after the prompt's walk; under context parallel too), and
+`longstraw train strategy=...` under torchrun.
 
 The ranks run every case in one spawn per layout (process start-up and the first DDP/FSDP import cost more than
 the cases themselves); the tests then read what each case left."""
@@ -57,7 +57,7 @@ CASES = {
     "ddp_exact": (StrategyConfig("ddp"), torch.float64, {"exact": True}),
 }
 COUNTED = ("ddp", "fsdp2", "deepspeed_zero1", "deepspeed_zero2", "ddp_synced_every_replay")
-CP_CASES = ("ddp", "fsdp2")
+CP_CASES = ("ddp", "fsdp2", "ddp_exact")
 
 
 def make_model(dtype, lora=False, unused=False):

@@ -169,8 +169,10 @@ def test_exact_gradient_refuses_what_it_does_not_run_with():
         cfg = OmegaConf.to_container(compose("config", overrides=["capture.gradient=exact", "run_dir=x"]),
                                      resolve=True)
     assert train_config(cfg).transaction.exact
-    with pytest.raises(ConfigError, match="does not run under context parallel yet; got cp=2"):
-        train_config({**cfg, "cp": 2}, world_size=2)
+    # context parallel runs it, whatever the strategy's name (one data-parallel rank: nothing to reduce)
+    assert train_config({**cfg, "cp": 2, "strategy": {"name": "fsdp2"}}, world_size=2).cp == 2
+    with pytest.raises(ConfigError, match="strategy=ddp only with data parallelism; got strategy='fsdp2'"):
+        train_config({**cfg, "cp": 2, "strategy": {"name": "fsdp2"}}, world_size=4)
     with pytest.raises(ConfigError, match="strategy=ddp only with data parallelism; got strategy='fsdp2'"):
         train_config({**cfg, "strategy": {"name": "fsdp2"}}, world_size=2)
 
@@ -262,11 +264,16 @@ def test_lora_with_kl_reference_trains_adapters_only_and_exports_hf(train_here, 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("model, parallel", [("qwen36_tiny", ["cp=2"]), ("glm52_tiny", ["cp=2", "ep=2"])])
-def test_cp2_train_step_matches_cp1(train_here, tmp_path, model, parallel):
-    """Two ranks sharing each prompt (glm52: also splitting the experts) train as one rank does."""
+@pytest.mark.parametrize("model, parallel, mode", [
+    ("qwen36_tiny", ["cp=2"], []), ("glm52_tiny", ["cp=2", "ep=2"], []),
+    # 255 captured tokens in shards of 128 and 127: the block [100, 200) straddles them
+    ("qwen36_tiny", ["cp=2"], ["capture.gradient=exact", "capture.block_size=100"]),
+], ids=["qwen36", "glm52_ep2", "qwen36_exact"])
+def test_cp2_train_step_matches_cp1(train_here, tmp_path, model, parallel, mode):
+    """Two ranks sharing each prompt (glm52: also splitting the experts) train as one rank does, exact mode's
+    gradient through the prompt included."""
     args = [f"model={model}", "steps=2", "prompt_tokens=256", "response_tokens=8", "group_size=4",
-            "model.dtype=float64", "logger.backends=[jsonl]"]
+            "model.dtype=float64", "logger.backends=[jsonl]", *mode]
     code, _, err = train_here([*args, f"run_dir={tmp_path / 'cp1'}"])
     assert code == 0, err
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -278,6 +285,7 @@ def test_cp2_train_step_matches_cp1(train_here, tmp_path, model, parallel):
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-9 * max(1.0, b["grad_norm"])
         assert a["reward_mean"] == b["reward_mean"]
         assert a["mem/resident"] < b["mem/resident"]
+        assert ("time/prompt" in a) == ("capture.gradient=exact" in mode)
     assert rows(tmp_path / "cp1")[0]["grad_norm"] > 0
 
 
