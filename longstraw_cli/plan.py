@@ -44,8 +44,9 @@ Where the bytes come from (s: bytes per element of `dtype`, f: of the compute dt
   place, plus a bf16 copy: LOGIT_BYTES_REPLAY per logit) plus one weight-sized gradient (the output layer's,
   accumulated over the chunks in one buffer before it is added into .grad).
 Left out: the CUDA context and library workspaces (outside the allocator's count), allocator fragmentation,
-cp > 1's communication buffers, and fla being absent on a GPU (then capture runs the torch chunked GDN, whose
-activations are `_gdn_graph`).
+cp > 1's communication buffers (exact mode: per block walked, the received gradient of the block's pages, every
+attention layer's, in the compute dtype; distributed/cp_walk.py), and fla being absent on a GPU (then capture
+runs the torch chunked GDN, whose activations are `_gdn_graph`).
 """
 
 from __future__ import annotations
