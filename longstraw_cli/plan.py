@@ -27,9 +27,11 @@ Where the bytes come from (s: bytes per element of `dtype`, f: of the compute dt
   [value heads, Dk, Dv] recurrent state and a [conv_dim, kernel - 1] conv state per GDN layer: the formula of
   `Qwen36ForCausalLM.resident_bytes`. Context parallelism splits the pages only; the GDN state is whole per rank.
 - response graph: what autograd saves per response token and layer, written term by term from what the code
-  saves (`_gdn_graph`, `_attention_graph_per_token`; replay always runs the torch chunked GDN, whose backward
-  is right on every Triton): for qwen36_mini in bf16 295 KB per token per GDN layer and 162 KB per attention
-  layer, the project's GraphMemory accounting to within 1% (tests/models/test_plan.py).
+  saves (`_gdn_graph`, `_attention_graph_per_token`): with kernels="reference" the torch chunked GDN (for
+  qwen36_mini in bf16 295 KB per token per GDN layer and 162 KB per attention layer, the project's GraphMemory
+  accounting to within 1%, tests/models/test_plan.py); with kernels="gpu" the GDN rule is the Triton op of
+  kernels/gdn/triton_chunk.py, which saves its inputs only and recomputes the chunked terms in its backward,
+  one layer at a time (counted once, as a transient).
 - capture activations: one block of `block_size` tokens through the heaviest layer, estimated as what that
   layer would save for backward (everything inside it coexists at some point, graph or not) plus the kernels'
   own buffers. `kernels="gpu"` (CUDA, bf16/fp16): flash attention keeps scores on chip but merges two partial
@@ -158,8 +160,9 @@ def _gdn_outside_kernel_per_token(cfg: Qwen36Config, s: int, f: int) -> float:
     )
 
 
-def _gdn_graph(cfg: Qwen36Config, tokens: int, s: int, f: int) -> float:
-    """Saved bytes of a GDN layer over `tokens`, the gated delta rule in kernels/gdn's torch chunked form."""
+def _gdn_rule_graph(cfg: Qwen36Config, tokens: int, f: int) -> float:
+    """Saved bytes of the gated delta rule itself in kernels/gdn's torch chunked form over `tokens` (also, as a
+    transient, what the Triton op's backward recomputes for one layer)."""
     G, Dk, Dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     Vd, Ke = G * Dv, G * Dk  # Ke: keys repeated to the value heads
     # the chunked form pads the tokens to whole chunks
@@ -169,8 +172,17 @@ def _gdn_graph(cfg: Qwen36Config, tokens: int, s: int, f: int) -> float:
         + 5 * G * GDN_CHUNK * f  # [chunk x chunk] decay, A and attention matrices per head
     )
     # one [G, Dk, Dv] state per chunk
-    return (tokens * _gdn_outside_kernel_per_token(cfg, s, f) + chunks * GDN_CHUNK * per_padded_token
-            + chunks * G * Dk * Dv * f)
+    return chunks * GDN_CHUNK * per_padded_token + chunks * G * Dk * Dv * f
+
+
+def _gdn_graph(cfg: Qwen36Config, tokens: int, s: int, f: int, kernels: str = "reference") -> float:
+    """Saved bytes of a GDN layer over `tokens`. reference: the torch chunked rule's graph; gpu: the Triton op
+    (kernels/gdn/triton_chunk.py), which saves its inputs only (fp32 q and k, v, fp32 g and beta)."""
+    outside = tokens * _gdn_outside_kernel_per_token(cfg, s, f)
+    if kernels == "gpu":
+        G, Kd = cfg.linear_num_value_heads, cfg.linear_num_key_heads * cfg.linear_key_head_dim
+        return outside + tokens * (2 * Kd * f + G * cfg.linear_value_head_dim * s + 2 * G * f)
+    return outside + _gdn_rule_graph(cfg, tokens, f)
 
 
 def _attention_graph_per_token(cfg: Qwen36Config, s: int, f: int) -> float:
@@ -187,8 +199,10 @@ def _attention_graph_per_token(cfg: Qwen36Config, s: int, f: int) -> float:
     )
 
 
-def response_graph_bytes(cfg: Qwen36Config, response_tokens: int, dtype: str = "bfloat16") -> int:
-    """Saved-for-backward bytes of one replayed response (what GraphMemory counts at its peak)."""
+def response_graph_bytes(cfg: Qwen36Config, response_tokens: int, dtype: str = "bfloat16",
+                         kernels: str = "reference") -> int:
+    """Saved-for-backward bytes of one replayed response (what GraphMemory counts at its peak); kernels="gpu":
+    the GDN layers' Triton op, plus one layer's backward transient (it recomputes the chunked terms)."""
     s = _itemsize(dtype)
     f = max(s, 4)
     # final norm, the checkpointed logits input, the token ids
@@ -197,7 +211,9 @@ def response_graph_bytes(cfg: Qwen36Config, response_tokens: int, dtype: str = "
         if layer_type == "full_attention":
             total += response_tokens * _attention_graph_per_token(cfg, s, f)
         else:
-            total += _gdn_graph(cfg, response_tokens, s, f)
+            total += _gdn_graph(cfg, response_tokens, s, f, kernels)
+    if kernels == "gpu" and "linear_attention" in cfg.layer_types:
+        total += _gdn_rule_graph(cfg, response_tokens, f)
     return int(total)
 
 
@@ -271,7 +287,7 @@ def plan(model_name_or_cfg, *, cp: int = 1, prompt_tokens: int, group_size: int,
         batch * min(R, logprob_chunk) * V * LOGIT_BYTES_SCORE + batch * R * cfg.hidden_size * s,
     )
 
-    graph = response_graph_bytes(cfg, R, dtype)
+    graph = response_graph_bytes(cfg, R, dtype, kernels)
     largest_trainable = counts["largest_matrix"] * s if lora_rank == 0 else 0
     replay_transient = min(R, logprob_chunk) * V * LOGIT_BYTES_REPLAY + largest_trainable
     # foreach AdamW: one temporary (sqrt of the second moment) the size of the trainable set
@@ -284,7 +300,7 @@ def plan(model_name_or_cfg, *, cp: int = 1, prompt_tokens: int, group_size: int,
                   if exact else 0)
     num_attn = sum(t == "full_attention" for t in cfg.layer_types)
     page_grad_transient = resident["kv_pages"] // max(num_attn, 1) if exact else 0
-    block_graph = response_graph_bytes(cfg, block, dtype) if exact else 0
+    block_graph = response_graph_bytes(cfg, block, dtype, kernels) if exact else 0
 
     base = weights + optimizer + resident["total"] + boundaries
     phases = {
