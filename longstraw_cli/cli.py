@@ -211,4 +211,5 @@ def plan(argv: list[str]) -> int:
         group_size=integer("group_size"), response_tokens=integer("response_tokens"), dtype=model.dtype,
         lora_rank=integer("lora.rank"), gpu_mem_gib=gpu_mem_gib, block_size=integer("capture.block_size"),
         score_batch=integer("capture.score_batch"), logprob_chunk=integer("capture.logprob_chunk"),
-        kernels=own["kernels"], gradient=str(OmegaConf.select(cfg, "capture.gradient")))
+        kernels=own["kernels"], gradient=str(OmegaConf.select(cfg, "capture.gradient")),
+        walk_checkpoint=bool(OmegaConf.select(cfg, "capture.walk_checkpoint")))

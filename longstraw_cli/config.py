@@ -205,7 +205,8 @@ def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
     algo = dict(d["algo"])
     advantage = algo.pop("advantage", "grpo")
     loss = _build(LossConfig, algo, "algo", max_response_tokens=d["response_tokens"])
-    capture = _take(dict(d["capture"]), "capture", {"block_size", "score_batch", "logprob_chunk", "gradient"})
+    capture = _take(dict(d["capture"]), "capture", {"block_size", "score_batch", "logprob_chunk", "gradient",
+                                                   "walk_checkpoint"})
     optim = _build(OptimConfig, d["optim"], "optim")
     transaction = _build(TransactionConfig, capture, "capture", advantage=advantage)
     if transaction.exact:

@@ -13,7 +13,8 @@ GDN conv + recurrent state at each capture block's start, kept from capture on),
 the end of the walk the state gradient (the pages' and GDN states' size in the compute dtype) plus, transiently,
 one attention layer's page gradient in the page dtype (what a backward produces for one layer's pages before it
 is added into the buffer). The walk's graph is one capture block's through every layer: `response_graph_bytes`
-of block_size tokens (a prompt block saves per token what a response token saves).
+of block_size tokens (a prompt block saves per token what a response token saves); with `walk_checkpoint` every
+layer's block input plus the largest single layer's graph (the layers are recomputed inside the backward).
 
 Grads exist only from the first replay to the step (the transaction zeroes them to None), so capture and score
 do not carry them. `bound` is the method's analytic bound, weights + grads + optimizer + resident + one response
@@ -242,7 +243,8 @@ def _attention_scores(cfg: Qwen36Config, batch: int, queries: int, keys: int, ke
 def plan(model_name_or_cfg, *, cp: int = 1, prompt_tokens: int, group_size: int, response_tokens: int,
          dtype: str = "bfloat16", lora_rank: int = 0, gpu_mem_gib: float = 139.0, block_size: int = 8192,
          score_batch: int = 8, logprob_chunk: int = 1024, attention_block: int = 1024,
-         moment_dtype: str | None = None, kernels: str = "auto", gradient: str = "response_only") -> dict:
+         moment_dtype: str | None = None, kernels: str = "auto", gradient: str = "response_only",
+         walk_checkpoint: bool = False) -> dict:
     """Per-rank bytes of one transaction by component and by phase; see the module docstring.
     kernels: "gpu" (flash attention, fla's GDN forward), "reference" (the torch kernels), "auto": gpu for
     bf16/fp16, where the model dispatches to them on CUDA, reference otherwise. gradient: response_only | exact."""
@@ -300,7 +302,13 @@ def plan(model_name_or_cfg, *, cp: int = 1, prompt_tokens: int, group_size: int,
                   if exact else 0)
     num_attn = sum(t == "full_attention" for t in cfg.layer_types)
     page_grad_transient = resident["kv_pages"] // max(num_attn, 1) if exact else 0
-    block_graph = response_graph_bytes(cfg, block, dtype, kernels) if exact else 0
+    if exact and walk_checkpoint:
+        # every layer's input, then one layer's graph at a time (the largest), recomputed inside the backward
+        one_layer = max(block * _attention_graph_per_token(cfg, s, f), _gdn_graph(cfg, block, s, f, kernels)
+                        + (_gdn_rule_graph(cfg, block, f) if kernels == "gpu" else 0))
+        block_graph = cfg.num_hidden_layers * block * cfg.hidden_size * s + int(one_layer)
+    else:
+        block_graph = response_graph_bytes(cfg, block, dtype, kernels) if exact else 0
 
     base = weights + optimizer + resident["total"] + boundaries
     phases = {
@@ -317,7 +325,7 @@ def plan(model_name_or_cfg, *, cp: int = 1, prompt_tokens: int, group_size: int,
         "model": model_name_or_cfg if isinstance(model_name_or_cfg, str) else "custom",
         "cp": cp, "prompt_tokens": prompt_tokens, "group_size": group_size, "response_tokens": response_tokens,
         "dtype": dtype, "lora_rank": lora_rank, "block_size": block_size, "score_batch": score_batch,
-        "kernels": kernels, "gradient": gradient,
+        "kernels": kernels, "gradient": gradient, "walk_checkpoint": walk_checkpoint,
         "params": counts["total"], "trainable_params": trainable,
         "weights": weights, "grads": grads, "optimizer": optimizer,
         "resident": resident["total"], "resident_detail": resident,
@@ -373,7 +381,8 @@ def report(cfg: Qwen36Config, title: str, prompts: list[int], **common) -> int:
     print(f"{title} ({cfg.num_hidden_layers} layers), cp={common['cp']}, G={common['group_size']}, "
           f"R={common['response_tokens']}, {common['dtype']}, lora_rank={common['lora_rank']}, "
           f"block={common['block_size']}, kernels={common['kernels']}, "
-          f"gradient={common.get('gradient', 'response_only')}; GiB per rank")
+          f"gradient={common.get('gradient', 'response_only')}"
+          f"{', walk_checkpoint' if common.get('walk_checkpoint') else ''}; GiB per rank")
     print(f"{'prompt':>9} " + " ".join(f"{c:>9}" for c in short) + f" {'bound':>9} {'peak':>9} {'phase':>8}  fits")
     for p in plans:
         phase = max(p["phases"], key=p["phases"].get)

@@ -44,6 +44,8 @@ class TransactionConfig:
     advantage: str = "grpo"
     # response_only: the resident state is a constant; exact: the gradient through the prompt too
     gradient: str = "response_only"
+    # exact mode: the walk recomputes each layer's forward inside its backward (a block's graph: one layer's)
+    walk_checkpoint: bool = False
 
     def __post_init__(self):
         for name in ("block_size", "score_batch", "logprob_chunk"):
@@ -51,6 +53,8 @@ class TransactionConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         get_advantage(self.advantage)
         check_gradient_mode(self.gradient)
+        if not isinstance(self.walk_checkpoint, bool):
+            raise ValueError(f"walk_checkpoint must be true or false, got {self.walk_checkpoint!r}")
 
     @property
     def exact(self) -> bool:
@@ -183,7 +187,8 @@ class Transaction:
                                               state_grad)
         if state_grad is not None:
             with clock.phase("prompt"), meter:
-                self.model.prompt_backward(prompt_ids, resident, state_grad, self.cfg.block_size)
+                self.model.prompt_backward(prompt_ids, resident, state_grad, self.cfg.block_size,
+                                           self.cfg.walk_checkpoint)
                 del state_grad
                 self.strategy.sync_gradients()
         with clock.phase("finalize"):

@@ -121,7 +121,8 @@ def random_lora_(model: torch.nn.Module, targets: tuple[str, ...], seed: int = 5
             layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=g, dtype=torch.float64) * 0.1)
 
 
-def exact_grads(model, prompt, responses, weights, block_size, tamper=None) -> dict[str, torch.Tensor]:
+def exact_grads(model, prompt, responses, weights, block_size, tamper=None,
+                checkpoint_layers=False) -> dict[str, torch.Tensor]:
     """capture.gradient=exact by hand: the capture with boundaries, sum_i <weights_i, log p(response_i)> replayed
     against a leaf view of the resident state, then the reverse walk; -> the parameter gradients.
     `tamper(state_grad, resident)` runs between the two (a control)."""
@@ -135,7 +136,7 @@ def exact_grads(model, prompt, responses, weights, block_size, tamper=None) -> d
         (w * model.logprobs(view, response, grad=True)).sum().backward()
     if tamper is not None:
         tamper(state_grad, resident)
-    model.prompt_backward(prompt, resident, state_grad, block_size)
+    model.prompt_backward(prompt, resident, state_grad, block_size, checkpoint_layers)
     out = grads(model)
     model.zero_grad(set_to_none=True)
     return out

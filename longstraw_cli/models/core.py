@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from longstraw_cli.models.embedding import Embedding
 from longstraw_cli.models.logprobs import token_logprobs
@@ -268,12 +269,15 @@ class CausalLM(nn.Module):
         return logp_BR[0] if response_ids.dim() == 1 else logp_BR
 
     # -- exact mode ---------------------------------------------------------------------------------------------
-    def prompt_backward(self, prompt_ids: torch.Tensor, resident: Resident, grad: StateGrad, block_size: int) -> None:
+    def prompt_backward(self, prompt_ids: torch.Tensor, resident: Resident, grad: StateGrad, block_size: int,
+                        checkpoint_layers: bool = False) -> None:
         """Exact mode's reverse walk (resident/gradient.py): the parameters' gradient through the prompt, added
         into their .grad. `grad` holds what the replays sent into the resident state; `resident` must have been
         captured with boundaries=True and the same block_size. Consumes `grad` (its page buffers are completed
         block by block, back to front). `prompt_placement_fn` says where pages and boundaries are: under context
-        parallel every rank walks every block (see distributed/cp_walk.py)."""
+        parallel every rank walks every block (see distributed/cp_walk.py).
+        checkpoint_layers: each layer's block forward runs again inside the backward (torch.utils.checkpoint), so
+        a block's graph is every layer's input plus one layer's graph, for one more forward over the prompt."""
         if resident.boundaries is None:
             raise ValueError("prompt_backward needs a capture with boundaries=True (exact mode)")
         starts = list(range(0, resident.num_tokens, block_size))
@@ -299,7 +303,11 @@ class CausalLM(nn.Module):
                     targets = {name: t[:num_before] for name, t in grad.layers[i].items()}
                     read, grad_out = leaves(prefix(state, num_before), targets), written_grads[i]
                 carried_in.append(targets if state.CARRIED else None)
-                x_BTC, carry, written = layer.recompute_block(x_BTC, positions_T, read, carry)
+                if checkpoint_layers:
+                    x_BTC, carry, written = checkpoint(layer.recompute_block, x_BTC, positions_T, read, carry,
+                                                       use_reentrant=False)
+                else:
+                    x_BTC, carry, written = layer.recompute_block(x_BTC, positions_T, read, carry)
                 for name, g in grad_out.items():
                     out = getattr(written, name)
                     if out.requires_grad:

@@ -92,6 +92,7 @@ def test_bad_keys_and_group_options_are_caught_before_hydra(override, expected):
     (["strategy.name=zero"], "strategy: name='zero'; valid: ['ddp', 'fsdp2', 'deepspeed']"),
     (["strategy=deepspeed", "strategy.zero_stage=3"], "strategy: zero_stage=3; valid: [1, 2]"),
     (["capture.gradient=full"], "capture: gradient='full'; valid: ['response_only', 'exact']"),
+    (["capture.walk_checkpoint=yes"], "capture: walk_checkpoint must be true or false, got 'yes'"),
 ])
 def test_bad_input_exits_2_with_one_line(train_here, tmp_path, args, expected):
     code, _, err = train_here([*args, f"run_dir={tmp_path / 'run'}"])
@@ -178,8 +179,9 @@ def test_exact_gradient_refuses_what_it_does_not_run_with():
 
 
 def test_exact_gradient_train_runs_the_prompt_walk(train_here, tmp_path):
+    # walk_checkpoint: the model-level tests cover the walk without it
     code, _, err = train_here(["steps=2", *SMALL, "capture.gradient=exact", "capture.block_size=100",
-                               f"run_dir={tmp_path / 'run'}"])
+                               "capture.walk_checkpoint=true", f"run_dir={tmp_path / 'run'}"])
     assert code == 0, err
     for row in rows(tmp_path / "run"):
         assert row["time/prompt"] > 0 and row["mem/state_grad"] > 0

@@ -47,13 +47,14 @@ def worst(got, ref):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-@pytest.mark.parametrize("block_size", [16, 23, 200])
-def test_exact_gradient_equals_full_sequence_autograd(name, block_size):
+@pytest.mark.parametrize("block_size, checkpoint_layers", [(16, False), (23, False), (200, False), (23, True)])
+def test_exact_gradient_equals_full_sequence_autograd(name, block_size, checkpoint_layers):
+    """checkpoint_layers: the walk recomputes each layer's forward inside its backward (the same gradient)."""
     model = random_model(name)
     prompt, responses, weights = group()
     ref = reference_grads(model, prompt, responses, weights)
-    err = worst(exact_grads(model, prompt, responses, weights, block_size), ref)
-    print(f"{name} block {block_size}: exact gradient max rel err {err:.2e}")
+    err = worst(exact_grads(model, prompt, responses, weights, block_size, checkpoint_layers=checkpoint_layers), ref)
+    print(f"{name} block {block_size} checkpoint {checkpoint_layers}: exact gradient max rel err {err:.2e}")
     assert err <= EXACT_TOL
 
 

@@ -138,6 +138,17 @@ def test_exact_walk_graph_and_state_gradient_match_the_accounting(name, dtype, o
         dtype=str(dtype).removeprefix("torch."), kernels="reference")["peak"] <= p["peak"]
 
 
+def test_walk_checkpoint_trades_the_block_graph_for_layer_inputs():
+    """27B shape, LoRA r16, exact at 256K: the full block graph does not fit one H200, the checkpointed walk does."""
+    common = dict(prompt_tokens=262144, group_size=8, response_tokens=1024, lora_rank=16, block_size=8192,
+                  gradient="exact", kernels="gpu")
+    full, layered = plan("qwen36", **common), plan("qwen36", walk_checkpoint=True, **common)
+    cfg = named_config("qwen36")
+    assert layered["block_graph"] < full["block_graph"] / 5
+    assert layered["block_graph"] > cfg.num_hidden_layers * 8192 * cfg.hidden_size * 2
+    assert not full["fits"] and layered["fits"]
+
+
 def test_bound_and_phases_add_up():
     p = plan("qwen36_mini", prompt_tokens=262144, **MINI)
     assert p["bound"] == p["weights"] + p["grads"] + p["optimizer"] + p["resident"] + p["response_graph"]
