@@ -86,7 +86,10 @@ class Trainer:
         # a file task's first row: its prompt renders, and the reward binds to its columns
         probe = Example("", "") if self.task.uses_prompt_tokens else self.task.example(0)
         if not self.task.uses_prompt_tokens:
-            self.task.prompt_text(probe)
+            try:
+                self.task.prompt_text(probe)
+            except ValueError as e:
+                raise TrainerError(f"{probe.where}: {e}") from None
         self.reward_fn = GroupReward(cfg.reward or self.task.default_reward, cfg.reward_style, probe)
         self._notices()
         self.model = self._build_model()
