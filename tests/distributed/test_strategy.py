@@ -351,11 +351,21 @@ def test_longstraw_train_under_torchrun(tmp_path, name):
     if name == "deepspeed" and not HAS_DEEPSPEED:
         pytest.skip(NO_DEEPSPEED)
     run = tmp_path / "run"
+    args = [f"strategy={name}", "prompt_tokens=64", "response_tokens=4", "group_size=2",
+            "logger.backends=[console]", "steps=1", f"run_dir={run}"]
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          "-m", "longstraw_cli", "train", f"strategy={name}", "steps=1", "prompt_tokens=64",
-                          "response_tokens=4", "group_size=2", "logger.backends=[console]", f"run_dir={run}"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=600)
+                          "-m", "longstraw_cli", "train", *args], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     log = (run / "train_rank1.log").read_text()
     assert f"strategy {name}" in log and "rank 1 step 0 " in log
-    assert (run / "checkpoints" / "step_00000001" / "COMPLETE").exists()
+    checkpoint = run / "checkpoints" / "step_00000001"
+    assert (checkpoint / "COMPLETE").exists()
+    if name == "fsdp2":
+        # sharded: each rank wrote its own file, no whole-tensor file; one process resumes from it
+        assert len(list((checkpoint / "dcp").glob("*.distcp"))) == 2 and not (checkpoint / "model.safetensors").exists()
+        out = subprocess.run([sys.executable, "-m", "longstraw_cli", "train", *args[:-2], "steps=2", "resume=true",
+                              f"run_dir={run}"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert "rank 0 of 1 (" in (run / "train_rank0.log").read_text()
+        assert (run / "checkpoints" / "step_00000002" / "COMPLETE").exists()
