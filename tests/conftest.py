@@ -173,7 +173,7 @@ def chat_model_dir(path):
     from longstraw_cli.lora import export_hf
     from longstraw_cli.models import build_model
 
-    export_hf(build_model("qwen36_tiny"), path)
+    export_hf(build_model("qwen36_tiny", seed=0), path)
     rust = Tokenizer(models.BPE(vocab={c: b for b, c in _bytes_to_unicode().items()}, merges=[]))
     rust.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     rust.decoder = decoders.ByteLevel()

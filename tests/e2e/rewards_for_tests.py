@@ -9,4 +9,4 @@ def response_length(response: str, example) -> float:
 
 def char_sum(response: str, example) -> float:
     """Varies within almost every group, even when all responses have the same length."""
-    return float(sum(map(ord, response)) % 10)
+    return sum(map(ord, response)) / 1000

@@ -19,12 +19,12 @@ FAST = ["group_size=2", "response_tokens=6", "logger.backends=[jsonl]"]
 VERL_REWARD = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     # varies within a group: every step has a gradient
-    return float(ground_truth in solution_str) + sum(map(ord, solution_str)) % 10 / 10
+    return float(ground_truth in solution_str) + sum(map(ord, solution_str)) / 1000
 """
 TRL_REWARDS = """
 def char_reward(completions, solution, **kwargs):
     # varies within a group: every step has a gradient
-    return [sum(map(ord, c[0]["content"])) % 10 / 10 + (s in c[0]["content"]) for c, s in zip(completions, solution)]
+    return [sum(map(ord, c[0]["content"])) / 1000 + (s in c[0]["content"]) for c, s in zip(completions, solution)]
 
 def nan_reward(response, example):
     return float("nan")
