@@ -16,7 +16,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+# the Hydra configs ship inside the package, so an installed wheel runs from any directory
+CONF_DIR = Path(__file__).resolve().parent / "conf"
 GROUPS = ("model", "task", "algo", "rollout", "logger", "strategy")
 
 

@@ -19,15 +19,18 @@ from longstraw_cli.distributed.topology import ParallelDims
 from longstraw_cli.lora import LoraConfig
 from longstraw_cli.models import MODEL_NAMES, families, family_of, hf_model_config
 from longstraw_cli.rl.losses import LossConfig
+from longstraw_cli.rl.reward_adapters import REWARD_STYLES
 from longstraw_cli.rl.tasks import TaskConfig
 from longstraw_cli.rollout.native import NativeConfig, SamplingConfig
 from longstraw_cli.rollout.vllm_engine import VllmConfig
+from longstraw_cli.schedule import SCHEDULES
 from longstraw_cli.telemetry.metrics import WandbConfig
+from longstraw_cli.tokenizer import resolve_tokenizer
 from longstraw_cli.transaction import TransactionConfig
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 ENGINES = ("native", "vllm")
-BACKENDS = ("console", "jsonl", "wandb")
+BACKENDS = ("console", "jsonl", "wandb", "tensorboard")
 
 
 class ConfigError(ValueError):
@@ -39,9 +42,13 @@ class ModelConfig:
     name: str = "qwen36_tiny"
     path: str | None = None
     dtype: str = "float32"
-    tokenizer: str = "byte"
+    # None: the model directory when it holds tokenizer files, else "byte" (resolved here, once)
+    tokenizer: str | None = None
+    # a Jinja chat template file (or its text) replacing the tokenizer's own
+    chat_template: str | None = None
 
     def __post_init__(self):
+        object.__setattr__(self, "tokenizer", resolve_tokenizer(self.tokenizer, self.path))
         if self.path is None and self.name not in MODEL_NAMES:
             raise ConfigError(f"model.name={self.name!r} is not a named model; valid: {MODEL_NAMES}")
         if self.path is not None and not (Path(self.path) / "config.json").exists():
@@ -67,10 +74,20 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     # the one clipping threshold: the strategy's (make_strategy), which finalizes gradients; None: no clipping
     max_grad_norm: float | None = 1.0
+    # schedule.py: linear warmup over warmup_steps, then constant | linear | cosine down to lr * min_lr_ratio
+    warmup_steps: int = 0
+    schedule: str = "constant"
+    min_lr_ratio: float = 0.0
 
     def __post_init__(self):
         if self.lr <= 0:
             raise ConfigError(f"optim.lr must be > 0, got {self.lr}")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"optim.schedule={self.schedule!r}; valid: {sorted(SCHEDULES)}")
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ConfigError(f"optim.warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {list(self.betas)}")
 
@@ -97,6 +114,8 @@ class RolloutConfig:
 class LoggerConfig:
     backends: tuple[str, ...] = ("console", "jsonl")
     wandb: WandbConfig | None = None
+    # rank 0's live display of the step's phases and the ETA; None: when the console is a terminal
+    progress: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -123,6 +142,10 @@ class TrainConfig:
     run_dir: str = "runs/local"
     resume: bool = False
     export_hf: bool = False
+    # rl/reward_adapters.py: how the reward is called (auto | native | verl | trl)
+    reward_style: str = "auto"
+    # prompts whose gradients accumulate before one optimizer step (per data-parallel rank)
+    prompts_per_step: int = 1
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -165,9 +188,9 @@ def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
     """TrainConfig from the resolved container of the composed config (hydra node removed)."""
     d = dict(d)
     d.pop("hydra", None)
-    top = {f.name for f in dataclasses.fields(TrainConfig)} - {"loss", "transaction", "reward"}
+    top = {f.name for f in dataclasses.fields(TrainConfig)} - {"loss", "transaction", "reward", "reward_style"}
     _take(d, "the config", top | {"algo", "capture"})
-    for name in ("cp", "ep", "group_size", "steps", "prompt_tokens", "response_tokens"):
+    for name in ("cp", "ep", "group_size", "steps", "prompt_tokens", "response_tokens", "prompts_per_step"):
         _positive(name, d[name], 2 if name == "group_size" else 1)
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
     try:
@@ -201,6 +224,9 @@ def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
         )
     task_node = dict(d["task"])
     reward = task_node.pop("reward", None)
+    reward_style = task_node.pop("reward_style", "auto")
+    if reward_style not in REWARD_STYLES:
+        raise ConfigError(f"task.reward_style={reward_style!r}; valid: {list(REWARD_STYLES)}")
     task = _build(TaskConfig, task_node, "task", prompt_tokens=d["prompt_tokens"], seed=d["seed"])
     algo = dict(d["algo"])
     advantage = algo.pop("advantage", "grpo")
@@ -230,15 +256,20 @@ def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
     if bad:
         raise ConfigError(f"logger.backends has {bad}; valid: {list(BACKENDS)}")
     wandb_node = logger_node.pop("wandb", None)
+    progress = logger_node.pop("progress", None)
+    if progress not in (None, True, False):
+        raise ConfigError(f"logger.progress={progress!r}; valid: [null (on a terminal), true, false]")
     _take(logger_node, "logger", set())
     wandb = _build(WandbConfig, wandb_node, "logger.wandb") if wandb_node is not None else None
 
     return TrainConfig(
         model=model, task=task, reward=reward, loss=loss, transaction=transaction,
-        rollout=RolloutConfig(engine, sampling, vllm, native), logger=LoggerConfig(backends, wandb), optim=optim,
+        rollout=RolloutConfig(engine, sampling, vllm, native), logger=LoggerConfig(backends, wandb, progress),
+        optim=optim,
         lora=_build(LoraConfig, d["lora"], "lora"), checkpoint=_build(CheckpointConfig, d["checkpoint"], "checkpoint"),
         strategy=_build(StrategyConfig, d["strategy"], "strategy"),
         cp=d["cp"], ep=d["ep"], group_size=d["group_size"], steps=d["steps"], prompt_tokens=d["prompt_tokens"],
         response_tokens=d["response_tokens"], seed=d["seed"], device=device, run_dir=str(d["run_dir"]),
-        resume=bool(d["resume"]), export_hf=bool(d["export_hf"]),
+        resume=bool(d["resume"]), export_hf=bool(d["export_hf"]), reward_style=reward_style,
+        prompts_per_step=d["prompts_per_step"],
     )

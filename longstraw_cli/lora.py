@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -280,8 +280,10 @@ def load_lora_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) 
 
 
 @torch.no_grad()
-def merged_state_dict(model: nn.Module, device: str | torch.device | None = None) -> dict[str, torch.Tensor]:
-    """Every state_dict entry under its normal (HF) name, adapters merged into `weight`, no lora_* keys.
+def merged_state_dict(model: nn.Module, device: str | torch.device | None = None, *,
+                      merge: bool = True) -> dict[str, torch.Tensor]:
+    """Every state_dict entry under its normal (HF) name, adapters merged into `weight` (merge=False: the base
+    weights as they are), no lora_* keys.
 
     device: where each tensor goes right after it is formed ("cpu" keeps the accelerator's extra memory to one
     merged weight at a time); None leaves tensors where they are."""
@@ -291,15 +293,17 @@ def merged_state_dict(model: nn.Module, device: str | torch.device | None = None
         module_name, _, leaf = key.rpartition(".")
         if leaf in ADAPTER_NAMES and module_name in layers:
             continue
-        if leaf == "weight" and module_name in layers:
+        if merge and leaf == "weight" and module_name in layers:
             tensor = layers[module_name].merged_weight()
         out[key] = tensor if device is None else tensor.to(device)
     return out
 
 
-def export_hf(model: nn.Module, out_dir: str | Path) -> Path:
-    """Write a model, adapters merged, as an HF directory (config.json + model.safetensors) of its family's
-    model type; a family whose spec refuses export (glm52) raises.
+def export_hf(model: nn.Module, out_dir: str | Path, *, merge: bool = True,
+              extra: Callable[[Path], None] | None = None) -> Path:
+    """Write a model, adapters merged (merge=False: its base weights), as an HF directory (config.json +
+    model.safetensors) of its family's model type; a family whose spec refuses export (glm52) raises. `extra`
+    writes more files into the directory before it appears (export.py: tokenizer, generation config).
 
     The directory appears whole or not at all (`checkpoint.atomic_directory`); an existing out_dir is replaced."""
     from safetensors.torch import save_file
@@ -314,7 +318,7 @@ def export_hf(model: nn.Module, out_dir: str | Path) -> Path:
         raise ValueError(f"export target {out} exists and is not a directory")
     if any(p.is_meta for p in model.parameters()):
         raise ValueError("export_hf needs materialised weights; the model has meta parameters")
-    tensors = merged_state_dict(model, device="cpu")
+    tensors = merged_state_dict(model, device="cpu", merge=merge)
     if model.config.tie_word_embeddings:
         # HF re-ties lm_head to embed_tokens on load; safetensors refuses two names for one storage anyway
         tensors.pop("lm_head.weight", None)
@@ -325,6 +329,8 @@ def export_hf(model: nn.Module, out_dir: str | Path) -> Path:
     with atomic_directory(out) as tmp:
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if extra is not None:
+            extra(tmp)
     return out
 
 

@@ -1,11 +1,13 @@
 """The trainer: one iteration per optimizer step, read like the algorithm.
 
-    example -> capture -> rollout -> reward -> transaction (score, replay x G, finalize, step) -> log, checkpoint
+    (example -> capture -> rollout -> reward -> score, replay x G) x prompts_per_step -> finalize, step
+    -> validate every val_every steps -> log, checkpoint
 
 The prompt is captured once per iteration (by the transaction's `capture`) and that one resident state serves
 rollout, scoring and replay. With vLLM the rollout runs first, in vLLM (weights pushed first), and the capture
 follows the reward. One `PhaseClock` per iteration times every phase (and its CUDA peak memory). Data parallel
-ranks take different prompts (example index step * dp + dp_rank) and finalize gradients once per step through
+ranks take different prompts (example index (step * prompts_per_step + b) * dp + dp_rank) and finalize
+gradients once per step through
 the configured strategy (`strategy=ddp|fsdp2|deepspeed`, distributed/strategy.py), which also gives and takes
 the checkpoint's whole tensors. Every process group comes from `ParallelDims.new_groups`.
 """
@@ -25,17 +27,20 @@ import torch.distributed as dist
 
 from longstraw_cli.checkpoint import CheckpointManager, capture_rng, restore_rng
 from longstraw_cli.config import TrainConfig
+from longstraw_cli.distributed import sharded_checkpoint
 from longstraw_cli.distributed.strategy import make_strategy
 from longstraw_cli.distributed.topology import ParallelDims, env_rank_world
 from longstraw_cli.lora import adapters_disabled, apply_lora
 from longstraw_cli.models import build_model, from_pretrained
 from longstraw_cli.models.spec import family_of
-from longstraw_cli.rl.rewards import get_reward
-from longstraw_cli.rl.tasks import make_task
+from longstraw_cli.rl.reward_adapters import GroupReward, RewardError
+from longstraw_cli.rl.tasks import Example, make_task
 from longstraw_cli.rollout.native import Rollout, generate
+from longstraw_cli.schedule import lr_factor
 from longstraw_cli.telemetry.memory import PhaseClock
 from longstraw_cli.telemetry.metrics import MetricsLogger
-from longstraw_cli.tokenizer import load_tokenizer
+from longstraw_cli.telemetry.progress import StepProgress, notice
+from longstraw_cli.tokenizer import load_tokenizer, read_chat_template, stop_token_ids
 from longstraw_cli.transaction import Reference, Transaction
 
 log = logging.getLogger("longstraw")
@@ -73,7 +78,20 @@ class Trainer:
                                f"pass resume=true to continue it, or choose another run_dir")
 
         torch.manual_seed(cfg.seed)
-        self.tokenizer = load_tokenizer(cfg.model.tokenizer)
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer, read_chat_template(cfg.model.chat_template))
+        # the data and the reward are the user's input: checked before the model is built
+        self.task = make_task(cfg.task, self.tokenizer)
+        self.val_task = None if cfg.task.val_path is None else make_task(
+            dataclasses.replace(cfg.task, path=cfg.task.val_path, shuffle=False), self.tokenizer)
+        # a file task's first row: its prompt renders, and the reward binds to its columns
+        probe = Example("", "") if self.task.uses_prompt_tokens else self.task.example(0)
+        if not self.task.uses_prompt_tokens:
+            try:
+                self.task.prompt_text(probe)
+            except ValueError as e:
+                raise TrainerError(f"{probe.where}: {e}") from None
+        self.reward_fn = GroupReward(cfg.reward or self.task.default_reward, cfg.reward_style, probe)
+        self._notices()
         self.model = self._build_model()
         self._parallelize(self.model)
         if cfg.lora.rank > 0:
@@ -81,11 +99,11 @@ class Trainer:
         # the reference copies the policy's weights before a strategy may shard them
         reference = self._reference()
         self.strategy = make_strategy(cfg.strategy, self.model, self._optimizer, self.groups,
-                                      max_grad_norm=cfg.optim.max_grad_norm, num_replays=cfg.group_size)
+                                      max_grad_norm=cfg.optim.max_grad_norm,
+                                      num_replays=cfg.group_size * cfg.prompts_per_step)
         self.transaction = Transaction(self.model, self.strategy, cfg.loss, cfg.transaction, reference=reference)
-        self.task = make_task(cfg.task, self.tokenizer)
-        self.reward_fn = get_reward(cfg.reward or self.task.default_reward)
-        self.sampling = dataclasses.replace(cfg.rollout.sampling, stop_token_ids=(self.tokenizer.eos_token_id,))
+        self.sampling = dataclasses.replace(cfg.rollout.sampling,
+                                            stop_token_ids=stop_token_ids(self.tokenizer, cfg.model.path))
         # the ranks of one CP group sample the same responses: they share the generator's seed
         self.generator = torch.Generator(self.device).manual_seed(cfg.seed * 1000 + self.dp_rank)
         self.engine = self._vllm_engine() if cfg.rollout.engine == "vllm" else None
@@ -96,6 +114,17 @@ class Trainer:
             self.run_dir, backends=cfg.logger.backends, rank=self.rank, wandb_cfg=cfg.logger.wandb,
             resume_step=self.start_step if cfg.resume else None, config=cfg.as_dict(),
         )
+        self.progress = StepProgress(cfg.steps, self.start_step, enabled=cfg.logger.progress, rank=self.rank)
+
+    def _notices(self) -> None:
+        """What the user asked for that does not apply, as one line each (rank 0)."""
+        cfg = self.cfg
+        if not self.task.uses_prompt_tokens:
+            notice(f"prompt_tokens={cfg.prompt_tokens} does not apply to task={cfg.task.name}: its rows are used as "
+                   f"written (each prompt + response_tokens must fit the model's positions)", self.rank)
+        if cfg.model.path is not None and cfg.model.tokenizer == "byte":
+            notice(f"model.path={cfg.model.path} has no tokenizer files: using the byte tokenizer "
+                   f"(model.tokenizer=DIR to choose one)", self.rank)
 
     # -- set-up -----------------------------------------------------------------------------------------------
     def _build_model(self) -> torch.nn.Module:
@@ -147,17 +176,27 @@ class Trainer:
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     def _save(self, step: int) -> None:
-        # whole tensors, whatever the strategy and ep (a collective under fsdp2 / deepspeed / ep: every rank is here)
+        trainer_state = {"step": step, "rng": capture_rng({"sampling": self.generator})}
+        if self.strategy.sharded_checkpoints:
+            # each rank writes its shards (a collective)
+            sharded_checkpoint.save(self.checkpoints, step, self.strategy, trainer_state)
+            return
+        # whole tensors, whatever the strategy and ep (a collective under deepspeed / ep: every rank is here)
         model_state, optimizer_state = self.strategy.state_dict()
-        self.checkpoints.save(
-            step, model_state=model_state, optimizer_state=optimizer_state,
-            trainer_state={"step": step, "rng": capture_rng({"sampling": self.generator})},
-        )
+        self.checkpoints.save(step, model_state=model_state, optimizer_state=optimizer_state,
+                              trainer_state=trainer_state)
 
     def _resume(self) -> int:
         latest = self.checkpoints.latest()
         if latest is None:
             return 0
+        if sharded_checkpoint.is_sharded(latest):
+            if self.strategy.name == "deepspeed":
+                raise TrainerError(f"{latest} is a sharded (fsdp2) checkpoint: it resumes under fsdp2, ddp or one "
+                                   f"process, not deepspeed")
+            trainer_state = sharded_checkpoint.load(latest, self.strategy)
+            restore_rng(trainer_state["rng"], {"sampling": self.generator})
+            return int(trainer_state["step"])
         model_state, optimizer_state, trainer_state = self.checkpoints.load(latest, map_location=self.device)
         expected = {n for n, p in self.model.named_parameters() if p.requires_grad}
         if set(model_state) != expected:
@@ -168,10 +207,24 @@ class Trainer:
         return int(trainer_state["step"])
 
     # -- one iteration ----------------------------------------------------------------------------------------
-    def example(self, step: int):
-        example = self.task.example(step * self.dims.dp + self.dp_rank)
-        ids = torch.tensor(self.tokenizer.encode(example.prompt), dtype=torch.long, device=self.device)
-        return example, ids
+    def example(self, step: int, prompt: int = 0):
+        """Prompt `prompt` of this rank's share of step `step`, and its token ids."""
+        index = (step * self.cfg.prompts_per_step + prompt) * self.dims.dp + self.dp_rank
+        example = self.task.example(index)
+        return example, self._encode(self.task, example)
+
+    def _encode(self, task, example: Example) -> torch.Tensor:
+        where = example.where or f"example {example.meta.get('index', '?')}"
+        try:
+            ids = self.tokenizer.encode(task.prompt_text(example))
+        except ValueError as e:
+            raise TrainerError(f"{where}: {e}") from None
+        limit = self.model.config.max_position_embeddings - self.cfg.response_tokens
+        if not 0 < len(ids) <= limit:
+            raise TrainerError(f"{where}: the prompt is {len(ids)} tokens; it must be 1 to {limit} (the model's "
+                               f"{self.model.config.max_position_embeddings} positions less response_tokens="
+                               f"{self.cfg.response_tokens})")
+        return torch.tensor(ids, dtype=torch.long, device=self.device)
 
     def capture(self, prompt_ids: torch.Tensor):
         return self.transaction.capture(prompt_ids)
@@ -199,12 +252,44 @@ class Trainer:
         return native
 
     def reward(self, example, rollout: Rollout) -> torch.Tensor:
-        texts = [self.tokenizer.decode(r.tolist()) for r in rollout.responses]
-        return torch.tensor([float(self.reward_fn(t, example)) for t in texts], dtype=torch.float64)
+        ids = [r.tolist() for r in rollout.responses]
+        texts = [self.tokenizer.decode(i) for i in ids]
+        try:
+            return torch.tensor(self.reward_fn(example, texts, ids), dtype=torch.float64)
+        except RewardError as e:
+            # before any gradient of the step: nothing of it is logged or saved
+            raise TrainerError(str(e)) from e
+
+    def set_lr(self, step: int) -> float:
+        """The schedule's rate for optimizer step `step` (a function of the step alone: resume needs no state)."""
+        optim = self.cfg.optim
+        lr = optim.lr * lr_factor(step, total_steps=self.cfg.steps, warmup_steps=optim.warmup_steps,
+                                  schedule=optim.schedule, min_lr_ratio=optim.min_lr_ratio)
+        for group in self.strategy.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
 
     def iteration(self, step: int) -> dict[str, float]:
-        clock = PhaseClock(self.device)
-        example, prompt_ids = self.example(step)
+        clock = PhaseClock(self.device, on_phase=self.progress.phase)
+        lr = self.set_lr(step)
+        self.transaction.begin()
+        prompts, rollouts, parts, num_prompts = [], [], [], self.cfg.prompts_per_step
+        for prompt in range(num_prompts):
+            self.progress.prompt(prompt, num_prompts)
+            prompt_ids, rollout, part = self.prompt(step, prompt, clock)
+            prompts.append(prompt_ids.numel())
+            rollouts.append(rollout)
+            parts.append(part)
+        result = self.transaction.finish(parts, clock)
+        metrics = self._metrics(sum(prompts), rollouts, result, clock)
+        metrics["lr"] = lr
+        if self.task.num_examples is not None:
+            metrics["epoch"] = (step + 1) * num_prompts * self.dims.dp / self.task.num_examples
+        return metrics
+
+    def prompt(self, step: int, prompt: int, clock: PhaseClock):
+        """One prompt of the step: capture, rollout, reward, then score and replay x G (gradients accumulate)."""
+        example, prompt_ids = self.example(step, prompt)
         if self.engine is None:
             # ranks call the model a data-dependent number of times here: fsdp2 gathers the weights once around it
             with self.strategy.full_weights():
@@ -223,18 +308,43 @@ class Trainer:
         # native rollout's log-probs are the graph-free on-policy scores of the same resident state; vLLM's come
         # from its own kernels and precision, so the transaction re-scores them from our resident state
         old = rollout.logprobs if self.engine is None else None
-        result = self.transaction.run(prompt_ids, rollout.responses, rewards, resident, old_logprobs=old, clock=clock)
-        return self._metrics(prompt_ids, rollout, result, clock)
+        part = self.transaction.accumulate(prompt_ids, rollout.responses, rewards, resident, old_logprobs=old,
+                                           clock=clock, prompt=prompt, num_prompts=self.cfg.prompts_per_step)
+        return prompt_ids, rollout, part
 
-    def _metrics(self, prompt_ids, rollout: Rollout, result, clock: PhaseClock) -> dict[str, float]:
+    @torch.no_grad()
+    def validate(self, step: int) -> dict[str, float]:
+        """Mean reward of G native samples per validation prompt, the prompts split over the data-parallel ranks.
+        Its own generator (seeded by the step): the training run's random streams are untouched."""
+        clock = PhaseClock(self.device, on_phase=self.progress.phase)
+        count = len(self.val_task) if not self.cfg.task.val_examples else min(self.cfg.task.val_examples,
+                                                                               len(self.val_task))
+        generator = torch.Generator(self.device).manual_seed(self.cfg.seed * 1000 + self.dp_rank + 7919 * (step + 1))
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        with clock.phase("val"), self.strategy.full_weights():
+            for i in range(self.dp_rank, count, self.dims.dp):
+                example = self.val_task.example(i)
+                resident = self.capture(self._encode(self.val_task, example))
+                rollout = generate(self.model, resident, self.cfg.group_size, self.sampling, generator,
+                                   native=self._native_decode())
+                rewards = self.reward(example, rollout)
+                totals += torch.stack([rewards.sum(), torch.tensor(float(len(rewards)))]).to(totals)
+        if self.dims.dp > 1:
+            dist.all_reduce(totals, group=self.groups.dp)
+        return {"val/reward_mean": float(totals[0] / totals[1]), "val/prompts": count,
+                "time/val": clock.seconds["val"]}
+
+    def _metrics(self, prompt_tokens: int, rollouts: list[Rollout], result, clock: PhaseClock) -> dict[str, float]:
+        """The step's numbers; token counts are over its prompts."""
         metrics = dict(result.stats)
-        if rollout.entropies is not None:
-            metrics["entropy"] = float(torch.cat(rollout.entropies).mean())
-        metrics["prompt_tokens"] = prompt_ids.numel()
-        metrics["response_tokens"] = sum(len(r) for r in rollout.responses)
-        if rollout.decode_steps:
-            metrics["decode_steps"] = rollout.decode_steps
-            metrics["time/decode_per_token"] = clock.seconds["rollout"] / rollout.decode_steps
+        if all(r.entropies is not None for r in rollouts):
+            metrics["entropy"] = float(torch.cat([e for r in rollouts for e in r.entropies]).mean())
+        metrics["prompt_tokens"] = prompt_tokens
+        metrics["response_tokens"] = sum(len(response) for r in rollouts for response in r.responses)
+        decode_steps = sum(r.decode_steps for r in rollouts)
+        if decode_steps:
+            metrics["decode_steps"] = decode_steps
+            metrics["time/decode_per_token"] = clock.seconds["rollout"] / decode_steps
         metrics.update(clock.time_metrics())
         metrics["mem/resident"] = result.resident_bytes["total"]
         metrics["mem/graph_peak"] = result.graph_peak_bytes
@@ -263,21 +373,28 @@ class Trainer:
     def train(self) -> None:
         every = self.cfg.checkpoint.every
         try:
+            val_every = self.cfg.task.val_every
             for step in range(self.start_step, self.cfg.steps):
                 metrics = self._across_ranks(self.iteration(step))
+                done = step + 1
+                if self.val_task is not None and val_every and done % val_every == 0:
+                    metrics.update(self.validate(step))
+                self.progress.step_done()
                 self.metrics.log(step, metrics)
                 log.info("rank %d step %d %s", self.rank, step, json.dumps(metrics))
-                done = step + 1
                 if (every and done % every == 0) or done == self.cfg.steps:
                     self._save(done)
         finally:
+            self.progress.close()
             self.metrics.close()
         if self.cfg.export_hf:
-            from longstraw_cli.lora import export_hf
+            from longstraw_cli.export import export_run
 
             with self.strategy.full_weights():
                 if self.rank == 0:
-                    export_hf(self.model, self.run_dir / "hf")
+                    export_run(self.model, self.run_dir, tokenizer=self.tokenizer,
+                               stop_token_ids=self.sampling.stop_token_ids, sampling=self.sampling,
+                               lora=self.cfg.lora, model_path=self.cfg.model.path)
         if self.rank == 0 and "jsonl" in self.cfg.logger.backends:
             with contextlib.suppress(ImportError):
                 from longstraw_cli.telemetry.plot import plot_memory

@@ -17,7 +17,12 @@ at its block boundaries, the replays read the resident state as leaves whose gra
 after the last replay the model walks the prompt in reverse (`prompt_backward`, its own phase "prompt"); the
 gradient reduction the strategy does at the last replay then follows the walk instead (`sync_gradients`).
 
-Simplifications: one prompt per transaction (data parallelism across prompts sits above, in the strategy).
+Several prompts may share one optimizer step (`begin`, then `accumulate` once per prompt, then `finish`; `run` is
+the one-prompt case): each prompt is still one capture and G replays (and, exact, one walk), its loss is scaled
+by 1 / prompts, and the strategy sees the B x G replays as one sequence (no reduction before the last; exact
+mode reduces after the last prompt's walk).
+
+Simplifications: data parallelism across prompts sits above, in the strategy.
 """
 
 from __future__ import annotations
@@ -81,6 +86,18 @@ class TransactionResult:
         return self.resident_bytes["total"] + self.state_grad_bytes + self.graph_peak_bytes
 
 
+@dataclass
+class PromptPart:
+    """What one prompt of an optimizer step leaves for `finish`."""
+
+    stats: list[dict[str, float]]
+    meter: GraphMemory
+    rewards: torch.Tensor
+    advantages: list[float]
+    resident_bytes: dict[str, int]
+    state_grad_bytes: int
+
+
 class Reference:
     """Reference log-probs, graph-free, from the reference policy's own capture of the prompt. `context` puts
     the model into its reference form (with LoRA: the same weights with the adapters disabled)."""
@@ -134,23 +151,25 @@ class Transaction:
         return score(self.model, resident, responses, self.cfg)
 
     def replay(self, resident, responses, old_logprobs, ref_logprobs, advantages,
-               state_grad: StateGrad | None = None) -> tuple[list[dict], GraphMemory]:
-        """One response at a time: forward with autograd, loss, backward, graph freed. With `state_grad` (exact
-        mode) the replays read the resident state as leaves whose gradients collect there, and none of them
-        reduces gradients across ranks (the prompt's walk comes after them)."""
+               state_grad: StateGrad | None = None, *, first: int = 0, total: int | None = None,
+               scale: float = 1.0) -> tuple[list[dict], GraphMemory]:
+        """One response at a time: forward with autograd, loss (times `scale`), backward, graph freed. These are
+        replays first .. first + G - 1 of the step's `total` (default G). With `state_grad` (exact mode) the
+        replays read the resident state as leaves whose gradients collect there, and none of them reduces
+        gradients across ranks (the prompt's walk comes after them)."""
         group = GroupShape.from_lengths([len(r) for r in responses])
         meter = GraphMemory(exclude=[*self.strategy.weights(), *resident.tensors()])
         view = resident if state_grad is None else state_grad.replay_view(resident)
-        count = len(responses) + (state_grad is not None)
+        count = (len(responses) if total is None else total) + (state_grad is not None)
         stats = []
         with meter:
             for i, response in enumerate(responses):
-                # the strategy's replay context: no gradient reduction before the last replay
-                with self.strategy.replay(i, count) as logprobs:
+                # the strategy's replay context: no gradient reduction before the step's last replay
+                with self.strategy.replay(first + i, count) as logprobs:
                     logp = logprobs(view, response, chunk_size=self.cfg.logprob_chunk)
                     ref = None if ref_logprobs is None else ref_logprobs[i]
                     loss, s = response_loss(self.loss_cfg, logp, old_logprobs[i], advantages[i], group, ref)
-                    self.strategy.backward(loss)
+                    self.strategy.backward(loss if scale == 1.0 else loss * scale)
                     del logp, loss
                 stats.append(s)
         return stats, meter
@@ -163,18 +182,30 @@ class Transaction:
     def step(self) -> None:
         self.strategy.step()
 
-    # -- the transaction --------------------------------------------------------------------------------------
+    # -- the transaction ---------------------------------------------------------------------------------------
     def run(self, prompt_ids: torch.Tensor, responses: Sequence[torch.Tensor], rewards: torch.Tensor, resident, *,
             old_logprobs: Sequence[torch.Tensor] | None = None, clock: PhaseClock | None = None) -> TransactionResult:
         """score -> replay x G -> finalize -> step for `responses` to the prompt whose capture is `resident`.
         `old_logprobs` may come from the rollout that sampled the responses from the same state (else scored
         here); `clock` is the caller's (the iteration's), a fresh one if None."""
+        clock = PhaseClock(prompt_ids.device) if clock is None else clock
+        self.begin()
+        part = self.accumulate(prompt_ids, responses, rewards, resident, old_logprobs=old_logprobs, clock=clock)
+        return self.finish([part], clock)
+
+    def begin(self) -> None:
+        """Before the first prompt of an optimizer step."""
+        self.strategy.zero_grad()
+
+    def accumulate(self, prompt_ids: torch.Tensor, responses: Sequence[torch.Tensor], rewards: torch.Tensor,
+                   resident, *, old_logprobs: Sequence[torch.Tensor] | None = None, clock: PhaseClock,
+                   prompt: int = 0, num_prompts: int = 1) -> PromptPart:
+        """score -> replay x G (-> the prompt's walk, exact) for prompt `prompt` of the step's `num_prompts`:
+        gradients accumulate in .grad."""
         if len(responses) < 2:
             raise ValueError(f"a GRPO group needs >= 2 responses, got {len(responses)}")
         if any(len(r) == 0 for r in responses):
             raise ValueError("every response needs at least one token")
-        clock = PhaseClock(prompt_ids.device) if clock is None else clock
-        self.strategy.zero_grad()
         with clock.phase("score"), self.strategy.full_weights():
             if old_logprobs is None:
                 old_logprobs = self.score(resident, responses)
@@ -182,24 +213,38 @@ class Transaction:
         advantages = get_advantage(self.cfg.advantage)(rewards.double()).tolist()
         state_grad = StateGrad(resident) if self.cfg.exact else None
         state_grad_bytes = 0 if state_grad is None else state_grad.nbytes()
+        g = len(responses)
         with clock.phase("replay"):
             per_response, meter = self.replay(resident, responses, old_logprobs, ref_logprobs, advantages,
-                                              state_grad)
+                                              state_grad, first=prompt * g, total=num_prompts * g,
+                                              scale=1.0 / num_prompts)
         if state_grad is not None:
             with clock.phase("prompt"), meter:
                 self.model.prompt_backward(prompt_ids, resident, state_grad, self.cfg.block_size,
                                            self.cfg.walk_checkpoint)
                 del state_grad
-                self.strategy.sync_gradients()
+                if prompt == num_prompts - 1:
+                    self.strategy.sync_gradients()
+        return PromptPart(per_response, meter, rewards, advantages, resident.nbytes(), state_grad_bytes)
+
+    def finish(self, parts: Sequence[PromptPart], clock: PhaseClock) -> TransactionResult:
+        """finalize -> step after the step's last prompt; stats over every prompt (losses: the mean group loss)."""
         with clock.phase("finalize"):
             grad_norm = self.finalize()
         with clock.phase("step"):
             self.step()
-        stats = summarize_stats(sum_stats(per_response))
+        stats = summarize_stats(sum_stats(s for part in parts for s in part.stats))
+        for key in ("loss", "pg_loss", "kl_loss"):
+            if key in stats and len(parts) > 1:
+                stats[key] /= len(parts)
+        rewards = torch.cat([part.rewards for part in parts])
         stats.update(grad_norm=grad_norm, reward_mean=float(rewards.float().mean()),
                      reward_std=float(rewards.float().std()))
+        # one prompt's state is alive at a time: the peak is the largest prompt's
+        largest = max(parts, key=lambda part: part.resident_bytes["total"])
         return TransactionResult(
-            stats=stats, advantages=advantages, seconds=clock.seconds, resident_bytes=resident.nbytes(),
-            graph_peak_bytes=meter.peak_bytes, graph_live_bytes_after=meter.live_bytes,
-            cuda_peak_bytes=clock.cuda_peak_bytes, state_grad_bytes=state_grad_bytes,
+            stats=stats, advantages=[a for part in parts for a in part.advantages], seconds=clock.seconds,
+            resident_bytes=largest.resident_bytes, graph_peak_bytes=max(part.meter.peak_bytes for part in parts),
+            graph_live_bytes_after=sum(part.meter.live_bytes for part in parts),
+            cuda_peak_bytes=clock.cuda_peak_bytes, state_grad_bytes=max(part.state_grad_bytes for part in parts),
         )

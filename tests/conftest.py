@@ -206,3 +206,30 @@ def capture_error_against_hf(hf, ours, prompt_len: int, response_len: int, block
     ref = torch.log_softmax(logits, -1)[prompt.numel() - 1 : -1].gather(-1, response[:, None])[:, 0]
     got = ours.logprobs(ours.capture(prompt, block_size=block_size), response)
     return (got - ref).abs().max().item()
+
+
+
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def chat_model_dir(path):
+    """An HF directory of qwen36_tiny (random weights) and a tiny byte-level tokenizer built here with the
+    `tokenizers` library: ids 0..255 are bytes, then <|endoftext|> (EOS), <|im_start|>, <|im_end|> (259 ids, the
+    model's vocabulary), and a ChatML template. No generation_config.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from longstraw_cli.export import _bytes_to_unicode
+    from longstraw_cli.lora import export_hf
+    from longstraw_cli.models import build_model
+
+    export_hf(build_model("qwen36_tiny", seed=0), path)
+    rust = Tokenizer(models.BPE(vocab={c: b for b, c in _bytes_to_unicode().items()}, merges=[]))
+    rust.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    rust.decoder = decoders.ByteLevel()
+    rust.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    hf = PreTrainedTokenizerFast(tokenizer_object=rust, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    hf.chat_template = CHATML
+    hf.save_pretrained(path)
+    return path

@@ -32,6 +32,8 @@ class LocalStrategy:
     cuda_graphs = True
     # exact mode's prompt walk may follow the replays: gradients stay local until `sync_gradients`
     exact_gradients = True
+    # checkpoints of whole tensors (checkpoint.py); True: sharded through DCP (distributed/sharded_checkpoint.py)
+    sharded_checkpoints = False
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None, *,
                  ep_group=None):

@@ -34,11 +34,13 @@ Context parallel: the ranks of one CP group hold identical gradients already (re
 attention), so strategies reduce over the dp group only; world = dp x cp, cp-fastest (ParallelDims). The CP
 group is DeepSpeed's model-parallel group, so its norm counts each parameter once.
 
-Checkpoints do not depend on the strategy: `state_dict()` gives the trainable weights by name and the
-optimizer state in torch's layout with whole tensors, as one process holds them (expert slices gathered over
-the EP group); `load_state_dict` takes the same. Under fsdp2, deepspeed and ep both are collectives: every rank
-calls them. The contract and the one-rank strategy live in local_strategy.py; `make_strategy` picks a registered
-builder by name (deepspeed_zero.py is imported only when its builder runs).
+Checkpoints: `state_dict()` gives the trainable weights by name and the optimizer state in torch's layout with
+whole tensors, as one process holds them (expert slices gathered over the EP group); `load_state_dict` takes
+the same. fsdp2 checkpoints are sharded instead (`sharded_checkpoints`: distributed/sharded_checkpoint.py,
+torch.distributed.checkpoint), and load under any world size into fsdp2, ddp or one process. Under fsdp2,
+deepspeed and ep both are collectives: every rank calls them. The contract and the one-rank strategy live in
+local_strategy.py; `make_strategy` picks a registered builder by name (deepspeed_zero.py is imported only when
+its builder runs).
 
 Simplifications: fsdp2 needs every rank to produce gradients for the same parameters (no data-dependent
 unused parameters); under fsdp2 the replay's graph memory includes the gathered weights autograd keeps for a
@@ -120,6 +122,8 @@ class FSDP2Strategy(LocalStrategy):
     cuda_graphs = False
     # the reduce-scatter runs inside the last replay's backward; none follows a later walk
     exact_gradients = False
+    # each rank writes its own shards: no rank gathers a whole tensor
+    sharded_checkpoints = True
 
     def __init__(self, model: nn.Module, make_optimizer: MakeOptimizer, max_grad_norm: float | None, dp_group):
         from torch.distributed.device_mesh import DeviceMesh

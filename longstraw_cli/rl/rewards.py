@@ -1,4 +1,6 @@
-"""Rewards: `fn(response, example) -> float`, registered by name or given as 'package.module:function'.
+"""Rewards: `fn(response, example) -> float`, registered by name, or any function given as 'package.module:function'
+(the working directory is importable, as under `python -m`) or 'path/to/file.py:function' (as verl takes it).
+How a function is called (native, verl, TRL signatures) is rl/reward_adapters.py's concern.
 
 `response` is the decoded completion exactly as the trainer passes it; nothing here strips chat markup or
 thinking blocks. Every built-in reward is 0.0 or 1.0 except `char_rate`, a share in [0, 1].
@@ -7,9 +9,13 @@ thinking blocks. Every built-in reward is 0.0 or 1.0 except `char_rate`, a share
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import os
 import re
+import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 from longstraw_cli.rl.tasks import Example
 
@@ -27,25 +33,56 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
     return register
 
 
+def _import_file(path: Path, spec: str):
+    if not path.is_file():
+        raise ValueError(f"reward {spec!r}: no such file {str(path)!r}")
+    name = f"longstraw_reward_{path.stem}"
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    # registered before running it, as an import does: dataclasses and pickling look the module up by name
+    sys.modules[name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[name]
+        raise ValueError(f"reward {spec!r}: importing {str(path)!r} failed ({type(e).__name__}: {e})") from e
+    return module
+
+
+def _import_module(module_name: str, spec: str):
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        cwd = os.getcwd()
+        # the `longstraw` script does not put the working directory on the path the way `python -m` does
+        if e.name != module_name.partition(".")[0] or cwd in sys.path:
+            raise ValueError(f"reward {spec!r}: cannot import module {module_name!r} ({e})") from e
+        sys.path.insert(0, cwd)
+        return _import_module(module_name, spec)
+    except ImportError as e:
+        raise ValueError(f"reward {spec!r}: cannot import module {module_name!r} ({e})") from e
+
+
 def get_reward(spec: str) -> RewardFn:
-    """A registered reward by name, or any callable named 'package.module:function'."""
+    """A registered reward by name, or any callable named 'package.module:function' or 'path/to/file.py:function'."""
     if ":" not in spec:
         if spec not in _REWARDS:
             raise ValueError(
-                f"unknown reward {spec!r}; choose one of {sorted(_REWARDS)}, or give 'package.module:function'"
+                f"unknown reward {spec!r}; choose one of {sorted(_REWARDS)}, or give 'package.module:function' "
+                f"or 'path/to/file.py:function'"
             )
         return _REWARDS[spec]
-    module_name, _, attr = spec.partition(":")
+    module_name, _, attr = spec.rpartition(":")
     if not module_name or not attr:
-        raise ValueError(f"reward {spec!r}: expected 'package.module:function'")
-    try:
-        obj = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"reward {spec!r}: cannot import module {module_name!r} ({e})") from e
+        raise ValueError(f"reward {spec!r}: expected 'package.module:function' or 'path/to/file.py:function'")
+    if module_name.endswith(".py") or os.sep in module_name or "/" in module_name:
+        obj = _import_file(Path(module_name).expanduser(), spec)
+    else:
+        obj = _import_module(module_name, spec)
     for part in attr.split("."):
         obj = getattr(obj, part, None)
     if not callable(obj):
-        raise ValueError(f"reward {spec!r}: module {module_name!r} has no function {attr!r}")
+        raise ValueError(f"reward {spec!r}: {module_name!r} has no function {attr!r}")
     return obj
 
 

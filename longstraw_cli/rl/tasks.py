@@ -15,32 +15,36 @@ Simplifications, stated once:
   tokens. A trainer that adds a template or BOS adds those tokens on top.
 - Fitting the length tokenizes the whole prompt a few times (about three for a subword tokenizer, once for
   bytes); with a subword tokenizer and million-token prompts that costs seconds per example.
-- `jsonl` serves rows as written (no length control, no shuffling); index i wraps around the file, so
-  i // len(task) is the epoch.
+- File tasks (`jsonl`, `dataset`: data.py) serve rows as written, with no length control: `prompt_tokens`
+  does not apply to them.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
-import json
 import math
 import operator
 import random
 import string
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
-from longstraw_cli.tokenizer import Tokenizer
+from longstraw_cli.tokenizer import Tokenizer, render_prompt
 
 
 @dataclass(frozen=True)
 class Example:
-    prompt: str
+    # text, or chat messages [{"role": ..., "content": ...}] (rendered by the tokenizer's chat template)
+    prompt: str | list[dict]
     answer: str
+    # the row's other columns (file tasks), or what generated the example (synthetic tasks)
     meta: dict = field(default_factory=dict)
+    # the answer as the row holds it (verl's ground_truth may be a list or a number); None: `answer`
+    ground_truth: Any = None
+    # where the example came from, for error messages ("data.parquet row 17")
+    where: str = ""
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,18 @@ class TaskConfig:
     name: str
     prompt_tokens: int = 4096  # synthetic tasks: length of the prompt in tokenizer tokens
     seed: int = 0
-    path: str | None = None  # jsonl: the file to read
+    path: str | None = None  # file tasks: the file to read
+    # a string prompt goes through the chat template when true; messages always do (false refuses them)
+    chat_template: bool | None = None
+    chat_template_kwargs: dict | None = None  # passed to the template (e.g. enable_thinking: false)
+    # file tasks (data.py): the columns, the order, a validation file
+    format: str | None = None  # dataset: json | parquet; None: by the file's extension
+    prompt_key: str = "prompt"  # a dotted path into the row
+    answer_key: str | None = None  # dotted; None: the first of data.ANSWER_KEYS the first row has, else none
+    shuffle: bool = False  # a new seeded order every epoch
+    val_path: str | None = None  # evaluated every val_every steps: mean reward, logged as val/reward_mean
+    val_every: int = 0
+    val_examples: int = 0  # 0: every row of val_path
     passkey_digits: int = 5  # passkey
     num_chains: int = 1  # variable_tracking: the first chain is asked about, the others distract
     chain_length: int = 4  # variable_tracking: variables per chain
@@ -56,6 +71,15 @@ class TaskConfig:
     target: str = "a"  # char_choice: the one letter that earns reward
 
     def __post_init__(self):
+        for key in ("val_every", "val_examples"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"task {self.name!r}: {key} must be an integer >= 0, got {value!r}")
+        if self.val_every and self.val_path is None:
+            raise ValueError(f"task {self.name!r}: val_every={self.val_every} needs val_path=<file>")
+        if self.chat_template not in (None, True, False):
+            raise ValueError(f"task {self.name!r}: chat_template must be null, true or false, got "
+                             f"{self.chat_template!r}")
         for key in ("prompt_tokens", "passkey_digits", "num_chains", "chain_length"):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
@@ -74,6 +98,8 @@ class Task:
 
     name: ClassVar[str]
     default_reward: ClassVar[str] = "exact"
+    # synthetic tasks are generated at cfg.prompt_tokens; file tasks serve their rows as written
+    uses_prompt_tokens: ClassVar[bool] = True
     num_examples: int | None = None
 
     def __init__(self, cfg: TaskConfig, tokenizer: Tokenizer):
@@ -82,6 +108,10 @@ class Task:
 
     def example(self, i: int) -> Example:
         raise NotImplementedError
+
+    def prompt_text(self, example: Example) -> str:
+        """The prompt as the model reads it: chat messages through the tokenizer's template."""
+        return render_prompt(self.tokenizer, example.prompt, self.cfg.chat_template, self.cfg.chat_template_kwargs)
 
     def __iter__(self) -> Iterator[Example]:
         indices = itertools.count() if self.num_examples is None else range(self.num_examples)
@@ -362,56 +392,5 @@ class CharChoice(_Synthetic):
         return render, self.cfg.target, {}
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Files
-
-
-@register_task("jsonl")
-class Jsonl(Task):
-    """Rows {"prompt": str, "answer": str or number, ...}; other fields go to `meta`. Read and checked at start."""
-
-    def __init__(self, cfg: TaskConfig, tokenizer: Tokenizer):
-        super().__init__(cfg, tokenizer)
-        if cfg.path is None:
-            raise ValueError("task 'jsonl' needs path=<file.jsonl>")
-        self.examples = _read_jsonl(Path(cfg.path))
-        self.num_examples = len(self.examples)
-
-    def __len__(self) -> int:
-        return len(self.examples)
-
-    def example(self, i: int) -> Example:
-        return self.examples[_check_index(i) % len(self.examples)]
-
-
-def _read_jsonl(path: Path) -> list[Example]:
-    if not path.is_file():
-        raise ValueError(f"jsonl task: no such file {str(path)!r}")
-    examples = []
-    with path.open("rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{where}: not UTF-8 ({e.reason})") from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: invalid JSON ({e.msg}, column {e.colno})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            for key in ("prompt", "answer"):
-                if key not in row:
-                    raise ValueError(f"{where}: missing field {key!r}; a row needs 'prompt' and 'answer'")
-            prompt, answer = row.pop("prompt"), row.pop("answer")
-            if not isinstance(prompt, str):
-                raise ValueError(f"{where}: 'prompt' must be a string, got {type(prompt).__name__}")
-            if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
-                raise ValueError(f"{where}: 'answer' must be a string or a number, got {type(answer).__name__}")
-            examples.append(Example(prompt, str(answer), row))
-    if not examples:
-        raise ValueError(f"jsonl task: {str(path)!r} has no rows")
-    return examples
+# file tasks (jsonl, dataset) live in data.py; importing it registers them
+from longstraw_cli import data  # noqa: E402, F401

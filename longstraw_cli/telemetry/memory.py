@@ -9,7 +9,7 @@ that outlives its replay shows up as live bytes. On CUDA `PhaseClock` also recor
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 
 import torch
@@ -85,14 +85,18 @@ class PhaseClock:
     clock records time only; memory there is `GraphMemory`'s accounting (and the process RSS) instead.
     """
 
-    def __init__(self, device: torch.device | str = "cpu"):
+    def __init__(self, device: torch.device | str = "cpu", on_phase: Callable[[str], None] | None = None):
         self.device = torch.device(device)
         self.seconds: dict[str, float] = {}
         self.cuda_peak_bytes: dict[str, int] = {}
+        # told each phase's name as it starts (the live progress display)
+        self.on_phase = on_phase
 
     @contextmanager
     def phase(self, name: str):
         cuda = self.device.type == "cuda"
+        if self.on_phase is not None:
+            self.on_phase(name)
         if cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)

@@ -1,4 +1,5 @@
-"""Per-step metrics: run_dir/metrics.jsonl (the record), a one-line console summary, optionally Weights & Biases.
+"""Per-step metrics: run_dir/metrics.jsonl (the record), a one-line console summary, optionally Weights & Biases
+and TensorBoard.
 
 metrics.jsonl holds one JSON object per line, `{"step": step, **metrics}`, each row flushed and fsynced. A
 resumed run passes `resume_step` (the first step it will log): rows with step >= resume_step, logged after the
@@ -7,12 +8,19 @@ uninterrupted run writes. A fresh run (resume_step None) replaces an existing me
 
 Key conventions the console and `plot_memory` rely on: `time/<phase>` in seconds, `mem/<what>` in bytes.
 Only rank 0 logs; on other ranks every method is a no-op and nothing is created.
+
+W&B: a fresh run draws a run id and keeps it in run_dir/wandb_run_id; a resumed run opens the same id
+(`resume="allow"`), so a killed and resumed run is one W&B run. (Steps the killed process logged after its
+last checkpoint are logged again on resume; W&B keeps its first value of a step.) TensorBoard: event files
+under run_dir/tensorboard, written with `purge_step` = the first step a resumed run logs, so TensorBoard drops
+the killed process's rows past the checkpoint as metrics.jsonl does.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +29,10 @@ from rich.console import Console
 from rich.markup import escape
 
 WANDB_MODES = ("offline", "online", "disabled")
-BACKENDS = ("console", "jsonl", "wandb")
+BACKENDS = ("console", "jsonl", "wandb", "tensorboard")
 METRICS_FILE = "metrics.jsonl"
+WANDB_ID_FILE = "wandb_run_id"
+TENSORBOARD_DIR = "tensorboard"
 
 # console order: training signal first, then time by phase in the trainer's order, then memory
 _HEAD_KEYS = ("reward_mean", "reward_std", "loss", "pg_loss", "kl_loss", "kl_mean", "ppo_kl", "clip_frac",
@@ -125,12 +135,15 @@ class MetricsLogger:
         self._file = None
         self._console = None
         self._wandb_run = None
+        self._tensorboard = None
         if not self.active:
             return
 
+        # before touching any file: a missing package should fail the run at once, not at the first log
         if "wandb" in self.backends:
-            # before touching any file: a missing package should fail the run at once, not at the first log
             wandb = _import_wandb()
+        if "tensorboard" in self.backends:
+            summary_writer = _import_tensorboard()
         if "jsonl" in self.backends:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._truncate(resume_step)
@@ -140,7 +153,21 @@ class MetricsLogger:
         if "wandb" in self.backends:
             cfg = wandb_cfg or WandbConfig()
             self._wandb_run = wandb.init(project=cfg.project, name=cfg.name, mode=cfg.mode,
-                                         dir=cfg.dir or str(self.run_dir), config=dict(config or {}))
+                                         dir=cfg.dir or str(self.run_dir), config=dict(config or {}),
+                                         id=self._wandb_id(resume_step), resume="allow")
+        if "tensorboard" in self.backends:
+            self._tensorboard = summary_writer(log_dir=str(self.run_dir / TENSORBOARD_DIR),
+                                               purge_step=resume_step or 0)
+
+    def _wandb_id(self, resume_step: int | None) -> str:
+        """The run's W&B id: the saved one when resuming, else a new one, saved."""
+        path = self.run_dir / WANDB_ID_FILE
+        if resume_step is not None and path.is_file():
+            return path.read_text().strip()
+        run_id = secrets.token_hex(4)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(run_id + "\n")
+        return run_id
 
     def _truncate(self, resume_step: int | None) -> None:
         """Keeps rows with step < resume_step (none for a fresh run), rewritten atomically."""
@@ -176,6 +203,10 @@ class MetricsLogger:
             self._console.print(format_line(step, values), soft_wrap=True)
         if self._wandb_run is not None:
             self._wandb_run.log(values, step=step)
+        if self._tensorboard is not None:
+            for key, value in values.items():
+                self._tensorboard.add_scalar(key, value, step)
+            self._tensorboard.flush()
 
     def close(self) -> None:
         if self._file is not None:
@@ -184,6 +215,9 @@ class MetricsLogger:
         if self._wandb_run is not None:
             self._wandb_run.finish()
             self._wandb_run = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
 
     def __enter__(self):
         return self
@@ -200,3 +234,13 @@ def _import_wandb():
             "the 'wandb' metrics backend needs the wandb package: pip install longstraw[wandb]"
         ) from e
     return wandb
+
+
+def _import_tensorboard():
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise ImportError(
+            "the 'tensorboard' metrics backend needs the tensorboard package: pip install longstraw[tensorboard]"
+        ) from e
+    return SummaryWriter

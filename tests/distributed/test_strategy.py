@@ -9,6 +9,7 @@ the cases themselves); the tests then read what each case left."""
 
 import collections
 import contextlib
+import copy
 import functools
 import importlib.util
 import os
@@ -23,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import free_port, randomize_, rel_err
 from longstraw_cli.checkpoint import CheckpointManager
+from longstraw_cli.distributed import sharded_checkpoint
 from longstraw_cli.distributed.cp import apply_context_parallel
 from longstraw_cli.distributed.strategy import DDPStrategy, LocalStrategy, StrategyConfig, make_strategy
 from longstraw_cli.distributed.topology import ParallelDims
@@ -47,6 +49,8 @@ UNUSED = "indexer_weight"
 CASES = {
     "ddp": (StrategyConfig("ddp"), torch.float64, {}),
     "fsdp2": (StrategyConfig("fsdp2"), torch.float64, {"resume": True}),
+    # fsdp2's own checkpoints: sharded through torch.distributed.checkpoint, no whole tensor on any rank
+    "fsdp2_sharded": (StrategyConfig("fsdp2"), torch.float64, {"resume": True, "sharded": True}),
     "deepspeed_zero1": (StrategyConfig("deepspeed", zero_stage=1), torch.float32, {}),
     "deepspeed_zero2": (StrategyConfig("deepspeed", zero_stage=2), torch.float32, {"resume": True}),
     # LoRA: only adapters train, plus one trainable parameter the loss never reaches (like glm52's DSA indexer)
@@ -154,14 +158,22 @@ def run_case(name, dims, rank, groups, out_dir):
         if options.get("resume") and step == 0:
             checkpoints = CheckpointManager(out_dir / f"{name}_checkpoints", rank=rank)
             model_state, optimizer_state = strategy.state_dict()
-            checkpoints.save(1, model_state=model_state, optimizer_state=optimizer_state, trainer_state={})
+            if options.get("sharded"):
+                sharded_checkpoint.save(checkpoints, 1, strategy, {})
+                # copies: AdamW's step counter is a live tensor the next step increments in place
+                out["checkpointed"] = copy.deepcopy((model_state, optimizer_state))
+            else:
+                checkpoints.save(1, model_state=model_state, optimizer_state=optimizer_state, trainer_state={})
             dist.barrier()
     out["params"], _ = strategy.state_dict()
     if options.get("resume"):
         # a fresh model and strategy from the step-1 checkpoint, then step 2: as if the run had been killed
         strategy, tx = build()
-        model_state, optimizer_state, _ = checkpoints.load(checkpoints.latest())
-        strategy.load_state_dict(model_state, optimizer_state)
+        if options.get("sharded"):
+            sharded_checkpoint.load(checkpoints.latest(), strategy)
+        else:
+            model_state, optimizer_state, _ = checkpoints.load(checkpoints.latest())
+            strategy.load_state_dict(model_state, optimizer_state)
         out["resumed_norm"] = run(tx, 1, dp_rank).stats["grad_norm"]
         out["resumed_params"], _ = strategy.state_dict()
     torch.save(out, out_dir / f"{name}.rank{rank}.pt")
@@ -184,7 +196,12 @@ def _worker(rank, world, cp, port, out_dir, names):
 def spawn(tmp_path_factory, world, cp, names):
     out_dir = tmp_path_factory.mktemp(f"world{world}_cp{cp}")
     mp.spawn(_worker, args=(world, cp, free_port(), out_dir, names), nprocs=world, join=True)
-    return lambda name, rank: torch.load(out_dir / f"{name}.rank{rank}.pt")
+
+    def load(name, rank):
+        return torch.load(out_dir / f"{name}.rank{rank}.pt")
+
+    load.out_dir = out_dir
+    return load
 
 
 @pytest.fixture(scope="module")
@@ -288,7 +305,7 @@ def test_ddp_with_lora_trains_adapters_only_and_tolerates_a_parameter_without_gr
     assert torch.equal(got["params"][UNUSED], torch.ones(4, dtype=torch.float64))
 
 
-@pytest.mark.parametrize("name", ["fsdp2", "deepspeed_zero2"])
+@pytest.mark.parametrize("name", ["fsdp2", "fsdp2_sharded", "deepspeed_zero2"])
 def test_resume_from_checkpoint_equals_uninterrupted_run(dp2, name):
     if name.startswith("deepspeed") and not HAS_DEEPSPEED:
         pytest.skip(NO_DEEPSPEED)
@@ -297,6 +314,24 @@ def test_resume_from_checkpoint_equals_uninterrupted_run(dp2, name):
         diff = max((got["resumed_params"][n] - p).abs().max().item() for n, p in got["params"].items())
         print(f"{name} rank {rank}: resumed vs uninterrupted max abs diff {diff:.1e}")
         assert diff == 0.0 and got["resumed_norm"] == got["norms"][1]
+
+
+def test_sharded_fsdp2_checkpoint_loads_in_one_process(dp2, tmp_path_factory):
+    """Written by two fsdp2 ranks (each its own shards: no whole tensor gathered), read by one process with no
+    process group: DCP reshards, and the weights and AdamW moments are the ones the two ranks held."""
+    [path] = CheckpointManager(dp2.out_dir / "fsdp2_sharded_checkpoints").complete()
+    assert sorted(p.name for p in (path / "dcp").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert not (path / "model.safetensors").exists()
+    model = make_model(torch.float64)
+    strategy = LocalStrategy(model, adamw([p for p in model.parameters() if p.requires_grad]), MAX_GRAD_NORM)
+    sharded_checkpoint.load(path, strategy)
+    want_model, want_optimizer = dp2("fsdp2_sharded", 0)["checkpointed"]
+    got_model, got_optimizer = strategy.state_dict()
+    assert set(got_model) == set(want_model)
+    assert all(torch.equal(got_model[n], want_model[n]) for n in want_model)
+    for i, state in want_optimizer["state"].items():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(got_optimizer["state"][i][key], state[key]), (i, key)
 
 
 @pytest.mark.parametrize("name", CP_CASES)
@@ -316,11 +351,21 @@ def test_longstraw_train_under_torchrun(tmp_path, name):
     if name == "deepspeed" and not HAS_DEEPSPEED:
         pytest.skip(NO_DEEPSPEED)
     run = tmp_path / "run"
+    args = [f"strategy={name}", "prompt_tokens=64", "response_tokens=4", "group_size=2",
+            "logger.backends=[console]", "steps=1", f"run_dir={run}"]
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          "-m", "longstraw_cli", "train", f"strategy={name}", "steps=1", "prompt_tokens=64",
-                          "response_tokens=4", "group_size=2", "logger.backends=[console]", f"run_dir={run}"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=600)
+                          "-m", "longstraw_cli", "train", *args], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     log = (run / "train_rank1.log").read_text()
     assert f"strategy {name}" in log and "rank 1 step 0 " in log
-    assert (run / "checkpoints" / "step_00000001" / "COMPLETE").exists()
+    checkpoint = run / "checkpoints" / "step_00000001"
+    assert (checkpoint / "COMPLETE").exists()
+    if name == "fsdp2":
+        # sharded: each rank wrote its own file, no whole-tensor file; one process resumes from it
+        assert len(list((checkpoint / "dcp").glob("*.distcp"))) == 2 and not (checkpoint / "model.safetensors").exists()
+        out = subprocess.run([sys.executable, "-m", "longstraw_cli", "train", *args[:-2], "steps=2", "resume=true",
+                              f"run_dir={run}"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert "rank 0 of 1 (" in (run / "train_rank0.log").read_text()
+        assert (run / "checkpoints" / "step_00000002" / "COMPLETE").exists()

@@ -65,7 +65,7 @@ def test_fresh_run_replaces_the_file_and_other_ranks_write_nothing(tmp_path):
 
 def test_bad_inputs(tmp_path):
     with pytest.raises(ValueError, match="console"):
-        MetricsLogger(tmp_path, backends=("tensorboard",))
+        MetricsLogger(tmp_path, backends=("mlflow",))
     with MetricsLogger(tmp_path, backends=("jsonl",)) as logger:
         with pytest.raises(ValueError, match="step"):
             logger.log(0, {"step": 1.0})
@@ -113,11 +113,41 @@ def test_wandb_backend_calls(tmp_path, monkeypatch):
     cfg = WandbConfig(project="p", mode="disabled", name="n")
     with MetricsLogger(tmp_path, backends=("wandb",), wandb_cfg=cfg, config={"lr": 1e-3}) as logger:
         logger.log(7, {"loss": 0.5})
+    run_id = (tmp_path / "wandb_run_id").read_text().strip()
     assert calls == [
-        ("init", dict(project="p", name="n", mode="disabled", dir=str(tmp_path), config={"lr": 1e-3})),
+        ("init", dict(project="p", name="n", mode="disabled", dir=str(tmp_path), config={"lr": 1e-3}, id=run_id,
+                      resume="allow")),
         ("log", {"loss": 0.5}, 7),
         ("finish",),
     ]
+    # a resumed run opens the same W&B run; a fresh one in the same directory draws a new id
+    calls.clear()
+    MetricsLogger(tmp_path, backends=("wandb",), wandb_cfg=cfg, resume_step=8).close()
+    MetricsLogger(tmp_path, backends=("wandb",), wandb_cfg=cfg).close()
+    resumed, fresh = (kwargs for name, *kwargs in calls if name == "init")
+    assert resumed[0]["id"] == run_id and fresh[0]["id"] != run_id
+
+
+def test_tensorboard_backend_writes_scalars_and_drops_rows_past_a_resume(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with MetricsLogger(tmp_path, backends=("tensorboard",)) as logger:
+        for step in range(3):
+            logger.log(step, {"loss": float(step), "time/replay": 0.5})
+    # killed after step 2, resumed from the checkpoint of step 1: step 2 is logged again
+    with MetricsLogger(tmp_path, backends=("tensorboard",), resume_step=2) as logger:
+        logger.log(2, {"loss": 20.0, "time/replay": 0.5})
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(0, 0.0), (1, 1.0), (2, 20.0)]
+    assert "time/replay" in events.Tags()["scalars"]
+
+
+def test_tensorboard_missing_gives_install_hint(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(ImportError, match=r"pip install longstraw\[tensorboard\]"):
+        MetricsLogger(tmp_path, backends=("jsonl", "tensorboard"))
 
 
 def test_wandb_config_rejects_bad_mode():

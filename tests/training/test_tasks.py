@@ -159,7 +159,10 @@ def test_jsonl_task(tmp_path):
     path = _write(tmp_path / "data.jsonl", [json.dumps(rows[0]), "", json.dumps(rows[1])])
     task = make_task(TaskConfig("jsonl", path=str(path)), ByteTokenizer())
     assert len(task) == 2
-    assert list(task) == [Example("2+2=", "4", {"id": "a"}), Example("Capital of France?", "Paris", {})]
+    first, second = list(task)
+    assert first == Example("2+2=", "4", {"answer": 4, "id": "a"}, ground_truth=4, where=f"{path}:1")
+    assert second == Example("Capital of France?", "Paris", {"answer": "Paris"}, ground_truth="Paris",
+                             where=f"{path}:3")
     # Indices wrap around the file: example 2 starts the second epoch.
     assert task.example(2) == task.example(0)
 

@@ -1,0 +1,116 @@
+"""Sharded checkpoints through torch.distributed.checkpoint (DCP): every rank writes its own shards, and a
+checkpoint loads under any world size (DCP reshards on load), into fsdp2, ddp or one process.
+
+Used for `strategy=fsdp2` (FSDP2Strategy.sharded_checkpoints): no rank ever holds a whole tensor, which the
+whole-tensor format (checkpoint.py: gathered on every rank, written by rank 0) cannot avoid at the 27B shape.
+Layout, beside the whole-tensor checkpoints and found by the same `CheckpointManager.latest()`:
+
+    step_00000040/
+        dcp/          DCP's files: {"model": trainable weights by name, "optim": optimizer state by name}
+        trainer.pt    torch.save({"step": step, **trainer_state}), rank 0's, as in the whole-tensor format
+        COMPLETE      written last: JSON with the step and every file's byte size (paths under the directory)
+
+Atomic as the whole-tensor format: all ranks write into `step_XXXXXXXX.tmp-dcp/` (one name every rank knows;
+the next CheckpointManager deletes it after a kill), DCP fsyncs its files, rank 0 writes trainer.pt and COMPLETE,
+renames the directory, and prunes to `keep`; barriers order the ranks. One shared filesystem for all ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from longstraw_cli.checkpoint import (
+    COMPLETE_FILE,
+    TRAINER_FILE,
+    CheckpointError,
+    CheckpointManager,
+    _fsync_dir,
+    _remove,
+    _torch_save,
+)
+
+DCP_DIR = "dcp"
+_TMP_NAME = ".tmp-dcp"
+
+
+def is_sharded(path: Path) -> bool:
+    return (Path(path) / DCP_DIR).is_dir()
+
+
+def _state(strategy) -> dict:
+    """The strategy's trainable weights and optimizer state by parameter name, as this rank holds them (DTensor
+    shards under fsdp2, whole tensors elsewhere)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model_state, optim_state = get_state_dict(strategy.model, strategy.optimizer,
+                                              options=StateDictOptions(ignore_frozen_params=True))
+    return {"model": model_state, "optim": optim_state}
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save(manager: CheckpointManager, step: int, strategy, trainer_state: dict) -> Path:
+    """A collective: every rank calls it. -> the checkpoint's final path."""
+    import torch.distributed.checkpoint as dcp
+
+    final = manager.dir / f"step_{step:08d}"
+    tmp = final.with_name(final.name + _TMP_NAME)
+    if manager.rank == 0:
+        if tmp.exists():
+            _remove(tmp)
+        tmp.mkdir(parents=True)
+    _barrier()
+    dcp.save(_state(strategy), storage_writer=dcp.FileSystemWriter(str(tmp / DCP_DIR), sync_files=True))
+    _barrier()
+    if manager.rank == 0:
+        _torch_save({**trainer_state, "step": step}, tmp / TRAINER_FILE)
+        sizes = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
+        with open(tmp / COMPLETE_FILE, "w") as f:
+            json.dump({"step": step, "sizes": sizes}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp / DCP_DIR)
+        _fsync_dir(tmp)
+        if final.exists():
+            _remove(final)
+        os.replace(tmp, final)
+        _fsync_dir(manager.dir)
+        for old in manager.complete()[: -manager.keep]:
+            _remove(old)
+    _barrier()
+    return final
+
+
+def load(path: Path, strategy) -> dict:
+    """Loads a sharded checkpoint into the strategy's model and optimizer (each rank reads the shards it
+    needs); -> trainer_state. Every rank calls it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    path = Path(path)
+    try:
+        sizes = json.loads((path / COMPLETE_FILE).read_text())["sizes"]
+    except (OSError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{path / COMPLETE_FILE}: unreadable marker ({e})") from e
+    for name, size in sizes.items():
+        f = path / name
+        if not f.is_file() or f.stat().st_size != size:
+            raise CheckpointError(f"{f}: missing, or not the {size} bytes written (truncated or replaced)")
+    reader = dcp.FileSystemReader(str(path / DCP_DIR))
+    saved = {k.partition(".")[2] for k in reader.read_metadata().state_dict_metadata if k.startswith("model.")}
+    state = _state(strategy)
+    if saved != set(state["model"]):
+        raise CheckpointError(f"{path} does not match this model's trainable parameters "
+                              f"(e.g. {sorted(saved ^ set(state['model']))[:3]})")
+    dcp.load(state, storage_reader=reader)
+    set_state_dict(strategy.model, strategy.optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"], options=StateDictOptions(ignore_frozen_params=True))
+    return torch.load(path / TRAINER_FILE, map_location="cpu", weights_only=True)

@@ -1,0 +1,140 @@
+"""How a reward is called: the native, verl and TRL signatures, each checked at start and called on a whole group.
+
+The trainer asks one thing of a reward: the G rewards of one prompt's G decoded responses
+(`GroupReward(example, responses, response_ids) -> list[float]`). Each style is a small registered adapter:
+
+- `native`: `fn(response: str, example: Example) -> float`, once per response (rl/rewards.py's built-ins).
+- `verl`: `compute_score(data_source, solution_str, ground_truth, extra_info) -> float | {"score": float, ...}`,
+  once per response, by keyword, as verl's reward manager calls it: `data_source` and `extra_info` are the row's
+  columns, `ground_truth` the answer as the row holds it.
+- `trl`: `reward_func(prompts, completions, **kwargs) -> list[float]`, once per group, as TRL's GRPOTrainer
+  calls it: G copies of the prompt, the G completions (for a prompt of chat messages, each completion is
+  `[{"role": "assistant", "content": text}]`), `completion_ids`, and every other column of the row repeated G
+  times as a keyword argument.
+
+`auto` picks by parameter names (`solution_str`: verl; `completions`: trl; else native). A function that does not
+take `**kwargs` is given only the keywords it names. The check at start binds the call to the task's first
+example, so a wrong signature is one line before the model is built. A reward that raises, returns a non-finite
+number or the wrong count stops the run with one line naming the reward and the row (`RewardError`): rewards
+come before any gradient, so nothing of that step is written (no metrics row, no checkpoint).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from longstraw_cli.rl.rewards import get_reward
+from longstraw_cli.rl.tasks import Example
+
+
+class RewardError(ValueError):
+    """A reward failed on a row: one line naming the reward, the row and the cause."""
+
+
+@dataclass(frozen=True)
+class Style:
+    # the keyword arguments (or positional, for native) a probe call binds, to check the signature at start
+    probe: Callable[[Example], tuple[tuple, dict]]
+    # (fn, example, responses, response_ids) -> raw values, one per response
+    call: Callable[[Callable, Example, Sequence[str], Sequence[list[int]]], list]
+    signature: str
+
+
+def _accepted(fn: Callable, kwargs: dict) -> dict:
+    """kwargs cut to the names fn takes, unless it takes **kwargs."""
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return kwargs
+    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return {k: v for k, v in kwargs.items() if k in names}
+
+
+def _verl_kwargs(example: Example, response: str) -> dict:
+    truth = example.answer if example.ground_truth is None else example.ground_truth
+    return {"data_source": example.meta.get("data_source"), "solution_str": response, "ground_truth": truth,
+            "extra_info": example.meta.get("extra_info")}
+
+
+def _trl_kwargs(example: Example, responses: Sequence[str], response_ids: Sequence[list[int]]) -> dict:
+    g = len(responses)
+    chat = not isinstance(example.prompt, str)
+    completions = [[{"role": "assistant", "content": r}] for r in responses] if chat else list(responses)
+    columns = {k: [v] * g for k, v in example.meta.items() if k not in ("prompts", "completions")}
+    return {**columns, "prompts": [example.prompt] * g, "completions": completions,
+            "completion_ids": [list(ids) for ids in response_ids]}
+
+
+STYLES: dict[str, Style] = {
+    "native": Style(
+        probe=lambda ex: (("", ex), {}),
+        call=lambda fn, ex, responses, ids: [fn(r, ex) for r in responses],
+        signature="fn(response, example) -> float"),
+    "verl": Style(
+        probe=lambda ex: ((), _verl_kwargs(ex, "")),
+        call=lambda fn, ex, responses, ids: [fn(**_accepted(fn, _verl_kwargs(ex, r))) for r in responses],
+        signature="compute_score(data_source, solution_str, ground_truth, extra_info) -> float or {'score': ...}"),
+    "trl": Style(
+        probe=lambda ex: ((), _trl_kwargs(ex, ["", ""], [[], []])),
+        call=lambda fn, ex, responses, ids: list(fn(**_accepted(fn, _trl_kwargs(ex, responses, ids)))),
+        signature="reward_func(prompts, completions, **kwargs) -> list[float]"),
+}
+REWARD_STYLES = ("auto", *STYLES)
+
+
+def _guess_style(fn: Callable) -> str:
+    names = set(inspect.signature(fn).parameters)
+    return "verl" if "solution_str" in names else "trl" if "completions" in names else "native"
+
+
+def _score(value, style: str) -> float:
+    # verl's compute_score may return {"score": ..., other metrics}
+    if style == "verl" and isinstance(value, dict):
+        value = value.get("score")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "item"):
+        raise TypeError(f"returned {value!r}, not a number")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"returned {value}")
+    return value
+
+
+class GroupReward:
+    """`spec` (a registered name, module:function or file.py:function) called in `style` on a whole group."""
+
+    def __init__(self, spec: str, style: str, probe: Example):
+        if style not in REWARD_STYLES:
+            raise ValueError(f"task.reward_style={style!r}; valid: {list(REWARD_STYLES)}")
+        self.spec, self.fn = spec, get_reward(spec)
+        try:
+            signature = inspect.signature(self.fn)
+        except (TypeError, ValueError):
+            signature = None
+        self.style = _guess_style(self.fn) if style == "auto" and signature is not None else (
+            "native" if style == "auto" else style)
+        if signature is not None:
+            args, kwargs = STYLES[self.style].probe(probe)
+            if self.style != "native":
+                kwargs = _accepted(self.fn, kwargs)
+            try:
+                signature.bind(*args, **kwargs)
+            except TypeError as e:
+                columns = f"; the row's columns: {sorted(probe.meta)}" if self.style == "trl" else ""
+                raise ValueError(f"reward {spec!r} cannot be called as a {self.style} reward, "
+                                 f"{STYLES[self.style].signature} ({e}){columns}") from None
+
+    def __call__(self, example: Example, responses: Sequence[str], response_ids: Sequence[list[int]]) -> list[float]:
+        row = example.where or f"example {example.meta.get('index', '?')}"
+        try:
+            values = STYLES[self.style].call(self.fn, example, responses, response_ids)
+        except Exception as e:  # noqa: BLE001 - any failure of user code is reported as one line
+            raise RewardError(f"reward {self.spec!r} failed on {row}: {type(e).__name__}: {e}") from e
+        if len(values) != len(responses):
+            raise RewardError(f"reward {self.spec!r} returned {len(values)} values for {len(responses)} responses "
+                              f"on {row}")
+        try:
+            return [_score(v, self.style) for v in values]
+        except (TypeError, ValueError) as e:
+            raise RewardError(f"reward {self.spec!r} {e} on {row}") from None
