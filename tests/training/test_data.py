@@ -250,17 +250,19 @@ def test_progress_line_shows_step_phase_and_eta():
     assert not StepProgress(10, 0, enabled=True, rank=1).live
 
 
-def test_prompts_per_step_accumulate_into_one_step():
+@pytest.mark.parametrize("gradient", ["response_only", "exact"])
+def test_prompts_per_step_accumulate_into_one_step(gradient):
     """Two prompts in one optimizer step: the same update as one process summing both prompts' gradients and
-    halving them (the data-parallel average, on one rank)."""
+    halving them (the data-parallel average, on one rank); exact: each prompt's walk follows its replays."""
     from longstraw_cli.distributed.local_strategy import LocalStrategy
     from longstraw_cli.models import build_model
+    from longstraw_cli.resident.gradient import StateGrad
     from longstraw_cli.rl.advantages import get_advantage
     from longstraw_cli.rl.losses import LossConfig
     from longstraw_cli.telemetry.memory import PhaseClock
     from longstraw_cli.transaction import Transaction, TransactionConfig
 
-    cfg = TransactionConfig(block_size=16)
+    cfg = TransactionConfig(block_size=16, gradient=gradient)
     g = torch.Generator().manual_seed(0)
     problems = [(torch.randint(0, 259, (30 + 7 * b,), generator=g),
                  [torch.randint(0, 259, (4 + i,), generator=g) for i in range(3)], torch.rand(3, generator=g))
@@ -283,7 +285,11 @@ def test_prompts_per_step_accumulate_into_one_step():
     ref.strategy.zero_grad()
     for p, r, w in problems:
         resident = ref.capture(p)
-        ref.replay(resident, r, ref.score(resident, r), None, get_advantage(cfg.advantage)(w.double()).tolist())
+        state_grad = StateGrad(resident) if cfg.exact else None
+        ref.replay(resident, r, ref.score(resident, r), None, get_advantage(cfg.advantage)(w.double()).tolist(),
+                   state_grad)
+        if cfg.exact:
+            want.prompt_backward(p, resident, state_grad, cfg.block_size)
     for param in want.parameters():
         param.grad /= 2
     norm = ref.finalize()
