@@ -182,6 +182,11 @@ def _check_exact(d: dict, strategy: str, world_size: int) -> None:
     if world_size // d["cp"] > 1 and strategy != "ddp":
         raise ConfigError(f"capture.gradient=exact reduces gradients after the prompt's walk: strategy=ddp only "
                           f"with data parallelism; got strategy={strategy!r}")
+    dropout = d.get("lora", {}).get("dropout", 0.0)
+    if dropout:
+        # the walk recomputes each block: a fresh dropout mask there would differ from the one capture used
+        raise ConfigError(f"capture.gradient=exact recomputes the prompt, which dropout would change: needs "
+                          f"lora.dropout=0, got lora.dropout={dropout!r}")
 
 
 def train_config(d: dict, world_size: int | None = None) -> TrainConfig:

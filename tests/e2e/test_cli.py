@@ -176,6 +176,8 @@ def test_exact_gradient_refuses_what_it_does_not_run_with():
         train_config({**cfg, "cp": 2, "strategy": {"name": "fsdp2"}}, world_size=4)
     with pytest.raises(ConfigError, match="strategy=ddp only with data parallelism; got strategy='fsdp2'"):
         train_config({**cfg, "strategy": {"name": "fsdp2"}}, world_size=2)
+    with pytest.raises(ConfigError, match="needs lora.dropout=0, got lora.dropout=0.1"):
+        train_config({**cfg, "lora": {**cfg["lora"], "rank": 4, "dropout": 0.1}})
 
 
 def test_exact_gradient_train_runs_the_prompt_walk(train_here, tmp_path):
