@@ -1,8 +1,12 @@
+import json
+import logging
 import os
 import socket
+import subprocess
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -205,3 +209,47 @@ def capture_error_against_hf(hf, ours, prompt_len: int, response_len: int, block
     ref = torch.log_softmax(logits, -1)[prompt.numel() - 1 : -1].gather(-1, response[:, None])[:, 0]
     got = ours.logprobs(ours.capture(prompt, block_size=block_size), response)
     return (got - ref).abs().max().item()
+
+
+def longstraw(args, cwd, env=None, timeout=900):
+    """`longstraw train ARGS` in a child process (python -m longstraw_cli)."""
+    return subprocess.run([sys.executable, "-m", "longstraw_cli", "train", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture
+def train_here(tmp_path, monkeypatch, capsys):
+    """`longstraw train ARGS` in this process, in tmp_path: -> (exit code, stdout, stderr). Hydra sets sys.argv,
+    the root logger's handlers (its log file, a console on the captured stdout) and its global state; all are put
+    back afterwards."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    from longstraw_cli.__main__ import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+
+    def run(args):
+        capsys.readouterr()
+        try:
+            code = main(["train", *args])
+        except SystemExit as e:
+            code = e.code
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    yield run
+    for handler in root.handlers:
+        if handler not in handlers:
+            handler.close()
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    GlobalHydra.instance().clear()
+
+
+def rows(run_dir: Path) -> list[dict]:
+    """The metrics.jsonl rows of a run."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
