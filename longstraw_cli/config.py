@@ -24,6 +24,7 @@ from longstraw_cli.rollout.native import NativeConfig, SamplingConfig
 from longstraw_cli.rollout.vllm_engine import VllmConfig
 from longstraw_cli.telemetry.metrics import WandbConfig
 from longstraw_cli.transaction import TransactionConfig
+from longstraw_cli.typed import mismatch
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 ENGINES = ("native", "vllm")
@@ -48,6 +49,13 @@ class ModelConfig:
             raise ConfigError(f"model.path={self.path!r} is not an HF model directory (no config.json)")
         if self.dtype not in DTYPES:
             raise ConfigError(f"model.dtype={self.dtype!r}; valid: {list(DTYPES)}")
+        if self.path is not None:
+            try:
+                self.family_config()
+            except KeyError as e:
+                raise ConfigError(f"model.path={self.path!r}: its config.json lacks {e}") from None
+            except (ValueError, TypeError) as e:
+                raise ConfigError(f"model.path={self.path!r}: cannot use its config.json ({e})") from None
 
     def family_config(self):
         """(family spec, the family's model config) of the named shape or of the HF directory's config.json."""
@@ -139,6 +147,7 @@ def _build(cls, node: dict, where: str, **extra):
     """cls(**node) for a dataclass, with unknown keys and bad values reported as ConfigError."""
     fields = {f.name for f in dataclasses.fields(cls)}
     _take(node, where, fields - set(extra))
+    _check_types(cls, node, where)
     values = {k: tuple(v) if isinstance(v, list) else v for k, v in node.items()}
     try:
         return cls(**values, **extra)
@@ -146,6 +155,12 @@ def _build(cls, node: dict, where: str, **extra):
         raise
     except (ValueError, TypeError) as e:
         raise ConfigError(f"{where}: {e}") from None
+
+
+def _check_types(cls, node: dict, where: str) -> None:
+    problem = mismatch(cls, node, where)
+    if problem:
+        raise ConfigError(problem)
 
 
 def _positive(name: str, value: Any, minimum: int = 1) -> None:
@@ -169,6 +184,7 @@ def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
     _take(d, "the config", top | {"algo", "capture"})
     for name in ("cp", "ep", "group_size", "steps", "prompt_tokens", "response_tokens"):
         _positive(name, d[name], 2 if name == "group_size" else 1)
+    _check_types(TrainConfig, {k: v for k, v in d.items() if not isinstance(v, dict)}, "")
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
     try:
         ParallelDims(world_size, cp=d["cp"], ep=d["ep"])
@@ -192,6 +208,9 @@ def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
     device = str(d["device"])
     if device.split(":")[0] not in ("cpu", "cuda"):
         raise ConfigError(f"device={device!r}; valid: ['cpu', 'cuda', 'cuda:N']")
+    _check_device(device)
+    if d["run_dir"] is not None and Path(d["run_dir"]).exists() and not Path(d["run_dir"]).is_dir():
+        raise ConfigError(f"run_dir={d['run_dir']!r} is a file, not a directory")
 
     model = _build(ModelConfig, d["model"], "model")
     if d["prompt_tokens"] + d["response_tokens"] > model.max_positions():
@@ -239,5 +258,18 @@ def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
         strategy=_build(StrategyConfig, d["strategy"], "strategy"),
         cp=d["cp"], ep=d["ep"], group_size=d["group_size"], steps=d["steps"], prompt_tokens=d["prompt_tokens"],
         response_tokens=d["response_tokens"], seed=d["seed"], device=device, run_dir=str(d["run_dir"]),
-        resume=bool(d["resume"]), export_hf=bool(d["export_hf"]),
+        resume=d["resume"], export_hf=d["export_hf"],
     )
+
+
+def _check_device(device: str) -> None:
+    """A CUDA device this process can use, or a ConfigError naming the choices it has."""
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    valid = ["cpu"] + (["cuda"] + [f"cuda:{i}" for i in range(count)] if count else [])
+    index = device.partition(":")[2]
+    if count == 0 or (index and not (index.isdigit() and int(index) < count)):
+        raise ConfigError(f"device={device!r}, but this process sees {count} CUDA device(s); valid: {valid}")

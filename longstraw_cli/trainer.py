@@ -8,6 +8,9 @@ follows the reward. One `PhaseClock` per iteration times every phase (and its CU
 ranks take different prompts (example index step * dp + dp_rank) and finalize gradients once per step through
 the configured strategy (`strategy=ddp|fsdp2|deepspeed`, distributed/strategy.py), which also gives and takes
 the checkpoint's whole tensors. Every process group comes from `ParallelDims.new_groups`.
+
+Under faults (README, "What is guaranteed"):
+- prompts and reward values are checked (inputs.py); a run that stops early says why in one line (errors.py).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from longstraw_cli.checkpoint import CheckpointManager, capture_rng, restore_rng
 from longstraw_cli.config import TrainConfig
 from longstraw_cli.distributed.strategy import make_strategy
 from longstraw_cli.distributed.topology import ParallelDims, env_rank_world
+from longstraw_cli.errors import RunError, first_line
+from longstraw_cli.inputs import check_prompts, reward_value
 from longstraw_cli.lora import adapters_disabled, apply_lora
 from longstraw_cli.models import build_model, from_pretrained
 from longstraw_cli.models.spec import family_of
@@ -43,8 +48,8 @@ log = logging.getLogger("longstraw")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
-class TrainerError(RuntimeError):
-    """A problem with the run the user asked for (reported as one line by the CLI)."""
+class TrainerError(RunError):
+    """A problem with the run the user asked for (reported as one line by the CLI, exit status 2)."""
 
 
 def _rss_peak_bytes() -> int:
@@ -84,11 +89,15 @@ class Trainer:
                                       max_grad_norm=cfg.optim.max_grad_norm, num_replays=cfg.group_size)
         self.transaction = Transaction(self.model, self.strategy, cfg.loss, cfg.transaction, reference=reference)
         self.task = make_task(cfg.task, self.tokenizer)
-        self.reward_fn = get_reward(cfg.reward or self.task.default_reward)
+        check_prompts(self.task, self.prompt_ids, self.model.config.max_position_embeddings, cfg.response_tokens)
+        self.reward_name = cfg.reward or self.task.default_reward
+        self.reward_fn = get_reward(self.reward_name)
         self.sampling = dataclasses.replace(cfg.rollout.sampling, stop_token_ids=(self.tokenizer.eos_token_id,))
         # the ranks of one CP group sample the same responses: they share the generator's seed
         self.generator = torch.Generator(self.device).manual_seed(cfg.seed * 1000 + self.dp_rank)
         self.engine = self._vllm_engine() if cfg.rollout.engine == "vllm" else None
+        # where an error inside `train` came from: "iteration" (then the clock's phase) or a step's later part
+        self.clock, self.section = PhaseClock(self.device), "set-up"
         self.start_step = self._resume() if cfg.resume else 0
         log.info("rank %d of %d (%s, strategy %s), starting at step %d of %d", self.rank, world_size, self.dims,
                  self.strategy.name, self.start_step, cfg.steps)
@@ -170,8 +179,11 @@ class Trainer:
     # -- one iteration ----------------------------------------------------------------------------------------
     def example(self, step: int):
         example = self.task.example(step * self.dims.dp + self.dp_rank)
-        ids = torch.tensor(self.tokenizer.encode(example.prompt), dtype=torch.long, device=self.device)
+        ids = torch.tensor(self.prompt_ids(example), dtype=torch.long, device=self.device)
         return example, ids
+
+    def prompt_ids(self, example) -> list[int]:
+        return self.tokenizer.encode(example.prompt)
 
     def capture(self, prompt_ids: torch.Tensor):
         return self.transaction.capture(prompt_ids)
@@ -200,10 +212,11 @@ class Trainer:
 
     def reward(self, example, rollout: Rollout) -> torch.Tensor:
         texts = [self.tokenizer.decode(r.tolist()) for r in rollout.responses]
-        return torch.tensor([float(self.reward_fn(t, example)) for t in texts], dtype=torch.float64)
+        values = [reward_value(self.reward_name, self.reward_fn(t, example)) for t in texts]
+        return torch.tensor(values, dtype=torch.float64)
 
     def iteration(self, step: int) -> dict[str, float]:
-        clock = PhaseClock(self.device)
+        clock = self.clock = PhaseClock(self.device)
         example, prompt_ids = self.example(step)
         if self.engine is None:
             # ranks call the model a data-dependent number of times here: fsdp2 gathers the weights once around it
@@ -245,6 +258,22 @@ class Trainer:
         metrics["mem/rss_peak"] = _rss_peak_bytes()
         return metrics
 
+    @contextlib.contextmanager
+    def _named_failures(self, step: int):
+        """Memory running out as one line naming where it was."""
+        try:
+            yield
+        except RunError:
+            raise
+        except RuntimeError as e:
+            phase = f"phase {self.clock.last}" if self.section == "iteration" else self.section
+            where = f"step {step}, {phase}"
+            if isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e):
+                raise TrainerError(f"out of memory at {where} ({first_line(e)}); lower group_size="
+                                   f"{self.cfg.group_size}, response_tokens, prompt_tokens or capture.block_size "
+                                   f"(`longstraw plan` shows the memory by phase)") from e
+            raise
+
     def _across_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
         """Data-parallel runs log the mean over ranks of each number, and the max of times and memory."""
         if self.dims.dp == 1:
@@ -264,12 +293,17 @@ class Trainer:
         every = self.cfg.checkpoint.every
         try:
             for step in range(self.start_step, self.cfg.steps):
-                metrics = self._across_ranks(self.iteration(step))
-                self.metrics.log(step, metrics)
-                log.info("rank %d step %d %s", self.rank, step, json.dumps(metrics))
                 done = step + 1
-                if (every and done % every == 0) or done == self.cfg.steps:
-                    self._save(done)
+                with self._named_failures(step):
+                    self.section = "iteration"
+                    metrics = self.iteration(step)
+                    self.section = "the metrics all-reduce"
+                    metrics = self._across_ranks(metrics)
+                    self.metrics.log(step, metrics)
+                    log.info("rank %d step %d %s", self.rank, step, json.dumps(metrics))
+                    self.section = "the checkpoint"
+                    if (every and done % every == 0) or done == self.cfg.steps:
+                        self._save(done)
         finally:
             self.metrics.close()
         if self.cfg.export_hf:

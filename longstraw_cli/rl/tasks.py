@@ -83,6 +83,10 @@ class Task:
     def example(self, i: int) -> Example:
         raise NotImplementedError
 
+    def where(self, i: int) -> str:
+        """Example i's source, for messages."""
+        return f"task {self.name!r} example {i}"
+
     def __iter__(self) -> Iterator[Example]:
         indices = itertools.count() if self.num_examples is None else range(self.num_examples)
         return (self.example(i) for i in indices)
@@ -374,7 +378,7 @@ class Jsonl(Task):
         super().__init__(cfg, tokenizer)
         if cfg.path is None:
             raise ValueError("task 'jsonl' needs path=<file.jsonl>")
-        self.examples = _read_jsonl(Path(cfg.path))
+        self.examples, self.lines = _read_jsonl(Path(cfg.path))
         self.num_examples = len(self.examples)
 
     def __len__(self) -> int:
@@ -383,11 +387,15 @@ class Jsonl(Task):
     def example(self, i: int) -> Example:
         return self.examples[_check_index(i) % len(self.examples)]
 
+    def where(self, i: int) -> str:
+        return f"{self.cfg.path}:{self.lines[i % len(self.examples)]}"
 
-def _read_jsonl(path: Path) -> list[Example]:
+
+def _read_jsonl(path: Path) -> tuple[list[Example], list[int]]:
+    """The rows as examples, and the line each came from."""
     if not path.is_file():
         raise ValueError(f"jsonl task: no such file {str(path)!r}")
-    examples = []
+    examples, lines = [], []
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, start=1):
             where = f"{path}:{lineno}"
@@ -412,6 +420,7 @@ def _read_jsonl(path: Path) -> list[Example]:
             if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
                 raise ValueError(f"{where}: 'answer' must be a string or a number, got {type(answer).__name__}")
             examples.append(Example(prompt, str(answer), row))
+            lines.append(lineno)
     if not examples:
         raise ValueError(f"jsonl task: {str(path)!r} has no rows")
-    return examples
+    return examples, lines

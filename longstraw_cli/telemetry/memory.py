@@ -89,9 +89,12 @@ class PhaseClock:
         self.device = torch.device(device)
         self.seconds: dict[str, float] = {}
         self.cuda_peak_bytes: dict[str, int] = {}
+        # the phase entered last: where an error raised inside the iteration came from
+        self.last: str | None = None
 
     @contextmanager
     def phase(self, name: str):
+        self.last = name
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(self.device)
