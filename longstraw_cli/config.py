@@ -9,6 +9,7 @@ valid choices; the CLI prints it as one line.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,10 +78,15 @@ class OptimConfig:
     max_grad_norm: float | None = 1.0
 
     def __post_init__(self):
-        if self.lr <= 0:
-            raise ConfigError(f"optim.lr must be > 0, got {self.lr}")
+        if not 0 < self.lr < math.inf:
+            raise ConfigError(f"optim.lr must be a finite number > 0, got {self.lr}")
+        if not 0 <= self.weight_decay < math.inf:
+            raise ConfigError(f"optim.weight_decay must be a finite number >= 0, got {self.weight_decay}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {list(self.betas)}")
+        # <= 0 would turn every update around; inf is the same as null (no clipping)
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ConfigError(f"optim.max_grad_norm must be > 0 (null: no clipping), got {self.max_grad_norm}")
 
 
 @dataclass(frozen=True)
@@ -131,6 +137,8 @@ class TrainConfig:
     run_dir: str = "runs/local"
     resume: bool = False
     export_hf: bool = False
+    # the run stops when this many steps in a row were not applied (non-finite loss or gradient norm; guard.py)
+    max_nonfinite_steps: int = 3
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -182,7 +190,7 @@ def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
     d.pop("hydra", None)
     top = {f.name for f in dataclasses.fields(TrainConfig)} - {"loss", "transaction", "reward"}
     _take(d, "the config", top | {"algo", "capture"})
-    for name in ("cp", "ep", "group_size", "steps", "prompt_tokens", "response_tokens"):
+    for name in ("cp", "ep", "group_size", "steps", "prompt_tokens", "response_tokens", "max_nonfinite_steps"):
         _positive(name, d[name], 2 if name == "group_size" else 1)
     _check_types(TrainConfig, {k: v for k, v in d.items() if not isinstance(v, dict)}, "")
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
@@ -258,7 +266,7 @@ def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
         strategy=_build(StrategyConfig, d["strategy"], "strategy"),
         cp=d["cp"], ep=d["ep"], group_size=d["group_size"], steps=d["steps"], prompt_tokens=d["prompt_tokens"],
         response_tokens=d["response_tokens"], seed=d["seed"], device=device, run_dir=str(d["run_dir"]),
-        resume=d["resume"], export_hf=d["export_hf"],
+        resume=d["resume"], export_hf=d["export_hf"], max_nonfinite_steps=d["max_nonfinite_steps"],
     )
 
 

@@ -10,6 +10,7 @@ the configured strategy (`strategy=ddp|fsdp2|deepspeed`, distributed/strategy.py
 the checkpoint's whole tensors. Every process group comes from `ParallelDims.new_groups`.
 
 Under faults (README, "What is guaranteed"):
+- a step whose loss or gradient norm is not finite is not applied (guard.py);
 - prompts and reward values are checked (inputs.py); a run that stops early says why in one line (errors.py).
 """
 
@@ -31,6 +32,7 @@ from longstraw_cli.config import TrainConfig
 from longstraw_cli.distributed.strategy import make_strategy
 from longstraw_cli.distributed.topology import ParallelDims, env_rank_world
 from longstraw_cli.errors import RunError, first_line
+from longstraw_cli.guard import NonFiniteGuard, check_finite
 from longstraw_cli.inputs import check_prompts, reward_value
 from longstraw_cli.lora import adapters_disabled, apply_lora
 from longstraw_cli.models import build_model, from_pretrained
@@ -87,7 +89,9 @@ class Trainer:
         reference = self._reference()
         self.strategy = make_strategy(cfg.strategy, self.model, self._optimizer, self.groups,
                                       max_grad_norm=cfg.optim.max_grad_norm, num_replays=cfg.group_size)
-        self.transaction = Transaction(self.model, self.strategy, cfg.loss, cfg.transaction, reference=reference)
+        self.guard = NonFiniteGuard(cfg.max_nonfinite_steps)
+        self.transaction = Transaction(self.model, self.guard.around(self.strategy), cfg.loss, cfg.transaction,
+                                       reference=reference)
         self.task = make_task(cfg.task, self.tokenizer)
         check_prompts(self.task, self.prompt_ids, self.model.config.max_position_embeddings, cfg.response_tokens)
         self.reward_name = cfg.reward or self.task.default_reward
@@ -158,6 +162,8 @@ class Trainer:
     def _save(self, step: int) -> None:
         # whole tensors, whatever the strategy and ep (a collective under fsdp2 / deepspeed / ep: every rank is here)
         model_state, optimizer_state = self.strategy.state_dict()
+        # every rank holds the same whole tensors: every rank stops here alike
+        check_finite(model_state, step)
         self.checkpoints.save(
             step, model_state=model_state, optimizer_state=optimizer_state,
             trainer_state={"step": step, "rng": capture_rng({"sampling": self.generator})},
@@ -297,10 +303,13 @@ class Trainer:
                 with self._named_failures(step):
                     self.section = "iteration"
                     metrics = self.iteration(step)
+                    self.guard.after_step(step)
+                    metrics["nonfinite_steps"] = self.guard.total
                     self.section = "the metrics all-reduce"
                     metrics = self._across_ranks(metrics)
                     self.metrics.log(step, metrics)
                     log.info("rank %d step %d %s", self.rank, step, json.dumps(metrics))
+                    self.guard.stop_if_due(step)
                     self.section = "the checkpoint"
                     if (every and done % every == 0) or done == self.cfg.steps:
                         self._save(done)
