@@ -11,6 +11,7 @@ the checkpoint's whole tensors. Every process group comes from `ParallelDims.new
 
 Under faults (README, "What is guaranteed"):
 - a step whose loss or gradient norm is not finite is not applied (guard.py);
+- a checkpoint holds every rank's RNG and the config; resume passes over a corrupt one (resume.py);
 - prompts and reward values are checked (inputs.py); a run that stops early says why in one line (errors.py).
 """
 
@@ -27,7 +28,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from longstraw_cli.checkpoint import CheckpointManager, capture_rng, restore_rng
+from longstraw_cli import resume
+from longstraw_cli.checkpoint import CheckpointManager
 from longstraw_cli.config import TrainConfig
 from longstraw_cli.distributed.strategy import make_strategy
 from longstraw_cli.distributed.topology import ParallelDims, env_rank_world
@@ -70,6 +72,9 @@ class Trainer:
         self.device = torch.device(cfg.device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", local_rank)
+        if self.device.type == "cuda":
+            # object collectives (every rank's RNG into a checkpoint) run on the current device
+            torch.cuda.set_device(self.device)
         if world_size > 1 and not dist.is_initialized():
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
         self.groups = self.dims.new_groups(self.rank)
@@ -122,9 +127,12 @@ class Trainer:
                                f"vocab is {model.config.vocab_size}")
         return model
 
-    def _optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    def _hyperparameters(self) -> dict:
         optim = self.cfg.optim
-        return torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
+        return {"lr": optim.lr, "betas": tuple(optim.betas), "weight_decay": optim.weight_decay}
+
+    def _optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, **self._hyperparameters())
 
     def _reference(self) -> Reference | None:
         """The KL reference: with LoRA the same weights with adapters off, else a frozen copy of the start."""
@@ -164,22 +172,27 @@ class Trainer:
         model_state, optimizer_state = self.strategy.state_dict()
         # every rank holds the same whole tensors: every rank stops here alike
         check_finite(model_state, step)
-        self.checkpoints.save(
-            step, model_state=model_state, optimizer_state=optimizer_state,
-            trainer_state={"step": step, "rng": capture_rng({"sampling": self.generator})},
-        )
+        trainer_state = {"step": step, "rng_by_rank": resume.gather_rng({"sampling": self.generator}),
+                         "dims": {"world_size": self.dims.world_size, "cp": self.dims.cp},
+                         "config": resume.config_json(self.cfg.as_dict()), "guard": self.guard.state_dict()}
+        self.checkpoints.save(step, model_state=model_state, optimizer_state=optimizer_state,
+                              trainer_state=trainer_state)
 
     def _resume(self) -> int:
-        latest = self.checkpoints.latest()
-        if latest is None:
+        found = resume.newest_intact(self.checkpoints, map_location=self.device)
+        if found is None:
             return 0
-        model_state, optimizer_state, trainer_state = self.checkpoints.load(latest, map_location=self.device)
+        path, (model_state, optimizer_state, trainer_state) = found
+        resume.check_config(path, trainer_state.get("config"), self.cfg.as_dict())
         expected = {n for n, p in self.model.named_parameters() if p.requires_grad}
         if set(model_state) != expected:
-            raise TrainerError(f"{latest} does not match this model's trainable parameters "
+            raise TrainerError(f"{path} does not match this model's trainable parameters "
                                f"(e.g. {sorted(set(model_state) ^ expected)[:3]})")
         self.strategy.load_state_dict(model_state, optimizer_state)
-        restore_rng(trainer_state["rng"], {"sampling": self.generator})
+        resume.optimizer_hyperparameters(self.strategy.optimizer, self._hyperparameters())
+        resume.restore_own_rng(trainer_state, self.rank, self.dims, {"sampling": self.generator})
+        if "guard" in trainer_state:
+            self.guard.load_state_dict(trainer_state["guard"])
         return int(trainer_state["step"])
 
     # -- one iteration ----------------------------------------------------------------------------------------

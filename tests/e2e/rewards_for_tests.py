@@ -15,3 +15,8 @@ def overflow_from_example_2(response: str, example) -> float:
 def as_string(response: str, example):
     """Not a number: a reward must not pass this off as 0.5."""
     return "0.5"
+
+
+def char_codes(response: str, example) -> float:
+    """Varies within nearly every group, even of responses of equal length."""
+    return sum(map(ord, response)) / 1000.0
