@@ -12,6 +12,7 @@ the checkpoint's whole tensors. Every process group comes from `ParallelDims.new
 Under faults (README, "What is guaranteed"):
 - a step whose loss or gradient norm is not finite is not applied (guard.py);
 - a checkpoint holds every rank's RNG and the config; resume passes over a corrupt one (resume.py);
+- SIGTERM / SIGUSR1 end the run after the current step, with a checkpoint (preemption.py);
 - prompts and reward values are checked (inputs.py); a run that stops early says why in one line (errors.py).
 """
 
@@ -39,6 +40,7 @@ from longstraw_cli.inputs import check_prompts, reward_value
 from longstraw_cli.lora import adapters_disabled, apply_lora
 from longstraw_cli.models import build_model, from_pretrained
 from longstraw_cli.models.spec import family_of
+from longstraw_cli.preemption import Preempted, Preemption
 from longstraw_cli.rl.rewards import get_reward
 from longstraw_cli.rl.tasks import make_task
 from longstraw_cli.rollout.native import Rollout, generate
@@ -293,6 +295,14 @@ class Trainer:
                                    f"(`longstraw plan` shows the memory by phase)") from e
             raise
 
+    def _preempted(self, signal_name: str, done: int) -> None:
+        # rank 0 writes the checkpoint: no rank exits (and ends the launch) before it is whole
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+        raise Preempted(f"{signal_name} received: stopped after step {done - 1} with checkpoint step_{done:08d} in "
+                        f"{self.checkpoints.dir}; resume=true continues from step {done}")
+
     def _across_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
         """Data-parallel runs log the mean over ranks of each number, and the max of times and memory."""
         if self.dims.dp == 1:
@@ -311,21 +321,26 @@ class Trainer:
     def train(self) -> None:
         every = self.cfg.checkpoint.every
         try:
-            for step in range(self.start_step, self.cfg.steps):
-                done = step + 1
-                with self._named_failures(step):
-                    self.section = "iteration"
-                    metrics = self.iteration(step)
-                    self.guard.after_step(step)
-                    metrics["nonfinite_steps"] = self.guard.total
-                    self.section = "the metrics all-reduce"
-                    metrics = self._across_ranks(metrics)
-                    self.metrics.log(step, metrics)
-                    log.info("rank %d step %d %s", self.rank, step, json.dumps(metrics))
-                    self.guard.stop_if_due(step)
-                    self.section = "the checkpoint"
-                    if (every and done % every == 0) or done == self.cfg.steps:
-                        self._save(done)
+            with Preemption() as preemption:
+                for step in range(self.start_step, self.cfg.steps):
+                    done = step + 1
+                    with self._named_failures(step):
+                        self.section = "iteration"
+                        metrics = self.iteration(step)
+                        self.guard.after_step(step)
+                        metrics["nonfinite_steps"] = self.guard.total
+                        self.section = "the metrics all-reduce"
+                        metrics = self._across_ranks(metrics)
+                        self.metrics.log(step, metrics)
+                        log.info("rank %d step %d %s", self.rank, step, json.dumps(metrics))
+                        self.guard.stop_if_due(step)
+                        self.section = "the preemption check"
+                        stop = preemption.agreed(self.device)
+                        self.section = "the checkpoint"
+                        if (every and done % every == 0) or done == self.cfg.steps or stop:
+                            self._save(done)
+                    if stop and done < self.cfg.steps:
+                        self._preempted(stop, done)
         finally:
             self.metrics.close()
         if self.cfg.export_hf:
