@@ -5,13 +5,15 @@ and the valid choices), the composed config becomes a TrainConfig once, and the 
 `-m` sweeps, `--cfg job`, `--help` and `hydra.*` overrides are Hydra's own. Under torchrun every rank runs
 Hydra with one shared run dir; rank 0 alone writes `.hydra/`, and every rank logs to `train_rank{RANK}.log`.
 Set HYDRA_FULL_ERROR=1 for tracebacks. A run that stops early ends with one line and the exit status errors.py
-lists.
+lists; `longstraw train` holds run_dir's lock (runlock.py) while it trains.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import secrets
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -24,7 +26,8 @@ GROUPS = ("model", "task", "algo", "rollout", "logger", "strategy")
 
 def _run_id() -> str:
     """One id shared by all ranks of a launch: torchrun's rendezvous id (unique with --standalone), else the
-    slurm job, else the master endpoint under torchrun, else the local time."""
+    slurm job, else the master endpoint under torchrun, else the local time and a random suffix (two launches in
+    one second get two ids)."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
     if run_id and run_id != "none":
         return run_id
@@ -32,7 +35,7 @@ def _run_id() -> str:
         return f"slurm-{os.environ['SLURM_JOB_ID']}"
     if "WORLD_SIZE" in os.environ:
         return f"torchrun-{os.environ.get('MASTER_ADDR', 'local')}-{os.environ.get('MASTER_PORT', '0')}"
-    return datetime.now().strftime("%Y%m%d-%H%M%S")
+    return f"{datetime.now().strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
 
 
 def _hydra_subdir() -> str | None:
@@ -121,13 +124,15 @@ def _run_dir_override(overrides: list[str]) -> str | None:
 
 
 def _check_run_dir(overrides: list[str]) -> str | None:
-    """Before Hydra writes `.hydra/` and a log file there: run_dir is a directory."""
+    """Before Hydra writes `.hydra/` and a log file there: run_dir is a directory and no other launch holds it."""
+    from longstraw_cli import runlock
+
     run_dir = _run_dir_override(overrides)
     if run_dir is None:
         return None
     if Path(run_dir).exists() and not Path(run_dir).is_dir():
         return f"run_dir={run_dir!r} is a file, not a directory"
-    return None
+    return runlock.check(run_dir)
 
 
 def _task(cfg) -> None:
@@ -149,18 +154,22 @@ def _task(cfg) -> None:
             raise
         _fail(str(e))
     from longstraw_cli.errors import RunError
+    from longstraw_cli.runlock import RunLock
     from longstraw_cli.trainer import Trainer
 
+    # rank 0 writes run_dir: it holds the lock (the other ranks' CLI asked before Hydra wrote anything)
+    lock = RunLock(train_cfg.run_dir) if os.environ.get("RANK", "0") == "0" else contextlib.nullcontext()
     try:
-        # set-up errors (a bad file, tokenizer, reward spec) are the user's input: one line; errors while
-        # training are not, and keep their traceback, but for the ones that stop a run (errors.py)
-        try:
-            trainer = Trainer(train_cfg)
-        except (ValueError, ImportError) as e:
-            if full_error:
-                raise
-            _stop(e)
-        trainer.train()
+        with lock:
+            # set-up errors (a bad file, tokenizer, reward spec) are the user's input: one line; errors while
+            # training are not, and keep their traceback, but for the ones that stop a run (errors.py)
+            try:
+                trainer = Trainer(train_cfg)
+            except (ValueError, ImportError) as e:
+                if full_error:
+                    raise
+                _stop(e)
+            trainer.train()
     except RunError as e:
         if full_error:
             raise
