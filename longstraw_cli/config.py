@@ -139,6 +139,8 @@ class TrainConfig:
     export_hf: bool = False
     # the run stops when this many steps in a row were not applied (non-finite loss or gradient norm; guard.py)
     max_nonfinite_steps: int = 3
+    # how long a collective may wait for the other ranks before the run stops with one line (watchdog.py)
+    dist_timeout_s: float = 1800.0
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -193,6 +195,8 @@ def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
     for name in ("cp", "ep", "group_size", "steps", "prompt_tokens", "response_tokens", "max_nonfinite_steps"):
         _positive(name, d[name], 2 if name == "group_size" else 1)
     _check_types(TrainConfig, {k: v for k, v in d.items() if not isinstance(v, dict)}, "")
+    if not 0 < d["dist_timeout_s"] < math.inf:
+        raise ConfigError(f"dist_timeout_s must be a finite number of seconds > 0, got {d['dist_timeout_s']}")
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
     try:
         ParallelDims(world_size, cp=d["cp"], ep=d["ep"])
@@ -267,6 +271,7 @@ def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
         cp=d["cp"], ep=d["ep"], group_size=d["group_size"], steps=d["steps"], prompt_tokens=d["prompt_tokens"],
         response_tokens=d["response_tokens"], seed=d["seed"], device=device, run_dir=str(d["run_dir"]),
         resume=d["resume"], export_hf=d["export_hf"], max_nonfinite_steps=d["max_nonfinite_steps"],
+        dist_timeout_s=float(d["dist_timeout_s"]),
     )
 
 

@@ -13,6 +13,7 @@ Under faults (README, "What is guaranteed"):
 - a step whose loss or gradient norm is not finite is not applied (guard.py);
 - a checkpoint holds every rank's RNG and the config; resume passes over a corrupt one (resume.py);
 - SIGTERM / SIGUSR1 end the run after the current step, with a checkpoint (preemption.py);
+- every collective waits at most dist_timeout_s, then the run stops with one line naming it (watchdog.py);
 - prompts and reward values are checked (inputs.py); a run that stops early says why in one line (errors.py).
 """
 
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from longstraw_cli import resume
+from longstraw_cli import resume, watchdog
 from longstraw_cli.checkpoint import CheckpointManager
 from longstraw_cli.config import TrainConfig
 from longstraw_cli.distributed.strategy import make_strategy
@@ -78,8 +79,8 @@ class Trainer:
             # object collectives (every rank's RNG into a checkpoint) run on the current device
             torch.cuda.set_device(self.device)
         if world_size > 1 and not dist.is_initialized():
-            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
-        self.groups = self.dims.new_groups(self.rank)
+            watchdog.init_process_group("nccl" if self.device.type == "cuda" else "gloo", cfg.dist_timeout_s)
+        self.groups = self.dims.new_groups(self.rank, timeout_s=cfg.dist_timeout_s)
         self.run_dir = Path(cfg.run_dir)
         self.checkpoints = CheckpointManager(self.run_dir, keep=cfg.checkpoint.keep, rank=self.rank)
         if not cfg.resume and self.checkpoints.latest() is not None:
@@ -281,7 +282,7 @@ class Trainer:
 
     @contextlib.contextmanager
     def _named_failures(self, step: int):
-        """Memory running out as one line naming where it was."""
+        """A collective whose peer stopped answering, or memory running out, as one line naming where it was."""
         try:
             yield
         except RunError:
@@ -289,6 +290,9 @@ class Trainer:
         except RuntimeError as e:
             phase = f"phase {self.clock.last}" if self.section == "iteration" else self.section
             where = f"step {step}, {phase}"
+            timeout = watchdog.explain(e, rank=self.rank, where=where, timeout_s=self.cfg.dist_timeout_s)
+            if timeout is not None:
+                raise timeout from e
             if isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e):
                 raise TrainerError(f"out of memory at {where} ({first_line(e)}); lower group_size="
                                    f"{self.cfg.group_size}, response_tokens, prompt_tokens or capture.block_size "

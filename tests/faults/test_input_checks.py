@@ -28,6 +28,7 @@ def one_line(train_here, args: list[str], expected: str) -> None:
     ("optim.lr=fast", "optim.lr='fast' must be a number"),
     ("optim.betas=[0.9,fast]", "optim.betas=[0.9, 'fast'] must be a list of 2 numbers"),
     ("group_size=1e9", "group_size must be an integer >= 2, got 1000000000.0"),
+    ("dist_timeout_s=0", "dist_timeout_s must be a finite number of seconds > 0, got 0"),
 ])
 def test_wrong_types_and_values_name_key_and_value(train_here, tmp_path, override, expected):
     one_line(train_here, [*SMALL, override, f"run_dir={tmp_path / 'run'}"], expected)
