@@ -51,6 +51,17 @@ class CheckpointError(RuntimeError):
     """A checkpoint file is missing, truncated or unreadable; the message names the file."""
 
 
+class CheckpointMismatch(ValueError):
+    """An intact checkpoint of another model: its trainable parameters are not this model's."""
+
+
+def check_parameters(path: Path, saved: set[str], expected: set[str]) -> None:
+    """CheckpointMismatch unless the checkpoint at `path` holds exactly the trainable parameters `expected`."""
+    if saved != expected:
+        raise CheckpointMismatch(f"{path} does not match this model's trainable parameters "
+                                 f"(e.g. {sorted(saved ^ expected)[:3]})")
+
+
 # ---------------------------------------------------------------- RNG
 
 

@@ -4,12 +4,16 @@ Overrides are checked before Hydra composes (unknown keys, bad group options: on
 and the valid choices), the composed config becomes a TrainConfig once, and the Trainer sees nothing else.
 `-m` sweeps, `--cfg job`, `--help` and `hydra.*` overrides are Hydra's own. Under torchrun every rank runs
 Hydra with one shared run dir; rank 0 alone writes `.hydra/`, and every rank logs to `train_rank{RANK}.log`.
-Set HYDRA_FULL_ERROR=1 for tracebacks.
+Set HYDRA_FULL_ERROR=1 for tracebacks. A run that stops early ends with one line and the exit status errors.py
+lists; `longstraw train` holds run_dir's lock (runlock.py) while it trains.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import secrets
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -23,7 +27,8 @@ GROUPS = ("model", "task", "algo", "rollout", "logger", "strategy")
 
 def _run_id() -> str:
     """One id shared by all ranks of a launch: torchrun's rendezvous id (unique with --standalone), else the
-    slurm job, else the master endpoint under torchrun, else the local time."""
+    slurm job, else the master endpoint under torchrun, else the local time and a random suffix (two launches in
+    one second get two ids)."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
     if run_id and run_id != "none":
         return run_id
@@ -31,7 +36,7 @@ def _run_id() -> str:
         return f"slurm-{os.environ['SLURM_JOB_ID']}"
     if "WORLD_SIZE" in os.environ:
         return f"torchrun-{os.environ.get('MASTER_ADDR', 'local')}-{os.environ.get('MASTER_PORT', '0')}"
-    return datetime.now().strftime("%Y%m%d-%H%M%S")
+    return f"{datetime.now().strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
 
 
 def _hydra_subdir() -> str | None:
@@ -86,9 +91,49 @@ def check_overrides(overrides: list[str]) -> str | None:
     return None
 
 
-def _fail(message: str, code: int = 2):
-    print(f"longstraw: error: {message}", file=sys.stderr)
+def _fail(message: str, code: int = 2, kind: str = "error"):
+    print(f"longstraw: {kind}: {message}", file=sys.stderr, flush=True)
     sys.exit(code)
+
+
+class BelowError(logging.Filter):
+    """Lets warnings through to stderr, not errors: a run's last error is printed there once, by `_stop`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.ERROR
+
+
+def _stop(e: BaseException):
+    """A run that stops early (errors.RunError): its line in the rank's log file and on stderr, its exit status."""
+    from longstraw_cli.errors import RunError
+
+    code, kind = (e.exit_code, e.kind) if isinstance(e, RunError) else (2, "error")
+    logging.getLogger("longstraw").error("%s", e)
+    if getattr(e, "hard_exit", False):
+        # a process group whose peer is gone may block its teardown: end here
+        print(f"longstraw: {kind}: {e}", file=sys.stderr, flush=True)
+        logging.shutdown()
+        os._exit(code)
+    _fail(str(e), code, kind)
+
+
+def _run_dir_override(overrides: list[str]) -> str | None:
+    """The value of the last `run_dir=` override (the one Hydra takes), if one is given."""
+    values = [value for key, sep, value in (o.partition("=") for o in overrides)
+              if sep and key.lstrip("+~") == "run_dir"]
+    return values[-1] if values and values[-1] not in ("", "null") else None
+
+
+def _check_run_dir(overrides: list[str]) -> str | None:
+    """Before Hydra writes `.hydra/` and a log file there: run_dir is a directory and no other launch holds it."""
+    from longstraw_cli import runlock
+
+    run_dir = _run_dir_override(overrides)
+    if run_dir is None:
+        return None
+    if Path(run_dir).exists() and not Path(run_dir).is_dir():
+        return f"run_dir={run_dir!r} is a file, not a directory"
+    return runlock.check(run_dir)
 
 
 def _task(cfg) -> None:
@@ -109,22 +154,27 @@ def _task(cfg) -> None:
         if full_error:
             raise
         _fail(str(e))
-    from longstraw_cli.trainer import Trainer, TrainerError
+    from longstraw_cli.errors import RunError
+    from longstraw_cli.runlock import RunLock
+    from longstraw_cli.trainer import Trainer
 
-    # set-up errors (a bad file, tokenizer, reward spec) are the user's input: one line; errors while training
-    # are not, and keep their traceback
+    # rank 0 writes run_dir: it holds the lock (the other ranks' CLI asked before Hydra wrote anything)
+    lock = RunLock(train_cfg.run_dir) if os.environ.get("RANK", "0") == "0" else contextlib.nullcontext()
     try:
-        trainer = Trainer(train_cfg)
-    except (TrainerError, ValueError, ImportError) as e:
+        with lock:
+            # set-up errors (a bad file, tokenizer, reward spec) are the user's input: one line; errors while
+            # training are not, and keep their traceback, but for the ones that stop a run (errors.py)
+            try:
+                trainer = Trainer(train_cfg)
+            except (ValueError, ImportError) as e:
+                if full_error:
+                    raise
+                _stop(e)
+            trainer.train()
+    except RunError as e:
         if full_error:
             raise
-        _fail(str(e))
-    try:
-        trainer.train()
-    except TrainerError as e:
-        if full_error:
-            raise
-        _fail(str(e))
+        _stop(e)
 
 
 def train(argv: list[str]) -> int:
@@ -134,6 +184,8 @@ def train(argv: list[str]) -> int:
     args, _ = get_args_parser().parse_known_args(argv)
     if not (args.help or args.hydra_help):
         problem = check_overrides(args.overrides)
+        if not problem and not args.multirun and not args.cfg:
+            problem = _check_run_dir(args.overrides)
         if problem:
             _fail(problem)
     sys.argv = ["longstraw-train", *argv]

@@ -9,6 +9,7 @@ valid choices; the CLI prints it as one line.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from longstraw_cli.schedule import SCHEDULES
 from longstraw_cli.telemetry.metrics import WandbConfig
 from longstraw_cli.tokenizer import resolve_tokenizer
 from longstraw_cli.transaction import TransactionConfig
+from longstraw_cli.typed import mismatch
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 ENGINES = ("native", "vllm")
@@ -55,6 +57,13 @@ class ModelConfig:
             raise ConfigError(f"model.path={self.path!r} is not an HF model directory (no config.json)")
         if self.dtype not in DTYPES:
             raise ConfigError(f"model.dtype={self.dtype!r}; valid: {list(DTYPES)}")
+        if self.path is not None:
+            try:
+                self.family_config()
+            except KeyError as e:
+                raise ConfigError(f"model.path={self.path!r}: its config.json lacks {e}") from None
+            except (ValueError, TypeError) as e:
+                raise ConfigError(f"model.path={self.path!r}: cannot use its config.json ({e})") from None
 
     def family_config(self):
         """(family spec, the family's model config) of the named shape or of the HF directory's config.json."""
@@ -80,8 +89,10 @@ class OptimConfig:
     min_lr_ratio: float = 0.0
 
     def __post_init__(self):
-        if self.lr <= 0:
-            raise ConfigError(f"optim.lr must be > 0, got {self.lr}")
+        if not 0 < self.lr < math.inf:
+            raise ConfigError(f"optim.lr must be a finite number > 0, got {self.lr}")
+        if not 0 <= self.weight_decay < math.inf:
+            raise ConfigError(f"optim.weight_decay must be a finite number >= 0, got {self.weight_decay}")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"optim.schedule={self.schedule!r}; valid: {sorted(SCHEDULES)}")
         if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
@@ -90,6 +101,9 @@ class OptimConfig:
             raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {list(self.betas)}")
+        # <= 0 would turn every update around; inf is the same as null (no clipping)
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ConfigError(f"optim.max_grad_norm must be > 0 (null: no clipping), got {self.max_grad_norm}")
 
 
 @dataclass(frozen=True)
@@ -146,6 +160,10 @@ class TrainConfig:
     reward_style: str = "auto"
     # prompts whose gradients accumulate before one optimizer step (per data-parallel rank)
     prompts_per_step: int = 1
+    # the run stops when this many steps in a row were not applied (non-finite loss or gradient norm; guard.py)
+    max_nonfinite_steps: int = 3
+    # how long a collective may wait for the other ranks before the run stops with one line (watchdog.py)
+    dist_timeout_s: float = 1800.0
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -162,6 +180,7 @@ def _build(cls, node: dict, where: str, **extra):
     """cls(**node) for a dataclass, with unknown keys and bad values reported as ConfigError."""
     fields = {f.name for f in dataclasses.fields(cls)}
     _take(node, where, fields - set(extra))
+    _check_types(cls, node, where)
     values = {k: tuple(v) if isinstance(v, list) else v for k, v in node.items()}
     try:
         return cls(**values, **extra)
@@ -169,6 +188,12 @@ def _build(cls, node: dict, where: str, **extra):
         raise
     except (ValueError, TypeError) as e:
         raise ConfigError(f"{where}: {e}") from None
+
+
+def _check_types(cls, node: dict, where: str) -> None:
+    problem = mismatch(cls, node, where)
+    if problem:
+        raise ConfigError(problem)
 
 
 def _positive(name: str, value: Any, minimum: int = 1) -> None:
@@ -195,8 +220,12 @@ def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
     d.pop("hydra", None)
     top = {f.name for f in dataclasses.fields(TrainConfig)} - {"loss", "transaction", "reward", "reward_style"}
     _take(d, "the config", top | {"algo", "capture"})
-    for name in ("cp", "ep", "group_size", "steps", "prompt_tokens", "response_tokens", "prompts_per_step"):
+    for name in ("cp", "ep", "group_size", "steps", "prompt_tokens", "response_tokens", "prompts_per_step",
+                 "max_nonfinite_steps"):
         _positive(name, d[name], 2 if name == "group_size" else 1)
+    _check_types(TrainConfig, {k: v for k, v in d.items() if not isinstance(v, dict)}, "")
+    if not 0 < d["dist_timeout_s"] < math.inf:
+        raise ConfigError(f"dist_timeout_s must be a finite number of seconds > 0, got {d['dist_timeout_s']}")
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
     try:
         ParallelDims(world_size, cp=d["cp"], ep=d["ep"])
@@ -220,6 +249,9 @@ def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
     device = str(d["device"])
     if device.split(":")[0] not in ("cpu", "cuda"):
         raise ConfigError(f"device={device!r}; valid: ['cpu', 'cuda', 'cuda:N']")
+    _check_device(device)
+    if d["run_dir"] is not None and Path(d["run_dir"]).exists() and not Path(d["run_dir"]).is_dir():
+        raise ConfigError(f"run_dir={d['run_dir']!r} is a file, not a directory")
 
     model = _build(ModelConfig, d["model"], "model")
     if d["prompt_tokens"] + d["response_tokens"] > model.max_positions():
@@ -275,6 +307,20 @@ def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
         strategy=_build(StrategyConfig, d["strategy"], "strategy"),
         cp=d["cp"], ep=d["ep"], group_size=d["group_size"], steps=d["steps"], prompt_tokens=d["prompt_tokens"],
         response_tokens=d["response_tokens"], seed=d["seed"], device=device, run_dir=str(d["run_dir"]),
-        resume=bool(d["resume"]), export_hf=bool(d["export_hf"]), reward_style=reward_style,
-        prompts_per_step=d["prompts_per_step"],
+        resume=d["resume"], export_hf=d["export_hf"], reward_style=reward_style,
+        prompts_per_step=d["prompts_per_step"], max_nonfinite_steps=d["max_nonfinite_steps"],
+        dist_timeout_s=float(d["dist_timeout_s"]),
     )
+
+
+def _check_device(device: str) -> None:
+    """A CUDA device this process can use, or a ConfigError naming the choices it has."""
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    valid = ["cpu"] + (["cuda"] + [f"cuda:{i}" for i in range(count)] if count else [])
+    index = device.partition(":")[2]
+    if count == 0 or (index and not (index.isdigit() and int(index) < count)):
+        raise ConfigError(f"device={device!r}, but this process sees {count} CUDA device(s); valid: {valid}")

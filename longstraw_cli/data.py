@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,9 @@ class FileTask(Task):
 
     def _checked_at_start(self) -> range:
         return range(len(self.rows))
+
+    def examples_checked_at_start(self) -> Iterator[Example]:
+        return (self.row_example(j) for j in self._checked_at_start())
 
     def __len__(self) -> int:
         return len(self.rows)

@@ -10,6 +10,13 @@ ranks take different prompts (example index (step * prompts_per_step + b) * dp +
 gradients once per step through
 the configured strategy (`strategy=ddp|fsdp2|deepspeed`, distributed/strategy.py), which also gives and takes
 the checkpoint's whole tensors. Every process group comes from `ParallelDims.new_groups`.
+
+Under faults (README, "What is guaranteed"):
+- a step whose loss or gradient norm is not finite is not applied (guard.py);
+- a checkpoint holds every rank's RNG and the config; resume passes over a corrupt one (resume.py);
+- SIGTERM / SIGUSR1 end the run after the current step, with a checkpoint (preemption.py);
+- every collective waits at most dist_timeout_s, then the run stops with one line naming it (watchdog.py);
+- prompts and reward values are checked (inputs.py); a run that stops early says why in one line (errors.py).
 """
 
 from __future__ import annotations
@@ -25,15 +32,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from longstraw_cli.checkpoint import CheckpointManager, capture_rng, restore_rng
+from longstraw_cli import resume, watchdog
+from longstraw_cli.checkpoint import CheckpointManager
 from longstraw_cli.config import TrainConfig
 from longstraw_cli.distributed import sharded_checkpoint
 from longstraw_cli.distributed.strategy import make_strategy
 from longstraw_cli.distributed.topology import ParallelDims, env_rank_world
+from longstraw_cli.errors import RunError, first_line
+from longstraw_cli.guard import NonFiniteGuard, check_finite
+from longstraw_cli.inputs import InputError, check_prompt, check_prompts
 from longstraw_cli.lora import adapters_disabled, apply_lora
 from longstraw_cli.models import build_model, from_pretrained
 from longstraw_cli.models.spec import family_of
-from longstraw_cli.rl.reward_adapters import GroupReward, RewardError
+from longstraw_cli.preemption import Preempted, Preemption
+from longstraw_cli.rl.reward_adapters import GroupReward
 from longstraw_cli.rl.tasks import Example, make_task
 from longstraw_cli.rollout.native import Rollout, generate
 from longstraw_cli.schedule import lr_factor
@@ -48,8 +60,8 @@ log = logging.getLogger("longstraw")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
-class TrainerError(RuntimeError):
-    """A problem with the run the user asked for (reported as one line by the CLI)."""
+class TrainerError(RunError):
+    """A problem with the run the user asked for (reported as one line by the CLI, exit status 2)."""
 
 
 def _rss_peak_bytes() -> int:
@@ -68,9 +80,12 @@ class Trainer:
         self.device = torch.device(cfg.device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", local_rank)
+        if self.device.type == "cuda":
+            # object collectives (every rank's RNG into a checkpoint) run on the current device
+            torch.cuda.set_device(self.device)
         if world_size > 1 and not dist.is_initialized():
-            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
-        self.groups = self.dims.new_groups(self.rank)
+            watchdog.init_process_group("nccl" if self.device.type == "cuda" else "gloo", cfg.dist_timeout_s)
+        self.groups = self.dims.new_groups(self.rank, timeout_s=cfg.dist_timeout_s)
         self.run_dir = Path(cfg.run_dir)
         self.checkpoints = CheckpointManager(self.run_dir, keep=cfg.checkpoint.keep, rank=self.rank)
         if not cfg.resume and self.checkpoints.latest() is not None:
@@ -83,13 +98,13 @@ class Trainer:
         self.task = make_task(cfg.task, self.tokenizer)
         self.val_task = None if cfg.task.val_path is None else make_task(
             dataclasses.replace(cfg.task, path=cfg.task.val_path, shuffle=False), self.tokenizer)
-        # a file task's first row: its prompt renders, and the reward binds to its columns
+        # the prompts a file task checks at start render, and fit with response_tokens in the model's positions
+        self.max_positions = cfg.model.max_positions()
+        checked = [self.task] + ([] if self.val_task is None else [self.val_task])
+        check_prompts((ex for task in checked for ex in task.examples_checked_at_start()), self.prompt_ids,
+                      self.max_positions, cfg.response_tokens)
+        # the reward binds to a file task's first row's columns
         probe = Example("", "") if self.task.uses_prompt_tokens else self.task.example(0)
-        if not self.task.uses_prompt_tokens:
-            try:
-                self.task.prompt_text(probe)
-            except ValueError as e:
-                raise TrainerError(f"{probe.where}: {e}") from None
         self.reward_fn = GroupReward(cfg.reward or self.task.default_reward, cfg.reward_style, probe)
         self._notices()
         self.model = self._build_model()
@@ -101,12 +116,16 @@ class Trainer:
         self.strategy = make_strategy(cfg.strategy, self.model, self._optimizer, self.groups,
                                       max_grad_norm=cfg.optim.max_grad_norm,
                                       num_replays=cfg.group_size * cfg.prompts_per_step)
-        self.transaction = Transaction(self.model, self.strategy, cfg.loss, cfg.transaction, reference=reference)
+        self.guard = NonFiniteGuard(cfg.max_nonfinite_steps)
+        self.transaction = Transaction(self.model, self.guard.around(self.strategy), cfg.loss, cfg.transaction,
+                                       reference=reference)
         self.sampling = dataclasses.replace(cfg.rollout.sampling,
                                             stop_token_ids=stop_token_ids(self.tokenizer, cfg.model.path))
         # the ranks of one CP group sample the same responses: they share the generator's seed
         self.generator = torch.Generator(self.device).manual_seed(cfg.seed * 1000 + self.dp_rank)
         self.engine = self._vllm_engine() if cfg.rollout.engine == "vllm" else None
+        # where an error inside `train` came from: "iteration" (then the clock's phase) or a step's later part
+        self.clock, self.section = PhaseClock(self.device), "set-up"
         self.start_step = self._resume() if cfg.resume else 0
         log.info("rank %d of %d (%s, strategy %s), starting at step %d of %d", self.rank, world_size, self.dims,
                  self.strategy.name, self.start_step, cfg.steps)
@@ -138,9 +157,12 @@ class Trainer:
                                f"vocab is {model.config.vocab_size}")
         return model
 
-    def _optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    def _hyperparameters(self) -> dict:
         optim = self.cfg.optim
-        return torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
+        return {"lr": optim.lr, "betas": tuple(optim.betas), "weight_decay": optim.weight_decay}
+
+    def _optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, **self._hyperparameters())
 
     def _reference(self) -> Reference | None:
         """The KL reference: with LoRA the same weights with adapters off, else a frozen copy of the start."""
@@ -176,34 +198,32 @@ class Trainer:
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     def _save(self, step: int) -> None:
-        trainer_state = {"step": step, "rng": capture_rng({"sampling": self.generator})}
+        trainer_state = {"step": step, "rng_by_rank": resume.gather_rng({"sampling": self.generator}),
+                         "dims": {"world_size": self.dims.world_size, "cp": self.dims.cp},
+                         "config": resume.config_json(self.cfg.as_dict()), "guard": self.guard.state_dict()}
         if self.strategy.sharded_checkpoints:
-            # each rank writes its shards (a collective)
+            # each rank checks and writes its shards (collectives)
+            check_finite(sharded_checkpoint.model_state(self.strategy), step)
             sharded_checkpoint.save(self.checkpoints, step, self.strategy, trainer_state)
             return
         # whole tensors, whatever the strategy and ep (a collective under deepspeed / ep: every rank is here)
         model_state, optimizer_state = self.strategy.state_dict()
+        # every rank holds the same whole tensors: every rank stops here alike
+        check_finite(model_state, step)
         self.checkpoints.save(step, model_state=model_state, optimizer_state=optimizer_state,
                               trainer_state=trainer_state)
 
     def _resume(self) -> int:
-        latest = self.checkpoints.latest()
-        if latest is None:
+        """The newest intact checkpoint of either format into the strategy (resume.py) -> the step to start at."""
+        found = resume.newest_intact(self.checkpoints, lambda path: resume.load_checkpoint(
+            path, self.checkpoints, self.strategy, self.cfg.as_dict(), map_location=self.device))
+        if found is None:
             return 0
-        if sharded_checkpoint.is_sharded(latest):
-            if self.strategy.name == "deepspeed":
-                raise TrainerError(f"{latest} is a sharded (fsdp2) checkpoint: it resumes under fsdp2, ddp or one "
-                                   f"process, not deepspeed")
-            trainer_state = sharded_checkpoint.load(latest, self.strategy)
-            restore_rng(trainer_state["rng"], {"sampling": self.generator})
-            return int(trainer_state["step"])
-        model_state, optimizer_state, trainer_state = self.checkpoints.load(latest, map_location=self.device)
-        expected = {n for n, p in self.model.named_parameters() if p.requires_grad}
-        if set(model_state) != expected:
-            raise TrainerError(f"{latest} does not match this model's trainable parameters "
-                               f"(e.g. {sorted(set(model_state) ^ expected)[:3]})")
-        self.strategy.load_state_dict(model_state, optimizer_state)
-        restore_rng(trainer_state["rng"], {"sampling": self.generator})
+        _, trainer_state = found
+        resume.optimizer_hyperparameters(self.strategy.optimizer, self._hyperparameters())
+        resume.restore_own_rng(trainer_state, self.rank, self.dims, {"sampling": self.generator})
+        if "guard" in trainer_state:
+            self.guard.load_state_dict(trainer_state["guard"])
         return int(trainer_state["step"])
 
     # -- one iteration ----------------------------------------------------------------------------------------
@@ -211,19 +231,21 @@ class Trainer:
         """Prompt `prompt` of this rank's share of step `step`, and its token ids."""
         index = (step * self.cfg.prompts_per_step + prompt) * self.dims.dp + self.dp_rank
         example = self.task.example(index)
-        return example, self._encode(self.task, example)
+        return example, self._encode(example)
 
-    def _encode(self, task, example: Example) -> torch.Tensor:
-        where = example.where or f"example {example.meta.get('index', '?')}"
+    def prompt_ids(self, example: Example) -> list[int]:
+        """The prompt's token ids as the model reads it (chat messages, or a string asked to, through the chat
+        template); the check at start (inputs.check_prompts) tokenizes through here too."""
         try:
-            ids = self.tokenizer.encode(task.prompt_text(example))
+            return self.tokenizer.encode(self.task.prompt_text(example))
         except ValueError as e:
-            raise TrainerError(f"{where}: {e}") from None
-        limit = self.model.config.max_position_embeddings - self.cfg.response_tokens
-        if not 0 < len(ids) <= limit:
-            raise TrainerError(f"{where}: the prompt is {len(ids)} tokens; it must be 1 to {limit} (the model's "
-                               f"{self.model.config.max_position_embeddings} positions less response_tokens="
-                               f"{self.cfg.response_tokens})")
+            raise InputError(f"{example.origin}: {e}") from None
+
+    def _encode(self, example: Example) -> torch.Tensor:
+        """A prompt as the model's input, checked as at start: a row served later (a dataset's, a validation one)
+        was not tokenized then."""
+        ids = self.prompt_ids(example)
+        check_prompt(example, len(ids), self.max_positions, self.cfg.response_tokens)
         return torch.tensor(ids, dtype=torch.long, device=self.device)
 
     def capture(self, prompt_ids: torch.Tensor):
@@ -254,23 +276,24 @@ class Trainer:
     def reward(self, example, rollout: Rollout) -> torch.Tensor:
         ids = [r.tolist() for r in rollout.responses]
         texts = [self.tokenizer.decode(i) for i in ids]
-        try:
-            return torch.tensor(self.reward_fn(example, texts, ids), dtype=torch.float64)
-        except RewardError as e:
-            # before any gradient of the step: nothing of it is logged or saved
-            raise TrainerError(str(e)) from e
+        # a reward that fails or returns what is not a finite number (RewardError) stops the run before any
+        # gradient of the step: nothing of it is logged or saved
+        return torch.tensor(self.reward_fn(example, texts, ids), dtype=torch.float64)
 
     def set_lr(self, step: int) -> float:
-        """The schedule's rate for optimizer step `step` (a function of the step alone: resume needs no state)."""
+        """The schedule's rate for optimizer step `step`: a function of the steps applied before it, which are the
+        steps before it less those the non-finite guard skipped (a skipped step does not advance the schedule;
+        the guard's counts are in the checkpoint, so resume needs no other state)."""
         optim = self.cfg.optim
-        lr = optim.lr * lr_factor(step, total_steps=self.cfg.steps, warmup_steps=optim.warmup_steps,
-                                  schedule=optim.schedule, min_lr_ratio=optim.min_lr_ratio)
+        lr = optim.lr * lr_factor(step - self.guard.total, total_steps=self.cfg.steps,
+                                  warmup_steps=optim.warmup_steps, schedule=optim.schedule,
+                                  min_lr_ratio=optim.min_lr_ratio)
         for group in self.strategy.optimizer.param_groups:
             group["lr"] = lr
         return lr
 
     def iteration(self, step: int) -> dict[str, float]:
-        clock = PhaseClock(self.device, on_phase=self.progress.phase)
+        clock = self.clock = PhaseClock(self.device, on_phase=self.progress.phase)
         lr = self.set_lr(step)
         self.transaction.begin()
         prompts, rollouts, parts, num_prompts = [], [], [], self.cfg.prompts_per_step
@@ -324,7 +347,7 @@ class Trainer:
         with clock.phase("val"), self.strategy.full_weights():
             for i in range(self.dp_rank, count, self.dims.dp):
                 example = self.val_task.example(i)
-                resident = self.capture(self._encode(self.val_task, example))
+                resident = self.capture(self._encode(example))
                 rollout = generate(self.model, resident, self.cfg.group_size, self.sampling, generator,
                                    native=self._native_decode())
                 rewards = self.reward(example, rollout)
@@ -355,6 +378,57 @@ class Trainer:
         metrics["mem/rss_peak"] = _rss_peak_bytes()
         return metrics
 
+    @contextlib.contextmanager
+    def _named_failures(self, step: int):
+        """A collective whose peer stopped answering, or memory running out, as one line naming where it was."""
+        try:
+            yield
+        except RunError:
+            raise
+        except RuntimeError as e:
+            phase = f"phase {self.clock.last}" if self.section == "iteration" else self.section
+            where = f"step {step}, {phase}"
+            timeout = watchdog.explain(e, rank=self.rank, where=where, timeout_s=self.cfg.dist_timeout_s)
+            if timeout is not None:
+                raise timeout from e
+            if isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e):
+                raise TrainerError(f"out of memory at {where} ({first_line(e)}); lower group_size="
+                                   f"{self.cfg.group_size}, response_tokens, prompt_tokens or capture.block_size "
+                                   f"(`longstraw plan` shows the memory by phase)") from e
+            raise
+
+    def _preempted(self, signal_name: str, done: int) -> None:
+        # rank 0 writes the checkpoint: no rank exits (and ends the launch) before it is whole
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+        raise Preempted(f"{signal_name} received: stopped after step {done - 1} with checkpoint step_{done:08d} in "
+                        f"{self.checkpoints.dir}; resume=true continues from step {done}")
+
+    def run_step(self, step: int, preemption: Preemption) -> str | None:
+        """Step `step` and what follows it: validation when due, the metrics row, the guard's verdict, and a
+        checkpoint when due or on a signal; -> the signal's name when the run is to stop after it."""
+        done, every, val_every = step + 1, self.cfg.checkpoint.every, self.cfg.task.val_every
+        self.section = "iteration"
+        metrics = self.iteration(step)
+        self.guard.after_step(step)
+        metrics["nonfinite_steps"] = self.guard.total
+        self.section = "the metrics all-reduce"
+        metrics = self._across_ranks(metrics)
+        if self.val_task is not None and val_every and done % val_every == 0:
+            self.section = "validation"
+            metrics.update(self.validate(step))
+        self.progress.step_done()
+        self.metrics.log(step, metrics)
+        log.info("rank %d step %d %s", self.rank, step, json.dumps(metrics))
+        self.guard.stop_if_due(step)
+        self.section = "the preemption check"
+        stop = preemption.agreed(self.device)
+        self.section = "the checkpoint"
+        if (every and done % every == 0) or done == self.cfg.steps or stop:
+            self._save(done)
+        return stop
+
     def _across_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
         """Data-parallel runs log the mean over ranks of each number, and the max of times and memory."""
         if self.dims.dp == 1:
@@ -371,19 +445,13 @@ class Trainer:
         return out
 
     def train(self) -> None:
-        every = self.cfg.checkpoint.every
         try:
-            val_every = self.cfg.task.val_every
-            for step in range(self.start_step, self.cfg.steps):
-                metrics = self._across_ranks(self.iteration(step))
-                done = step + 1
-                if self.val_task is not None and val_every and done % val_every == 0:
-                    metrics.update(self.validate(step))
-                self.progress.step_done()
-                self.metrics.log(step, metrics)
-                log.info("rank %d step %d %s", self.rank, step, json.dumps(metrics))
-                if (every and done % every == 0) or done == self.cfg.steps:
-                    self._save(done)
+            with Preemption() as preemption:
+                for step in range(self.start_step, self.cfg.steps):
+                    with self._named_failures(step):
+                        stop = self.run_step(step, preemption)
+                    if stop and step + 1 < self.cfg.steps:
+                        self._preempted(stop, step + 1)
         finally:
             self.progress.close()
             self.metrics.close()

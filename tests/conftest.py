@@ -1,8 +1,12 @@
+import json
+import logging
 import os
 import socket
+import subprocess
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -208,7 +212,6 @@ def capture_error_against_hf(hf, ours, prompt_len: int, response_len: int, block
     return (got - ref).abs().max().item()
 
 
-
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
           "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
@@ -233,3 +236,47 @@ def chat_model_dir(path):
     hf.chat_template = CHATML
     hf.save_pretrained(path)
     return path
+
+
+def longstraw(args, cwd, env=None, timeout=900):
+    """`longstraw train ARGS` in a child process (python -m longstraw_cli)."""
+    return subprocess.run([sys.executable, "-m", "longstraw_cli", "train", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture
+def train_here(tmp_path, monkeypatch, capsys):
+    """`longstraw train ARGS` in this process, in tmp_path: -> (exit code, stdout, stderr). Hydra sets sys.argv,
+    the root logger's handlers (its log file, a console on the captured stdout) and its global state; all are put
+    back afterwards."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    from longstraw_cli.__main__ import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+
+    def run(args):
+        capsys.readouterr()
+        try:
+            code = main(["train", *args])
+        except SystemExit as e:
+            code = e.code
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    yield run
+    for handler in root.handlers:
+        if handler not in handlers:
+            handler.close()
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    GlobalHydra.instance().clear()
+
+
+def rows(run_dir: Path) -> list[dict]:
+    """The metrics.jsonl rows of a run."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

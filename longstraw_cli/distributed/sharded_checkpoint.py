@@ -7,12 +7,18 @@ Layout, beside the whole-tensor checkpoints and found by the same `CheckpointMan
 
     step_00000040/
         dcp/          DCP's files: {"model": trainable weights by name, "optim": optimizer state by name}
-        trainer.pt    torch.save({"step": step, **trainer_state}), rank 0's, as in the whole-tensor format
+        trainer.pt    torch.save({"step": step, **trainer_state}), rank 0's, as in the whole-tensor format (every
+                      rank's RNG, gathered before the save, the config and the guard's counts: resume.py)
         COMPLETE      written last: JSON with the step and every file's byte size (paths under the directory)
 
 Atomic as the whole-tensor format: all ranks write into `step_XXXXXXXX.tmp-dcp/` (one name every rank knows;
 the next CheckpointManager deletes it after a kill), DCP fsyncs its files, rank 0 writes trainer.pt and COMPLETE,
 renames the directory, and prunes to `keep`; barriers order the ranks. One shared filesystem for all ranks.
+
+On resume (resume.load_checkpoint) a checkpoint whose files are missing or not at their written size is passed
+over before anything is read. DCP reads into the live weights, so one whose shards fail to read, or whose weights
+are not finite, is found only after part of it is in the model (`PartlyLoaded`): resume then needs an older
+intact one, which overwrites all of it.
 """
 
 from __future__ import annotations
@@ -32,14 +38,27 @@ from longstraw_cli.checkpoint import (
     _fsync_dir,
     _remove,
     _torch_save,
+    check_parameters,
 )
+from longstraw_cli.errors import first_line
 
 DCP_DIR = "dcp"
 _TMP_NAME = ".tmp-dcp"
 
 
+class PartlyLoaded(CheckpointError):
+    """A damaged sharded checkpoint whose damage showed only once part of it was in the live weights."""
+
+
 def is_sharded(path: Path) -> bool:
     return (Path(path) / DCP_DIR).is_dir()
+
+
+def model_state(strategy) -> dict:
+    """This rank's trainable weights by name as it holds them (DTensor shards under fsdp2): a checkpoint's model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(strategy.model, options=StateDictOptions(ignore_frozen_params=True))
 
 
 def _state(strategy) -> dict:
@@ -89,12 +108,9 @@ def save(manager: CheckpointManager, step: int, strategy, trainer_state: dict) -
     return final
 
 
-def load(path: Path, strategy) -> dict:
-    """Loads a sharded checkpoint into the strategy's model and optimizer (each rank reads the shards it
-    needs); -> trainer_state. Every rank calls it."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
+def read_trainer_state(path: Path) -> dict:
+    """The trainer_state of a sharded checkpoint, once every file is there at the size written; CheckpointError
+    (naming the file) if not."""
     path = Path(path)
     try:
         sizes = json.loads((path / COMPLETE_FILE).read_text())["sizes"]
@@ -104,13 +120,45 @@ def load(path: Path, strategy) -> dict:
         f = path / name
         if not f.is_file() or f.stat().st_size != size:
             raise CheckpointError(f"{f}: missing, or not the {size} bytes written (truncated or replaced)")
+    try:
+        return torch.load(path / TRAINER_FILE, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{path / TRAINER_FILE}: cannot load ({type(e).__name__}: {e})") from e
+
+
+def load(path: Path, strategy) -> dict:
+    """Loads a sharded checkpoint into the strategy's model and optimizer (each rank reads the shards it
+    needs); -> trainer_state. Every rank calls it. CheckpointError: a file is missing or not at its size, before
+    anything is read into the model; PartlyLoaded: a shard failed to read (on every rank: DCP gathers the
+    failures); CheckpointMismatch: another model's parameters."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    path = Path(path)
+    trainer_state = read_trainer_state(path)
     reader = dcp.FileSystemReader(str(path / DCP_DIR))
-    saved = {k.partition(".")[2] for k in reader.read_metadata().state_dict_metadata if k.startswith("model.")}
+    try:
+        metadata = reader.read_metadata()
+    except Exception as e:
+        raise CheckpointError(f"{path / DCP_DIR}: unreadable metadata ({type(e).__name__}: {e})") from e
+    saved = {k.partition(".")[2] for k in metadata.state_dict_metadata if k.startswith("model.")}
     state = _state(strategy)
-    if saved != set(state["model"]):
-        raise CheckpointError(f"{path} does not match this model's trainable parameters "
-                              f"(e.g. {sorted(saved ^ set(state['model']))[:3]})")
-    dcp.load(state, storage_reader=reader)
+    check_parameters(path, saved, set(state["model"]))
+    try:
+        dcp.load(state, storage_reader=reader)
+    except (Exception, dcp.CheckpointException) as e:
+        # DCP reads into the live weights and optimizer state: an older checkpoint loaded next overwrites them all
+        raise PartlyLoaded(f"{path / DCP_DIR}: cannot load ({_cause(e)})") from e
     set_state_dict(strategy.model, strategy.optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"], options=StateDictOptions(ignore_frozen_params=True))
-    return torch.load(path / TRAINER_FILE, map_location="cpu", weights_only=True)
+    return trainer_state
+
+
+def _cause(error: BaseException) -> str:
+    """The first failing rank's error, of DCP's CheckpointException (a BaseException holding every rank's)."""
+    failures = getattr(error, "failures", None)
+    if failures:
+        rank = min(failures)
+        error = failures[rank][0]
+        return f"rank {rank}: {type(error).__name__}: {first_line(error)}"
+    return f"{type(error).__name__}: {first_line(error)}"

@@ -77,18 +77,22 @@ class ParallelDims:
             if self.ep > 1 else [],
         }
 
-    def new_groups(self, rank: int) -> ProcessGroups:
+    def new_groups(self, rank: int, timeout_s: float | None = None) -> ProcessGroups:
         """This rank's groups (all None for a world of one). new_group is collective: every rank creates every
-        group, in the same order, so every rank calls this once, after init_process_group."""
+        group, in the same order, so every rank calls this once, after init_process_group. `timeout_s`: how long
+        a collective of these groups may wait (None: the backend's default); each group is named by its axis."""
         self.coords(rank)
         if self.world_size == 1:
             return ProcessGroups()
+        from datetime import timedelta
+
         import torch.distributed as dist
 
+        timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
         mine = {}
         for axis, groups in self.group_ranks().items():
             for ranks in groups:
-                group = dist.new_group(ranks)
+                group = dist.new_group(ranks, timeout=timeout, group_desc=axis)
                 if rank in ranks:
                     mine[axis] = group
         return ProcessGroups(**mine)

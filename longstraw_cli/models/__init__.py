@@ -84,7 +84,11 @@ def _read_safetensors(path: Path):
     else:
         raise ValueError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
     for file in files:
-        with safe_open(str(path / file), framework="pt") as f:
+        try:
+            handle = safe_open(str(path / file), framework="pt")
+        except Exception as e:  # noqa: BLE001 - safetensors' own error type: a truncated or foreign file
+            raise ValueError(f"{path / file}: not a readable safetensors file ({e})") from None
+        with handle as f:
             for key in f.keys():
                 yield key, f.get_tensor(key)
 

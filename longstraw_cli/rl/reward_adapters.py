@@ -14,24 +14,21 @@ The trainer asks one thing of a reward: the G rewards of one prompt's G decoded 
 
 `auto` picks by parameter names (`solution_str`: verl; `completions`: trl; else native). A function that does not
 take `**kwargs` is given only the keywords it names. The check at start binds the call to the task's first
-example, so a wrong signature is one line before the model is built. A reward that raises, returns a non-finite
-number or the wrong count stops the run with one line naming the reward and the row (`RewardError`): rewards
-come before any gradient, so nothing of that step is written (no metrics row, no checkpoint).
+example, so a wrong signature is one line before the model is built. A reward that raises, returns anything but
+a finite number (inputs.reward_value, whatever the style) or the wrong count stops the run with one line naming
+the reward and the row (`RewardError`, exit status 2): rewards come before any gradient, so nothing of that step
+is written (no metrics row, no checkpoint).
 """
 
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from longstraw_cli.inputs import RewardError, reward_value
 from longstraw_cli.rl.rewards import get_reward
 from longstraw_cli.rl.tasks import Example
-
-
-class RewardError(ValueError):
-    """A reward failed on a row: one line naming the reward, the row and the cause."""
 
 
 @dataclass(frozen=True)
@@ -89,16 +86,9 @@ def _guess_style(fn: Callable) -> str:
     return "verl" if "solution_str" in names else "trl" if "completions" in names else "native"
 
 
-def _score(value, style: str) -> float:
+def _score(value, style: str):
     # verl's compute_score may return {"score": ..., other metrics}
-    if style == "verl" and isinstance(value, dict):
-        value = value.get("score")
-    if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "item"):
-        raise TypeError(f"returned {value!r}, not a number")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"returned {value}")
-    return value
+    return value.get("score") if style == "verl" and isinstance(value, dict) else value
 
 
 class GroupReward:
@@ -126,7 +116,7 @@ class GroupReward:
                                  f"{STYLES[self.style].signature} ({e}){columns}") from None
 
     def __call__(self, example: Example, responses: Sequence[str], response_ids: Sequence[list[int]]) -> list[float]:
-        row = example.where or f"example {example.meta.get('index', '?')}"
+        row = example.origin
         try:
             values = STYLES[self.style].call(self.fn, example, responses, response_ids)
         except Exception as e:  # noqa: BLE001 - any failure of user code is reported as one line
@@ -134,7 +124,4 @@ class GroupReward:
         if len(values) != len(responses):
             raise RewardError(f"reward {self.spec!r} returned {len(values)} values for {len(responses)} responses "
                               f"on {row}")
-        try:
-            return [_score(v, self.style) for v in values]
-        except (TypeError, ValueError) as e:
-            raise RewardError(f"reward {self.spec!r} {e} on {row}") from None
+        return [reward_value(self.spec, _score(v, self.style), row) for v in values]

@@ -46,6 +46,11 @@ class Example:
     # where the example came from, for error messages ("data.parquet row 17")
     where: str = ""
 
+    @property
+    def origin(self) -> str:
+        """`where`, or the synthetic example's index: how a message names the example."""
+        return self.where or f"example {self.meta.get('index', '?')}"
+
 
 @dataclass(frozen=True)
 class TaskConfig:
@@ -112,6 +117,11 @@ class Task:
     def prompt_text(self, example: Example) -> str:
         """The prompt as the model reads it: chat messages through the tokenizer's template."""
         return render_prompt(self.tokenizer, example.prompt, self.cfg.chat_template, self.cfg.chat_template_kwargs)
+
+    def examples_checked_at_start(self) -> Iterator[Example]:
+        """The examples whose prompts the trainer checks before any work (inputs.check_prompts). None here:
+        synthetic tasks are generated at prompt_tokens, which the config checks; file tasks name their rows."""
+        return iter(())
 
     def __iter__(self) -> Iterator[Example]:
         indices = itertools.count() if self.num_examples is None else range(self.num_examples)

@@ -91,9 +91,12 @@ class PhaseClock:
         self.cuda_peak_bytes: dict[str, int] = {}
         # told each phase's name as it starts (the live progress display)
         self.on_phase = on_phase
+        # the phase entered last: where an error raised inside the iteration came from
+        self.last: str | None = None
 
     @contextmanager
     def phase(self, name: str):
+        self.last = name
         cuda = self.device.type == "cuda"
         if self.on_phase is not None:
             self.on_phase(name)

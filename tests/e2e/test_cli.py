@@ -5,8 +5,6 @@ prove the same there as in a child process, without its start-up. A child proces
 thing under test: the console script's exit code and stderr, kill -9 and resume, torchrun's ranks."""
 
 import dataclasses
-import json
-import logging
 import os
 import signal
 import subprocess
@@ -16,52 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from longstraw_cli.__main__ import main
+from conftest import longstraw, rows
 from longstraw_cli.cli import check_overrides
 from longstraw_cli.config import ConfigError
 
 SMALL = ["prompt_tokens=256", "response_tokens=8", "group_size=4", "logger.backends=[jsonl]"]
 DETERMINISTIC = ("reward_mean", "reward_std", "loss", "pg_loss", "grad_norm", "entropy", "num_tokens", "clip_frac")
-
-
-def longstraw(args, cwd, env=None, timeout=900):
-    return subprocess.run([sys.executable, "-m", "longstraw_cli", "train", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
-
-
-@pytest.fixture
-def train_here(tmp_path, monkeypatch, capsys):
-    """`longstraw train ARGS` in this process, in tmp_path: -> (exit code, stdout, stderr). Hydra sets sys.argv,
-    the root logger's handlers (its log file, a console on the captured stdout) and its global state; all are put
-    back afterwards."""
-    from hydra.core.global_hydra import GlobalHydra
-
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-    monkeypatch.setattr(sys, "argv", list(sys.argv))
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-
-    def run(args):
-        capsys.readouterr()
-        try:
-            code = main(["train", *args])
-        except SystemExit as e:
-            code = e.code
-        out = capsys.readouterr()
-        return code, out.out, out.err
-
-    yield run
-    for handler in root.handlers:
-        if handler not in handlers:
-            handler.close()
-    root.handlers[:] = handlers
-    root.setLevel(level)
-    GlobalHydra.instance().clear()
-
-
-def rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.parametrize("override, expected", [
@@ -92,7 +50,7 @@ def test_bad_keys_and_group_options_are_caught_before_hydra(override, expected):
     (["strategy.name=zero"], "strategy: name='zero'; valid: ['ddp', 'fsdp2', 'deepspeed']"),
     (["strategy=deepspeed", "strategy.zero_stage=3"], "strategy: zero_stage=3; valid: [1, 2]"),
     (["capture.gradient=full"], "capture: gradient='full'; valid: ['response_only', 'exact']"),
-    (["capture.walk_checkpoint=yes"], "capture: walk_checkpoint must be true or false, got 'yes'"),
+    (["capture.walk_checkpoint=yes"], "capture.walk_checkpoint='yes' must be true or false"),
 ])
 def test_bad_input_exits_2_with_one_line(train_here, tmp_path, args, expected):
     code, _, err = train_here([*args, f"run_dir={tmp_path / 'run'}"])

@@ -6,14 +6,9 @@ import json
 import sys
 
 import pytest
-import test_cli
 import torch
-from test_cli import rows
 
-from conftest import chat_model_dir
-
-# the fixture, shared with test_cli.py
-train_here = test_cli.train_here
+from conftest import chat_model_dir, rows
 
 FAST = ["group_size=2", "response_tokens=6", "logger.backends=[jsonl]"]
 VERL_REWARD = """

@@ -1,0 +1,100 @@
+"""Lost work: SIGTERM (slurm's at the time limit and on preemption) and SIGUSR1 (what the sbatch script asks for
+ahead of them) finish the current step, write a checkpoint, print one line and exit 75; `resume=true` then continues
+as if the run had not stopped. One process, and torchrun with two ranks (torchrun passes SIGTERM on to them)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import rows
+
+E2E = Path(__file__).parent.parent / "e2e"
+STEPS = 6
+# a reward that varies within every group: each step moves the weights, so a lost or repeated step shows
+COMMON = ["prompt_tokens=64", "response_tokens=4", "group_size=2", "logger.backends=[jsonl]", f"steps={STEPS}",
+          "checkpoint.every=100", "task.reward=rewards_for_tests:char_sum"]
+DETERMINISTIC = ("reward_mean", "loss", "grad_norm", "entropy", "num_tokens")
+
+
+def start(argv: list[str], cwd: Path) -> subprocess.Popen:
+    # one intra-op thread: tiny tensors, and two threads per process stall badly on a busy 2-core machine
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(E2E), os.environ.get("PYTHONPATH")]))}
+    return subprocess.Popen([sys.executable, *argv], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def signal_after_first_step(proc: subprocess.Popen, run: Path, signum: int, timeout_s: float = 300) -> tuple:
+    """Sends `signum` once the run has logged a step; -> (exit code, stderr). The run must still be going."""
+    deadline = time.monotonic() + timeout_s
+    metrics = run / "metrics.jsonl"
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+        assert proc.poll() is None, f"the run ended before the signal: {proc.communicate()[1][-2000:]}"
+        assert time.monotonic() < deadline, "the run logged no step in time"
+        time.sleep(0.05)
+    proc.send_signal(signum)
+    try:
+        _, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"the run did not stop within {timeout_s} s of {signal.Signals(signum).name}")
+    return proc.returncode, err
+
+
+def deterministic(run: Path) -> list[dict]:
+    return [{k: r[k] for k in ("step", *DETERMINISTIC)} for r in rows(run)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+def test_signal_checkpoints_and_resume_continues_without_loss(train_here, one_thread, tmp_path, monkeypatch, signum):
+    run = tmp_path / "run"
+    proc = start(["-m", "longstraw_cli", "train", *COMMON, f"run_dir={run}"], tmp_path)
+    code, err = signal_after_first_step(proc, run, signum)
+    name = signal.Signals(signum).name
+    assert code == 75, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"longstraw: preempted: {name} received: stopped after step"), err[-3000:]
+    done = len(rows(run))
+    assert 1 <= done < STEPS
+    assert [p.name for p in (run / "checkpoints").iterdir()] == [f"step_{done:08d}"]
+    assert f"step_{done:08d}" in last and f"{name} received" in (run / "train_rank0.log").read_text()
+    if signum != signal.SIGTERM:
+        return
+    # resumed, the run logs what an uninterrupted one does: no step lost, none repeated
+    monkeypatch.syspath_prepend(str(E2E))
+    code, _, err = train_here([*COMMON, f"run_dir={run}", "resume=true"])
+    assert code == 0, err
+    code, _, err = train_here([*COMMON, f"run_dir={tmp_path / 'whole'}"])
+    assert code == 0, err
+    assert deterministic(run) == deterministic(tmp_path / "whole")
+    assert [r["step"] for r in rows(run)] == list(range(STEPS))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_sigterm_to_torchrun_checkpoints_every_rank_and_resume_continues(tmp_path):
+    """torchrun passes its SIGTERM on to both ranks; they agree on the step to stop after, rank 0 writes the
+    checkpoint, and a resumed launch continues from it."""
+    run = tmp_path / "run"
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "longstraw_cli",
+                "train", *COMMON, f"run_dir={run}"]
+    code, err = signal_after_first_step(start(torchrun, tmp_path), run, signal.SIGTERM)
+    # torchrun ends with its own non-zero status when it was signalled; each worker exited 75
+    assert code != 0
+    done = len(rows(run))
+    assert 1 <= done < STEPS, err[-3000:]
+    assert (run / "checkpoints" / f"step_{done:08d}" / "COMPLETE").is_file(), err[-3000:]
+    for rank in range(2):
+        assert f"SIGTERM received: stopped after step {done - 1}" in (run / f"train_rank{rank}.log").read_text()
+    resumed = start([*torchrun, "resume=true"], tmp_path)
+    _, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err[-3000:]
+    assert f"starting at step {done} of {STEPS}" in (run / "train_rank1.log").read_text()
+    assert [r["step"] for r in rows(run)] == list(range(STEPS))
+    assert (run / "checkpoints" / f"step_{STEPS:08d}" / "COMPLETE").is_file()
