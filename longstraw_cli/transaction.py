@@ -141,11 +141,14 @@ class Transaction:
         self.reference = reference if loss_cfg.kl_coef > 0 else None
 
     # -- phases -----------------------------------------------------------------------------------------------
-    def capture(self, prompt_ids: torch.Tensor):
-        """The policy's resident state of the prompt, graph-free (whole weights: a collective under fsdp2)."""
-        boundaries = {"boundaries": True} if self.cfg.exact else {}
+    def capture(self, prompt_ids: torch.Tensor, *, tail: bool = False):
+        """The policy's resident state of the prompt, graph-free (whole weights: a collective under fsdp2).
+        tail=True: with the carried states at its last block's start (reuse.py's drift probe)."""
+        kept = {"boundaries": True} if self.cfg.exact else {}
+        if tail:
+            kept["tail"] = True
         with self.strategy.full_weights():
-            return self.model.capture(prompt_ids, block_size=self.cfg.block_size, **boundaries)
+            return self.model.capture(prompt_ids, block_size=self.cfg.block_size, **kept)
 
     def score(self, resident, responses: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return score(self.model, resident, responses, self.cfg)

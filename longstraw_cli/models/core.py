@@ -192,17 +192,19 @@ class CausalLM(nn.Module):
     # -- capture ----------------------------------------------------------------------------------------------
     @torch.no_grad()
     def capture(self, prompt_ids: torch.Tensor, block_size: int = 4096, page_dtype: torch.dtype | None = None,
-                offload: str | None = None, boundaries: bool = False) -> Resident:
+                offload: str | None = None, boundaries: bool = False, tail: bool = False) -> Resident:
         """Resident state of a 1-D prompt: its first P-1 tokens; the last token is kept for replay.
         On-device state: block by block through all layers (activations bounded by one block).
         offload="cpu": layer by layer (`capture_span`), so each layer's pages cross to the host once.
-        boundaries=True (exact mode): also keep the carried states at each block's start (`Resident.boundaries`)."""
+        boundaries=True (exact mode): also keep the carried states at each block's start (`Resident.boundaries`).
+        tail=True (capture.reuse_steps > 1): also keep them at the last block's start (`Resident.tail`), from
+        which reuse.py's drift probe re-captures that block under newer weights."""
         check_prompt(prompt_ids, block_size)
         num_tokens = prompt_ids.numel() - 1
         if offload is not None:
-            if boundaries:
-                raise ValueError("exact gradients (boundaries=True) need the resident state on the device; "
-                                 f"got offload={offload!r}")
+            if boundaries or tail:
+                raise ValueError(f"exact gradients and reuse (boundaries=True, tail=True) need the resident state "
+                                 f"on the device; got offload={offload!r}")
             return self.capture_span(prompt_ids[:-1], start=0, num_tokens=num_tokens, last_token=int(prompt_ids[-1]),
                                      block_size=block_size, page_dtype=page_dtype, offload=offload)
         resident = self.empty_resident(num_tokens, page_dtype)
@@ -212,11 +214,18 @@ class CausalLM(nn.Module):
             end = min(num_tokens, start + block_size)
             if boundaries:
                 resident.boundaries.append(snapshot(resident))
-            positions_T = torch.arange(start, end, device=prompt_ids.device)
-            x_BTC, carry = self.model.embed_tokens(prompt_ids[start:end])[None], None
-            for layer, state in zip(self.model.layers, resident.layers):
-                x_BTC, carry = layer.capture_block(x_BTC, positions_T, state, start, carry)
+            if tail and end == num_tokens:
+                resident.tail = snapshot(resident)
+            self.capture_prompt_block(prompt_ids, resident, start, end)
         return resident
+
+    @torch.no_grad()
+    def capture_prompt_block(self, prompt_ids: torch.Tensor, resident: Resident, start: int, end: int) -> None:
+        """Prompt tokens [start, end) through every layer: their pages written, the carried states advanced."""
+        positions_T = torch.arange(start, end, device=prompt_ids.device)
+        x_BTC, carry = self.model.embed_tokens(prompt_ids[start:end])[None], None
+        for layer, state in zip(self.model.layers, resident.layers):
+            x_BTC, carry = layer.capture_block(x_BTC, positions_T, state, start, carry)
 
     @torch.no_grad()
     def capture_span(self, span_ids: torch.Tensor, *, start: int, num_tokens: int, last_token: int,

@@ -105,6 +105,8 @@ class Resident:
     # the reverse walk recomputes each block from them (models/core.py `prompt_backward`). Under context parallel
     # a rank keeps those of the blocks that start in its shard; the others' entries are None (cp_walk.py)
     boundaries: list[list | None] | None = None
+    # capture.reuse_steps > 1: the CARRIED layer states at the last capture block's start (reuse.py's drift probe)
+    tail: list | None = None
 
     def nbytes(self) -> dict[str, int]:
         """Bytes by component, as allocated (the components of the layer kinds present, then "total")."""
@@ -123,12 +125,13 @@ class Resident:
                 out["index_pages"] += 0 if layer.index_PI is None else _nbytes(layer.index_PI)
         if self.boundaries is not None:
             out["boundary_states"] = sum(_nbytes(t) for t in self.boundary_tensors())
+        if self.tail is not None:
+            out["tail_states"] = sum(_nbytes(t) for t in carried_tensors(self.tail))
         out["total"] = sum(out.values())
         return out
 
     def boundary_tensors(self) -> list[torch.Tensor]:
-        return [getattr(s, f.name) for block in self.boundaries or [] if block is not None for s in block
-                if s is not None for f in dataclasses.fields(s)]
+        return [t for block in self.boundaries or [] if block is not None for t in carried_tensors(block)]
 
     def tensors(self) -> list[torch.Tensor]:
         out = []
@@ -139,7 +142,12 @@ class Resident:
                 out += [layer.conv_CW, layer.ssm_GKV]
             else:
                 out += layer.tensors()
-        return out + self.boundary_tensors()
+        return out + self.boundary_tensors() + carried_tensors(self.tail or [])
+
+
+def carried_tensors(states: list) -> list[torch.Tensor]:
+    """The tensors of a snapshot's carried states (its None entries, paged layers, have none)."""
+    return [getattr(s, f.name) for s in states if s is not None for f in dataclasses.fields(s)]
 
 
 def prefix(state, num: int):

@@ -1,0 +1,169 @@
+"""One capture, several optimizer cycles (`capture.reuse_steps=K`): the resident state of a prompt serves K
+consecutive optimizer steps on that prompt.
+
+    capture (cycle 0) -> [rollout -> drift -> reward -> score, replay x G -> finalize, step] x K
+
+Step s trains on the prompt of step s // K (the data advances once per K steps). Each cycle samples its own G
+responses with the CURRENT weights from the STALE state (captured under the weights of cycle 0); the rollout's
+log-probs are the old log-probs, so the ratio and the clip are against exactly what sampled. The replays differentiate
+the responses only (`capture.gradient=response_only`); `exact` is refused: its walk would differentiate a prompt
+state that older weights computed, a gradient of no policy's objective.
+
+Drift, every cycle (metrics `drift`, `drift_mean`, `reuse_cycle`, `captures`): the max (and mean) |delta log-prob|
+over the cycle's response tokens between two states, both read with the current weights:
+- the stale state as the rollout used it, and
+- the same state with its LAST capture block re-captured under the current weights, starting from the carried
+  states the capture kept at that block's start (`Resident.tail`); the block's pages and carried states are put
+  back afterwards.
+Why this probe: a fresh capture of the whole prompt is the capture reuse avoids, and a fresh capture of a short
+suffix alone is another prompt (its log-probs differ from the full prompt's by far more than any drift). The last
+block is what the responses read most directly (its pages are the nearest keys, its end is the recurrent state
+they start from), it costs one block of capture (block_size / prompt of a capture) and two graph-free scorings,
+and at cycle 0 it is exactly 0 (the same weights recompute the same block). What it does not see: staleness of
+the earlier blocks' pages, and of the last block's input boundary; it is a lower estimate of the full drift,
+exact when the prompt fits one block. `capture.max_drift=x`: when a cycle's drift passes x, the next step
+re-captures (a warning says so), and its cycles count from 0 again; the data schedule (s // K) is unchanged.
+
+Checkpoints and resume: the resident state is not saved. A run resumed (or preempted) mid-reuse re-captures the
+prompt of its first step under the checkpoint's weights and counts cycles from 0; its steps differ from an
+uninterrupted run's only through that fresher state (the random streams are restored as always).
+
+Not built: context / expert parallel (cp > 1 is refused: the probe re-captures on one rank), vLLM rollout (it
+samples from current weights on a fresh prompt, so there is nothing to reuse; refused), prompts_per_step > 1
+(refused), and the KL reference (kl_coef > 0), which still captures the prompt every cycle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from longstraw_cli.resident.state import snapshot
+
+log = logging.getLogger("longstraw")
+
+
+@dataclass(frozen=True)
+class ReuseConfig:
+    # capture.reuse_steps: optimizer steps one capture serves (1: capture every step)
+    reuse_steps: int = 1
+    # capture.max_drift: a cycle's drift above this re-captures at the next step (None: never early)
+    max_drift: float | None = None
+
+    def __post_init__(self):
+        if isinstance(self.reuse_steps, bool) or not isinstance(self.reuse_steps, int) or self.reuse_steps < 1:
+            raise ValueError(f"reuse_steps must be an integer >= 1, got {self.reuse_steps!r}")
+        if self.max_drift is not None and not 0 <= self.max_drift < math.inf:
+            raise ValueError(f"max_drift must be a finite number >= 0 (null: no early re-capture), got "
+                             f"{self.max_drift!r}")
+
+    @property
+    def active(self) -> bool:
+        return self.reuse_steps > 1
+
+
+def refusal(cfg: ReuseConfig, *, gradient: str, engine: str, prompts_per_step: int, cp: int) -> str | None:
+    """Why this run cannot reuse captures (one line), or None."""
+    if not cfg.active:
+        return None
+    k = cfg.reuse_steps
+    if gradient == "exact":
+        return (f"capture.reuse_steps={k} with capture.gradient=exact: the prompt's walk would differentiate "
+                f"a state computed under older weights; use capture.gradient=response_only or reuse_steps=1")
+    if engine == "vllm":
+        return (f"capture.reuse_steps={k} with rollout=vllm: vLLM samples from the current weights on a "
+                f"fresh prompt, not from the resident state; use rollout=native or reuse_steps=1")
+    if prompts_per_step > 1:
+        return (f"capture.reuse_steps={k} holds one prompt's state: needs prompts_per_step=1, got "
+                f"prompts_per_step={prompts_per_step}")
+    if cp > 1:
+        return f"capture.reuse_steps={k} runs on one rank per prompt: needs cp=1, got cp={cp}"
+    return None
+
+
+@dataclass
+class Drift:
+    max: float
+    mean: float
+
+
+@contextlib.contextmanager
+@torch.no_grad()
+def tail_recaptured(model, prompt_ids: torch.Tensor, resident, block_size: int):
+    """`resident` with its last capture block re-captured by the model's current weights from the carried states
+    kept at that block's start; the block's pages and the carried states are put back on exit."""
+    num_tokens = resident.num_tokens
+    start = (num_tokens - 1) // block_size * block_size
+    pages = [None if state.CARRIED else {f.name: getattr(state, f.name)[start:].clone()
+                                          for f in dataclasses.fields(state) if getattr(state, f.name) is not None}
+             for state in resident.layers]
+    ends = snapshot(resident)
+    _copy_carried(resident.layers, resident.tail)
+    try:
+        model.capture_prompt_block(prompt_ids, resident, start, num_tokens)
+        yield resident
+    finally:
+        _copy_carried(resident.layers, ends)
+        for state, saved in zip(resident.layers, pages):
+            for name, t in (saved or {}).items():
+                getattr(state, name)[start:].copy_(t)
+
+
+def _copy_carried(layers: list, source: list) -> None:
+    for state, src in zip(layers, source):
+        if src is not None:
+            for f in dataclasses.fields(state):
+                getattr(state, f.name).copy_(getattr(src, f.name))
+
+
+class PromptReuse:
+    """The resident state of the prompt now being reused, its cycle, and the latest drift."""
+
+    def __init__(self, cfg: ReuseConfig, block_size: int):
+        self.cfg, self.block_size = cfg, block_size
+        self.resident, self.group, self.cycle, self.refresh = None, None, 0, False
+        self.drift = Drift(0.0, 0.0)
+        # the metrics of the latest cycle
+        self.last: dict[str, float] = {}
+
+    def prompt_step(self, step: int) -> int:
+        """The step whose prompt step `step` trains on."""
+        return step // self.cfg.reuse_steps * self.cfg.reuse_steps
+
+    def due(self, step: int) -> bool:
+        """Whether step `step` captures: the first of its prompt's steps (or of this process), or a drift past
+        max_drift at the step before."""
+        return self.resident is None or self.group != step // self.cfg.reuse_steps or self.refresh
+
+    def release(self) -> None:
+        """Drops the held state before the next capture: one prompt's state is resident at a time."""
+        self.resident = None
+
+    def hold(self, step: int, resident) -> None:
+        if self.refresh:
+            log.warning("step %d re-captures its prompt: the drift %.3g of the step before passed "
+                        "capture.max_drift=%s", step, self.drift.max, self.cfg.max_drift)
+        self.resident, self.group, self.cycle, self.refresh = resident, step // self.cfg.reuse_steps, 0, False
+
+    def advance(self, captured: bool) -> None:
+        """After a cycle (which `captured` or not): its metrics kept in `last`; the next cycle reads the same
+        state, one optimizer step staler."""
+        self.last = {"reuse_cycle": self.cycle, "captures": int(captured), "drift": self.drift.max,
+                     "drift_mean": self.drift.mean}
+        self.cycle += 1
+
+    def measure(self, model, score, prompt_ids: torch.Tensor, responses: list[torch.Tensor]) -> Drift:
+        """The cycle's drift (module docstring); `score(resident, responses)` is the transaction's graph-free
+        scoring. Sets the refresh when it passes max_drift."""
+        stale = score(self.resident, responses)
+        with tail_recaptured(model, prompt_ids, self.resident, self.block_size) as probe:
+            fresh = score(probe, responses)
+        delta = torch.cat([(s - f).abs() for s, f in zip(stale, fresh)]).double()
+        self.drift = Drift(float(delta.max()), float(delta.mean()))
+        self.refresh = self.cfg.max_drift is not None and self.drift.max > self.cfg.max_drift
+        return self.drift

@@ -1,0 +1,69 @@
+"""reuse.py's drift probe on random qwen36_tiny and glm52_tiny: the last block re-captured from the kept
+boundary is the fresh capture when the weights are those that captured (over several blocks) and when the prompt
+is one block (under newer weights), and the stale state is put back bit for bit."""
+
+import pytest
+import torch
+
+from conftest import ids, random_model
+from longstraw_cli.reuse import PromptReuse, ReuseConfig, refusal, tail_recaptured
+from longstraw_cli.transaction import TransactionConfig, score
+
+CFG = TransactionConfig(block_size=16)
+
+
+@pytest.fixture(scope="module", params=["qwen36_tiny", "glm52_tiny"])
+def model(request):
+    torch.manual_seed(0)
+    return random_model(request.param)
+
+
+def _responses():
+    return [ids(5, seed=10 + i) for i in range(3)]
+
+
+def _nudge_(model, scale=0.02):
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale)
+
+
+def test_probe_puts_the_stale_state_back_and_is_zero_under_the_capturing_weights(model, one_thread):
+    # 40 captured tokens in blocks of 16: the probe re-captures positions 32..39 from the boundary at 32
+    prompt = ids(41, seed=1)
+    resident = model.capture(prompt, block_size=CFG.block_size, tail=True)
+    before = [t.clone() for t in resident.tensors()]
+    with tail_recaptured(model, prompt, resident, CFG.block_size) as probe:
+        same = score(model, probe, _responses(), CFG)
+    assert all(torch.equal(a, b) for a, b in zip(resident.tensors(), before))
+    stale = score(model, resident, _responses(), CFG)
+    assert all(torch.equal(a, b) for a, b in zip(same, stale))
+
+
+def test_probe_of_a_one_block_prompt_is_the_fresh_capture(model, one_thread):
+    prompt = ids(12, seed=2)
+    resident = model.capture(prompt, block_size=CFG.block_size, tail=True)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        _nudge_(model)
+        reuse = PromptReuse(ReuseConfig(reuse_steps=2, max_drift=1e-3), CFG.block_size)
+        reuse.hold(0, resident)
+        drift = reuse.measure(model, lambda r, rs: score(model, r, rs, CFG), prompt, _responses())
+        fresh = score(model, model.capture(prompt, block_size=CFG.block_size), _responses(), CFG)
+        stale = score(model, resident, _responses(), CFG)
+        expected = torch.cat([(s - f).abs() for s, f in zip(stale, fresh)])
+    finally:
+        model.load_state_dict(state)
+    assert drift.max == pytest.approx(float(expected.max()), rel=1e-9) and drift.max > 1e-3
+    assert reuse.refresh and reuse.due(1)
+
+
+def test_refusals_are_one_line():
+    k3 = ReuseConfig(reuse_steps=3)
+    common = {"gradient": "response_only", "engine": "native", "prompts_per_step": 1, "cp": 1}
+    assert refusal(k3, **common) is None and refusal(ReuseConfig(), **{**common, "gradient": "exact"}) is None
+    for change, word in [({"gradient": "exact"}, "capture.gradient=exact"), ({"engine": "vllm"}, "rollout=vllm"),
+                         ({"prompts_per_step": 2}, "prompts_per_step=1"), ({"cp": 2}, "cp=1")]:
+        line = refusal(k3, **{**common, **change})
+        assert word in line and "\n" not in line
