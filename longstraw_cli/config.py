@@ -19,6 +19,7 @@ from longstraw_cli.distributed.strategy import StrategyConfig
 from longstraw_cli.distributed.topology import ParallelDims
 from longstraw_cli.lora import LoraConfig
 from longstraw_cli.models import MODEL_NAMES, families, family_of, hf_model_config
+from longstraw_cli.reuse import ReuseConfig, refusal
 from longstraw_cli.rl.losses import LossConfig
 from longstraw_cli.rl.reward_adapters import REWARD_STYLES
 from longstraw_cli.rl.tasks import TaskConfig
@@ -145,6 +146,8 @@ class TrainConfig:
     lora: LoraConfig
     checkpoint: CheckpointConfig
     strategy: StrategyConfig = StrategyConfig()
+    # capture.reuse_steps / capture.max_drift (reuse.py)
+    reuse: ReuseConfig = ReuseConfig()
     cp: int = 1
     ep: int = 1
     group_size: int = 8
@@ -218,7 +221,8 @@ def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
     """TrainConfig from the resolved container of the composed config (hydra node removed)."""
     d = dict(d)
     d.pop("hydra", None)
-    top = {f.name for f in dataclasses.fields(TrainConfig)} - {"loss", "transaction", "reward", "reward_style"}
+    top = {f.name for f in dataclasses.fields(TrainConfig)} - {"loss", "transaction", "reward", "reward_style",
+                                                                "reuse"}
     _take(d, "the config", top | {"algo", "capture"})
     for name in ("cp", "ep", "group_size", "steps", "prompt_tokens", "response_tokens", "prompts_per_step",
                  "max_nonfinite_steps"):
@@ -269,11 +273,16 @@ def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
     advantage = algo.pop("advantage", "grpo")
     loss = _build(LossConfig, algo, "algo", max_response_tokens=d["response_tokens"])
     capture = _take(dict(d["capture"]), "capture", {"block_size", "score_batch", "logprob_chunk", "gradient",
-                                                   "walk_checkpoint"})
+                                                   "walk_checkpoint", "reuse_steps", "max_drift"})
+    reuse = _build(ReuseConfig, {k: capture.pop(k) for k in ("reuse_steps", "max_drift") if k in capture}, "capture")
     optim = _build(OptimConfig, d["optim"], "optim")
     transaction = _build(TransactionConfig, capture, "capture", advantage=advantage)
     if transaction.exact:
         _check_exact(d, strategy, world_size)
+    refused = refusal(reuse, gradient=transaction.gradient, engine=d["rollout"].get("engine"),
+                      prompts_per_step=d["prompts_per_step"], cp=d["cp"])
+    if refused:
+        raise ConfigError(refused)
 
     rollout_node = dict(d["rollout"])
     engine = rollout_node.pop("engine")
@@ -304,7 +313,7 @@ def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
         rollout=RolloutConfig(engine, sampling, vllm, native), logger=LoggerConfig(backends, wandb, progress),
         optim=optim,
         lora=_build(LoraConfig, d["lora"], "lora"), checkpoint=_build(CheckpointConfig, d["checkpoint"], "checkpoint"),
-        strategy=_build(StrategyConfig, d["strategy"], "strategy"),
+        strategy=_build(StrategyConfig, d["strategy"], "strategy"), reuse=reuse,
         cp=d["cp"], ep=d["ep"], group_size=d["group_size"], steps=d["steps"], prompt_tokens=d["prompt_tokens"],
         response_tokens=d["response_tokens"], seed=d["seed"], device=device, run_dir=str(d["run_dir"]),
         resume=d["resume"], export_hf=d["export_hf"], reward_style=reward_style,

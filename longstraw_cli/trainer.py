@@ -45,6 +45,7 @@ from longstraw_cli.lora import adapters_disabled, apply_lora
 from longstraw_cli.models import build_model, from_pretrained
 from longstraw_cli.models.spec import family_of
 from longstraw_cli.preemption import Preempted, Preemption
+from longstraw_cli.reuse import PromptReuse
 from longstraw_cli.rl.reward_adapters import GroupReward
 from longstraw_cli.rl.tasks import Example, make_task
 from longstraw_cli.rollout.native import Rollout, generate
@@ -124,6 +125,8 @@ class Trainer:
         # the ranks of one CP group sample the same responses: they share the generator's seed
         self.generator = torch.Generator(self.device).manual_seed(cfg.seed * 1000 + self.dp_rank)
         self.engine = self._vllm_engine() if cfg.rollout.engine == "vllm" else None
+        # capture.reuse_steps > 1: one prompt's resident state held across steps (reuse.py); not checkpointed
+        self.reuse = PromptReuse(cfg.reuse, cfg.transaction.block_size) if cfg.reuse.active else None
         # where an error inside `train` came from: "iteration" (then the clock's phase) or a step's later part
         self.clock, self.section = PhaseClock(self.device), "set-up"
         self.start_step = self._resume() if cfg.resume else 0
@@ -297,15 +300,19 @@ class Trainer:
         lr = self.set_lr(step)
         self.transaction.begin()
         prompts, rollouts, parts, num_prompts = [], [], [], self.cfg.prompts_per_step
+        # reuse: one prompt per step (config.py), its captured state held across steps
+        prompt_fn = self.prompt if self.reuse is None else self.prompt_reused
         for prompt in range(num_prompts):
             self.progress.prompt(prompt, num_prompts)
-            prompt_ids, rollout, part = self.prompt(step, prompt, clock)
+            prompt_ids, rollout, part = prompt_fn(step, prompt, clock)
             prompts.append(prompt_ids.numel())
             rollouts.append(rollout)
             parts.append(part)
         result = self.transaction.finish(parts, clock)
         metrics = self._metrics(sum(prompts), rollouts, result, clock)
         metrics["lr"] = lr
+        if self.reuse is not None:
+            metrics.update(self.reuse.last)
         if self.task.num_examples is not None:
             metrics["epoch"] = (step + 1) * num_prompts * self.dims.dp / self.task.num_examples
         return metrics
@@ -333,6 +340,30 @@ class Trainer:
         old = rollout.logprobs if self.engine is None else None
         part = self.transaction.accumulate(prompt_ids, rollout.responses, rewards, resident, old_logprobs=old,
                                            clock=clock, prompt=prompt, num_prompts=self.cfg.prompts_per_step)
+        return prompt_ids, rollout, part
+
+    def prompt_reused(self, step: int, prompt: int, clock: PhaseClock):
+        """`prompt` under capture.reuse_steps=K (reuse.py): the prompt of step K * (step // K), captured at its
+        first step (or after its drift passed capture.max_drift); every step rolls out from that resident state
+        with the current weights, measures the drift, and scores and replays as `prompt` does."""
+        example, prompt_ids = self.example(self.reuse.prompt_step(step), prompt)
+        captured = self.reuse.due(step)
+        with self.strategy.full_weights():
+            if captured:
+                self.reuse.release()
+                with clock.phase("capture"):
+                    self.reuse.hold(step, self.transaction.capture(prompt_ids, tail=True))
+            resident = self.reuse.resident
+            with clock.phase("rollout"):
+                rollout = self.rollout(resident)
+            with clock.phase("drift"):
+                self.reuse.measure(self.model, self.transaction.score, prompt_ids, rollout.responses)
+        with clock.phase("reward"):
+            rewards = self.reward(example, rollout)
+        part = self.transaction.accumulate(prompt_ids, rollout.responses, rewards, resident,
+                                           old_logprobs=rollout.logprobs, clock=clock, prompt=prompt,
+                                           num_prompts=self.cfg.prompts_per_step)
+        self.reuse.advance(captured)
         return prompt_ids, rollout, part
 
     @torch.no_grad()

@@ -1,0 +1,80 @@
+"""`capture.reuse_steps=K` end to end (reuse.py): K=1 is today's trainer; K=3 trains three steps on one capture and
+logs its drift (0 at the first cycle, larger at a larger learning rate); `capture.max_drift` re-captures early; a
+run resumed mid-reuse re-captures and continues; what reuse cannot run with is refused in one line."""
+
+from pathlib import Path
+
+import pytest
+
+from conftest import rows
+
+E2E = Path(__file__).parent
+SMALL = ["prompt_tokens=64", "response_tokens=4", "group_size=3", "logger.backends=[jsonl]",
+         "task.reward=rewards_for_tests:char_sum"]
+DETERMINISTIC = ("step", "reward_mean", "reward_std", "loss", "pg_loss", "grad_norm", "entropy", "num_tokens")
+
+
+@pytest.fixture
+def train(train_here, tmp_path, monkeypatch):
+    """-> rows of `longstraw train SMALL ARGS` in run_dir tmp_path/NAME (which must succeed); its stderr in
+    `run.err`."""
+    monkeypatch.syspath_prepend(str(E2E))
+
+    def run(name: str, *args: str) -> list[dict]:
+        code, _, run.err = train_here([*SMALL, *args, f"run_dir={tmp_path / name}"])
+        assert code == 0, run.err
+        return rows(tmp_path / name)
+
+    return run
+
+
+def _same(a: list[dict], b: list[dict]) -> None:
+    assert [{k: r[k] for k in DETERMINISTIC} for r in a] == [{k: r[k] for k in DETERMINISTIC} for r in b]
+
+
+def test_one_reuse_step_is_todays_trainer(train):
+    today, explicit = train("today", "steps=2"), train("k1", "steps=2", "capture.reuse_steps=1")
+    _same(today, explicit)
+    assert [sorted(r) for r in today] == [sorted(r) for r in explicit]
+    assert "reuse_cycle" not in today[0] and all("time/capture" in r for r in today)
+
+
+def test_three_steps_on_one_capture_and_resume_mid_reuse(train):
+    whole = train("whole", "steps=4", "capture.reuse_steps=3")
+    assert [r["captures"] for r in whole] == [1, 0, 0, 1]
+    assert [r["reuse_cycle"] for r in whole] == [0, 1, 2, 0]
+    assert ["time/capture" in r for r in whole] == [True, False, False, True]
+    assert whole[0]["drift"] == 0 and whole[1]["drift"] > 0 and whole[2]["drift"] > 0
+    # the first step is today's first step: the same capture, rollout and replays
+    _same(whole[:1], train("today", "steps=1"))
+    # a checkpoint at step 2 (mid-reuse): the resumed run re-captures the same prompt and counts cycles from 0
+    train("cut", "steps=2", "capture.reuse_steps=3")
+    resumed = train("cut", "steps=4", "capture.reuse_steps=3", "resume=true")
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3]
+    _same(resumed[:2], whole[:2])
+    assert [r["captures"] for r in resumed[2:]] == [1, 1] and [r["reuse_cycle"] for r in resumed[2:]] == [0, 0]
+    assert resumed[2]["prompt_tokens"] == whole[2]["prompt_tokens"]
+
+
+def test_drift_grows_with_the_learning_rate(train):
+    drift = [train(f"lr{lr}", "steps=2", "capture.reuse_steps=2", f"optim.lr={lr}")[1]["drift"]
+             for lr in (1e-3, 3e-2)]
+    print(f"drift at the second cycle: lr 1e-3 {drift[0]:.3g}, lr 3e-2 {drift[1]:.3g}")
+    assert 0 < drift[0] < drift[1]
+
+
+def test_max_drift_recaptures_at_the_next_step(train):
+    got = train("capped", "steps=3", "capture.reuse_steps=3", "capture.max_drift=0")
+    assert [r["captures"] for r in got] == [1, 0, 1] and [r["reuse_cycle"] for r in got] == [0, 1, 0]
+    assert f"step 2 re-captures its prompt: the drift {got[1]['drift']:.3g} of the step before" in train.err
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["capture.gradient=exact"], "capture.reuse_steps=3 with capture.gradient=exact"),
+    (["prompts_per_step=2"], "needs prompts_per_step=1, got prompts_per_step=2"),
+    (["capture.max_drift=-1"], "max_drift must be a finite number >= 0"),
+])
+def test_what_reuse_cannot_run_with_is_one_line(train_here, tmp_path, args, expected):
+    code, _, err = train_here(["capture.reuse_steps=3", *args, f"run_dir={tmp_path / 'run'}"])
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and expected in lines[0], err
