@@ -265,4 +265,5 @@ def plan(argv: list[str]) -> int:
         lora_rank=integer("lora.rank"), gpu_mem_gib=gpu_mem_gib, block_size=integer("capture.block_size"),
         score_batch=integer("capture.score_batch"), logprob_chunk=integer("capture.logprob_chunk"),
         kernels=own["kernels"], gradient=str(OmegaConf.select(cfg, "capture.gradient")),
-        walk_checkpoint=bool(OmegaConf.select(cfg, "capture.walk_checkpoint")))
+        walk_checkpoint=bool(OmegaConf.select(cfg, "capture.walk_checkpoint")),
+        reuse=integer("capture.reuse_steps") > 1)

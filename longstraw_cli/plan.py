@@ -6,6 +6,8 @@
     step    = weights + optimizer + grads + resident + AdamW's foreach temporary
     prompt  = weights + optimizer + grads + resident + state gradient + one block's graph + one layer's page
               gradient (exact mode's reverse walk; `gradient="exact"`)
+    drift   = weights + optimizer + resident + one capture block's activations (or one response's scoring) +
+              the last block's pages and the carried states, copied (`reuse=True`: capture.reuse_steps > 1)
     peak    = the largest phase
 
 Exact mode (`capture.gradient=exact`, resident/gradient.py) adds to the resident state the boundary states (the
@@ -244,10 +246,12 @@ def plan(model_name_or_cfg, *, cp: int = 1, prompt_tokens: int, group_size: int,
          dtype: str = "bfloat16", lora_rank: int = 0, gpu_mem_gib: float = 139.0, block_size: int = 8192,
          score_batch: int = 8, logprob_chunk: int = 1024, attention_block: int = 1024,
          moment_dtype: str | None = None, kernels: str = "auto", gradient: str = "response_only",
-         walk_checkpoint: bool = False) -> dict:
+         walk_checkpoint: bool = False, reuse: bool = False) -> dict:
     """Per-rank bytes of one transaction by component and by phase; see the module docstring.
     kernels: "gpu" (flash attention, fla's GDN forward), "reference" (the torch kernels), "auto": gpu for
-    bf16/fp16, where the model dispatches to them on CUDA, reference otherwise. gradient: response_only | exact."""
+    bf16/fp16, where the model dispatches to them on CUDA, reference otherwise. gradient: response_only | exact.
+    reuse: the resident state also keeps the carried states at the last block's start (`Resident.tail`), and the
+    drift probe copies the last block's pages and the carried states aside while it re-captures that block."""
     cfg = _config(model_name_or_cfg)
     check_gradient_mode(gradient)
     if kernels not in KERNELS:
@@ -281,13 +285,16 @@ def plan(model_name_or_cfg, *, cp: int = 1, prompt_tokens: int, group_size: int,
     capture_act = _layer_activations(cfg, block, s, f, kernels) + block * cfg.hidden_size * s + max(
         _attention_scores(cfg, 1, block, block, kernels), _attention_scores(cfg, 1, block, pages, kernels))
 
-    batch = min(group_size, score_batch)
     R, V = response_tokens, cfg.vocab_size
-    score_act = max(
-        batch * _layer_activations(cfg, R, s, f, kernels)
-        + max(_attention_scores(cfg, batch, R, R, kernels), _attention_scores(cfg, batch, R, pages, kernels)),
-        batch * min(R, logprob_chunk) * V * LOGIT_BYTES_SCORE + batch * R * cfg.hidden_size * s,
-    )
+
+    def score_activations(batch: int) -> int:
+        return max(
+            batch * _layer_activations(cfg, R, s, f, kernels)
+            + max(_attention_scores(cfg, batch, R, R, kernels), _attention_scores(cfg, batch, R, pages, kernels)),
+            batch * min(R, logprob_chunk) * V * LOGIT_BYTES_SCORE + batch * R * cfg.hidden_size * s,
+        )
+
+    score_act = score_activations(min(group_size, score_batch))
 
     graph = response_graph_bytes(cfg, R, dtype, kernels)
     largest_trainable = counts["largest_matrix"] * s if lora_rank == 0 else 0
@@ -310,7 +317,8 @@ def plan(model_name_or_cfg, *, cp: int = 1, prompt_tokens: int, group_size: int,
     else:
         block_graph = response_graph_bytes(cfg, block, dtype, kernels) if exact else 0
 
-    base = weights + optimizer + resident["total"] + boundaries
+    tail = carried if reuse else 0
+    base = weights + optimizer + resident["total"] + boundaries + tail
     phases = {
         "capture": base + capture_act,
         "score": base + score_act,
@@ -319,6 +327,10 @@ def plan(model_name_or_cfg, *, cp: int = 1, prompt_tokens: int, group_size: int,
     }
     if exact:
         phases["prompt"] = base + grads + state_grad + block_graph + page_grad_transient
+    if reuse:
+        # the probe scores one response at a time
+        phases["drift"] = (base + max(capture_act, score_activations(1)) + resident["kv_pages"] * block // captured
+                           + carried)
     peak = max(phases.values())
     budget = int(gpu_mem_gib * GIB)
     return {
@@ -331,10 +343,11 @@ def plan(model_name_or_cfg, *, cp: int = 1, prompt_tokens: int, group_size: int,
         "resident": resident["total"], "resident_detail": resident,
         "capture_activations": capture_act, "score_activations": score_act,
         "response_graph": graph, "replay_transient": replay_transient, "step_transient": step_transient,
-        "boundary_states": boundaries, "state_grad": state_grad, "block_graph": block_graph,
+        "boundary_states": boundaries, "tail_states": tail, "state_grad": state_grad, "block_graph": block_graph,
         "page_grad_transient": page_grad_transient,
         "phases": phases, "peak": peak,
-        "bound": weights + grads + optimizer + resident["total"] + boundaries + state_grad + max(graph, block_graph),
+        "bound": (weights + grads + optimizer + resident["total"] + boundaries + tail + state_grad
+                  + max(graph, block_graph)),
         "budget": budget, "fits": peak <= budget,
     }
 

@@ -159,10 +159,11 @@ class PromptReuse:
 
     def measure(self, model, score, prompt_ids: torch.Tensor, responses: list[torch.Tensor]) -> Drift:
         """The cycle's drift (module docstring); `score(resident, responses)` is the transaction's graph-free
-        scoring. Sets the refresh when it passes max_drift."""
-        stale = score(self.resident, responses)
+        scoring, here called one response at a time: the probe's page copies then add to one response's
+        scoring, not to a batch's. Sets the refresh when it passes max_drift."""
+        stale = [score(self.resident, [r])[0] for r in responses]
         with tail_recaptured(model, prompt_ids, self.resident, self.block_size) as probe:
-            fresh = score(probe, responses)
+            fresh = [score(probe, [r])[0] for r in responses]
         delta = torch.cat([(s - f).abs() for s, f in zip(stale, fresh)]).double()
         self.drift = Drift(float(delta.max()), float(delta.mean()))
         self.refresh = self.cfg.max_drift is not None and self.drift.max > self.cfg.max_drift

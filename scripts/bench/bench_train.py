@@ -1,8 +1,9 @@
 """The real job, measured: `longstraw train` itself, on the GPU, with native rollout; its metrics rows are the record.
 
 Runs `python -m longstraw_cli train <overrides> steps=N run_dir=...` once per prompt length and reads back the
-run's metrics.jsonl: per step the time and CUDA peak of each phase (rollout, reward, capture, score, replay,
-finalize, step) and decode ms per token. Step 0 also pays one-time costs (Triton JIT, cuBLAS/cuDNN handles,
+run's metrics.jsonl: per step the time and CUDA peak of each phase (rollout, drift, reward, capture, score,
+replay, finalize, step) and decode ms per token; with capture.reuse_steps > 1 also each step's reuse cycle,
+captures and drift (`reuse`). Step 0 also pays one-time costs (Triton JIT, cuBLAS/cuDNN handles,
 the first CUDA-graph capture): it is reported as its own row, `warmup`, and the later steps are averaged into
 `steady`; `first_step_extra_s` is step 0's time minus the steady step's. `transaction_s` is the step without
 rollout and reward, what `scripts/bench/bench_step.py` times in isolation. One JSON row per run to --out.
@@ -25,8 +26,8 @@ from pathlib import Path
 
 from rows import emit
 
-PHASES = ("rollout", "reward", "capture", "score", "replay", "prompt", "finalize", "step")
-TRANSACTION = ("capture", "score", "replay", "prompt", "finalize", "step")
+PHASES = ("rollout", "drift", "reward", "capture", "score", "replay", "prompt", "finalize", "step")
+TRANSACTION = ("capture", "drift", "score", "replay", "prompt", "finalize", "step")
 GIB = 2**30
 
 
@@ -48,6 +49,10 @@ def summarize(rows: list[dict]) -> dict:
                "rollout_over_capture": steady["rollout"] / max(steady["capture"], 1e-9),
                "step_over_transaction": steady["total"] / max(steady["transaction"], 1e-9),
                "ratio_mean_step0": rows[0].get("ratio_mean"), "decode_steps": rows[-1].get("decode_steps")}
+    if "reuse_cycle" in rows[0]:
+        # capture.reuse_steps > 1: the steady mean holds one capture per K steps when steps - 1 is a multiple of K
+        summary["reuse"] = [{k: r[k] for k in ("step", "reuse_cycle", "captures", "drift", "drift_mean")}
+                            for r in rows]
     peaks = [v for k, v in steady.items() if k.startswith("peak_")]
     summary["peak_gib"] = max(peaks) if peaks else None
     return summary

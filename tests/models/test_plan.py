@@ -207,3 +207,18 @@ def test_longstraw_plan_command_rejects_bad_values_in_one_line(capsys, args, mes
         code = e.code
     err = capsys.readouterr().err
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_reuse_keeps_one_boundary_and_the_peak_grows_by_under_0_2_percent():
+    """capture.reuse_steps > 1: the tail states are what the capture keeps; at 1M (qwen36_mini, G=8) they and the
+    drift probe's copies leave the peak within 0.2% of a run without reuse."""
+    model = build_model("qwen36_tiny")
+    resident = model.capture(torch.randint(0, 259, (301,)), block_size=64, tail=True)
+    tiny = plan(model.config, prompt_tokens=301, group_size=2, response_tokens=8, block_size=64, dtype="float32",
+                kernels="reference", reuse=True)
+    assert tiny["tail_states"] == resident.nbytes()["tail_states"] > 0
+    assert tiny["resident"] + tiny["tail_states"] == resident.nbytes()["total"]
+    today, reused = (plan("qwen36_mini", prompt_tokens=1048576, reuse=reuse, **MINI) for reuse in (False, True))
+    print(f"1M peak {today['peak'] / GIB:.2f} GiB, with reuse {reused['peak'] / GIB:.2f} GiB "
+          f"(drift phase {reused['phases']['drift'] / GIB:.2f} GiB)")
+    assert today["peak"] < reused["peak"] <= 1.002 * today["peak"]
