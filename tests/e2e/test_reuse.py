@@ -1,7 +1,10 @@
 """`capture.reuse_steps=K` end to end (reuse.py): K=1 is today's trainer; K=3 trains three steps on one capture and
 logs its drift (0 at the first cycle, larger at a larger learning rate); `capture.max_drift` re-captures early; a
-run resumed mid-reuse re-captures and continues; what reuse cannot run with is refused in one line."""
+run resumed mid-reuse re-captures and continues; LoRA with a KL reference and two data-parallel ranks (ddp, fsdp2)
+run it; what reuse cannot run with is refused in one line."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -67,6 +70,27 @@ def test_max_drift_recaptures_at_the_next_step(train):
     got = train("capped", "steps=3", "capture.reuse_steps=3", "capture.max_drift=0")
     assert [r["captures"] for r in got] == [1, 0, 1] and [r["reuse_cycle"] for r in got] == [0, 1, 0]
     assert f"step 2 re-captures its prompt: the drift {got[1]['drift']:.3g} of the step before" in train.err
+
+
+def test_lora_with_a_kl_reference_reuses_the_capture(train):
+    got = train("lora", "steps=2", "capture.reuse_steps=2", "lora.rank=4", "algo.kl_coef=0.1", "optim.lr=0.05")
+    assert [r["captures"] for r in got] == [1, 0] and got[1]["drift"] > 0 and got[1]["kl_loss"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_data_parallel_ranks_reuse_their_own_prompts(tmp_path, strategy):
+    """Each rank holds its own prompt's state; max_drift may make one rank re-capture and not the other (no
+    collective depends on it: capture runs inside the step's one gather of whole weights)."""
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "longstraw_cli", "train", *SMALL, "steps=3", "capture.reuse_steps=3",
+                          "capture.max_drift=0.3", f"strategy={strategy}", f"run_dir={tmp_path / 'run'}"],
+                         cwd=E2E, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = rows(tmp_path / "run")
+    # the logged numbers are the mean over the two ranks
+    assert got[0]["captures"] == 1 and got[0]["drift"] == 0 and got[1]["captures"] == 0 and got[1]["drift"] > 0
 
 
 @pytest.mark.parametrize("args, expected", [
