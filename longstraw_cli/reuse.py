@@ -3,11 +3,12 @@ consecutive optimizer steps on that prompt.
 
     capture (cycle 0) -> [rollout -> drift -> reward -> score, replay x G -> finalize, step] x K
 
-Step s trains on the prompt of step s // K (the data advances once per K steps). Each cycle samples its own G
-responses with the CURRENT weights from the STALE state (captured under the weights of cycle 0); the rollout's
-log-probs are the old log-probs, so the ratio and the clip are against exactly what sampled. The replays differentiate
-the responses only (`capture.gradient=response_only`); `exact` is refused: its walk would differentiate a prompt
-state that older weights computed, a gradient of no policy's objective.
+Step s trains on the prompt that step s // K would without reuse (the data advances once per K steps, no prompt
+skipped; the logged `epoch` counts prompts served). Each cycle samples its own G responses with the CURRENT
+weights from the STALE state (captured under the weights of cycle 0); the rollout's log-probs are the old
+log-probs, so the ratio and the clip are against exactly what sampled. The replays differentiate the responses
+only (`capture.gradient=response_only`); `exact` is refused: its walk would differentiate a prompt state that
+older weights computed, a gradient of no policy's objective.
 
 Drift, every cycle (metrics `drift`, `drift_mean`, `reuse_cycle`, `captures`): the max (and mean) |delta log-prob|
 over the cycle's response tokens between two states, both read with the current weights:
@@ -28,9 +29,11 @@ Checkpoints and resume: the resident state is not saved. A run resumed (or preem
 prompt of its first step under the checkpoint's weights and counts cycles from 0; its steps differ from an
 uninterrupted run's only through that fresher state (the random streams are restored as always).
 
-Not built: context / expert parallel (cp > 1 is refused: the probe re-captures on one rank), vLLM rollout (it
-samples from current weights on a fresh prompt, so there is nothing to reuse; refused), prompts_per_step > 1
-(refused), and the KL reference (kl_coef > 0), which still captures the prompt every cycle.
+Not built: context / expert parallel (cp > 1 is refused, and with it ep > 1: the probe re-captures on one rank),
+vLLM rollout (it samples from current weights on a fresh prompt, so there is nothing to reuse; refused),
+prompts_per_step > 1 (refused), and reuse of the KL reference's capture (kl_coef > 0 re-captures every cycle).
+Data parallel ranks each hold their own prompt's state; capture runs inside the step's one gather of whole
+weights (fsdp2), so a re-capture on one rank and not another needs no collective.
 """
 
 from __future__ import annotations
@@ -132,8 +135,8 @@ class PromptReuse:
         self.last: dict[str, float] = {}
 
     def prompt_step(self, step: int) -> int:
-        """The step whose prompt step `step` trains on."""
-        return step // self.cfg.reuse_steps * self.cfg.reuse_steps
+        """The step whose prompt (without reuse) step `step` trains on."""
+        return step // self.cfg.reuse_steps
 
     def due(self, step: int) -> bool:
         """Whether step `step` captures: the first of its prompt's steps (or of this process), or a drift past

@@ -314,7 +314,8 @@ class Trainer:
         if self.reuse is not None:
             metrics.update(self.reuse.last)
         if self.task.num_examples is not None:
-            metrics["epoch"] = (step + 1) * num_prompts * self.dims.dp / self.task.num_examples
+            served = step + 1 if self.reuse is None else self.reuse.prompt_step(step) + 1
+            metrics["epoch"] = served * num_prompts * self.dims.dp / self.task.num_examples
         return metrics
 
     def prompt(self, step: int, prompt: int, clock: PhaseClock):
@@ -343,7 +344,7 @@ class Trainer:
         return prompt_ids, rollout, part
 
     def prompt_reused(self, step: int, prompt: int, clock: PhaseClock):
-        """`prompt` under capture.reuse_steps=K (reuse.py): the prompt of step K * (step // K), captured at its
+        """`prompt` under capture.reuse_steps=K (reuse.py): the prompt step // K of the data, captured at its
         first step (or after its drift passed capture.max_drift); every step rolls out from that resident state
         with the current weights, measures the drift, and scores and replays as `prompt` does."""
         example, prompt_ids = self.example(self.reuse.prompt_step(step), prompt)

@@ -59,6 +59,15 @@ def test_three_steps_on_one_capture_and_resume_mid_reuse(train):
     assert resumed[2]["prompt_tokens"] == whole[2]["prompt_tokens"]
 
 
+def test_the_data_advances_once_per_k_steps(train, tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(f'{{"prompt": "{"x" * n}", "answer": "a"}}\n' for n in (10, 20, 30)))
+    got = train("data", "task=jsonl", f"task.path={data}", "steps=4", "capture.reuse_steps=2")
+    lengths = [r["prompt_tokens"] for r in got]
+    assert lengths[0] == lengths[1] < lengths[2] == lengths[3]
+    assert [r["epoch"] for r in got] == pytest.approx([1 / 3, 1 / 3, 2 / 3, 2 / 3])
+
+
 def test_drift_grows_with_the_learning_rate(train):
     drift = [train(f"lr{lr}", "steps=2", "capture.reuse_steps=2", f"optim.lr={lr}")[1]["drift"]
              for lr in (1e-3, 3e-2)]
