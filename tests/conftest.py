@@ -125,6 +125,17 @@ def random_lora_(model: torch.nn.Module, targets: tuple[str, ...], seed: int = 5
             layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=g, dtype=torch.float64) * 0.1)
 
 
+def response_only_grads(model, prompt, responses, weights, block_size) -> dict[str, torch.Tensor]:
+    """The objective of `exact_grads` with the resident state a constant (response_only): the parameter gradients."""
+    model.zero_grad(set_to_none=True)
+    resident = model.capture(prompt, block_size=block_size)
+    for response, w in zip(responses, weights):
+        (w * model.logprobs(resident, response, grad=True)).sum().backward()
+    out = grads(model)
+    model.zero_grad(set_to_none=True)
+    return out
+
+
 def exact_grads(model, prompt, responses, weights, block_size, tamper=None,
                 checkpoint_layers=False) -> dict[str, torch.Tensor]:
     """capture.gradient=exact by hand: the capture with boundaries, sum_i <weights_i, log p(response_i)> replayed

@@ -8,26 +8,10 @@ import copy
 import pytest
 import torch
 
-from conftest import grads, rel_err
+from conftest import exact_grads, rel_err, response_only_grads
 from longstraw_cli.models import build_model
-from longstraw_cli.resident.gradient import StateGrad
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-
-def exact_grads(model, prompt, responses, block_size, exact=True):
-    model.zero_grad(set_to_none=True)
-    resident = model.capture(prompt, block_size=block_size, boundaries=exact)
-    state_grad = StateGrad(resident) if exact else None
-    view = state_grad.replay_view(resident) if exact else resident
-    for i, response in enumerate(responses):
-        w = torch.linspace(-1, 1, len(response), device="cuda") * (i + 1)
-        (w * model.logprobs(view, response, grad=True)).sum().backward()
-    if exact:
-        model.prompt_backward(prompt, resident, state_grad, block_size)
-    out = grads(model)
-    model.zero_grad(set_to_none=True)
-    return out
 
 
 # bf16 against fp32, the whole gradient vector, measured on an H200: qwen36 4.3e-2, glm52 1.04e-1 (its router's
@@ -38,10 +22,11 @@ def test_exact_gradient_on_gpu_matches_fp32(name, layers, tolerance):
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 250, (3000,), generator=g).cuda()
     responses = [torch.randint(0, 250, (64,), generator=g).cuda() for _ in range(3)]
-    got = exact_grads(model, prompt, responses, 1024)
+    weights = [torch.linspace(-1, 1, len(r), device="cuda") * (i + 1) for i, r in enumerate(responses)]
+    got = exact_grads(model, prompt, responses, weights, 1024)
     reference = copy.deepcopy(model).float()
-    want = exact_grads(reference, prompt, responses, 1024)
-    only = exact_grads(reference, prompt, responses, 1024, exact=False)
+    want = exact_grads(reference, prompt, responses, weights, 1024)
+    only = response_only_grads(reference, prompt, responses, weights, 1024)
     assert got.keys() == want.keys()
     # per parameter the bf16 noise is uneven (a router's top-k flips, A_log sums cancelling terms: measured up to
     # 0.09 and 0.26 on single parameters): the whole gradient vector is compared, and the prompt's share of it
