@@ -73,7 +73,9 @@ class TransactionResult:
     # the clock's phases: the whole iteration's when the caller passed its clock
     seconds: dict[str, float]
     resident_bytes: dict[str, int]
-    # the project's own accounting: peak bytes of autograd-saved storages over all replays
+    # the project's own accounting: peak bytes of autograd-saved storages over all replays (and exact mode's walk;
+    # with walk_checkpoint it sees each layer's checkpointed input, not the one layer's graph that
+    # torch.utils.checkpoint recomputes inside the backward: the CUDA peak of the "prompt" phase does)
     graph_peak_bytes: int
     # saved storages still alive after the last replay (0 unless a graph leaked)
     graph_live_bytes_after: int
