@@ -19,6 +19,7 @@ from longstraw_cli.distributed.strategy import StrategyConfig
 from longstraw_cli.distributed.topology import ParallelDims
 from longstraw_cli.lora import LoraConfig
 from longstraw_cli.models import MODEL_NAMES, families, family_of, hf_model_config
+from longstraw_cli.quantize import NF4_DTYPES, torchao_nf4
 from longstraw_cli.reuse import ReuseConfig, refusal
 from longstraw_cli.rl.losses import LossConfig
 from longstraw_cli.rl.reward_adapters import REWARD_STYLES
@@ -263,6 +264,8 @@ def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
             f"prompt_tokens={d['prompt_tokens']} + response_tokens={d['response_tokens']} exceeds the model's "
             f"{model.max_positions()} positions (model={model.path or model.name})"
         )
+    lora = _build(LoraConfig, d["lora"], "lora")
+    _check_quantize(lora, model)
     task_node = dict(d["task"])
     reward = task_node.pop("reward", None)
     reward_style = task_node.pop("reward_style", "auto")
@@ -312,7 +315,7 @@ def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
         model=model, task=task, reward=reward, loss=loss, transaction=transaction,
         rollout=RolloutConfig(engine, sampling, vllm, native), logger=LoggerConfig(backends, wandb, progress),
         optim=optim,
-        lora=_build(LoraConfig, d["lora"], "lora"), checkpoint=_build(CheckpointConfig, d["checkpoint"], "checkpoint"),
+        lora=lora, checkpoint=_build(CheckpointConfig, d["checkpoint"], "checkpoint"),
         strategy=_build(StrategyConfig, d["strategy"], "strategy"), reuse=reuse,
         cp=d["cp"], ep=d["ep"], group_size=d["group_size"], steps=d["steps"], prompt_tokens=d["prompt_tokens"],
         response_tokens=d["response_tokens"], seed=d["seed"], device=device, run_dir=str(d["run_dir"]),
@@ -320,6 +323,19 @@ def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
         prompts_per_step=d["prompts_per_step"], max_nonfinite_steps=d["max_nonfinite_steps"],
         dist_timeout_s=float(d["dist_timeout_s"]),
     )
+
+
+def _check_quantize(lora: LoraConfig, model: ModelConfig) -> None:
+    """lora.quantize=nf4: a dtype it runs in, and torchao importable (one line each)."""
+    if lora.quantize == "none":
+        return
+    if model.dtype not in NF4_DTYPES:
+        raise ConfigError(f"lora.quantize={lora.quantize} computes in model.dtype, which must be one of "
+                          f"{list(NF4_DTYPES)}; got model.dtype={model.dtype!r}")
+    try:
+        torchao_nf4()
+    except ImportError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_device(device: str) -> None:

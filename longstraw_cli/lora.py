@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from longstraw_cli.checkpoint import atomic_directory
+from longstraw_cli.quantize import QUANTIZE_CHOICES, dense
 
 # HF's names of a qwen3_5-style layer's linears: qwen36's targets, and a model without a family's
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj", "gate_proj",
@@ -64,10 +65,17 @@ class LoraConfig:
     # matched against the module path: the last component, or a dotted suffix ("mlp.down_proj");
     # None: the model family's `lora_targets` (models/*/spec.py)
     target_modules: tuple[str, ...] | None = None
+    # "nf4": the frozen base linears stored 4-bit (QLoRA; quantize.py), "none": in the model dtype
+    quantize: str = "none"
 
     def __post_init__(self):
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
             raise ValueError(f"lora rank must be an int >= 0 (0 = LoRA off), got {self.rank!r}")
+        if self.quantize not in QUANTIZE_CHOICES:
+            raise ValueError(f"lora.quantize={self.quantize!r}; valid: {list(QUANTIZE_CHOICES)}")
+        if self.quantize != "none" and self.rank == 0:
+            raise ValueError(f"lora.quantize={self.quantize} freezes a quantised base and trains adapters: it needs "
+                             f"lora.rank > 0, got lora.rank=0 (full fine-tuning)")
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not (
             math.isfinite(self.alpha) and self.alpha > 0
         ):
@@ -150,12 +158,13 @@ class LoraLinear(nn.Linear):
     def folded_weight(self) -> torch.Tensor:
         """W + scale * B @ A, differentiably, for model code that reads the weight as a matrix (glm52's absorbed
         kv_b). The adapter's dropout cannot apply to a folded weight and is ignored."""
+        weight = dense(self.weight)
         if not self.adapter_enabled:
-            return self.weight
-        return self.weight + (self.scaling * (self.lora_B @ self.lora_A)).to(self.weight.dtype)
+            return weight
+        return weight + (self.scaling * (self.lora_B @ self.lora_A)).to(weight.dtype)
 
     def merged_weight(self) -> torch.Tensor:
-        return merge_lora(self.weight, self.lora_A, self.lora_B, self.scaling)
+        return merge_lora(dense(self.weight), self.lora_A, self.lora_B, self.scaling)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.rank}, alpha={self.alpha:g}, adapter_enabled={self.adapter_enabled}"
@@ -295,6 +304,8 @@ def merged_state_dict(model: nn.Module, device: str | torch.device | None = None
             continue
         if merge and leaf == "weight" and module_name in layers:
             tensor = layers[module_name].merged_weight()
+        # a quantised base (lora.quantize=nf4) is written dequantised, in the model dtype
+        tensor = dense(tensor)
         out[key] = tensor if device is None else tensor.to(device)
     return out
 

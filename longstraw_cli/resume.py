@@ -37,7 +37,7 @@ from longstraw_cli.guard import first_nonfinite
 log = logging.getLogger("longstraw")
 
 # keys whose change makes the saved tensors mean something else: refused on resume
-STRUCTURAL = ("model.name", "model.path", "lora.rank", "lora.alpha", "lora.target_modules")
+STRUCTURAL = ("model.name", "model.path", "lora.rank", "lora.alpha", "lora.target_modules", "lora.quantize")
 # optimizer hyperparameters: the optimizer takes the new values on resume
 OPTIMIZER = ("optim.lr", "optim.betas", "optim.weight_decay")
 # keys that differ between a run and its resumption by design (a run_dir may also have been moved or copied)
@@ -98,6 +98,8 @@ def check_config(path: Path, saved_json: str | None, config: dict) -> None:
         log.warning("%s holds no config (written by an older version): changes since it are not checked", path.name)
         return
     saved, now = _flat(json.loads(saved_json)), _flat(json.loads(config_json(config)))
+    # checkpoints written before lora.quantize existed were all of unquantised models
+    saved.setdefault("lora.quantize", "none")
     changed = {k: (saved.get(k), now.get(k)) for k in sorted(set(saved) | set(now))
                if saved.get(k) != now.get(k) and k not in _IGNORED}
     structural = [k for k in STRUCTURAL if k in changed]

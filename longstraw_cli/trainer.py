@@ -151,10 +151,12 @@ class Trainer:
     # -- set-up -----------------------------------------------------------------------------------------------
     def _build_model(self) -> torch.nn.Module:
         m, dtype = self.cfg.model, DTYPES[self.cfg.model.dtype]
+        # lora.quantize=nf4: the base linears quantised layer by layer as the model is built or loaded
+        quantize = self.cfg.lora.quantize
         if m.path is not None:
-            model = from_pretrained(m.path, dtype=dtype, device=self.device)
+            model = from_pretrained(m.path, dtype=dtype, device=self.device, quantize=quantize)
         else:
-            model = build_model(m.name, dtype=dtype, device=self.device, seed=self.cfg.seed)
+            model = build_model(m.name, dtype=dtype, device=self.device, seed=self.cfg.seed, quantize=quantize)
         if self.tokenizer.vocab_size > model.config.vocab_size:
             raise TrainerError(f"tokenizer {m.tokenizer!r} has {self.tokenizer.vocab_size} ids but the model's "
                                f"vocab is {model.config.vocab_size}")

@@ -17,6 +17,7 @@ import torch
 # each family's spec.py registers it on import
 import longstraw_cli.models.glm52.spec
 import longstraw_cli.models.qwen36.spec  # noqa: F401
+from longstraw_cli.models.core import units
 from longstraw_cli.models.spec import (
     FamilySpec,
     families,
@@ -24,6 +25,7 @@ from longstraw_cli.models.spec import (
     family_of_hf,
     get_family,
 )
+from longstraw_cli.quantize import QUANTIZE_CHOICES, quantize_linears, torchao_nf4
 
 MODEL_NAMES = sorted(name for spec in families() for name in spec.configs)
 
@@ -39,15 +41,48 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def build_model(name: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                seed: int | None = None, **overrides) -> torch.nn.Module:
-    """A randomly initialised model of a named shape; keyword overrides replace config fields."""
+                seed: int | None = None, quantize: str = "none", **overrides) -> torch.nn.Module:
+    """A randomly initialised model of a named shape; keyword overrides replace config fields.
+
+    quantize="nf4" (quantize.py): built on the meta device, then part by part (embeddings, each decoder layer,
+    norm, lm_head) materialised, initialised and its base linears quantised before the next part, so the model
+    never exists whole in `dtype`. Its random weights are drawn part by part: the plain build's distributions,
+    not its numbers (that build draws every module's construction-time init first)."""
     spec = family_of(name)
     cfg = spec.named_config(name, **overrides)
     if seed is not None:
         torch.manual_seed(seed)
+    if quantize != "none":
+        model = _on_meta(spec, cfg, dtype, quantize)
+        with _default_dtype(dtype):
+            return _by_parts(model, device, lambda _, part: model.reset_parameters(root=part), quantize)
     # parameters are born in their dtype and on their device: a 27B shape never exists in fp32 on the host
     with _default_dtype(dtype), torch.device(device):
         model = spec.model_cls(cfg)
+    return model
+
+
+def _on_meta(spec: FamilySpec, cfg, dtype: torch.dtype, quantize: str) -> torch.nn.Module:
+    """The model's structure without storage; checks the quantize choice (and that torchao imports) first."""
+    if quantize not in QUANTIZE_CHOICES:
+        raise ValueError(f"quantize={quantize!r}; valid: {list(QUANTIZE_CHOICES)}")
+    if quantize == "nf4":
+        torchao_nf4()
+    with _default_dtype(dtype), torch.device("meta"):
+        return spec.model_cls(cfg)
+
+
+def _by_parts(model: torch.nn.Module, device, fill, quantize: str) -> torch.nn.Module:
+    """A meta model materialised on `device` one part at a time (`core.units`): each part allocated, filled by
+    `fill(part name, part)`, and, for a decoder layer under quantize="nf4", its base linears quantised."""
+    layers = {id(layer) for layer in model.model.layers}
+    for name, part in units(model):
+        part.to_empty(device=device)
+        fill(name, part)
+        if quantize == "nf4" and id(part) in layers:
+            quantize_linears(part)
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
     return model
 
 
@@ -73,7 +108,9 @@ def _read_hf_config(config_file: str, mtime_ns: int, size: int) -> tuple[FamilyS
     return spec, spec.hf.config_from_hf(hf_config)
 
 
-def _read_safetensors(path: Path):
+def _safetensors_keys(path: Path, stack: contextlib.ExitStack):
+    """(open file, key) of every tensor of an HF directory's safetensors files, sharded or not; files stay open
+    (memory-mapped) until `stack` closes."""
     from safetensors import safe_open
 
     index = path / "model.safetensors.index.json"
@@ -85,42 +122,58 @@ def _read_safetensors(path: Path):
         raise ValueError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
     for file in files:
         try:
-            handle = safe_open(str(path / file), framework="pt")
+            handle = stack.enter_context(safe_open(str(path / file), framework="pt"))
         except Exception as e:  # noqa: BLE001 - safetensors' own error type: a truncated or foreign file
             raise ValueError(f"{path / file}: not a readable safetensors file ({e})") from None
-        with handle as f:
-            for key in f.keys():
-                yield key, f.get_tensor(key)
+        for key in handle.keys():
+            yield handle, key
 
 
-def from_pretrained(path: str | Path, dtype: torch.dtype = torch.float32,
-                    device: str | torch.device = "cpu") -> torch.nn.Module:
+def _part_of(name: str, parts: list[str]) -> str:
+    return next(part for part in parts if name.startswith(part + "."))
+
+
+def from_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                    quantize: str = "none") -> torch.nn.Module:
     """Load an HF directory of any registered family's model types (`qwen3_5_text`, `qwen3_5`'s text weights,
     `glm_moe_dsa`).
 
     The family's key map names the parameter or buffer each checkpoint key fills, and the part of it (glm52's
     per-expert keys fill slices of its 3-D expert parameters). Tensors keep their target's dtype (glm52 keeps
-    the router weight and bias and the indexer's weights_proj in fp32)."""
+    the router weight and bias and the indexer's weights_proj in fp32). The model is built on the meta device
+    and loaded one part at a time (`core.units`); quantize="nf4" quantises each decoder layer's base linears as
+    soon as it is loaded (quantize.py)."""
     path = Path(path)
     spec, cfg = hf_model_config(path)
-    with _default_dtype(dtype), torch.device(device):
-        model = spec.model_cls(cfg)
+    model = _on_meta(spec, cfg, dtype, quantize)
     targets = dict(model.named_parameters(remove_duplicate=False))
     targets.update(model.named_buffers())
+    parts = [name for name, _ in units(model)]
     filled = {name: 0 for name in targets}
-    for key, tensor in _read_safetensors(path):
-        mapped = spec.hf.key_map(key, cfg)
-        if mapped is None:
-            continue
-        name, index = mapped
-        if name not in targets:
-            raise ValueError(f"{path}: checkpoint key {key!r} has no counterpart in the {spec.name} model")
-        dest = targets[name][index]
-        if tuple(dest.shape) != tuple(tensor.shape):
-            raise ValueError(f"{path}: {key} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
-        with torch.no_grad():
-            dest.copy_(tensor.to(dest.dtype))
-        filled[name] += dest.numel()
+    with contextlib.ExitStack() as stack:
+        keys = {part: [] for part in parts}
+        for handle, key in _safetensors_keys(path, stack):
+            mapped = spec.hf.key_map(key, cfg)
+            if mapped is None:
+                continue
+            name, index = mapped
+            if name not in targets:
+                raise ValueError(f"{path}: checkpoint key {key!r} has no counterpart in the {spec.name} model")
+            keys[_part_of(name, parts)].append((handle, key, name, index))
+
+        @torch.no_grad()
+        def fill(part_name: str, part: torch.nn.Module) -> None:
+            # the part's own tensors: to_empty gave it new ones
+            own = {f"{part_name}.{n}": t for n, t in part.named_parameters(remove_duplicate=False)}
+            own.update((f"{part_name}.{n}", t) for n, t in part.named_buffers())
+            for handle, key, name, index in keys[part_name]:
+                tensor, dest = handle.get_tensor(key), own[name][index]
+                if tuple(dest.shape) != tuple(tensor.shape):
+                    raise ValueError(f"{path}: {key} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+                dest.copy_(tensor.to(dest.dtype))
+                filled[name] += dest.numel()
+
+        _by_parts(model, device, fill, quantize)
     missing = sorted(n for n, t in targets.items() if filled[n] < t.numel())
     if cfg.tie_word_embeddings:
         missing = [m for m in missing if m != "lm_head.weight"]

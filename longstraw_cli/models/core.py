@@ -150,6 +150,15 @@ class Backbone(nn.Module):
         self.norm = norm_cls(hidden_size, eps)
 
 
+def units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """A model's parts in the order of its modules: embed_tokens, each decoder layer, norm, lm_head (by name).
+    A model is materialised, loaded or quantised one part at a time (models.build_model, from_pretrained)."""
+    backbone = model.model
+    layers = [(f"model.layers.{i}", layer) for i, layer in enumerate(backbone.layers)]
+    return [("model.embed_tokens", backbone.embed_tokens), *layers, ("model.norm", backbone.norm),
+            ("lm_head", model.lm_head)]
+
+
 class CausalLM(nn.Module):
     """`model` (a Backbone) and `lm_head`; the reference forward, capture, replay, log-probs and decode walks."""
 
@@ -166,9 +175,10 @@ class CausalLM(nn.Module):
         self.reset_parameters()
 
     @torch.no_grad()
-    def reset_parameters(self, std: float = 0.02):
-        """HF-style init: normal(0, std) linears and embeddings; the family's rules (`init_module`) for the rest."""
-        for module in self.modules():
+    def reset_parameters(self, std: float = 0.02, root: nn.Module | None = None):
+        """HF-style init: normal(0, std) linears and embeddings; the family's rules (`init_module`) for the rest.
+        root: only that submodule (a model materialised one unit at a time, models.build_model)."""
+        for module in (self if root is None else root).modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 module.weight.normal_(0.0, std)
             else:

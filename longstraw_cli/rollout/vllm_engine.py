@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from longstraw_cli.lora import merge_lora
+from longstraw_cli.quantize import dense
 from longstraw_cli.rollout.native import Rollout, SamplingConfig
 
 DTYPES = ("bfloat16", "float16", "float32", "auto")
@@ -97,8 +98,9 @@ def _matrix(x) -> torch.Tensor:
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
-    # a sharded (FSDP2) parameter is gathered: a collective, so every rank must iterate together
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+    # a sharded (FSDP2) parameter is gathered: a collective, so every rank must iterate together; an NF4 base
+    # weight (lora.quantize=nf4) is dequantised
+    return dense(t.full_tensor() if hasattr(t, "full_tensor") else t)
 
 
 def _base_owner(module: nn.Module) -> nn.Module:

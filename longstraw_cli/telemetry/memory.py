@@ -14,8 +14,13 @@ from contextlib import contextmanager
 
 import torch
 
+from longstraw_cli.quantize import is_nf4
+
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    if is_nf4(t):
+        # an NF4 weight (lora.quantize=nf4) wraps tensors and has no storage of its own: its codes stand for it
+        t = t.quantized_data
     return (str(t.device), t.untyped_storage().data_ptr())
 
 

@@ -62,6 +62,7 @@ from longstraw_cli.models import core
 from longstraw_cli.models.core import MLP, Backbone, CausalLM, DecodeState, stop_grad_prefix
 from longstraw_cli.models.glm52.config import Glm52Config
 from longstraw_cli.models.glm52.experts import local_experts
+from longstraw_cli.quantize import dense
 from longstraw_cli.resident import MLAPages, Resident
 from longstraw_cli.resident.offload import host_buffer
 from longstraw_kernels import at_least_fp32, compute_dtype
@@ -199,10 +200,10 @@ class DecodeMLA:
 
 
 def linear_weight(linear: nn.Linear) -> torch.Tensor:
-    """The matrix a linear applies: its weight, or, for a wrapper that adds to it (a LoRA adapter), the wrapper's
-    `folded_weight()` (differentiable)."""
+    """The matrix a linear applies: its weight (dequantised if stored as NF4), or, for a wrapper that adds to it
+    (a LoRA adapter), the wrapper's `folded_weight()` (differentiable)."""
     folded = getattr(linear, "folded_weight", None)
-    return linear.weight if folded is None else folded()
+    return dense(linear.weight) if folded is None else folded()
 
 
 def pages_topk(scores_BTS: torch.Tensor, k: int, first: int) -> torch.Tensor:
