@@ -200,7 +200,8 @@ PLAN_KEYS = {"gpu_mem_gib": "GPU memory per rank in GiB (default 139: an H200)",
 PLAN_USAGE = """usage: longstraw plan [overrides]
 The per-rank memory of one transaction by phase, and the longest prompt that fits, for the run that
 `longstraw train` would launch with the same overrides (model, cp, group_size, prompt_tokens,
-response_tokens, lora.rank, capture.*). prompt_tokens and response_tokens take K/M suffixes (2M = 2097152).
+response_tokens, lora.rank, lora.quantize, capture.*). prompt_tokens and response_tokens take K/M suffixes
+(2M = 2097152).
 Plan's own keys: """ + "; ".join(f"{k}: {v}" for k, v in PLAN_KEYS.items()) + """
 example: longstraw plan model=qwen36 cp=8 prompt_tokens=2M group_size=8 lora.rank=16 gpu_mem_gib=139"""
 
@@ -262,7 +263,8 @@ def plan(argv: list[str]) -> int:
     return planner.report(
         model_cfg, model.path or model.name, [integer("prompt_tokens")], cp=integer("cp"),
         group_size=integer("group_size"), response_tokens=integer("response_tokens"), dtype=model.dtype,
-        lora_rank=integer("lora.rank"), gpu_mem_gib=gpu_mem_gib, block_size=integer("capture.block_size"),
+        lora_rank=integer("lora.rank"), quantize=str(OmegaConf.select(cfg, "lora.quantize")),
+        gpu_mem_gib=gpu_mem_gib, block_size=integer("capture.block_size"),
         score_batch=integer("capture.score_batch"), logprob_chunk=integer("capture.logprob_chunk"),
         kernels=own["kernels"], gradient=str(OmegaConf.select(cfg, "capture.gradient")),
         walk_checkpoint=bool(OmegaConf.select(cfg, "capture.walk_checkpoint")),

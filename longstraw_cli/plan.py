@@ -24,6 +24,10 @@ graph: the replay phase without its transients.
 
 Where the bytes come from (s: bytes per element of `dtype`, f: of the compute dtype, at least fp32):
 - weights: every parameter of the qwen36 layout, counted from the config widths; grads in the parameter dtype.
+  `quantize="nf4"` (QLoRA, quantize.py): every decoder layer's linear in torchao's NF4 layout, `nf4_bytes`
+  (4-bit codes, an int8 scaler per 64 weights, a factor per 256 scalers: ~0.516 bytes a weight), the rest
+  (embeddings, lm_head, norms, GDN's conv and gates, the adapters) in `dtype`; plus, in every phase, one
+  linear's dequantisation transient (`dequant_transient`).
 - optimizer: torch.optim.AdamW keeps two moments per trainable parameter in the PARAMETER's dtype (it allocates
   zeros_like(p)); `moment_dtype="float32"` gives the fp32-moment figure of a master-weight setup instead.
 - resident: K/V pages of the captured (prompt - 1) / cp tokens for every attention layer in `dtype`, an fp32
@@ -62,8 +66,9 @@ import sys
 
 import torch
 
-from longstraw_cli.lora import DEFAULT_TARGETS
+from longstraw_cli.lora import DEFAULT_TARGETS, LoraConfig
 from longstraw_cli.models.qwen36.config import NAMED_CONFIGS, Qwen36Config, named_config
+from longstraw_cli.quantize import NF4_DTYPES, QUANTIZE_CHOICES, nf4_bytes
 from longstraw_cli.resident.gradient import check_gradient_mode
 
 GIB = 2**30
@@ -113,12 +118,16 @@ def _layer_linears(cfg: Qwen36Config, layer_type: str) -> dict[str, tuple[int, i
 
 
 def param_counts(cfg: Qwen36Config, lora_rank: int = 0, lora_targets=DEFAULT_TARGETS) -> dict[str, int]:
-    """Parameters of the model (`total`), the largest single matrix, and the LoRA adapters' count."""
+    """Parameters of the model (`total`), the largest single matrix, the LoRA adapters' count, and the decoder
+    layers' linears (`linears`: what quantize="nf4" stores 4-bit; `largest_linear`: the largest of them)."""
     C = cfg.hidden_size
     embeddings = cfg.vocab_size * C * (1 if cfg.tie_word_embeddings else 2)
     total, adapters, largest = embeddings + C, 0, cfg.vocab_size * C
+    linear_params, largest_linear = 0, 0
     for layer_type in cfg.layer_types:
         linears = _layer_linears(cfg, layer_type)
+        linear_params += sum(i * o for i, o in linears.values())
+        largest_linear = max(largest_linear, *(i * o for i, o in linears.values()))
         total += sum(i * o for i, o in linears.values()) + 2 * C
         if layer_type == "full_attention":
             total += 2 * cfg.head_dim  # q_norm, k_norm
@@ -128,7 +137,22 @@ def param_counts(cfg: Qwen36Config, lora_rank: int = 0, lora_targets=DEFAULT_TAR
             total += cfg.linear_value_head_dim
         if lora_rank > 0:
             adapters += sum(lora_rank * (i + o) for name, (i, o) in linears.items() if name in lora_targets)
-    return {"total": total, "lora": adapters, "largest_matrix": largest}
+    return {"total": total, "lora": adapters, "largest_matrix": largest, "linears": linear_params,
+            "largest_linear": largest_linear}
+
+
+def linear_bytes(cfg: Qwen36Config, dtype: str, quantize: str = "none") -> int:
+    """Bytes of the decoder layers' linear weights: NF4 storage (quantize.nf4_bytes, linear by linear) or dtype's."""
+    s = _itemsize(dtype)
+    return sum(nf4_bytes(i * o, s) if quantize == "nf4" else i * o * s
+               for layer_type in cfg.layer_types for i, o in _layer_linears(cfg, layer_type).values())
+
+
+def dequant_transient(numel: int, dtype: str) -> int:
+    """Live bytes while torchao dequantises one NF4 weight of `numel` (NF4Tensor.get_original_weight): the two
+    4-bit halves of the codes as int64 (8 bytes a weight together), then the table lookups, their scaled copies
+    and the stacked result, numel values of `dtype` each."""
+    return numel * (8 + 3 * _itemsize(dtype))
 
 
 def resident_bytes(cfg: Qwen36Config, num_tokens: int, dtype: str = "bfloat16") -> dict[str, int]:
@@ -246,12 +270,13 @@ def plan(model_name_or_cfg, *, cp: int = 1, prompt_tokens: int, group_size: int,
          dtype: str = "bfloat16", lora_rank: int = 0, gpu_mem_gib: float = 139.0, block_size: int = 8192,
          score_batch: int = 8, logprob_chunk: int = 1024, attention_block: int = 1024,
          moment_dtype: str | None = None, kernels: str = "auto", gradient: str = "response_only",
-         walk_checkpoint: bool = False, reuse: bool = False) -> dict:
+         walk_checkpoint: bool = False, reuse: bool = False, quantize: str = "none") -> dict:
     """Per-rank bytes of one transaction by component and by phase; see the module docstring.
     kernels: "gpu" (flash attention, fla's GDN forward), "reference" (the torch kernels), "auto": gpu for
     bf16/fp16, where the model dispatches to them on CUDA, reference otherwise. gradient: response_only | exact.
     reuse: the resident state also keeps the carried states at the last block's start (`Resident.tail`), and the
-    drift probe copies the last block's pages and the carried states aside while it re-captures that block."""
+    drift probe copies the last block's pages and the carried states aside while it re-captures that block.
+    quantize: "none" | "nf4" (lora.quantize; needs lora_rank > 0): the base linears' storage, see the docstring."""
     cfg = _config(model_name_or_cfg)
     check_gradient_mode(gradient)
     if kernels not in KERNELS:
@@ -266,13 +291,19 @@ def plan(model_name_or_cfg, *, cp: int = 1, prompt_tokens: int, group_size: int,
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 0:
         raise ValueError(f"lora_rank must be an int >= 0 (0 = full fine-tuning), got {lora_rank!r}")
+    # the training config's own refusals (lora.LoraConfig, config._check_quantize)
+    LoraConfig(rank=lora_rank, quantize=quantize)
+    if quantize != "none" and dtype not in NF4_DTYPES:
+        raise ValueError(f"lora.quantize={quantize} computes in model.dtype, which must be one of "
+                         f"{list(NF4_DTYPES)}; got model.dtype={dtype!r}")
     s = _itemsize(dtype)
     f = max(s, 4)
     m = _itemsize(moment_dtype or dtype)
 
     counts = param_counts(cfg, lora_rank)
     trainable = counts["lora"] if lora_rank > 0 else counts["total"]
-    weights = (counts["total"] + counts["lora"]) * s
+    weights = (counts["total"] - counts["linears"] + counts["lora"]) * s + linear_bytes(cfg, dtype, quantize)
+    dequant = dequant_transient(counts["largest_linear"], dtype) if quantize == "nf4" else 0
     grads = trainable * s
     optimizer = 2 * trainable * m
 
@@ -318,7 +349,7 @@ def plan(model_name_or_cfg, *, cp: int = 1, prompt_tokens: int, group_size: int,
         block_graph = response_graph_bytes(cfg, block, dtype, kernels) if exact else 0
 
     tail = carried if reuse else 0
-    base = weights + optimizer + resident["total"] + boundaries + tail
+    base = weights + optimizer + resident["total"] + boundaries + tail + dequant
     phases = {
         "capture": base + capture_act,
         "score": base + score_act,
@@ -337,7 +368,8 @@ def plan(model_name_or_cfg, *, cp: int = 1, prompt_tokens: int, group_size: int,
         "model": model_name_or_cfg if isinstance(model_name_or_cfg, str) else "custom",
         "cp": cp, "prompt_tokens": prompt_tokens, "group_size": group_size, "response_tokens": response_tokens,
         "dtype": dtype, "lora_rank": lora_rank, "block_size": block_size, "score_batch": score_batch,
-        "kernels": kernels, "gradient": gradient, "walk_checkpoint": walk_checkpoint,
+        "kernels": kernels, "gradient": gradient, "walk_checkpoint": walk_checkpoint, "quantize": quantize,
+        "dequant_transient": dequant,
         "params": counts["total"], "trainable_params": trainable,
         "weights": weights, "grads": grads, "optimizer": optimizer,
         "resident": resident["total"], "resident_detail": resident,
@@ -393,7 +425,7 @@ def report(cfg: Qwen36Config, title: str, prompts: list[int], **common) -> int:
         return 2
     print(f"{title} ({cfg.num_hidden_layers} layers), cp={common['cp']}, G={common['group_size']}, "
           f"R={common['response_tokens']}, {common['dtype']}, lora_rank={common['lora_rank']}, "
-          f"block={common['block_size']}, kernels={common['kernels']}, "
+          f"quantize={common.get('quantize', 'none')}, block={common['block_size']}, kernels={common['kernels']}, "
           f"gradient={common.get('gradient', 'response_only')}"
           f"{', walk_checkpoint' if common.get('walk_checkpoint') else ''}; GiB per rank")
     print(f"{'prompt':>9} " + " ".join(f"{c:>9}" for c in short) + f" {'bound':>9} {'peak':>9} {'phase':>8}  fits")
@@ -420,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cp", type=int, default=1)
     parser.add_argument("--dtype", default="bfloat16", choices=DTYPE_NAMES)
     parser.add_argument("--lora-rank", type=int, default=0)
+    parser.add_argument("--quantize", default="none", choices=QUANTIZE_CHOICES)
     parser.add_argument("--gpu-mem-gib", type=float, default=139.0)
     parser.add_argument("--block-size", type=int, default=8192)
     parser.add_argument("--score-batch", type=int, default=8)
@@ -432,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = named_config(args.model) if args.num_layers is None else named_config(
         args.model, num_hidden_layers=args.num_layers)
     return report(cfg, args.model, prompts, cp=args.cp, group_size=args.group_size, response_tokens=args.response,
-                  dtype=args.dtype, lora_rank=args.lora_rank, gpu_mem_gib=args.gpu_mem_gib,
+                  dtype=args.dtype, lora_rank=args.lora_rank, quantize=args.quantize, gpu_mem_gib=args.gpu_mem_gib,
                   block_size=args.block_size, score_batch=args.score_batch, kernels=args.kernels)
 
 
