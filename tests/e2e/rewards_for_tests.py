@@ -12,6 +12,12 @@ def char_sum(response: str, example) -> float:
     return sum(map(ord, response)) / 1000
 
 
+def ascii_count(response: str, example) -> float:
+    """Dense and learnable: about half of a random byte-level model's tokens are ASCII, so the count varies within
+    every group and a policy update can move it."""
+    return float(sum(ord(c) < 128 for c in response))
+
+
 def overflow_from_example_2(response: str, example) -> float:
     """Finite, but so large that advantages overflow from example 2 on: the loss turns NaN."""
     return 1e308 if example.meta["index"] >= 2 else float(len(response))
