@@ -217,6 +217,23 @@ def _check_exact(d: dict, strategy: str, world_size: int) -> None:
                           f"lora.dropout=0, got lora.dropout={dropout!r}")
 
 
+def _check_offload(transaction: TransactionConfig, reuse: ReuseConfig, cp: int, model: ModelConfig) -> None:
+    """capture.offload=cpu: what it runs with (one line naming what does not)."""
+    if transaction.offload == "none":
+        return
+    if transaction.exact:
+        raise ConfigError("capture.offload=cpu with capture.gradient=exact: the prompt's walk differentiates the "
+                          "pages, which it needs on the device; use capture.offload=none or gradient=response_only")
+    if cp > 1:
+        raise ConfigError(f"capture.offload=cpu with cp={cp}: context parallel captures and decodes with pages on "
+                          f"the device (not built); use capture.offload=none or cp=1")
+    family = model.family_config()[0]
+    if reuse.active and family.model_cls.offload_capture == "span":
+        raise ConfigError(f"capture.offload=cpu with capture.reuse_steps={reuse.reuse_steps}: an offloaded "
+                          f"{family.name} capture goes layer by layer and keeps no state at its last block's start "
+                          f"(the drift probe's); use capture.offload=none or reuse_steps=1")
+
+
 def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
     """TrainConfig from the resolved container of the composed config (hydra node removed)."""
     d = dict(d)
@@ -273,7 +290,7 @@ def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
     advantage = algo.pop("advantage", "grpo")
     loss = _build(LossConfig, algo, "algo", max_response_tokens=d["response_tokens"])
     capture = _take(dict(d["capture"]), "capture", {"block_size", "score_batch", "logprob_chunk", "gradient",
-                                                   "walk_checkpoint", "reuse_steps", "max_drift"})
+                                                   "walk_checkpoint", "reuse_steps", "max_drift", "offload"})
     reuse = _build(ReuseConfig, {k: capture.pop(k) for k in ("reuse_steps", "max_drift") if k in capture}, "capture")
     optim = _build(OptimConfig, d["optim"], "optim")
     transaction = _build(TransactionConfig, capture, "capture", advantage=advantage)
@@ -283,6 +300,7 @@ def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
                       prompts_per_step=d["prompts_per_step"], cp=d["cp"])
     if refused:
         raise ConfigError(refused)
+    _check_offload(transaction, reuse, d["cp"], model)
 
     rollout_node = dict(d["rollout"])
     engine = rollout_node.pop("engine")

@@ -37,7 +37,7 @@ from longstraw_cli.models.embedding import Embedding
 from longstraw_cli.models.logprobs import token_logprobs
 from longstraw_cli.resident import Resident
 from longstraw_cli.resident.gradient import StateGrad, WholePrompt, leaves
-from longstraw_cli.resident.offload import PageWriter, stage_layers
+from longstraw_cli.resident.offload import BlockWriter, PageWriter, stage_layers
 from longstraw_cli.resident.state import prefix, snapshot
 from longstraw_kernels import at_least_fp32
 
@@ -153,6 +153,13 @@ class Backbone(nn.Module):
 class CausalLM(nn.Module):
     """`model` (a Backbone) and `lm_head`; the reference forward, capture, replay, log-probs and decode walks."""
 
+    # how `capture(offload="cpu")` walks the prompt (a family's choice): "span", layer by layer over the whole
+    # prompt (each layer's pages cross to the host once; activations are the prompt's hidden states: glm52, whose
+    # sparse attention reads few pages per query), or "blocks", block by block as on the device, each paged
+    # layer's earlier pages staged per block (activations bounded by the block; PCIe traffic grows like the
+    # dense attention's FLOPs, which hide it: qwen36)
+    offload_capture = "span"
+
     def __init__(self, cfg, backbone: Backbone):
         super().__init__()
         self.config = cfg
@@ -201,13 +208,13 @@ class CausalLM(nn.Module):
         which reuse.py's drift probe re-captures that block under newer weights."""
         check_prompt(prompt_ids, block_size)
         num_tokens = prompt_ids.numel() - 1
-        if offload is not None:
-            if boundaries or tail:
-                raise ValueError(f"exact gradients and reuse (boundaries=True, tail=True) need the resident state "
-                                 f"on the device; got offload={offload!r}")
+        if offload is not None and (boundaries or (tail and self.offload_capture == "span")):
+            raise ValueError(f"exact gradients (boundaries=True) need the resident state on the device, and a "
+                             f"{self.family} capture keeps no tail when offloaded (tail=True); got offload={offload!r}")
+        if offload is not None and self.offload_capture == "span":
             return self.capture_span(prompt_ids[:-1], start=0, num_tokens=num_tokens, last_token=int(prompt_ids[-1]),
                                      block_size=block_size, page_dtype=page_dtype, offload=offload)
-        resident = self.empty_resident(num_tokens, page_dtype)
+        resident = self.empty_resident(num_tokens, page_dtype, offload)
         resident.last_token = int(prompt_ids[-1])
         resident.boundaries = [] if boundaries else None
         for start in range(0, num_tokens, block_size):
@@ -221,11 +228,16 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def capture_prompt_block(self, prompt_ids: torch.Tensor, resident: Resident, start: int, end: int) -> None:
-        """Prompt tokens [start, end) through every layer: their pages written, the carried states advanced."""
-        positions_T = torch.arange(start, end, device=prompt_ids.device)
-        x_BTC, carry = self.model.embed_tokens(prompt_ids[start:end])[None], None
-        for layer, state in zip(self.model.layers, resident.layers):
-            x_BTC, carry = layer.capture_block(x_BTC, positions_T, state, start, carry)
+        """Prompt tokens [start, end) through every layer: their pages written, the carried states advanced
+        (offloaded pages: `BlockWriter` stages each layer's earlier pages and copies the block's back)."""
+        device = self.lm_head.weight.device
+        positions_T = torch.arange(start, end, device=device)
+        x_BTC, carry = self.model.embed_tokens(prompt_ids[start:end].to(device))[None], None
+        states = BlockWriter(resident, device, start, end)
+        for i, layer in enumerate(self.model.layers):
+            x_BTC, carry = layer.capture_block(x_BTC, positions_T, states.get(i), start, carry)
+            states.done(i)
+        states.finish()
 
     @torch.no_grad()
     def capture_span(self, span_ids: torch.Tensor, *, start: int, num_tokens: int, last_token: int,
