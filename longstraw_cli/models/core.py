@@ -153,12 +153,6 @@ class Backbone(nn.Module):
 class CausalLM(nn.Module):
     """`model` (a Backbone) and `lm_head`; the reference forward, capture, replay, log-probs and decode walks."""
 
-    # how `capture(offload="cpu")` walks the prompt (a family's choice): "span", layer by layer over the whole
-    # prompt (each layer's pages cross to the host once; activations are the prompt's hidden states: glm52, whose
-    # sparse attention reads few pages per query), or "blocks", block by block as on the device, each paged
-    # layer's earlier pages staged per block (activations bounded by the block; PCIe traffic grows like the
-    # dense attention's FLOPs, which hide it: qwen36)
-    offload_capture = "span"
 
     def __init__(self, cfg, backbone: Backbone):
         super().__init__()
@@ -201,19 +195,20 @@ class CausalLM(nn.Module):
     def capture(self, prompt_ids: torch.Tensor, block_size: int = 4096, page_dtype: torch.dtype | None = None,
                 offload: str | None = None, boundaries: bool = False, tail: bool = False) -> Resident:
         """Resident state of a 1-D prompt: its first P-1 tokens; the last token is kept for replay.
-        On-device state: block by block through all layers (activations bounded by one block).
-        offload="cpu": layer by layer (`capture_span`), so each layer's pages cross to the host once.
+        Block by block through all layers (activations bounded by one block). offload="cpu": the pages live in host
+        memory; per block each layer's earlier pages are staged to the device (the next layer's while this one
+        computes) and the block's pages are copied back (`BlockWriter`), so the values are those of an on-device
+        capture, bit for bit. Host->device traffic: per layer, sum over blocks of the pages before the block, about
+        prompt^2 / (2 block_size) page rows; `capture_span(offload="cpu")` moves each layer's pages once instead
+        but holds the whole prompt's hidden states.
         boundaries=True (exact mode): also keep the carried states at each block's start (`Resident.boundaries`).
         tail=True (capture.reuse_steps > 1): also keep them at the last block's start (`Resident.tail`), from
         which reuse.py's drift probe re-captures that block under newer weights."""
         check_prompt(prompt_ids, block_size)
         num_tokens = prompt_ids.numel() - 1
-        if offload is not None and (boundaries or (tail and self.offload_capture == "span")):
-            raise ValueError(f"exact gradients (boundaries=True) need the resident state on the device, and a "
-                             f"{self.family} capture keeps no tail when offloaded (tail=True); got offload={offload!r}")
-        if offload is not None and self.offload_capture == "span":
-            return self.capture_span(prompt_ids[:-1], start=0, num_tokens=num_tokens, last_token=int(prompt_ids[-1]),
-                                     block_size=block_size, page_dtype=page_dtype, offload=offload)
+        if offload is not None and boundaries:
+            raise ValueError(f"exact gradients (boundaries=True) need the resident state on the device; got "
+                             f"offload={offload!r}")
         resident = self.empty_resident(num_tokens, page_dtype, offload)
         resident.last_token = int(prompt_ids[-1])
         resident.boundaries = [] if boundaries else None

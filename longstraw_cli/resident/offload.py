@@ -10,10 +10,10 @@ Every host<->device copy of a device runs on ONE side stream (`side_stream`), so
 the host are read again only after the write.
 
 The model walks reach offload through three entry points only, which are identities for a resident state on the
-device: `stage_layers` (replay, scoring, decode: read layer l on the device), `PageWriter` (layer-by-layer
-capture, glm52: write layer l's pages of the whole prompt on the device, copy them to the host) and `BlockWriter`
-(block-by-block capture, qwen36: for a block [start, end), layer l's pages [0, start) staged to the device, the
-block's [start, end) written there and copied back to the host).
+device: `stage_layers` (replay, scoring, decode: read layer l on the device), `BlockWriter` (block-by-block
+capture, `capture(offload="cpu")`: for a block [start, end), layer l's pages [0, start) staged to the device, the
+block's [start, end) written there and copied back to the host) and `PageWriter` (layer-by-layer capture,
+`capture_span(offload="cpu")`: layer l's pages of the whole span written on the device, copied to the host).
 """
 
 from __future__ import annotations

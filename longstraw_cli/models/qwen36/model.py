@@ -333,8 +333,6 @@ class DecoderLayer(core.DecoderLayer):
 
 class Qwen36ForCausalLM(CausalLM):
     family = "qwen36"
-    # offloaded capture: block by block, each attention layer's earlier K/V staged per block (see core.CausalLM)
-    offload_capture = "blocks"
 
     def __init__(self, cfg: Qwen36Config):
         layers = (DecoderLayer(cfg, t) for t in cfg.layer_types)
