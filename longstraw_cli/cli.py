@@ -196,6 +196,7 @@ def train(argv: list[str]) -> int:
 
 # `longstraw plan`'s keys beyond the training config's
 PLAN_KEYS = {"gpu_mem_gib": "GPU memory per rank in GiB (default 139: an H200)",
+             "host_mem_gib": "host memory per rank for offloaded pages in GiB (default 128: an H200 machine's share)",
              "kernels": "auto | gpu | reference (default auto: gpu for bf16/fp16)"}
 PLAN_USAGE = """usage: longstraw plan [overrides]
 The per-rank memory of one transaction by phase, and the longest prompt that fits, for the run that
@@ -215,7 +216,7 @@ def plan(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(PLAN_USAGE)
         return 0
-    own, overrides = {"gpu_mem_gib": "139", "kernels": "auto"}, []
+    own, overrides = {"gpu_mem_gib": "139", "host_mem_gib": "128", "kernels": "auto"}, []
     for arg in argv:
         key, sep, value = arg.partition("=")
         if sep and key in PLAN_KEYS:
@@ -231,9 +232,9 @@ def plan(argv: list[str]) -> int:
     if problem:
         _fail(problem)
     try:
-        gpu_mem_gib = float(own["gpu_mem_gib"])
+        gpu_mem_gib, host_mem_gib = float(own["gpu_mem_gib"]), float(own["host_mem_gib"])
     except ValueError:
-        _fail(f"gpu_mem_gib={own['gpu_mem_gib']!r} is not a number of GiB")
+        _fail(f"gpu_mem_gib={own['gpu_mem_gib']!r} / host_mem_gib={own['host_mem_gib']!r}: not a number of GiB")
     if own["kernels"] not in planner.KERNELS:
         _fail(f"kernels={own['kernels']!r}; valid: {list(planner.KERNELS)}")
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
@@ -266,4 +267,5 @@ def plan(argv: list[str]) -> int:
         score_batch=integer("capture.score_batch"), logprob_chunk=integer("capture.logprob_chunk"),
         kernels=own["kernels"], gradient=str(OmegaConf.select(cfg, "capture.gradient")),
         walk_checkpoint=bool(OmegaConf.select(cfg, "capture.walk_checkpoint")),
-        reuse=integer("capture.reuse_steps") > 1)
+        reuse=integer("capture.reuse_steps") > 1, offload=str(OmegaConf.select(cfg, "capture.offload")),
+        host_mem_gib=host_mem_gib)
