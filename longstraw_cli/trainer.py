@@ -432,6 +432,8 @@ class Trainer:
             metrics["time/decode_per_token"] = clock.seconds["rollout"] / decode_steps
         metrics.update(clock.time_metrics())
         metrics["mem/resident"] = result.resident_bytes["total"]
+        if self.cfg.transaction.offload != "none":
+            metrics["mem/host_pages"] = host_bytes(result.resident_bytes)
         metrics["mem/graph_peak"] = result.graph_peak_bytes
         if result.state_grad_bytes:
             metrics["mem/state_grad"] = result.state_grad_bytes
