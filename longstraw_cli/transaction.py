@@ -73,9 +73,10 @@ class TransactionConfig:
         return self.gradient == "exact"
 
     @property
-    def offload_to(self) -> str | None:
-        """The model's `capture(offload=...)`: None or "cpu"."""
-        return None if self.offload == "none" else self.offload
+    def placement(self) -> dict:
+        """The model's `capture` keywords for `offload`: none with pages on the device (context parallel's capture,
+        swapped in from outside, takes none; config.py refuses offload under it)."""
+        return {} if self.offload == "none" else {"offload": self.offload}
 
 
 @dataclass
@@ -122,7 +123,7 @@ class Reference:
     @torch.no_grad()
     def __call__(self, prompt_ids: torch.Tensor, responses: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         with self.context():
-            resident = self.model.capture(prompt_ids, block_size=self.cfg.block_size, offload=self.cfg.offload_to)
+            resident = self.model.capture(prompt_ids, block_size=self.cfg.block_size, **self.cfg.placement)
             return score(self.model, resident, responses, self.cfg)
 
 
@@ -162,7 +163,7 @@ class Transaction:
         if tail:
             kept["tail"] = True
         with self.strategy.full_weights():
-            return self.model.capture(prompt_ids, block_size=self.cfg.block_size, offload=self.cfg.offload_to, **kept)
+            return self.model.capture(prompt_ids, block_size=self.cfg.block_size, **self.cfg.placement, **kept)
 
     def score(self, resident, responses: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return score(self.model, resident, responses, self.cfg)
