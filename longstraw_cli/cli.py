@@ -196,6 +196,7 @@ def train(argv: list[str]) -> int:
 
 # `longstraw plan`'s keys beyond the training config's
 PLAN_KEYS = {"gpu_mem_gib": "GPU memory per rank in GiB (default 139: an H200)",
+             "host_mem_gib": "host memory per rank for offloaded pages in GiB (default 128: an H200 machine's share)",
              "kernels": "auto | gpu | reference (default auto: gpu for bf16/fp16)"}
 PLAN_USAGE = """usage: longstraw plan [overrides]
 The per-rank memory of one transaction by phase, and the longest prompt that fits, for the run that
@@ -216,7 +217,7 @@ def plan(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(PLAN_USAGE)
         return 0
-    own, overrides = {"gpu_mem_gib": "139", "kernels": "auto"}, []
+    own, overrides = {"gpu_mem_gib": "139", "host_mem_gib": "128", "kernels": "auto"}, []
     for arg in argv:
         key, sep, value = arg.partition("=")
         if sep and key in PLAN_KEYS:
@@ -231,10 +232,13 @@ def plan(argv: list[str]) -> int:
     problem = check_overrides(overrides)
     if problem:
         _fail(problem)
-    try:
-        gpu_mem_gib = float(own["gpu_mem_gib"])
-    except ValueError:
-        _fail(f"gpu_mem_gib={own['gpu_mem_gib']!r} is not a number of GiB")
+    gib = {}
+    for key in ("gpu_mem_gib", "host_mem_gib"):
+        try:
+            gib[key] = float(own[key])
+        except ValueError:
+            _fail(f"{key}={own[key]!r} is not a number (GiB)")
+    gpu_mem_gib, host_mem_gib = gib["gpu_mem_gib"], gib["host_mem_gib"]
     if own["kernels"] not in planner.KERNELS:
         _fail(f"kernels={own['kernels']!r}; valid: {list(planner.KERNELS)}")
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
@@ -268,4 +272,5 @@ def plan(argv: list[str]) -> int:
         score_batch=integer("capture.score_batch"), logprob_chunk=integer("capture.logprob_chunk"),
         kernels=own["kernels"], gradient=str(OmegaConf.select(cfg, "capture.gradient")),
         walk_checkpoint=bool(OmegaConf.select(cfg, "capture.walk_checkpoint")),
-        reuse=integer("capture.reuse_steps") > 1)
+        reuse=integer("capture.reuse_steps") > 1, offload=str(OmegaConf.select(cfg, "capture.offload")),
+        host_mem_gib=host_mem_gib)

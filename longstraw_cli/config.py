@@ -218,6 +218,18 @@ def _check_exact(d: dict, strategy: str, world_size: int) -> None:
                           f"lora.dropout=0, got lora.dropout={dropout!r}")
 
 
+def _check_offload(transaction: TransactionConfig, cp: int) -> None:
+    """capture.offload=cpu: what it runs with (one line naming what does not)."""
+    if transaction.offload == "none":
+        return
+    if transaction.exact:
+        raise ConfigError("capture.offload=cpu with capture.gradient=exact: the prompt's walk differentiates the "
+                          "pages, which it needs on the device; use capture.offload=none or gradient=response_only")
+    if cp > 1:
+        raise ConfigError(f"capture.offload=cpu with cp={cp}: context parallel captures and decodes with pages on "
+                          f"the device (not built); use capture.offload=none or cp=1")
+
+
 def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
     """TrainConfig from the resolved container of the composed config (hydra node removed)."""
     d = dict(d)
@@ -276,7 +288,7 @@ def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
     advantage = algo.pop("advantage", "grpo")
     loss = _build(LossConfig, algo, "algo", max_response_tokens=d["response_tokens"])
     capture = _take(dict(d["capture"]), "capture", {"block_size", "score_batch", "logprob_chunk", "gradient",
-                                                   "walk_checkpoint", "reuse_steps", "max_drift"})
+                                                   "walk_checkpoint", "reuse_steps", "max_drift", "offload"})
     reuse = _build(ReuseConfig, {k: capture.pop(k) for k in ("reuse_steps", "max_drift") if k in capture}, "capture")
     optim = _build(OptimConfig, d["optim"], "optim")
     transaction = _build(TransactionConfig, capture, "capture", advantage=advantage)
@@ -286,6 +298,7 @@ def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
                       prompts_per_step=d["prompts_per_step"], cp=d["cp"])
     if refused:
         raise ConfigError(refused)
+    _check_offload(transaction, d["cp"])
 
     rollout_node = dict(d["rollout"])
     engine = rollout_node.pop("engine")

@@ -77,6 +77,8 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
 # the chunk length of kernels/gdn's chunked form
 GDN_CHUNK = 64
 KERNELS = ("auto", "gpu", "reference")
+# where the pages live: the GPU, or pinned host memory (capture.offload)
+OFFLOADS = ("none", "cpu")
 # fp32 copies of a [heads, queries, keys] score block the reference attention holds at once
 SCORE_COPIES = 3
 # fp32 [heads, queries, head dim] buffers of the flash path's LSE merge (two partial outputs, their weighted
@@ -270,7 +272,8 @@ def plan(model_name_or_cfg, *, cp: int = 1, prompt_tokens: int, group_size: int,
          dtype: str = "bfloat16", lora_rank: int = 0, gpu_mem_gib: float = 139.0, block_size: int = 8192,
          score_batch: int = 8, logprob_chunk: int = 1024, attention_block: int = 1024,
          moment_dtype: str | None = None, kernels: str = "auto", gradient: str = "response_only",
-         walk_checkpoint: bool = False, reuse: bool = False, quantize: str = "none") -> dict:
+         walk_checkpoint: bool = False, reuse: bool = False, quantize: str = "none", offload: str = "none",
+         host_mem_gib: float = 128.0) -> dict:
     """Per-rank bytes of one transaction by component and by phase; see the module docstring.
     kernels: "gpu" (flash attention, fla's GDN forward), "reference" (the torch kernels), "auto": gpu for
     bf16/fp16, where the model dispatches to them on CUDA, reference otherwise. gradient: response_only | exact.
@@ -279,6 +282,10 @@ def plan(model_name_or_cfg, *, cp: int = 1, prompt_tokens: int, group_size: int,
     quantize: "none" | "nf4" (lora.quantize; needs lora_rank > 0): the base linears' storage, see the docstring."""
     cfg = _config(model_name_or_cfg)
     check_gradient_mode(gradient)
+    if offload not in OFFLOADS:
+        raise ValueError(f"offload={offload!r}; valid: {list(OFFLOADS)}")
+    if offload == "cpu" and gradient == "exact":
+        raise ValueError("offload='cpu' with gradient='exact': the prompt's walk needs the pages on the device")
     if kernels not in KERNELS:
         raise ValueError(f"kernels={kernels!r}; valid: {list(KERNELS)}")
     if kernels == "auto":
@@ -311,6 +318,12 @@ def plan(model_name_or_cfg, *, cp: int = 1, prompt_tokens: int, group_size: int,
     captured = math.ceil((prompt_tokens - 1) / cp)
     resident = resident_bytes(cfg, captured, dtype)
 
+    num_attn = sum(t == "full_attention" for t in cfg.layer_types)
+    # offload="cpu": the K/V pages in host memory; on the device the GDN states plus one attention layer's pages
+    # staged (capture: its window [0, block end)) and the next layer's in flight
+    host = resident["kv_pages"] if offload == "cpu" else 0
+    on_device = resident["total"] - host + (2 * resident["kv_pages"] // max(num_attn, 1) if host else 0)
+
     block = min(block_size, captured)
     pages = min(attention_block, captured)
     capture_act = _layer_activations(cfg, block, s, f, kernels) + block * cfg.hidden_size * s + max(
@@ -330,6 +343,11 @@ def plan(model_name_or_cfg, *, cp: int = 1, prompt_tokens: int, group_size: int,
     graph = response_graph_bytes(cfg, R, dtype, kernels)
     largest_trainable = counts["largest_matrix"] * s if lora_rank == 0 else 0
     replay_transient = min(R, logprob_chunk) * V * LOGIT_BYTES_REPLAY + largest_trainable
+    if host:
+        # replay under autograd reads host pages through the reference attention: one block of pages moved, and
+        # its fp32 scores
+        replay_transient += _attention_scores(cfg, 1, R, pages, "reference") + 2 * pages * (
+            cfg.num_key_value_heads * cfg.head_dim * f)
     # foreach AdamW: one temporary (sqrt of the second moment) the size of the trainable set
     step_transient = trainable * m
 
@@ -338,7 +356,6 @@ def plan(model_name_or_cfg, *, cp: int = 1, prompt_tokens: int, group_size: int,
     boundaries = math.ceil(captured / block_size) * carried if exact else 0
     state_grad = (resident["kv_pages"] * f // s + resident["recurrent_state"] + resident["conv_state"] * f // s
                   if exact else 0)
-    num_attn = sum(t == "full_attention" for t in cfg.layer_types)
     page_grad_transient = resident["kv_pages"] // max(num_attn, 1) if exact else 0
     if exact and walk_checkpoint:
         # every layer's input, then one layer's graph at a time (the largest), recomputed inside the backward
@@ -349,7 +366,7 @@ def plan(model_name_or_cfg, *, cp: int = 1, prompt_tokens: int, group_size: int,
         block_graph = response_graph_bytes(cfg, block, dtype, kernels) if exact else 0
 
     tail = carried if reuse else 0
-    base = weights + optimizer + resident["total"] + boundaries + tail + dequant
+    base = weights + optimizer + on_device + boundaries + tail + dequant
     phases = {
         "capture": base + capture_act,
         "score": base + score_act,
@@ -363,24 +380,24 @@ def plan(model_name_or_cfg, *, cp: int = 1, prompt_tokens: int, group_size: int,
         phases["drift"] = (base + max(capture_act, score_activations(1)) + resident["kv_pages"] * block // captured
                            + carried)
     peak = max(phases.values())
-    budget = int(gpu_mem_gib * GIB)
+    budget, host_budget = int(gpu_mem_gib * GIB), int(host_mem_gib * GIB)
     return {
         "model": model_name_or_cfg if isinstance(model_name_or_cfg, str) else "custom",
         "cp": cp, "prompt_tokens": prompt_tokens, "group_size": group_size, "response_tokens": response_tokens,
         "dtype": dtype, "lora_rank": lora_rank, "block_size": block_size, "score_batch": score_batch,
         "kernels": kernels, "gradient": gradient, "walk_checkpoint": walk_checkpoint, "quantize": quantize,
-        "dequant_transient": dequant,
+        "dequant_transient": dequant, "offload": offload,
         "params": counts["total"], "trainable_params": trainable,
         "weights": weights, "grads": grads, "optimizer": optimizer,
-        "resident": resident["total"], "resident_detail": resident,
+        "resident": resident["total"], "resident_detail": resident, "resident_device": on_device, "host": host,
         "capture_activations": capture_act, "score_activations": score_act,
         "response_graph": graph, "replay_transient": replay_transient, "step_transient": step_transient,
         "boundary_states": boundaries, "tail_states": tail, "state_grad": state_grad, "block_graph": block_graph,
         "page_grad_transient": page_grad_transient,
         "phases": phases, "peak": peak,
-        "bound": (weights + grads + optimizer + resident["total"] + boundaries + tail + state_grad
+        "bound": (weights + grads + optimizer + on_device + boundaries + tail + state_grad
                   + max(graph, block_graph)),
-        "budget": budget, "fits": peak <= budget,
+        "budget": budget, "host_budget": host_budget, "fits": peak <= budget and host <= host_budget,
     }
 
 
@@ -420,6 +437,8 @@ def report(cfg: Qwen36Config, title: str, prompts: list[int], **common) -> int:
     try:
         plans = [plan(cfg, prompt_tokens=prompt, **common) for prompt in prompts]
         longest = max_prompt_tokens(cfg, **common)
+        placements = OFFLOADS if common.get("gradient", "response_only") != "exact" else ("none",)
+        per_placement = {o: max_prompt_tokens(cfg, **{**common, "offload": o}) for o in placements}
     except ValueError as e:
         print(f"plan: error: {e}", file=sys.stderr)
         return 2
@@ -438,7 +457,16 @@ def report(cfg: Qwen36Config, title: str, prompts: list[int], **common) -> int:
             print(f"{p['prompt_tokens']:>9} exact: boundary states {p['boundary_states'] / GIB:.2f}, state gradient "
                   f"{p['state_grad'] / GIB:.2f}, block graph {p['block_graph'] / GIB:.2f}, page gradient "
                   f"{p['page_grad_transient'] / GIB:.2f}")
+    for p in plans:
+        if p["offload"] == "cpu":
+            print(f"{p['prompt_tokens']:>9} offload=cpu: pages in host memory {p['host'] / GIB:.2f} GiB (of "
+                  f"{p['host_budget'] / GIB:g}), on the GPU {p['resident_device'] / GIB:.2f} GiB (GDN states + two "
+                  f"attention layers' pages)")
     print(f"longest prompt that fits in {common['gpu_mem_gib']:g} GiB: {longest} tokens ({longest / 2**20:.2f}M)")
+    host_limit = f"{common.get('host_mem_gib', 128.0):g} GiB host"
+    print("longest prompt per placement: " + ", ".join(
+        f"offload={o}: {n} tokens ({n / 2**20:.2f}M)" + (f", {host_limit}" if o == "cpu" else "")
+        for o, n in per_placement.items()))
     return 0
 
 

@@ -45,6 +45,7 @@ from longstraw_cli.lora import adapters_disabled, apply_lora
 from longstraw_cli.models import build_model, from_pretrained
 from longstraw_cli.models.spec import family_of
 from longstraw_cli.preemption import Preempted, Preemption
+from longstraw_cli.resident.offload import host_available_bytes, host_bytes
 from longstraw_cli.reuse import PromptReuse
 from longstraw_cli.rl.reward_adapters import GroupReward
 from longstraw_cli.rl.tasks import Example, make_task
@@ -127,6 +128,10 @@ class Trainer:
         self.engine = self._vllm_engine() if cfg.rollout.engine == "vllm" else None
         # capture.reuse_steps > 1: one prompt's resident state held across steps (reuse.py); not checkpointed
         self.reuse = PromptReuse(cfg.reuse, cfg.transaction.block_size) if cfg.reuse.active else None
+        # capture.offload=cpu: host bytes of pages already checked against the host's memory
+        self.host_checked = 0
+        if self.task.uses_prompt_tokens:
+            self._check_host_memory(cfg.prompt_tokens)
         # where an error inside `train` came from: "iteration" (then the clock's phase) or a step's later part
         self.clock, self.section = PhaseClock(self.device), "set-up"
         self.start_step = self._resume() if cfg.resume else 0
@@ -144,6 +149,9 @@ class Trainer:
         if not self.task.uses_prompt_tokens:
             notice(f"prompt_tokens={cfg.prompt_tokens} does not apply to task={cfg.task.name}: its rows are used as "
                    f"written (each prompt + response_tokens must fit the model's positions)", self.rank)
+        if cfg.transaction.offload != "none" and self.device.type == "cpu":
+            notice("capture.offload=cpu on device=cpu: the pages go to a second buffer in the same memory, staged "
+                   "by plain copies (the host path runs, for testing; nothing is saved)", self.rank)
         if cfg.model.path is not None and cfg.model.tokenizer == "byte":
             notice(f"model.path={cfg.model.path} has no tokenizer files: using the byte tokenizer "
                    f"(model.tokenizer=DIR to choose one)", self.rank)
@@ -254,7 +262,28 @@ class Trainer:
         return torch.tensor(ids, dtype=torch.long, device=self.device)
 
     def capture(self, prompt_ids: torch.Tensor):
+        self._check_host_memory(prompt_ids.numel())
         return self.transaction.capture(prompt_ids)
+
+    def _check_host_memory(self, prompt_tokens: int) -> None:
+        """capture.offload=cpu: a prompt whose pages (twice with a KL reference, whose capture lives beside the
+        policy's) do not fit in the host's available memory stops the run with one line, before its capture. Pinned
+        pages freed by an earlier capture stay in torch's host cache (not available to the OS, reused by the next
+        capture), so only the growth over the largest prompt checked so far is checked again."""
+        if self.cfg.transaction.offload == "none":
+            return
+        copies = 2 if self.cfg.loss.kl_coef > 0 else 1
+        need = copies * host_bytes(self.model.resident_bytes(prompt_tokens - 1))
+        if need <= self.host_checked:
+            return
+        available = host_available_bytes()
+        if available is not None and need - self.host_checked > available:
+            both = " (policy and KL reference)" if copies > 1 else ""
+            raise TrainerError(f"capture.offload=cpu: a {prompt_tokens}-token prompt's pages need "
+                               f"{need / 2**30:.2f} GiB of host memory{both}, "
+                               f"{(available + self.host_checked) / 2**30:.2f} GiB available; use a shorter prompt "
+                               f"or capture.offload=none")
+        self.host_checked = need
 
     def rollout(self, resident) -> Rollout:
         """G responses sampled from the resident state (native engine); their log-probs are the on-policy scores."""
@@ -355,6 +384,7 @@ class Trainer:
             if captured:
                 self.reuse.release()
                 with clock.phase("capture"):
+                    self._check_host_memory(prompt_ids.numel())
                     self.reuse.hold(step, self.transaction.capture(prompt_ids, tail=True))
             resident = self.reuse.resident
             with clock.phase("rollout"):
@@ -404,6 +434,8 @@ class Trainer:
             metrics["time/decode_per_token"] = clock.seconds["rollout"] / decode_steps
         metrics.update(clock.time_metrics())
         metrics["mem/resident"] = result.resident_bytes["total"]
+        if self.cfg.transaction.offload != "none":
+            metrics["mem/host_pages"] = host_bytes(result.resident_bytes)
         metrics["mem/graph_peak"] = result.graph_peak_bytes
         if result.state_grad_bytes:
             metrics["mem/state_grad"] = result.state_grad_bytes

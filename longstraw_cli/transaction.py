@@ -39,6 +39,9 @@ from longstraw_cli.rl.advantages import get_advantage
 from longstraw_cli.rl.losses import GroupShape, LossConfig, response_loss, sum_stats, summarize_stats
 from longstraw_cli.telemetry.memory import GraphMemory, PhaseClock
 
+# capture.offload's values
+OFFLOAD_NAMES = ("none", "cpu")
+
 
 @dataclass(frozen=True)
 class TransactionConfig:
@@ -51,6 +54,8 @@ class TransactionConfig:
     gradient: str = "response_only"
     # exact mode: the walk recomputes each layer's forward inside its backward (a block's graph: one layer's)
     walk_checkpoint: bool = False
+    # where capture keeps the pages: none (the compute device) | cpu (pinned host memory, staged a layer at a time)
+    offload: str = "none"
 
     def __post_init__(self):
         for name in ("block_size", "score_batch", "logprob_chunk"):
@@ -60,10 +65,18 @@ class TransactionConfig:
         check_gradient_mode(self.gradient)
         if not isinstance(self.walk_checkpoint, bool):
             raise ValueError(f"walk_checkpoint must be true or false, got {self.walk_checkpoint!r}")
+        if self.offload not in OFFLOAD_NAMES:
+            raise ValueError(f"offload={self.offload!r}; valid: {list(OFFLOAD_NAMES)}")
 
     @property
     def exact(self) -> bool:
         return self.gradient == "exact"
+
+    @property
+    def placement(self) -> dict:
+        """The model's `capture` keywords for `offload`: none with pages on the device (context parallel's capture,
+        swapped in from outside, takes none; config.py refuses offload under it)."""
+        return {} if self.offload == "none" else {"offload": self.offload}
 
 
 @dataclass
@@ -110,7 +123,7 @@ class Reference:
     @torch.no_grad()
     def __call__(self, prompt_ids: torch.Tensor, responses: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         with self.context():
-            resident = self.model.capture(prompt_ids, block_size=self.cfg.block_size)
+            resident = self.model.capture(prompt_ids, block_size=self.cfg.block_size, **self.cfg.placement)
             return score(self.model, resident, responses, self.cfg)
 
 
@@ -150,7 +163,7 @@ class Transaction:
         if tail:
             kept["tail"] = True
         with self.strategy.full_weights():
-            return self.model.capture(prompt_ids, block_size=self.cfg.block_size, **kept)
+            return self.model.capture(prompt_ids, block_size=self.cfg.block_size, **self.cfg.placement, **kept)
 
     def score(self, resident, responses: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return score(self.model, resident, responses, self.cfg)

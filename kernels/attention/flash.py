@@ -46,7 +46,9 @@ BACKWARD_PAGE_CHUNK = 1 << 17
 
 def flash_supported(q_BRQD, k_pages_PKD, k_new_BSKD) -> bool:
     R, D, S = q_BRQD.shape[1], q_BRQD.shape[3], k_new_BSKD.shape[1]
-    return (q_BRQD.is_cuda and q_BRQD.dtype in FLASH_DTYPES and k_pages_PKD.dtype == q_BRQD.dtype
+    # pages in host memory (offloaded) take the reference, which moves them block by block
+    return (q_BRQD.is_cuda and k_pages_PKD.device == q_BRQD.device and q_BRQD.dtype in FLASH_DTYPES
+            and k_pages_PKD.dtype == q_BRQD.dtype
             and k_new_BSKD.dtype == q_BRQD.dtype and D <= 256 and D % 8 == 0 and (S in (0, R) or R == 1))
 
 

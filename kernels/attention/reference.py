@@ -8,7 +8,9 @@ merged by log-sum-exp, so score memory is bounded by the block, not by the promp
 each block from the global out and lse, as ring attention does (derivation in README.md beside this file).
 
 What it simplifies: no dropout, sliding window, softcap or attention sinks; pages are shared by the whole
-batch (one prompt); the compute is unfused matmuls in float32 (float64 when an input is float64).
+batch (one prompt); the compute is unfused matmuls in float32 (float64 when an input is float64). Pages may live
+in host memory while q is on a GPU (qwen36's offloaded replay under autograd): each block of pages is copied to
+q's device when read, in the forward and again in the backward, so no whole layer of pages is kept on the device.
 
 Shape legend:
     B  batch (sequences)            R  queries per sequence
@@ -54,7 +56,8 @@ def _new_key_scores(qs_BKMD, k_new_BSKD, mask_MS):
 
 def _page_scores(qs_BKMD, k_NKD):
     # The pages are shared by the batch: [K, D, N] broadcasts against [B, K, M, D] with no copy per batch.
-    k_KND = k_NKD.to(qs_BKMD.dtype).transpose(0, 1)
+    # Pages held in host memory (offloaded) cross to the queries' device one block at a time.
+    k_KND = k_NKD.to(qs_BKMD.device, qs_BKMD.dtype).transpose(0, 1)
     return qs_BKMD @ k_KND.transpose(-1, -2), k_KND
 
 
@@ -81,7 +84,7 @@ class _ReplayAttention(torch.autograd.Function):
         for p0 in range(0, P, block_size):
             scores_BKMN, _ = _page_scores(qs_BKMD, k_pages_PKD[p0 : p0 + block_size])
             lse_blk_BKM = torch.logsumexp(scores_BKMN, dim=-1)
-            v_KND = v_pages_PKD[p0 : p0 + block_size].to(dtype).transpose(0, 1)
+            v_KND = v_pages_PKD[p0 : p0 + block_size].to(q_BRQD.device, dtype).transpose(0, 1)
             out_blk_BKMD = torch.exp(scores_BKMN - lse_blk_BKM[..., None]) @ v_KND
             new_lse_BKM = torch.logaddexp(lse_BKM, lse_blk_BKM)
             out_BKMD = (
@@ -161,7 +164,7 @@ def replay_attention_backward(saved, needs_grad, dout_BRQD, dlse_BQR, *, scale, 
                 dv_pages_PKD[p0:p1] = torch.einsum("bkmn,bkmd->nkd", p_BKMN, do_BKMD)
             if not (need_q or need_kp):
                 continue
-            v_KND = v_pages_PKD[p0:p1].to(dtype).transpose(0, 1)
+            v_KND = v_pages_PKD[p0:p1].to(q_BRQD.device, dtype).transpose(0, 1)
             ds_BKMN = p_BKMN * (do_BKMD @ v_KND.transpose(-1, -2) - delta_BKM[..., None])
             if need_q:
                 dq_BKMD += ds_BKMN @ k_KND

@@ -37,7 +37,7 @@ from longstraw_cli.models.embedding import Embedding
 from longstraw_cli.models.logprobs import token_logprobs
 from longstraw_cli.resident import Resident
 from longstraw_cli.resident.gradient import StateGrad, WholePrompt, leaves
-from longstraw_cli.resident.offload import PageWriter, stage_layers
+from longstraw_cli.resident.offload import BlockWriter, PageWriter, stage_layers
 from longstraw_cli.resident.state import prefix, snapshot
 from longstraw_kernels import at_least_fp32
 
@@ -162,6 +162,7 @@ def units(model: nn.Module) -> list[tuple[str, nn.Module]]:
 class CausalLM(nn.Module):
     """`model` (a Backbone) and `lm_head`; the reference forward, capture, replay, log-probs and decode walks."""
 
+
     def __init__(self, cfg, backbone: Backbone):
         super().__init__()
         self.config = cfg
@@ -204,20 +205,21 @@ class CausalLM(nn.Module):
     def capture(self, prompt_ids: torch.Tensor, block_size: int = 4096, page_dtype: torch.dtype | None = None,
                 offload: str | None = None, boundaries: bool = False, tail: bool = False) -> Resident:
         """Resident state of a 1-D prompt: its first P-1 tokens; the last token is kept for replay.
-        On-device state: block by block through all layers (activations bounded by one block).
-        offload="cpu": layer by layer (`capture_span`), so each layer's pages cross to the host once.
+        Block by block through all layers (activations bounded by one block). offload="cpu": the pages live in host
+        memory; per block each layer's earlier pages are staged to the device (the next layer's while this one
+        computes) and the block's pages are copied back (`BlockWriter`), so the values are those of an on-device
+        capture, bit for bit. Host->device traffic: per layer, sum over blocks of the pages before the block, about
+        prompt^2 / (2 block_size) page rows; `capture_span(offload="cpu")` moves each layer's pages once instead
+        but holds the whole prompt's hidden states.
         boundaries=True (exact mode): also keep the carried states at each block's start (`Resident.boundaries`).
         tail=True (capture.reuse_steps > 1): also keep them at the last block's start (`Resident.tail`), from
         which reuse.py's drift probe re-captures that block under newer weights."""
         check_prompt(prompt_ids, block_size)
         num_tokens = prompt_ids.numel() - 1
-        if offload is not None:
-            if boundaries or tail:
-                raise ValueError(f"exact gradients and reuse (boundaries=True, tail=True) need the resident state "
-                                 f"on the device; got offload={offload!r}")
-            return self.capture_span(prompt_ids[:-1], start=0, num_tokens=num_tokens, last_token=int(prompt_ids[-1]),
-                                     block_size=block_size, page_dtype=page_dtype, offload=offload)
-        resident = self.empty_resident(num_tokens, page_dtype)
+        if offload is not None and boundaries:
+            raise ValueError(f"exact gradients (boundaries=True) need the resident state on the device; got "
+                             f"offload={offload!r}")
+        resident = self.empty_resident(num_tokens, page_dtype, offload)
         resident.last_token = int(prompt_ids[-1])
         resident.boundaries = [] if boundaries else None
         for start in range(0, num_tokens, block_size):
@@ -231,11 +233,16 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def capture_prompt_block(self, prompt_ids: torch.Tensor, resident: Resident, start: int, end: int) -> None:
-        """Prompt tokens [start, end) through every layer: their pages written, the carried states advanced."""
-        positions_T = torch.arange(start, end, device=prompt_ids.device)
-        x_BTC, carry = self.model.embed_tokens(prompt_ids[start:end])[None], None
-        for layer, state in zip(self.model.layers, resident.layers):
-            x_BTC, carry = layer.capture_block(x_BTC, positions_T, state, start, carry)
+        """Prompt tokens [start, end) through every layer: their pages written, the carried states advanced
+        (offloaded pages: `BlockWriter` stages each layer's earlier pages and copies the block's back)."""
+        device = self.lm_head.weight.device
+        positions_T = torch.arange(start, end, device=device)
+        x_BTC, carry = self.model.embed_tokens(prompt_ids[start:end].to(device))[None], None
+        states = BlockWriter(resident, device, start, end)
+        for i, layer in enumerate(self.model.layers):
+            x_BTC, carry = layer.capture_block(x_BTC, positions_T, states.get(i), start, carry)
+            states.done(i)
+        states.finish()
 
     @torch.no_grad()
     def capture_span(self, span_ids: torch.Tensor, *, start: int, num_tokens: int, last_token: int,

@@ -1,17 +1,33 @@
 """CPU offload of resident pages: pinned host memory, staged onto the compute device one layer at a time.
 
-`LayerStager` hands out layer l's pages on the compute device and, at that moment, starts copying layer l + 1
-on a side CUDA stream, so the copy overlaps layer l's compute. On a CPU-only machine the same code makes
-plain copies (same values, so offloaded and on-device results are identical).
+Only PAGED layer states (attention K/V, MLA latent / rope / indexer keys) go to the host; CARRIED ones (GDN conv
++ recurrent state, a few MB a layer whatever the prompt) stay on the device and are handed out as they are.
 
-The model walks reach offload through two entry points only, which are identities for a resident state on the
-device: `stage_layers` (replay, scoring, decode: read layer l on the device) and `PageWriter` (layer-by-layer
-capture: write layer l on the device, copy it to the host).
+`LayerStager` hands out layer l's pages on the compute device and, at that moment, starts copying the next paged
+layer on a side CUDA stream, so the copy overlaps layer l's compute (and the carried layers' between them). On a
+CPU-only machine the same code makes plain copies (same values, so offloaded and on-device results are identical).
+Every host<->device copy of a device runs on ONE side stream (`side_stream`), so a layer's pages written back to
+the host are read again only after the write.
+
+The model walks reach offload through three entry points only, which are identities for a resident state on the
+device: `stage_layers` (replay, scoring, decode: read layer l on the device), `BlockWriter` (block-by-block
+capture, `capture(offload="cpu")`: for a block [start, end), layer l's pages [0, start) staged to the device, the
+block's [start, end) written there and copied back to the host) and `PageWriter` (layer-by-layer capture,
+`capture_span(offload="cpu")`: layer l's pages of the whole span written on the device, copied to the host).
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+from longstraw_cli.resident.state import CARRIED_COMPONENTS
+
+log = logging.getLogger(__name__)
+
+# where a capture puts its pages: None (the compute device) or "cpu" (host memory)
+OFFLOAD_CHOICES = (None, "cpu")
 
 
 def host_buffer(shape, dtype) -> torch.Tensor:
@@ -28,7 +44,7 @@ class LayerStager:
         self.layers, self.device, self.to_kwargs = layers, torch.device(device), to_kwargs
         # which layers to stage (others are returned as they are); default all
         self.wanted = wanted or (lambda i: True)
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.stream = side_stream(self.device) if self.device.type == "cuda" else None
         self.pending: dict[int, tuple] = {}
 
     def _issue(self, i: int) -> None:
@@ -62,33 +78,93 @@ class LayerStager:
         return staged
 
 
+def side_stream(device) -> torch.cuda.Stream:
+    """The one stream of a CUDA device that carries its host<->device page copies."""
+    device = torch.device(device)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _side_streams.setdefault(device, torch.cuda.Stream(device))
+
+
 def stage_layers(resident, device, grad: bool):
-    """layer index -> that layer's resident state on the compute device: the state itself, or staged copies when
-    offloaded. Under autograd only the index keys are staged: the sparse attention saves the pages it reads for
-    backward, so it reads the host pages (gathering the selected rows) instead of keeping a device copy per
-    layer."""
+    """layer index -> that layer's resident state on the compute device: the state itself, or staged copies of
+    its pages when offloaded (carried states are on the device already). Under autograd only glm52's index keys
+    are staged: the attention saves the pages it reads for backward, so it reads the host pages (gathering the
+    selected rows, or qwen36's K/V block by block) instead of keeping a device copy of every layer."""
     if resident.offload is None:
         return lambda i: resident.layers[i]
-    return LayerStager(resident.layers, device, index_only=grad).get
+    layers = resident.layers
+    if grad and not any(layer.INDEX_FIELDS for layer in layers if not layer.CARRIED):
+        return lambda i: layers[i]
+    return LayerStager(layers, device, wanted=lambda i: not layers[i].CARRIED, index_only=grad).get
+
+
+def host_bytes(resident_bytes: dict[str, int]) -> int:
+    """Bytes an offloaded resident state keeps in host memory (a `resident_bytes` / `nbytes()` dict): all but the
+    carried states, which stay on the device."""
+    return resident_bytes["total"] - sum(resident_bytes.get(name, 0) for name in CARRIED_COMPONENTS)
+
+
+def host_available_bytes() -> int | None:
+    """The host's MemAvailable (/proc/meminfo), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def rollout_pages(resident, device) -> list | None:
+    """The pages a native rollout reads on `device`: the resident's own when on the device; offloaded, device
+    copies made once for the whole rollout when they fit in the device's free memory with 10% to spare (a CUDA
+    device: rollout holds no gradients and no graph, so room freed by the offload is there), else None: every
+    decode step stages the paged layers again, one at a time (qwen36's dense attention reads all of its K/V each
+    token: that rate is the host link's). A CPU device has no memory of its own beside the host's: None, so the
+    staged path is what runs there."""
+    if resident.offload is None:
+        return resident.layers
+    need = sum(t.nbytes for layer in resident.layers if not layer.CARRIED for t in layer.tensors())
+    free = device_free_bytes(device)
+    if free is None or need * 1.1 > free:
+        log.info("rollout over offloaded pages: %.2f GiB of pages do not fit in the device's free %s; every decode "
+                 "step stages each layer's pages from the host (eager, no CUDA graph)", need / 2**30,
+                 "memory (a CPU device)" if free is None else f"{free / 2**30:.2f} GiB")
+        return None
+    log.info("rollout over offloaded pages: %.2f GiB of pages copied to the device for the rollout", need / 2**30)
+    return [layer if layer.CARRIED else layer.to(device) for layer in resident.layers]
+
+
+def device_free_bytes(device) -> int | None:
+    """Free memory of a CUDA device; None for a CPU device (its memory is the host's)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return torch.cuda.mem_get_info(device)[0]
 
 
 class PageWriter:
     """Layer-by-layer capture's pages: `get(l)` the layer's state to write on the compute device, `done(l)` once
     written, `finish()` after the last layer. Offloaded pages are written into a device buffer and copied to the
-    host asynchronously while the next layer computes."""
+    host asynchronously while the next layer computes; carried states are written where they are."""
 
     def __init__(self, resident, device):
         self.resident, self.device = resident, device
         self.work: dict[int, object] = {}
 
+    def _offloaded(self, i: int) -> bool:
+        return self.resident.offload is not None and not self.resident.layers[i].CARRIED
+
     def get(self, i: int):
-        if self.resident.offload is None:
+        if not self._offloaded(i):
             return self.resident.layers[i]
         self.work[i] = self.resident.layers[i].empty_on(self.device)
         return self.work[i]
 
     def done(self, i: int) -> None:
-        if self.resident.offload is not None:
+        if self._offloaded(i):
             copy_to_host(self.resident.layers[i].tensors(), self.work.pop(i).tensors())
 
     def finish(self) -> None:
@@ -96,15 +172,64 @@ class PageWriter:
             torch.cuda.synchronize()
 
 
+class _Window:
+    """Stages pages [0, end) of a paged state for a capture block [start, end): rows [0, start) copied from the
+    host, rows [start, end) left for the block to write (LayerStager's `.to` / `.tensors` interface)."""
+
+    def __init__(self, state, start: int, end: int):
+        self.state, self.start, self.end = state, start, end
+
+    def to(self, device, non_blocking: bool = False):
+        staged = self.state.empty_on(device, self.end)
+        for dst, src in zip(staged.tensors(), self.state.tensors()):
+            dst[: self.start].copy_(src[: self.start], non_blocking=non_blocking)
+        return staged
+
+
+class BlockWriter:
+    """Block-by-block capture's state for block [start, end): `get(l)` layer l's state to read and write on the
+    compute device (offloaded pages: a device window of positions [0, end), [0, start) staged from the host, the
+    next paged layer's on the side stream while this layer computes), `done(l)` once the layer wrote the block
+    (its rows [start, end) go back to the host on the side stream), `finish()` after the last layer (waits for
+    the copies: the host pages are complete). Per block each paged layer's earlier pages cross to the device
+    once: traffic grows as prompt^2 / block_size, like the attention FLOPs it overlaps (docs in README)."""
+
+    def __init__(self, resident, device, start: int, end: int):
+        self.resident, self.start, self.end = resident, start, end
+        layers = resident.layers
+        self.offloaded = resident.offload is not None
+        if self.offloaded:
+            windows = [_Window(state, start, end) for state in layers]
+            self.stager = LayerStager(windows, device, wanted=lambda i: not layers[i].CARRIED)
+        self.staged: dict[int, object] = {}
+
+    def get(self, i: int):
+        state = self.resident.layers[i]
+        if not self.offloaded or state.CARRIED:
+            return state
+        self.staged[i] = self.stager.get(i)
+        return self.staged[i]
+
+    def done(self, i: int) -> None:
+        if i in self.staged:
+            rows = slice(self.start, self.end)
+            copy_to_host([t[rows] for t in self.resident.layers[i].tensors()],
+                         [t[rows] for t in self.staged.pop(i).tensors()])
+
+    def finish(self) -> None:
+        if self.offloaded and torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+
 def copy_to_host(dst_host: list[torch.Tensor], src_device: list[torch.Tensor]) -> None:
-    """dst.copy_(src) for each pair, asynchronously on a side stream when CUDA is in use (the next layer's compute
-    overlaps the copy); call `torch.cuda.synchronize()` before reading the host tensors."""
+    """dst.copy_(src) for each pair, asynchronously on the side stream when CUDA is in use (the next layer's
+    compute overlaps the copy); call `torch.cuda.synchronize()` before reading the host tensors."""
     if not any(s.is_cuda for s in src_device):
         for d, s in zip(dst_host, src_device):
             d.copy_(s)
         return
     device = src_device[0].device
-    stream = _side_streams.setdefault(device, torch.cuda.Stream(device))
+    stream = side_stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         for d, s in zip(dst_host, src_device):

@@ -12,8 +12,10 @@ Legend: P pages (captured prompt tokens), K kv heads, D head dim, C conv channel
 G value heads of a recurrent layer, Dk/Dv its key/value head dims, L MLA latent dim (kv_lora_rank), R rope dim,
 I indexer head dim.
 
-Offload: with `offload="cpu"` the pages live in CPU memory (pinned when CUDA is available) and compute stages
-them onto its device one layer at a time (`resident.offload.LayerStager`).
+Offload: with `offload="cpu"` the PAGED states (attention K/V, MLA latent, rope and indexer keys) live in CPU
+memory (pinned when CUDA is available) and compute stages them onto its device one layer at a time
+(`resident.offload`); CARRIED states (GDN conv + recurrent state: a few MB a layer, whatever the prompt's
+length) stay on the device.
 """
 
 from __future__ import annotations
@@ -24,14 +26,43 @@ from dataclasses import dataclass
 import torch
 
 
+class Paged:
+    """What a paged layer state (its fields are per-token pages, or None) offers offload (resident/offload.py)."""
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (getattr(self, f.name) for f in dataclasses.fields(self)) if t is not None]
+
+    def empty_on(self, device, num: int | None = None):
+        """Uninitialised pages of the same shapes (of the first `num` positions, if given) on `device`."""
+        return self._map(lambda name, t: torch.empty((t.shape[0] if num is None else num, *t.shape[1:]),
+                                                     dtype=t.dtype, device=device))
+
+    def to(self, device, non_blocking: bool = False, index_only: bool = False):
+        """A copy on `device` (always a copy, also on the same device). index_only: copy only the fields in
+        `INDEX_FIELDS` (glm52's indexer keys, which every query scores in full) and keep referring to the other
+        pages (a replay under autograd reads those where they are: gathering selected rows, or block by block)."""
+        def move(name, t):
+            if index_only and name not in self.INDEX_FIELDS:
+                return t
+            out = torch.empty(t.shape, dtype=t.dtype, device=device)
+            return out.copy_(t, non_blocking=non_blocking)
+        return self._map(move)
+
+    def _map(self, fn):
+        """The same state with fn(name, field) for every field that is not None."""
+        return dataclasses.replace(self, **{f.name: None if getattr(self, f.name) is None
+                                            else fn(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)})
+
+
 @dataclass
-class AttentionPages:
+class AttentionPages(Paged):
     """K/V of one full-attention layer for the captured prompt tokens."""
 
     k_PKD: torch.Tensor
     v_PKD: torch.Tensor
 
     GRAD_FIELDS = ("k_PKD", "v_PKD")
+    INDEX_FIELDS = ()
     CARRIED = False
 
 
@@ -47,9 +78,12 @@ class RecurrentState:
     GRAD_FIELDS = ("conv_CW", "ssm_GKV")
     CARRIED = True
 
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.conv_CW, self.ssm_GKV]
+
 
 @dataclass
-class MLAPages:
+class MLAPages(Paged):
     """One glm52 layer: MLA latent (after kv_a_layernorm) and rope key (after RoPE) per captured token, plus the
     DSA indexer keys (after LayerNorm + RoPE) on "full" indexer layers; "shared" layers keep none (None).
     Never expanded per head: kv_b is folded into the query and the output at replay."""
@@ -59,31 +93,12 @@ class MLAPages:
     index_PI: torch.Tensor | None
 
     GRAD_FIELDS = ("latent_PL", "rope_PR")
+    INDEX_FIELDS = ("index_PI",)
     CARRIED = False
 
-    def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.latent_PL, self.rope_PR, self.index_PI) if t is not None]
 
-    def empty_on(self, device) -> MLAPages:
-        """Uninitialised pages of the same shapes on `device` (capture writes them, then copies them here)."""
-        def like(t):
-            return None if t is None else torch.empty(t.shape, dtype=t.dtype, device=device)
-        return MLAPages(like(self.latent_PL), like(self.rope_PR), like(self.index_PI))
-
-    def to(self, device, non_blocking: bool = False, index_only: bool = False) -> MLAPages:
-        """A copy on `device` (always a copy, also on the same device). index_only: copy the indexer keys only
-        and keep referring to these latent/rope pages (a replay under autograd gathers selected rows from them)."""
-        def move(t):
-            if t is None:
-                return None
-            out = torch.empty(t.shape, dtype=t.dtype, device=device)
-            out.copy_(t, non_blocking=non_blocking)
-            return out
-        if index_only:
-            return MLAPages(self.latent_PL, self.rope_PR, move(self.index_PI))
-        return MLAPages(move(self.latent_PL), move(self.rope_PR), move(self.index_PI))
-
-
+# nbytes() keys of the CARRIED kinds: what stays on the device when the pages are offloaded
+CARRIED_COMPONENTS = ("recurrent_state", "conv_state")
 # nbytes() keys per kind of layer state, in report order
 _COMPONENTS = {
     AttentionPages: ("kv_pages",),

@@ -2,7 +2,8 @@
 
 Runs `python -m longstraw_cli train <overrides> steps=N run_dir=...` once per prompt length and reads back the
 run's metrics.jsonl: per step the time and CUDA peak of each phase (rollout, drift, reward, capture, score,
-replay, finalize, step) and decode ms per token; with capture.reuse_steps > 1 also each step's reuse cycle,
+replay, finalize, step) and decode ms per token, the host's peak RSS and, with capture.offload=cpu, the bytes of
+pages held in host memory; with capture.reuse_steps > 1 also each step's reuse cycle,
 captures and drift (`reuse`). Step 0 also pays one-time costs (Triton JIT, cuBLAS/cuDNN handles,
 the first CUDA-graph capture): it is reported as its own row, `warmup`, and the later steps are averaged into
 `steady`; `first_step_extra_s` is step 0's time minus the steady step's. `transaction_s` is the step without
@@ -55,6 +56,10 @@ def summarize(rows: list[dict]) -> dict:
                             for r in rows]
     peaks = [v for k, v in steady.items() if k.startswith("peak_")]
     summary["peak_gib"] = max(peaks) if peaks else None
+    # host side: the process's peak resident set (pinned pages of capture.offload=cpu count there once written)
+    # and the bytes of pages the last step kept in host memory (0 without offload)
+    summary["host_rss_peak_gib"] = rows[-1].get("mem/rss_peak", 0) / GIB
+    summary["host_pages_gib"] = rows[-1].get("mem/host_pages", 0) / GIB
     return summary
 
 

@@ -52,12 +52,15 @@ def test_resident_bytes_are_latent_pages_only(page_dtype):
 
 
 @pytest.mark.parametrize("block_size", [16, 45, 1000])
-def test_offloaded_capture_is_identical_to_layer_by_layer_capture(block_size):
+def test_offloaded_span_capture_is_identical_to_layer_by_layer_capture(block_size):
+    """`capture_span(offload="cpu")` (PageWriter: each layer's pages copied to the host once) against the same on
+    the device; `capture(offload="cpu")`, block by block, is tests/models/test_offload.py's."""
     model = tiny()
     prompt, response = ids(110, 7), ids(15, 8)
     blockwise = model.capture(prompt, block_size=block_size)
     span = model.capture_span(prompt[:-1], start=0, num_tokens=109, last_token=int(prompt[-1]), block_size=block_size)
-    offloaded = model.capture(prompt, block_size=block_size, offload="cpu")
+    offloaded = model.capture_span(prompt[:-1], start=0, num_tokens=109, last_token=int(prompt[-1]),
+                                   block_size=block_size, offload="cpu")
     assert offloaded.offload == "cpu" and all(t.device.type == "cpu" for t in offloaded.tensors())
     assert offloaded.nbytes() == blockwise.nbytes()
     for b, c in zip(span.tensors(), offloaded.tensors()):

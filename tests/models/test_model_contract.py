@@ -32,15 +32,13 @@ class Family:
     prompt_sensitive: str
     # parameters that never get a gradient (glm52's indexer only selects keys)
     no_grad: str | None
-    # capture(offload="cpu") keeps the resident state in host memory
-    offload: bool
 
 
 FAMILIES = [
     Family("qwen36_tiny", grad_tol=1e-5, logprob_tol=1e-10, prompt_sensitive="model.layers.3.self_attn.k_proj.weight",
-           no_grad=None, offload=False),
+           no_grad=None),
     Family("glm52_tiny", grad_tol=1e-10, logprob_tol=1e-12,
-           prompt_sensitive="model.layers.0.self_attn.kv_a_proj_with_mqa.weight", no_grad=".indexer.", offload=True),
+           prompt_sensitive="model.layers.0.self_attn.kv_a_proj_with_mqa.weight", no_grad=".indexer."),
 ]
 
 
@@ -203,7 +201,7 @@ def test_batched_scoring_equals_single(family):
 def test_native_rollout_equals_replay_and_greedy_full_forward(family):
     model = random_model(family.name)
     prompt = ids(70, 9)
-    for offload in ({}, {"offload": "cpu"}) if family.offload else ({},):
+    for offload in ({}, {"offload": "cpu"}):
         resident = model.capture(prompt, block_size=16, **offload)
         snapshot = [t.clone() for t in resident.tensors()]
         rollout = generate(model, resident, 3, SamplingConfig(max_new_tokens=20), torch.Generator().manual_seed(1))
@@ -211,7 +209,7 @@ def test_native_rollout_equals_replay_and_greedy_full_forward(family):
         for response, logp in zip(rollout.responses, rollout.logprobs):
             assert rel_err(logp, model.logprobs(resident, response)) < 1e-10
 
-    # from the last resident state: offloaded where the family offloads
+    # from the last resident state: offloaded
     greedy = generate(model, resident, 2, SamplingConfig(temperature=0, max_new_tokens=20)).responses[0]
     with torch.no_grad():
         seq = prompt

@@ -64,12 +64,11 @@ from longstraw_cli.models.glm52.config import Glm52Config
 from longstraw_cli.models.glm52.experts import local_experts
 from longstraw_cli.quantize import dense
 from longstraw_cli.resident import MLAPages, Resident
-from longstraw_cli.resident.offload import host_buffer
+from longstraw_cli.resident.offload import OFFLOAD_CHOICES, host_buffer
 from longstraw_kernels import at_least_fp32, compute_dtype
 from longstraw_kernels.dsa import indexer_scores, topk_lowest_position
 from longstraw_kernels.mla import dense_mla_attention, merge_lse, sparse_mla_attention
 
-OFFLOAD_CHOICES = (None, "cpu")
 # bound on index-score elements formed at once ([rows, keys] per chunk of queries, and the top-k's temporaries
 # beside them, ~12 bytes an element): small on the CPU, larger on a GPU, where a few rows per call against a
 # million keys would leave it launching tiny kernels

@@ -27,6 +27,7 @@ from longstraw_cli.models.core import MLP, Backbone, CausalLM, DecodeState, stop
 from longstraw_cli.models.qwen36.config import Qwen36Config
 from longstraw_cli.models.qwen36.decode import Qwen36Decoder
 from longstraw_cli.resident import AttentionPages, RecurrentState, Resident
+from longstraw_cli.resident.offload import OFFLOAD_CHOICES, host_buffer
 from longstraw_cli.resident.state import prefix
 from longstraw_kernels import at_least_fp32, compute_dtype
 from longstraw_kernels.attention import blockwise_causal_attention, replay_attention
@@ -351,24 +352,31 @@ class Qwen36ForCausalLM(CausalLM):
     # -- resident state ---------------------------------------------------------------------------------------
     def empty_resident(self, num_tokens: int, page_dtype: torch.dtype | None = None,
                        offload: str | None = None) -> Resident:
-        """Preallocated state for `num_tokens` captured tokens, on the device."""
-        if offload is not None:
-            raise ValueError(f"offload={offload!r}: qwen36 keeps its resident state on the device; valid: [None]")
+        """Preallocated state for `num_tokens` captured tokens, on the device; offload="cpu" puts the attention
+        layers' K/V pages in (pinned) CPU memory. The GDN conv + recurrent states stay on the device either way:
+        they are a few MB a layer whatever the prompt's length, and every token reads and writes them."""
+        if offload not in OFFLOAD_CHOICES:
+            raise ValueError(f"offload={offload!r}; valid: {list(OFFLOAD_CHOICES)}")
         cfg, w = self.config, self.lm_head.weight
         page_dtype = page_dtype or w.dtype
+
+        def pages(*shape):
+            if offload == "cpu":
+                return host_buffer(shape, page_dtype)
+            return torch.zeros(shape, dtype=page_dtype, device=w.device)
+
         layers = []
         for layer in self.model.layers:
             if layer.is_attention:
                 shape = (num_tokens, cfg.num_key_value_heads, cfg.head_dim)
-                layers.append(AttentionPages(torch.zeros(shape, dtype=page_dtype, device=w.device),
-                                             torch.zeros(shape, dtype=page_dtype, device=w.device)))
+                layers.append(AttentionPages(pages(*shape), pages(*shape)))
             else:
                 gdn = layer.linear_attn
                 conv = torch.zeros(gdn.conv_dim, gdn.window, dtype=w.dtype, device=w.device)
                 # fp32 recurrent state (fp64 in fp64 models)
                 ssm = torch.zeros(gdn.num_v, gdn.dk, gdn.dv, dtype=compute_dtype(w), device=w.device)
                 layers.append(RecurrentState(conv, ssm))
-        return Resident(layers=layers, num_tokens=num_tokens, last_token=-1)
+        return Resident(layers=layers, num_tokens=num_tokens, last_token=-1, offload=offload)
 
     def resident_bytes(self, num_tokens: int, page_dtype: torch.dtype | None = None) -> dict[str, int]:
         """Analytic size of the resident state: what `Resident.nbytes()` must report."""

@@ -1,0 +1,70 @@
+"""`longstraw train capture.offload=cpu` end to end on CPU: the same metrics as `capture.offload=none`, exactly, for
+both families (with a KL reference, LoRA and capture reuse too); what offload cannot run with is refused in one line
+before any work, and so is a prompt whose pages do not fit in the host's available memory."""
+
+from pathlib import Path
+
+import pytest
+
+from conftest import rows
+
+E2E = Path(__file__).parent
+SMALL = ["prompt_tokens=48", "response_tokens=4", "group_size=3", "logger.backends=[jsonl]", "steps=2",
+         "capture.block_size=16", "task.reward=rewards_for_tests:char_sum"]
+DETERMINISTIC = ("step", "reward_mean", "reward_std", "loss", "pg_loss", "grad_norm", "entropy", "num_tokens",
+                 "mem/resident")
+
+
+@pytest.fixture
+def train(train_here, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(E2E))
+
+    def run(name: str, *args: str):
+        code, _, err = train_here([*SMALL, *args, f"run_dir={tmp_path / name}"])
+        return code, err, (rows(tmp_path / name) if code == 0 else None)
+
+    return run
+
+
+@pytest.mark.parametrize("args", [("model=qwen36_tiny",), ("model=glm52_tiny",),
+                                  ("model=qwen36_tiny", "lora.rank=4", "algo.kl_coef=0.1"),
+                                  ("model=qwen36_tiny", "capture.reuse_steps=2", "steps=3")])
+def test_offloaded_run_equals_on_device_run(train, args):
+    code, err, device = train("device", *args, "capture.offload=none")
+    assert code == 0, err
+    code, err, host = train("host", *args, "capture.offload=cpu")
+    assert code == 0, err
+    assert "capture.offload=cpu on device=cpu" in err
+    assert [{k: r[k] for k in DETERMINISTIC} for r in device] == [{k: r[k] for k in DETERMINISTIC} for r in host]
+    assert device[-1]["reward_mean"] == host[-1]["reward_mean"] and len(host) == len(device)
+
+
+@pytest.mark.parametrize("args, message", [
+    (("capture.offload=disk",), "offload='disk'; valid: ['none', 'cpu']"),
+    (("capture.offload=cpu", "capture.gradient=exact"), "capture.offload=cpu with capture.gradient=exact"),
+])
+def test_offload_refusals(train, args, message):
+    code, err, _ = train("bad", *args)
+    assert code == 2 and message in err
+    assert len([line for line in err.splitlines() if line.startswith("longstraw: error")]) <= 1
+
+
+def test_offload_with_context_parallel_is_refused():
+    from longstraw_cli.config import ConfigError, _check_offload
+    from longstraw_cli.transaction import TransactionConfig
+
+    with pytest.raises(ConfigError, match="capture.offload=cpu with cp=2"):
+        _check_offload(TransactionConfig(offload="cpu"), 2)
+    _check_offload(TransactionConfig(offload="none"), 2)
+
+
+def test_not_enough_host_memory_stops_before_any_work(train, monkeypatch, tmp_path):
+    import longstraw_cli.trainer as trainer
+
+    monkeypatch.setattr(trainer, "host_available_bytes", lambda: 1000)
+    code, err, _ = train("small_host", "capture.offload=cpu")
+    assert code == 2 and "pages need" in err and "GiB of host memory" in err and "capture.offload=none" in err
+    assert not (tmp_path / "small_host" / "metrics.jsonl").exists()
+    # offload=none never asks
+    code, err, _ = train("no_offload", "capture.offload=none", "steps=1")
+    assert code == 0, err
