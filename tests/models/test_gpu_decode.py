@@ -95,3 +95,20 @@ def test_longstraw_train_on_cuda_two_steps(name, tmp_path):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
     assert abs(rows[0]["ratio_mean"] - 1) < 2e-2 and rows[0]["decode_steps"] > 0
+
+
+def test_repeated_graph_rollouts_hold_no_memory():
+    """Each trainer step's rollout is one `generate`: before the fix every CUDA-graph rollout left 32 MiB behind
+    (a new warm-up stream each time, and cuBLAS keeps a workspace per stream), +0.03 GiB a step at 1M tokens."""
+    import gc
+
+    model = build_model("qwen36_tiny", dtype=torch.bfloat16, device="cuda", seed=0)
+    resident = model.capture(torch.randint(0, 250, (512,), device="cuda"), block_size=256)
+    cfg, native = SamplingConfig(max_new_tokens=8), NativeConfig(compile=False)
+    allocated = []
+    for i in range(3):
+        generate(model, resident, 4, cfg, torch.Generator("cuda").manual_seed(i), native)
+        gc.collect()
+        torch.cuda.synchronize()
+        allocated.append(torch.cuda.memory_allocated())
+    assert allocated[2] == allocated[1], allocated
