@@ -70,6 +70,7 @@ from longstraw_cli.lora import DEFAULT_TARGETS, LoraConfig
 from longstraw_cli.models.qwen36.config import NAMED_CONFIGS, Qwen36Config, named_config
 from longstraw_cli.quantize import NF4_DTYPES, QUANTIZE_CHOICES, nf4_bytes
 from longstraw_cli.resident.gradient import check_gradient_mode
+from longstraw_cli.resident.offload import OFFLOAD_NAMES
 
 GIB = 2**30
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
@@ -77,8 +78,6 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
 # the chunk length of kernels/gdn's chunked form
 GDN_CHUNK = 64
 KERNELS = ("auto", "gpu", "reference")
-# where the pages live: the GPU, or pinned host memory (capture.offload)
-OFFLOADS = ("none", "cpu")
 # fp32 copies of a [heads, queries, keys] score block the reference attention holds at once
 SCORE_COPIES = 3
 # fp32 [heads, queries, head dim] buffers of the flash path's LSE merge (two partial outputs, their weighted
@@ -282,8 +281,8 @@ def plan(model_name_or_cfg, *, cp: int = 1, prompt_tokens: int, group_size: int,
     quantize: "none" | "nf4" (lora.quantize; needs lora_rank > 0): the base linears' storage, see the docstring."""
     cfg = _config(model_name_or_cfg)
     check_gradient_mode(gradient)
-    if offload not in OFFLOADS:
-        raise ValueError(f"offload={offload!r}; valid: {list(OFFLOADS)}")
+    if offload not in OFFLOAD_NAMES:
+        raise ValueError(f"offload={offload!r}; valid: {list(OFFLOAD_NAMES)}")
     if offload == "cpu" and gradient == "exact":
         raise ValueError("offload='cpu' with gradient='exact': the prompt's walk needs the pages on the device")
     if kernels not in KERNELS:
@@ -437,7 +436,7 @@ def report(cfg: Qwen36Config, title: str, prompts: list[int], **common) -> int:
     try:
         plans = [plan(cfg, prompt_tokens=prompt, **common) for prompt in prompts]
         longest = max_prompt_tokens(cfg, **common)
-        placements = OFFLOADS if common.get("gradient", "response_only") != "exact" else ("none",)
+        placements = OFFLOAD_NAMES if common.get("gradient", "response_only") != "exact" else ("none",)
         per_placement = {o: max_prompt_tokens(cfg, **{**common, "offload": o}) for o in placements}
     except ValueError as e:
         print(f"plan: error: {e}", file=sys.stderr)

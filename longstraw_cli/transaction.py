@@ -35,12 +35,10 @@ import torch
 
 from longstraw_cli.distributed.local_strategy import LocalStrategy
 from longstraw_cli.resident.gradient import StateGrad, check_gradient_mode
+from longstraw_cli.resident.offload import OFFLOAD_NAMES
 from longstraw_cli.rl.advantages import get_advantage
 from longstraw_cli.rl.losses import GroupShape, LossConfig, response_loss, sum_stats, summarize_stats
 from longstraw_cli.telemetry.memory import GraphMemory, PhaseClock
-
-# capture.offload's values
-OFFLOAD_NAMES = ("none", "cpu")
 
 
 @dataclass(frozen=True)

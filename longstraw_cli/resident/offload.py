@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 
 # where a capture puts its pages: None (the compute device) or "cpu" (host memory)
 OFFLOAD_CHOICES = (None, "cpu")
+# the same choices as `capture.offload` and `longstraw plan` name them ("none": the compute device)
+OFFLOAD_NAMES = ("none", "cpu")
 
 
 def host_buffer(shape, dtype) -> torch.Tensor:
