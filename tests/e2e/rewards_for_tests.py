@@ -18,6 +18,14 @@ def ascii_count(response: str, example) -> float:
     return float(sum(ord(c) < 128 for c in response))
 
 
+def ascii_share(response: str, example) -> float:
+    return sum(ord(c) < 128 for c in response) / max(len(response), 1)
+
+
+def non_ascii_share(response: str, example) -> float:
+    return 1.0 - ascii_share(response, example) if response else 0.0
+
+
 def overflow_from_example_2(response: str, example) -> float:
     """Finite, but so large that advantages overflow from example 2 on: the loss turns NaN."""
     return 1e308 if example.meta["index"] >= 2 else float(len(response))
