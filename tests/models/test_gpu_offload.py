@@ -10,6 +10,8 @@ instead of the Triton kernel): bf16-close. qwen36's decode over a staged or devi
 kernels: greedy tokens identical. glm52's decode gathers selected latent rows on the host (the reference): its
 greedy tokens are compared on the first tokens and its log-probs to bf16 closeness."""
 
+import copy
+
 import pytest
 import torch
 
@@ -57,14 +59,20 @@ def test_offloaded_capture_replay_and_decode_match_on_device(name, monkeypatch):
     logp_d, g_d = replay(model, device, response)
     logp_h, g_h = replay(model, host, response)
     assert rel_err(logp_h.float(), logp_d.float()) < 5e-3
-    # the whole gradient as one vector, then each parameter more loosely: the first version of this test asked
-    # 5e-2 of every parameter and failed on the H200 at glm52's embed_tokens (6.8e-2: a few sparse rows, reference
-    # sparse MLA against the Triton kernel in bf16)
+    # the whole gradient as one vector, against the same replay in fp32 on the device: offloading may differ from
+    # the device's bf16 replay by bf16's own error, not more. (The first version of this test asked 5e-2 of each
+    # parameter against the bf16 replay and failed on the H200 at glm52's embed_tokens, 6.8e-2: a few sparse rows,
+    # the reference sparse MLA against the Triton kernel.)
     names = [n for n, g in g_d.items() if g.float().norm() > 0]
-    assert rel_err(torch.cat([g_h[n].float().flatten() for n in names]),
-                   torch.cat([g_d[n].float().flatten() for n in names])) < 5e-2
-    for n in names:
-        assert rel_err(g_h[n].float(), g_d[n].float()) < 0.15, n
+    fp32 = copy.deepcopy(model).float()
+    _, g_t = replay(fp32, fp32.capture(prompt, block_size=8192), response)
+    del fp32
+
+    def vector(g):
+        return torch.cat([g[n].float().flatten() for n in names])
+
+    floor = rel_err(vector(g_d), vector(g_t))
+    assert rel_err(vector(g_h), vector(g_t)) < 2 * floor + 1e-3, floor
 
     greedy = SamplingConfig(temperature=0, max_new_tokens=64)
     eager = NativeConfig(cuda_graph=False, compile=False)
