@@ -29,6 +29,10 @@ def _nudge_(model, scale=0.02):
             p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale)
 
 
+def _no_scoring(resident, responses):
+    raise AssertionError("cycle 0 must not score")
+
+
 def test_probe_puts_the_stale_state_back_and_is_zero_under_the_capturing_weights(model, one_thread):
     # 40 captured tokens in blocks of 16: the probe re-captures positions 32..39 from the boundary at 32
     prompt = ids(41, seed=1)
@@ -49,6 +53,9 @@ def test_probe_of_a_one_block_prompt_is_the_fresh_capture(model, one_thread):
         _nudge_(model)
         reuse = PromptReuse(ReuseConfig(reuse_steps=2, max_drift=1e-3), CFG.block_size)
         reuse.hold(0, resident)
+        # cycle 0 is the capturing weights' own: no probe runs (the test above shows it would give 0)
+        assert reuse.measure(model, _no_scoring, prompt, _responses()).max == 0
+        reuse.advance(captured=True)
         drift = reuse.measure(model, lambda r, rs: score(model, r, rs, CFG), prompt, _responses())
         fresh = score(model, model.capture(prompt, block_size=CFG.block_size), _responses(), CFG)
         stale = score(model, resident, _responses(), CFG)
