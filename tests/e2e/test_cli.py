@@ -232,13 +232,13 @@ def test_qlora_trains_adapters_and_resumes_exactly(train_here, tmp_path, model):
 def test_qlora_learns_on_a_trained_base(train_here, tmp_path):
     """QLoRA's learning curve. Adapters cannot move a random tiny model: its frozen lm_head is so small that no
     hidden state changes the logits' entropy from ln(259) (measured: 5.54 over 40 steps at any lr, LoRA or
-    QLoRA). So a base is trained first (full fine-tuning, 20 steps, towards non-ASCII bytes) and exported; QLoRA
+    QLoRA). So a base is trained first (full fine-tuning, 12 steps, towards non-ASCII bytes) and exported; QLoRA
     r16 on that base, loaded and quantised layer by layer from model.path, is then rewarded for ASCII bytes."""
-    code, _, err = train_here(["steps=20", "task.reward=rewards_for_tests:non_ascii_share", "export_hf=true",
+    code, _, err = train_here(["steps=12", "task.reward=rewards_for_tests:non_ascii_share", "export_hf=true",
                                "checkpoint.every=0", "logger.backends=[jsonl]", f"run_dir={tmp_path / 'base'}"])
     assert code == 0, err
     code, _, err = train_here([f"model.path={tmp_path / 'base' / 'hf'}", "lora.rank=16", "lora.quantize=nf4",
-                               "optim.lr=0.01", "steps=16", "task.reward=rewards_for_tests:ascii_share",
+                               "optim.lr=0.01", "steps=12", "task.reward=rewards_for_tests:ascii_share",
                                "checkpoint.every=0", "logger.backends=[jsonl]", f"run_dir={tmp_path / 'qlora'}"])
     assert code == 0, err
     reward = [r["reward_mean"] for r in rows(tmp_path / "qlora")]
