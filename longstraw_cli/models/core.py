@@ -162,7 +162,6 @@ def units(model: nn.Module) -> list[tuple[str, nn.Module]]:
 class CausalLM(nn.Module):
     """`model` (a Backbone) and `lm_head`; the reference forward, capture, replay, log-probs and decode walks."""
 
-
     def __init__(self, cfg, backbone: Backbone):
         super().__init__()
         self.config = cfg
