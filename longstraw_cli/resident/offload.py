@@ -119,24 +119,46 @@ def host_available_bytes() -> int | None:
     return None
 
 
-def rollout_pages(resident, device) -> list | None:
-    """The pages a native rollout reads on `device`: the resident's own when on the device; offloaded, device
-    copies made once for the whole rollout when they fit in the device's free memory with 10% to spare (a CUDA
-    device: rollout holds no gradients and no graph, so room freed by the offload is there), else None: every
-    decode step stages the paged layers again, one at a time (qwen36's dense attention reads all of its K/V each
-    token: that rate is the host link's). A CPU device has no memory of its own beside the host's: None, so the
-    staged path is what runs there."""
+def rollout_pages(resident, device) -> list:
+    """The layer states a native rollout reads: the resident's own when on the device; offloaded, device copies of
+    as many paged layers as fit in the device's free memory with 10% to spare (first layers first; a CUDA device:
+    rollout holds no gradients and no graph, so room freed by the offload is there), made once for the rollout,
+    and the other paged layers left in host memory, staged again at every decode step (`left_on_host`) since
+    qwen36's dense attention reads all of its K/V each token: their rate is the host link's. A CPU device has no
+    memory of its own beside the host's: every paged layer stays on the host (the staged path runs there)."""
     if resident.offload is None:
         return resident.layers
-    need = sum(t.nbytes for layer in resident.layers if not layer.CARRIED for t in layer.tensors())
     free = device_free_bytes(device)
-    if free is None or need * 1.1 > free:
-        log.info("rollout over offloaded pages: %.2f GiB of pages do not fit in the device's free %s; every decode "
-                 "step stages each layer's pages from the host (eager, no CUDA graph)", need / 2**30,
-                 "memory (a CPU device)" if free is None else f"{free / 2**30:.2f} GiB")
-        return None
-    log.info("rollout over offloaded pages: %.2f GiB of pages copied to the device for the rollout", need / 2**30)
-    return [layer if layer.CARRIED else layer.to(device) for layer in resident.layers]
+    room = 0 if free is None else int(free / 1.1)
+    layers, copied, left = [], 0, 0
+    for layer in resident.layers:
+        nbytes = 0 if layer.CARRIED else sum(t.nbytes for t in layer.tensors())
+        if layer.CARRIED or nbytes > room:
+            layers.append(layer)
+            left += nbytes
+            continue
+        layers.append(layer.to(device))
+        room -= nbytes
+        copied += nbytes
+    log.info("rollout over offloaded pages: %.2f GiB copied to the device for the rollout, %.2f GiB staged from "
+             "the host at every decode step%s", copied / 2**30, left / 2**30,
+             " (eager, no CUDA graph)" if left else "")
+    return layers
+
+
+def left_on_host(resident, pages: list) -> list[bool]:
+    """Per layer, whether `rollout_pages` left it in host memory (staged at every decode step)."""
+    if resident.offload is None:
+        return [False] * len(pages)
+    return [page is state and not state.CARRIED for page, state in zip(pages, resident.layers)]
+
+
+def stage_rollout_pages(pages: list, device, on_host: list[bool]):
+    """layer index -> that layer's state on `device` for one decode step: `rollout_pages`' device copies as they
+    are, the layers left in host memory staged one at a time (the next one's copy during this one's compute)."""
+    if not any(on_host):
+        return pages.__getitem__
+    return LayerStager(pages, device, wanted=on_host.__getitem__).get
 
 
 def device_free_bytes(device) -> int | None:

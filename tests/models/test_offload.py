@@ -71,15 +71,18 @@ def test_offloaded_replay_gradients_are_bit_identical(name, lora):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-@pytest.mark.parametrize("placement", ["staged", "device copy"])
+@pytest.mark.parametrize("placement", ["staged", "part copied", "device copy"])
 def test_offloaded_rollout_is_bit_identical(name, placement, monkeypatch):
     """Greedy and sampled rollouts (tokens and log-probs) from offloaded pages equal those from device pages.
     qwen36: "staged" moves every attention layer's pages per token (a CPU device has no memory of its own, so this
-    is what runs on CPU); "device copy" is what a GPU with room does (forced here by reporting free memory)."""
-    if placement == "device copy":
-        monkeypatch.setattr(offload_mod, "device_free_bytes", lambda device: 1 << 40)
+    is what runs on CPU); "device copy" is what a GPU with room does, "part copied" one with room for one layer's
+    pages (forced here by reporting free memory)."""
     model = random_model(name)
     device, host = captures(model, ids(60, 9), 16)
+    if placement != "staged":
+        one = max(sum(t.nbytes for t in state.tensors()) for state in host.layers if not state.CARRIED)
+        free = 1 << 40 if placement == "device copy" else int(one * 1.1) + 1
+        monkeypatch.setattr(offload_mod, "device_free_bytes", lambda device: free)
     for sampling, seed in ((SamplingConfig(temperature=0, max_new_tokens=12), None),
                            (SamplingConfig(temperature=1.0, max_new_tokens=12), 3)):
         runs = [generate(model, r, 3, sampling, None if seed is None else torch.Generator().manual_seed(seed))
@@ -89,21 +92,30 @@ def test_offloaded_rollout_is_bit_identical(name, placement, monkeypatch):
 
 
 def test_qwen36_decode_placement(monkeypatch):
-    """Offloaded qwen36 decode: pages that fit in the device's free memory are copied once (CUDA-graph safe); else
-    every step stages them (eager). GDN states are never offloaded: they stay the device's."""
+    """Offloaded qwen36 decode: the attention layers' pages that fit in the device's free memory (10% spare) are
+    copied once, first layers first; the others are staged at every step. All copied: CUDA-graph safe; any staged:
+    eager. GDN states are never offloaded: they stay the device's."""
     from longstraw_cli.models.qwen36.decode import Qwen36Decoder
 
     model = random_model("qwen36_tiny")
     host = model.capture(ids(40, 1), block_size=16, offload="cpu")
+    paged = [not state.CARRIED for state in host.layers]
     staged = Qwen36Decoder(model, host, 2, 4)
-    assert staged.pages is None and not staged.graph_safe
+    assert staged.on_host == paged and not staged.graph_safe
     need = host_bytes(host.nbytes())
     assert need == host.nbytes()["kv_pages"] and need < host.nbytes()["total"]
+    one = need // sum(paged)
+    # room for one attention layer's pages (of two): the first is copied, the second staged
+    monkeypatch.setattr(offload_mod, "device_free_bytes", lambda device: int(one * 1.1) + 1)
+    partly = Qwen36Decoder(model, host, 2, 4)
+    first = paged.index(True)
+    assert partly.on_host == [p and i != first for i, p in enumerate(paged)] and not partly.graph_safe
+    assert partly.pages[first] is not host.layers[first]
     monkeypatch.setattr(offload_mod, "device_free_bytes", lambda device: int(need * 1.05))
-    assert Qwen36Decoder(model, host, 2, 4).pages is None
+    assert sum(Qwen36Decoder(model, host, 2, 4).on_host) == 1
     monkeypatch.setattr(offload_mod, "device_free_bytes", lambda device: int(need * 1.2))
     copied = Qwen36Decoder(model, host, 2, 4)
-    assert copied.graph_safe
+    assert copied.graph_safe and not any(copied.on_host)
     for state, pages in zip(host.layers, copied.pages):
         if state.CARRIED:
             assert pages is state

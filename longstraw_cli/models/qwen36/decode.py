@@ -12,11 +12,11 @@ keys); GDN takes one fused recurrent step per response (fla's kernel on CUDA). T
 and MLP are the model's own modules, so decode computes what replay computes, in another order of summation.
 
 Offloaded K/V pages (`capture.offload=cpu`): every decode token reads every attention layer's K/V in full (dense
-attention), so there is no subset to fetch. The decoder copies the pages to the device once for the rollout when
-they fit in its free memory (`resident.offload.rollout_pages`; the step is then CUDA-graph safe, as on the
-device); otherwise each step stages the attention layers' pages one at a time from the host (the next layer's
-copy overlapping the current layer), eagerly: a token then moves all K/V pages over the host link (PCIe,
-~50 GB/s at best on an H200 host), e.g. 12 GiB for qwen36_mini at 1M tokens, ~0.25 s a token.
+attention), so there is no subset to fetch. The decoder copies as many layers' pages to the device as fit in its
+free memory, once for the rollout (`resident.offload.rollout_pages`; when all fit, the step is CUDA-graph safe,
+as on the device); each step stages the other layers' pages one at a time from the host (the next layer's copy
+overlapping the current layer), eagerly: a token then moves those layers' K/V over the host link (PCIe, ~50 GB/s
+at best on an H200 host), e.g. all 12 GiB of qwen36_mini's at 1M tokens when none fit, ~0.25 s a token.
 
 Legend: B responses, S response capacity, C hidden, Q query heads, K kv heads, D head dim, X conv channels,
 W conv window, G GDN value heads, Dk/Dv GDN head dims, V vocab.
@@ -28,7 +28,7 @@ import torch
 
 from longstraw_cli.models.core import StaticDecoder
 from longstraw_cli.resident import Resident
-from longstraw_cli.resident.offload import rollout_pages, stage_layers
+from longstraw_cli.resident.offload import left_on_host, rollout_pages, stage_rollout_pages
 from longstraw_kernels.attention.decode import cascade_decode_attention, decode_pages_attention
 from longstraw_kernels.gdn import gdn_step
 
@@ -55,10 +55,11 @@ class Qwen36Decoder(StaticDecoder):
     def __init__(self, model, resident: Resident, batch: int, capacity: int):
         super().__init__(model, resident, batch, capacity)
         cfg = model.config
-        # offloaded pages: device copies for the whole rollout, or None (staged per step)
+        # offloaded pages: device copies of the layers that fit, made for the whole rollout; the rest staged per step
         self.pages = rollout_pages(resident, self.device)
+        self.on_host = left_on_host(resident, self.pages)
         # no host synchronisation and static shapes: a CUDA graph may replay step(); not while it stages pages
-        self.graph_safe = self.pages is not None
+        self.graph_safe = not any(self.on_host)
         # torch.compile fuses the step's small kernels (seen on an H200: 7.7 -> 4.2 ms at 256K, G=8); a
         # cross-rank hook (context parallel) keeps its collectives out of the compiler
         self.compile_safe = all(layer.self_attn.decode_pages_fn is decode_pages_attention
@@ -74,7 +75,7 @@ class Qwen36Decoder(StaticDecoder):
     def step(self) -> torch.Tensor:
         model = self.model
         x_BTC, positions_1, valid_S = self.embed()
-        stage = self.pages.__getitem__ if self.pages is not None else stage_layers(self.resident, self.device, False)
+        stage = stage_rollout_pages(self.pages, self.device, self.on_host)
         for i, (layer, state) in enumerate(zip(model.model.layers, self.layers)):
             h_BTC = layer.input_layernorm(x_BTC)
             if layer.is_attention:
