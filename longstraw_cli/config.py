@@ -112,6 +112,8 @@ class OptimConfig:
 class CheckpointConfig:
     every: int = 10
     keep: int = 2
+    # false: no periodic and no final checkpoint (benchmarks); a preemption signal still writes one
+    enabled: bool = True
 
     def __post_init__(self):
         if self.every < 0 or self.keep < 1:

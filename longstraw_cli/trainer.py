@@ -491,7 +491,8 @@ class Trainer:
         self.section = "the preemption check"
         stop = preemption.agreed(self.device)
         self.section = "the checkpoint"
-        if (every and done % every == 0) or done == self.cfg.steps or stop:
+        due = (every and done % every == 0) or done == self.cfg.steps
+        if (due and self.cfg.checkpoint.enabled) or stop:
             self._save(done)
         return stop
 

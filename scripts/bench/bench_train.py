@@ -73,7 +73,7 @@ def main() -> None:
     for prompt in args.prompt:
         run_dir = Path(tempfile.mkdtemp(prefix="bench_train_"))
         cmd = [sys.executable, "-m", "longstraw_cli", "train", *args.overrides, f"prompt_tokens={prompt}",
-               f"steps={args.steps}", f"run_dir={run_dir}", "checkpoint.every=0"]
+               f"steps={args.steps}", f"run_dir={run_dir}", "checkpoint.enabled=false"]
         start = time.perf_counter()
         done = subprocess.run(cmd, env={**os.environ, "HYDRA_FULL_ERROR": "1"})
         row = {"date": datetime.date.today().isoformat(), "command": " ".join(cmd[1:]), "prompt": prompt,

@@ -228,6 +228,16 @@ def test_qlora_trains_adapters_and_resumes_exactly(train_here, tmp_path, model):
     assert code == 2 and "lora.quantize changed from 'nf4' to 'none'" in err
 
 
+def test_checkpoint_enabled_false_writes_none(train_here, tmp_path):
+    code, _, err = train_here([*SMALL, "steps=2", "checkpoint.every=1", "checkpoint.enabled=false",
+                               f"run_dir={tmp_path / 'run'}"])
+    assert code == 0, err
+    assert len(rows(tmp_path / "run")) == 2
+    assert not any((tmp_path / "run" / "checkpoints").glob("step_*"))
+    code, _, err = train_here([*SMALL, "checkpoint.enabled=maybe", f"run_dir={tmp_path / 'bad'}"])
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "checkpoint.enabled='maybe'" in err, err
+
+
 @pytest.mark.slow
 def test_qlora_learns_on_a_trained_base(train_here, tmp_path):
     """QLoRA's learning curve. Adapters cannot move a random tiny model: its frozen lm_head is so small that no
@@ -239,7 +249,8 @@ def test_qlora_learns_on_a_trained_base(train_here, tmp_path):
     assert code == 0, err
     code, _, err = train_here([f"model.path={tmp_path / 'base' / 'hf'}", "lora.rank=16", "lora.quantize=nf4",
                                "optim.lr=0.01", "steps=12", "task.reward=rewards_for_tests:ascii_share",
-                               "checkpoint.every=0", "logger.backends=[jsonl]", f"run_dir={tmp_path / 'qlora'}"])
+                               "checkpoint.enabled=false", "logger.backends=[jsonl]",
+                               f"run_dir={tmp_path / 'qlora'}"])
     assert code == 0, err
     reward = [r["reward_mean"] for r in rows(tmp_path / "qlora")]
     first, last = sum(reward[:4]) / 4, sum(reward[-4:]) / 4
