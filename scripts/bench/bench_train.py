@@ -68,10 +68,15 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, nargs="+", required=True)
     parser.add_argument("--steps", type=int, default=3, help="steps per run (step 0 is the warm-up)")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--run-root", default=None,
+                        help="where the runs' dirs go (default: a temporary dir); on the device machine $OUT/runs "
+                             "brings each step's metrics.jsonl back even when the call's time limit kills the run")
     parser.add_argument("overrides", nargs="*", help="longstraw train overrides (after --)")
     args = parser.parse_args()
     for prompt in args.prompt:
-        run_dir = Path(tempfile.mkdtemp(prefix="bench_train_"))
+        if args.run_root:
+            Path(args.run_root).mkdir(parents=True, exist_ok=True)
+        run_dir = Path(tempfile.mkdtemp(prefix="bench_train_", dir=args.run_root))
         cmd = [sys.executable, "-m", "longstraw_cli", "train", *args.overrides, f"prompt_tokens={prompt}",
                f"steps={args.steps}", f"run_dir={run_dir}", "checkpoint.enabled=false"]
         start = time.perf_counter()
