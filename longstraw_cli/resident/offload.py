@@ -80,12 +80,17 @@ class LayerStager:
         return staged
 
 
-def side_stream(device) -> torch.cuda.Stream:
-    """The one stream of a CUDA device that carries its host<->device page copies."""
+def side_stream(device, purpose: str = "pages") -> torch.cuda.Stream:
+    """The one stream of a CUDA device for `purpose`, made once: "pages" carries its host<->device page copies;
+    rollout/native.py warms its CUDA-graph decode step on another ("decode warm-up"). One stream per purpose, not
+    one per call: cuBLAS keeps a 32 MiB workspace per stream it runs on for the life of the process, and torch
+    hands out up to 32 pooled streams a device (a new warm-up stream per rollout held 32 MiB more each step)."""
     device = torch.device(device)
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    return _side_streams.setdefault(device, torch.cuda.Stream(device))
+    if (device, purpose) not in _side_streams:
+        _side_streams[device, purpose] = torch.cuda.Stream(device)
+    return _side_streams[device, purpose]
 
 
 def stage_layers(resident, device, grad: bool):

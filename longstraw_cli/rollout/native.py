@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from longstraw_cli.resident.offload import side_stream
+
 log = logging.getLogger(__name__)
 
 
@@ -82,18 +84,6 @@ class NativeConfig:
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
 
-_WARMUP_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def warmup_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream per device for the first (warm-up) call of every GraphedStep. A new stream per rollout
-    leaked 32 MiB each on an H200: cuBLAS keeps one workspace per (handle, stream) for the life of the process."""
-    device = torch.device(device)
-    if device not in _WARMUP_STREAMS:
-        _WARMUP_STREAMS[device] = torch.cuda.Stream(device)
-    return _WARMUP_STREAMS[device]
-
-
 class GraphedStep:
     """`decoder.step()` (compiled by torch.compile when asked) replayed as a CUDA graph. The first call runs on a
     side stream (compilation, cuBLAS handles, Triton kernels, lazy allocations) and IS the first step; the graph
@@ -110,7 +100,8 @@ class GraphedStep:
         if self.graph is not None:
             self.graph.replay()
             return self.logits_BV
-        side = warmup_stream(self.decoder.device)
+        # one warm-up stream per device for every rollout (a new one each time held a cuBLAS workspace more)
+        side = side_stream(self.decoder.device, "decode warm-up")
         side.wait_stream(torch.cuda.current_stream(self.decoder.device))
         with torch.cuda.stream(side):
             logits_BV = self.step()
