@@ -19,7 +19,8 @@ from longstraw_cli.distributed.strategy import StrategyConfig
 from longstraw_cli.distributed.topology import ParallelDims
 from longstraw_cli.lora import LoraConfig
 from longstraw_cli.models import MODEL_NAMES, families, family_of, hf_model_config
-from longstraw_cli.quantize import NF4_DTYPES, torchao_nf4
+from longstraw_cli.quantize import dtype_refusal, torchao_nf4
+from longstraw_cli.resident.offload import offload_refusal
 from longstraw_cli.reuse import ReuseConfig, refusal
 from longstraw_cli.rl.losses import LossConfig
 from longstraw_cli.rl.reward_adapters import REWARD_STYLES
@@ -220,18 +221,6 @@ def _check_exact(d: dict, strategy: str, world_size: int) -> None:
                           f"lora.dropout=0, got lora.dropout={dropout!r}")
 
 
-def _check_offload(transaction: TransactionConfig, cp: int) -> None:
-    """capture.offload=cpu: what it runs with (one line naming what does not)."""
-    if transaction.offload == "none":
-        return
-    if transaction.exact:
-        raise ConfigError("capture.offload=cpu with capture.gradient=exact: the prompt's walk differentiates the "
-                          "pages, which it needs on the device; use capture.offload=none or gradient=response_only")
-    if cp > 1:
-        raise ConfigError(f"capture.offload=cpu with cp={cp}: context parallel captures and decodes with pages on "
-                          f"the device (not built); use capture.offload=none or cp=1")
-
-
 def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
     """TrainConfig from the resolved container of the composed config (hydra node removed)."""
     d = dict(d)
@@ -300,7 +289,9 @@ def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
                       prompts_per_step=d["prompts_per_step"], cp=d["cp"])
     if refused:
         raise ConfigError(refused)
-    _check_offload(transaction, d["cp"])
+    refused = offload_refusal(transaction.offload, gradient=transaction.gradient, cp=d["cp"])
+    if refused:
+        raise ConfigError(refused)
 
     rollout_node = dict(d["rollout"])
     engine = rollout_node.pop("engine")
@@ -344,9 +335,9 @@ def _check_quantize(lora: LoraConfig, model: ModelConfig) -> None:
     """lora.quantize=nf4: a dtype it runs in, and torchao importable (one line each)."""
     if lora.quantize == "none":
         return
-    if model.dtype not in NF4_DTYPES:
-        raise ConfigError(f"lora.quantize={lora.quantize} computes in model.dtype, which must be one of "
-                          f"{list(NF4_DTYPES)}; got model.dtype={model.dtype!r}")
+    refused = dtype_refusal(lora.quantize, model.dtype)
+    if refused:
+        raise ConfigError(refused)
     try:
         torchao_nf4()
     except ImportError as e:

@@ -68,9 +68,9 @@ import torch
 
 from longstraw_cli.lora import DEFAULT_TARGETS, LoraConfig
 from longstraw_cli.models.qwen36.config import NAMED_CONFIGS, Qwen36Config, named_config
-from longstraw_cli.quantize import NF4_DTYPES, QUANTIZE_CHOICES, nf4_bytes
+from longstraw_cli.quantize import QUANTIZE_CHOICES, dtype_refusal, nf4_bytes
 from longstraw_cli.resident.gradient import check_gradient_mode
-from longstraw_cli.resident.offload import OFFLOAD_NAMES
+from longstraw_cli.resident.offload import OFFLOAD_NAMES, offload_refusal
 
 GIB = 2**30
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
@@ -281,10 +281,9 @@ def plan(model_name_or_cfg, *, cp: int = 1, prompt_tokens: int, group_size: int,
     quantize: "none" | "nf4" (lora.quantize; needs lora_rank > 0): the base linears' storage, see the docstring."""
     cfg = _config(model_name_or_cfg)
     check_gradient_mode(gradient)
-    if offload not in OFFLOAD_NAMES:
-        raise ValueError(f"offload={offload!r}; valid: {list(OFFLOAD_NAMES)}")
-    if offload == "cpu" and gradient == "exact":
-        raise ValueError("offload='cpu' with gradient='exact': the prompt's walk needs the pages on the device")
+    refused = offload_refusal(offload, gradient=gradient, cp=cp)
+    if refused:
+        raise ValueError(refused)
     if kernels not in KERNELS:
         raise ValueError(f"kernels={kernels!r}; valid: {list(KERNELS)}")
     if kernels == "auto":
@@ -299,9 +298,9 @@ def plan(model_name_or_cfg, *, cp: int = 1, prompt_tokens: int, group_size: int,
         raise ValueError(f"lora_rank must be an int >= 0 (0 = full fine-tuning), got {lora_rank!r}")
     # the training config's own refusals (lora.LoraConfig, config._check_quantize)
     LoraConfig(rank=lora_rank, quantize=quantize)
-    if quantize != "none" and dtype not in NF4_DTYPES:
-        raise ValueError(f"lora.quantize={quantize} computes in model.dtype, which must be one of "
-                         f"{list(NF4_DTYPES)}; got model.dtype={dtype!r}")
+    refused = dtype_refusal(quantize, dtype)
+    if refused:
+        raise ValueError(refused)
     s = _itemsize(dtype)
     f = max(s, 4)
     m = _itemsize(moment_dtype or dtype)
@@ -436,7 +435,9 @@ def report(cfg: Qwen36Config, title: str, prompts: list[int], **common) -> int:
     try:
         plans = [plan(cfg, prompt_tokens=prompt, **common) for prompt in prompts]
         longest = max_prompt_tokens(cfg, **common)
-        placements = OFFLOAD_NAMES if common.get("gradient", "response_only") != "exact" else ("none",)
+        # the placements this run may take (offload is refused with exact gradients and under context parallel)
+        placements = [o for o in OFFLOAD_NAMES if not offload_refusal(
+            o, gradient=common.get("gradient", "response_only"), cp=common.get("cp", 1))]
         per_placement = {o: max_prompt_tokens(cfg, **{**common, "offload": o}) for o in placements}
     except ValueError as e:
         print(f"plan: error: {e}", file=sys.stderr)

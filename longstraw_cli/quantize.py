@@ -39,6 +39,15 @@ SCALER_BLOCK_SIZE = 256
 NF4_TABLE = 16
 
 
+def dtype_refusal(quantize: str, dtype: str) -> str | None:
+    """One line when lora.quantize does not compute in model.dtype (the trainer's config and `longstraw plan`
+    refuse the same), else None."""
+    if quantize != "none" and dtype not in NF4_DTYPES:
+        return (f"lora.quantize={quantize} computes in model.dtype, which must be one of {list(NF4_DTYPES)}; got "
+                f"model.dtype={dtype!r}")
+    return None
+
+
 def torchao_nf4():
     """torchao's NF4 module (to_nf4, NF4Tensor, linear_nf4), or a one-line error saying how to install it."""
     # torchao warns at import that its CUDA C extensions (mxfp8, cutlass) do not load where the CUDA or torch
@@ -129,5 +138,5 @@ def quantized_linears(model: nn.Module) -> int:
     return sum(is_nf4(p) for p in model.parameters())
 
 
-__all__ = ["NF4_DTYPES", "QUANTIZE_CHOICES", "dense", "is_nf4", "nf4_bytes", "quantize_linears",
+__all__ = ["NF4_DTYPES", "QUANTIZE_CHOICES", "dense", "dtype_refusal", "is_nf4", "nf4_bytes", "quantize_linears",
            "quantized_linears", "scaler_block_size", "storage_bytes", "torchao_nf4"]

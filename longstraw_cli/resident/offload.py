@@ -32,6 +32,22 @@ OFFLOAD_CHOICES = (None, "cpu")
 OFFLOAD_NAMES = ("none", "cpu")
 
 
+def offload_refusal(offload: str, *, gradient: str, cp: int) -> str | None:
+    """One line when capture.offload does not run with the rest of the run (the trainer's config and
+    `longstraw plan` refuse the same), else None."""
+    if offload not in OFFLOAD_NAMES:
+        return f"capture.offload={offload!r}; valid: {list(OFFLOAD_NAMES)}"
+    if offload == "none":
+        return None
+    if gradient == "exact":
+        return ("capture.offload=cpu with capture.gradient=exact: the prompt's walk differentiates the pages, "
+                "which it needs on the device; use capture.offload=none or gradient=response_only")
+    if cp > 1:
+        return (f"capture.offload=cpu with cp={cp}: context parallel captures and decodes with pages on the device "
+                f"(not built); use capture.offload=none or cp=1")
+    return None
+
+
 def host_buffer(shape, dtype) -> torch.Tensor:
     """Zeros in CPU memory, pinned when CUDA is available (pinned memory makes host<->device copies async)."""
     return torch.zeros(shape, dtype=dtype, pin_memory=torch.cuda.is_available())

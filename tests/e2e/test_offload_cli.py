@@ -50,12 +50,14 @@ def test_offload_refusals(train, args, message):
 
 
 def test_offload_with_context_parallel_is_refused():
-    from longstraw_cli.config import ConfigError, _check_offload
-    from longstraw_cli.transaction import TransactionConfig
+    """The one refusal the trainer's config and `longstraw plan` share (cp > 1 needs torchrun, so asked here)."""
+    from longstraw_cli.plan import plan
+    from longstraw_cli.resident.offload import offload_refusal
 
-    with pytest.raises(ConfigError, match="capture.offload=cpu with cp=2"):
-        _check_offload(TransactionConfig(offload="cpu"), 2)
-    _check_offload(TransactionConfig(offload="none"), 2)
+    assert "capture.offload=cpu with cp=2" in offload_refusal("cpu", gradient="response_only", cp=2)
+    assert offload_refusal("none", gradient="response_only", cp=2) is None
+    with pytest.raises(ValueError, match="capture.offload=cpu with cp=2"):
+        plan("qwen36_tiny", cp=2, prompt_tokens=1024, group_size=2, response_tokens=8, offload="cpu")
 
 
 def test_not_enough_host_memory_stops_before_any_work(train, monkeypatch, tmp_path):
