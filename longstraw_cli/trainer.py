@@ -261,9 +261,11 @@ class Trainer:
         check_prompt(example, len(ids), self.max_positions, self.cfg.response_tokens)
         return torch.tensor(ids, dtype=torch.long, device=self.device)
 
-    def capture(self, prompt_ids: torch.Tensor):
+    def capture(self, prompt_ids: torch.Tensor, tail: bool = False):
+        """The prompt's resident state (tail: also the carried states at its last block, for reuse's drift probe);
+        with capture.offload=cpu, the host's memory is checked first."""
         self._check_host_memory(prompt_ids.numel())
-        return self.transaction.capture(prompt_ids)
+        return self.transaction.capture(prompt_ids, tail=tail)
 
     def _check_host_memory(self, prompt_tokens: int) -> None:
         """capture.offload=cpu: a prompt whose pages (twice with a KL reference, whose capture lives beside the
@@ -384,8 +386,7 @@ class Trainer:
             if captured:
                 self.reuse.release()
                 with clock.phase("capture"):
-                    self._check_host_memory(prompt_ids.numel())
-                    self.reuse.hold(step, self.transaction.capture(prompt_ids, tail=True))
+                    self.reuse.hold(step, self.capture(prompt_ids, tail=True))
             resident = self.reuse.resident
             with clock.phase("rollout"):
                 rollout = self.rollout(resident)
