@@ -185,14 +185,20 @@ def test_resume_after_kill_continues_with_uninterrupted_metrics(train_here, tmp_
         assert {k: a[k] for k in DETERMINISTIC} == {k: b[k] for k in DETERMINISTIC}
 
 
+def reward_ends(run_dir, n: int = 4) -> tuple[float, float]:
+    """The mean reward of a run's first n steps and of its last n (printed: the learning curve's two ends)."""
+    reward = [r["reward_mean"] for r in rows(run_dir)]
+    first, last = sum(reward[:n]) / n, sum(reward[-n:]) / n
+    print(f"{run_dir.name}: mean reward first {n} steps {first:.3f}, last {n} steps {last:.3f}")
+    return first, last
+
+
 @pytest.mark.slow
 def test_learning_raises_mean_reward(train_here, tmp_path):
     code, _, err = train_here(["steps=20", "prompt_tokens=256", "logger.backends=[jsonl]",
                                f"run_dir={tmp_path / 'run'}"])
     assert code == 0, err
-    reward = [r["reward_mean"] for r in rows(tmp_path / "run")]
-    first, last = sum(reward[:4]) / 4, sum(reward[-4:]) / 4
-    print(f"mean reward first 4 steps {first:.3f}, last 4 steps {last:.3f}")
+    first, last = reward_ends(tmp_path / "run")
     assert first < 0.05 and last > 0.5
     assert (tmp_path / "run" / "memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -252,9 +258,7 @@ def test_qlora_learns_on_a_trained_base(train_here, tmp_path):
                                "checkpoint.enabled=false", "logger.backends=[jsonl]",
                                f"run_dir={tmp_path / 'qlora'}"])
     assert code == 0, err
-    reward = [r["reward_mean"] for r in rows(tmp_path / "qlora")]
-    first, last = sum(reward[:4]) / 4, sum(reward[-4:]) / 4
-    print(f"QLoRA mean reward first 4 steps {first:.3f}, last 4 steps {last:.3f}")
+    first, last = reward_ends(tmp_path / "qlora")
     assert first < 0.45 and last > 0.6
 
 
