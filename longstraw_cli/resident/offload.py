@@ -23,6 +23,7 @@ import logging
 import torch
 
 from longstraw_cli.resident.state import CARRIED_COMPONENTS
+from longstraw_cli.telemetry.memory import proc_bytes
 
 log = logging.getLogger(__name__)
 
@@ -130,14 +131,7 @@ def host_bytes(resident_bytes: dict[str, int]) -> int:
 
 def host_available_bytes() -> int | None:
     """The host's MemAvailable (/proc/meminfo), or None where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    return proc_bytes("/proc/meminfo", "MemAvailable")
 
 
 def rollout_pages(resident, device) -> list:

@@ -17,6 +17,19 @@ import torch
 from longstraw_cli.quantize import is_nf4
 
 
+def proc_bytes(path: str, field: str) -> int | None:
+    """A kB field of a Linux /proc file in bytes ("MemAvailable" of /proc/meminfo, "VmRSS" of
+    /proc/self/status), or None where it cannot be read."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def _storage_key(t: torch.Tensor) -> tuple[str, int]:
     if is_nf4(t):
         # an NF4 weight (lora.quantize=nf4) wraps tensors and has no storage of its own: its codes stand for it

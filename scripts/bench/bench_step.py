@@ -41,7 +41,7 @@ from longstraw_cli.models.logprobs import token_logprobs  # noqa: E402
 from longstraw_cli.plan import plan  # noqa: E402
 from longstraw_cli.rl.advantages import get_advantage  # noqa: E402
 from longstraw_cli.rl.losses import GroupShape, LossConfig, response_loss  # noqa: E402
-from longstraw_cli.telemetry.memory import PhaseClock  # noqa: E402
+from longstraw_cli.telemetry.memory import PhaseClock, proc_bytes  # noqa: E402
 from longstraw_cli.transaction import Transaction, TransactionConfig  # noqa: E402
 from longstraw_kernels.attention.flash import forward_backend  # noqa: E402
 from longstraw_kernels.attention.reference import replay_attention as reference_attention  # noqa: E402
@@ -69,23 +69,12 @@ class RssPeak:
 
     @staticmethod
     def current() -> int | None:
-        try:
-            with open("/proc/self/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        return None
+        return proc_bytes("/proc/self/status", "VmRSS")
 
     def read(self) -> int:
-        try:
-            with open("/proc/self/status") as f:
-                for line in f:
-                    if line.startswith("VmHWM:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            pass
+        peak = proc_bytes("/proc/self/status", "VmHWM")
+        if peak is not None:
+            return peak
         # the lifetime peak: kilobytes on Linux, bytes on macOS
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return peak if platform.system() == "Darwin" else peak * 1024
