@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from longstraw_cli.checkpoint import atomic_directory
-from longstraw_cli.quantize import QUANTIZE_CHOICES, dense
+from longstraw_cli.quantize import QUANTIZE_CHOICES, dense, linear
 
 # HF's names of a qwen3_5-style layer's linears: qwen36's targets, and a model without a family's
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj", "gate_proj",
@@ -148,7 +148,7 @@ class LoraLinear(nn.Linear):
         self.lora_B.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        out = linear(x, self.weight, self.bias)
         if not self.adapter_enabled:
             return out
         h = self.lora_dropout(x).to(self.lora_A.dtype)

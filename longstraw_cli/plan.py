@@ -150,10 +150,10 @@ def linear_bytes(cfg: Qwen36Config, dtype: str, quantize: str = "none") -> int:
 
 
 def dequant_transient(numel: int, dtype: str) -> int:
-    """Live bytes while torchao dequantises one NF4 weight of `numel` (NF4Tensor.get_original_weight): the two
-    4-bit halves of the codes as int64 (8 bytes a weight together), then the table lookups, their scaled copies
-    and the stacked result, numel values of `dtype` each."""
-    return numel * (8 + 3 * _itemsize(dtype))
+    """Live bytes while one NF4 weight of `numel` is dequantised for its product: on a GPU the Triton kernel
+    (longstraw_kernels.nf4) writes the weight in `dtype` directly and nothing else. (The torch reference that
+    CPUs run forms int64 codes and half-size intermediates besides: ~3x this, not planned.)"""
+    return numel * _itemsize(dtype)
 
 
 def resident_bytes(cfg: Qwen36Config, num_tokens: int, dtype: str = "bfloat16") -> dict[str, int]:

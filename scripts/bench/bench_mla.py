@@ -20,10 +20,10 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import sys
 
 import torch
+from rows import time_ms
 
 from longstraw_kernels.mla import reference, triton_sparse
 from longstraw_kernels.mla.triton_sparse import TileConfig
@@ -43,20 +43,6 @@ def make_inputs(B, T, H, L, R, P, K, dtype, seed=0):
     # a few entries absent, as where fewer keys are visible than the top-k
     idx = idx.masked_fill(torch.rand(B, T, K, generator=g, device="cuda") < 0.02, -1)
     return q, latent, rope, idx
-
-
-def time_ms(fn, repeats: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def rel(a, b) -> float:

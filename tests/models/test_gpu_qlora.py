@@ -1,7 +1,8 @@
-"""QLoRA on CUDA (skipped without it): torchao's NF4 linear forward and backward against a bf16 linear holding
-the dequantised weight; an NF4 model's logits, capture + log-probs and adapter gradients against the same model
-with its weights dequantised, in bf16, for both families; and the decode step replayed as a CUDA graph (and
-compiled where the family compiles it) on an NF4 model against the same decode run eagerly."""
+"""QLoRA on CUDA (skipped without it): the NF4 linear (quantize.linear) forward and backward against a bf16
+linear holding the dequantised weight; an NF4 model's logits, capture + log-probs and adapter gradients against
+the same model with its weights dequantised, in bf16, for both families; and the decode step replayed as a CUDA
+graph on an NF4 model against the same decode run eagerly (equal), and compiled where the family compiles it
+(its log-probs against the replay of its responses)."""
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ pytest.importorskip("torchao")
 
 from longstraw_cli.lora import LoraConfig, apply_lora, lora_layers  # noqa: E402
 from longstraw_cli.models import build_model  # noqa: E402
-from longstraw_cli.quantize import dense, quantized_linears, scaler_block_size, torchao_nf4  # noqa: E402
+from longstraw_cli.quantize import dense, linear, quantized_linears, scaler_block_size, torchao_nf4  # noqa: E402
 from longstraw_cli.rollout.native import NativeConfig, SamplingConfig, generate  # noqa: E402
 
 # bf16 noise: the NF4 linear and the plain one read the same bf16 matrix, summed in other orders at most
@@ -28,7 +29,7 @@ def test_nf4_linear_forward_and_backward_on_cuda():
     assert q.device.type == "cuda" and q.quantized_data.device.type == "cuda"
     x = torch.randn(3, 77, 2048, generator=g, device="cuda").to(torch.bfloat16).requires_grad_(True)
     x_ref = x.detach().clone().requires_grad_(True)
-    out = torch.nn.functional.linear(x, q)
+    out = linear(x, q)
     ref = torch.nn.functional.linear(x_ref, dense(q))
     assert rel_err(out.float(), ref.float()) <= BF16
     grad = torch.randn(out.shape, generator=g, device="cuda").to(torch.bfloat16)
@@ -78,7 +79,15 @@ def test_nf4_decode_as_cuda_graph_equals_eager(name):
     prompt = torch.randint(0, 259, (300,), generator=torch.Generator(device="cuda").manual_seed(2), device="cuda")
     resident = model.capture(prompt, block_size=128)
     greedy = SamplingConfig(max_new_tokens=12, temperature=0.0)
+    # the graph replays exactly the eager step's kernels
     eager = generate(model, resident, 4, greedy, native=NativeConfig(cuda_graph=False))
-    graphed = generate(model, resident, 4, greedy, native=NativeConfig(cuda_graph=True))
+    graphed = generate(model, resident, 4, greedy, native=NativeConfig(cuda_graph=True, compile=False))
     assert [r.tolist() for r in graphed.responses] == [r.tolist() for r in eager.responses]
-    assert rel_err(torch.cat(graphed.logprobs), torch.cat(eager.logprobs)) <= BF16
+    assert all(torch.equal(a, b) for a, b in zip(graphed.logprobs, eager.logprobs))
+    # the default path (graph, compiled where the family compiles it) fuses other kernels: greedy tokens of a
+    # random tiny model (near-uniform logits) may flip, so its log-probs are checked against the replay of its
+    # own responses (the on-policy ratio), within bf16 noise
+    default = generate(model, resident, 4, greedy)
+    with torch.no_grad():
+        replayed = [model.logprobs(resident, r) for r in default.responses]
+    assert rel_err(torch.cat(default.logprobs).float(), torch.cat(replayed).float()) <= BF16
