@@ -25,6 +25,7 @@ torchao is an optional extra (`pip install longstraw[qlora]`), imported only whe
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -181,10 +182,59 @@ def quantize_linears(module: nn.Module) -> int:
     return count
 
 
+def nf4_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules whose own `weight` is NF4, in module order."""
+    return [m for m in model.modules() if is_nf4(m._parameters.get("weight", torch.empty(0)))]
+
+
+@contextlib.contextmanager
+def dense_copies(model: nn.Module, count: int):
+    """Within: the first `count` NF4 linears of `model` (module order) hold their dequantised weights as plain
+    frozen Parameters, so their products skip the dequantisation (the same numbers: `linear` multiplies by
+    exactly these values); the NF4 Parameters are put back on exit and the copies freed. The native rollout's
+    `rollout.native.nf4_cache` (trainer.py) sizes `count`."""
+    swapped = []
+    try:
+        for module in nf4_modules(model)[:count] if count > 0 else []:
+            weight = module.weight
+            module.weight = nn.Parameter(dense(weight), requires_grad=False)
+            swapped.append((module, weight))
+        yield len(swapped)
+    finally:
+        for module, weight in swapped:
+            module.weight = weight
+
+
+def _dense_sizes(model: nn.Module) -> list[int]:
+    """Bytes of each NF4 linear's dequantised weight, in module order."""
+    return [m.weight.numel() * m.weight.element_size() for m in nf4_modules(model)]
+
+
+class DenseCache:
+    """How many NF4 linears the rollouts hold dequantised (`dense_copies`): as many as the first budget holds, in
+    module order; kept while later budgets hold it (the compiled decode step then sees the same weights every
+    rollout), made smaller, never larger, when one does not."""
+
+    def __init__(self):
+        self.count: int | None = None
+
+    def size(self, model: nn.Module, budget_bytes: int) -> tuple[int, int, bool]:
+        """-> (count, its bytes, whether the count changed) for a rollout with `budget_bytes` to spare."""
+        sizes = _dense_sizes(model)
+        fits, used = 0, 0
+        while fits < len(sizes) and used + sizes[fits] <= budget_bytes:
+            used, fits = used + sizes[fits], fits + 1
+        changed = self.count is None or fits < self.count
+        if changed:
+            self.count = fits
+        return self.count, sum(sizes[:self.count]), changed
+
+
 def quantized_linears(model: nn.Module) -> int:
     """How many linears of a model hold NF4 weights."""
     return sum(is_nf4(p) for p in model.parameters())
 
 
-__all__ = ["NF4Linear", "NF4_DTYPES", "QUANTIZE_CHOICES", "dense", "dtype_refusal", "is_nf4", "linear", "nf4_bytes",
-           "nf4_parts", "quantize_linears", "quantized_linears", "scaler_block_size", "storage_bytes", "torchao_nf4"]
+__all__ = ["NF4Linear", "NF4_DTYPES", "QUANTIZE_CHOICES", "dense", "dense_copies", "DenseCache", "dtype_refusal",
+           "is_nf4", "linear", "nf4_bytes", "nf4_modules", "nf4_parts", "quantize_linears", "quantized_linears",
+           "scaler_block_size", "storage_bytes", "torchao_nf4"]

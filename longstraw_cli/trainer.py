@@ -45,6 +45,7 @@ from longstraw_cli.lora import adapters_disabled, apply_lora
 from longstraw_cli.models import build_model, from_pretrained
 from longstraw_cli.models.spec import family_of
 from longstraw_cli.preemption import Preempted, Preemption
+from longstraw_cli.quantize import DenseCache, dense_copies, nf4_modules
 from longstraw_cli.resident.offload import host_available_bytes, host_bytes
 from longstraw_cli.reuse import PromptReuse
 from longstraw_cli.rl.reward_adapters import GroupReward
@@ -130,6 +131,9 @@ class Trainer:
         self.reuse = PromptReuse(cfg.reuse, cfg.transaction.block_size) if cfg.reuse.active else None
         # capture.offload=cpu: host bytes of pages already checked against the host's memory
         self.host_checked = 0
+        # rollout.native.nf4_cache: the highest phase peak of the steps so far, the rollout's own memory above its
+        # start, how many NF4 linears the rollouts hold dequantised (fixed once chosen) and their bytes
+        self.peak_seen, self.rollout_overhead, self.nf4_cache, self.nf4_cache_bytes = 0, 0, DenseCache(), 0
         if self.task.uses_prompt_tokens:
             self._check_host_memory(cfg.prompt_tokens)
         # where an error inside `train` came from: "iteration" (then the clock's phase) or a step's later part
@@ -152,6 +156,9 @@ class Trainer:
         if cfg.transaction.offload != "none" and self.device.type == "cpu":
             notice("capture.offload=cpu on device=cpu: the pages go to a second buffer in the same memory, staged "
                    "by plain copies (the host path runs, for testing; nothing is saved)", self.rank)
+        if cfg.rollout.native.nf4_cache and self.device.type == "cpu":
+            notice("rollout.native.nf4_cache=true on device=cpu: it is sized from CUDA memory peaks, so it holds "
+                   "nothing here", self.rank)
         if cfg.model.path is not None and cfg.model.tokenizer == "byte":
             notice(f"model.path={cfg.model.path} has no tokenizer files: using the byte tokenizer "
                    f"(model.tokenizer=DIR to choose one)", self.rank)
@@ -288,9 +295,38 @@ class Trainer:
         self.host_checked = need
 
     def rollout(self, resident) -> Rollout:
-        """G responses sampled from the resident state (native engine); their log-probs are the on-policy scores."""
-        return generate(self.model, resident, self.cfg.group_size, self.sampling, self.generator,
-                        native=self._native_decode())
+        """G responses sampled from the resident state (native engine); their log-probs are the on-policy scores.
+        With rollout.native.nf4_cache, from dequantised copies of some NF4 linears (`_nf4_cache_count`)."""
+        cuda = self.device.type == "cuda"
+        start = torch.cuda.memory_allocated(self.device) if cuda else 0
+        with dense_copies(self.model, self._nf4_cache_count()):
+            self.nf4_cache_bytes = torch.cuda.memory_allocated(self.device) - start if cuda else 0
+            rollout = generate(self.model, resident, self.cfg.group_size, self.sampling, self.generator,
+                               native=self._native_decode())
+        if cuda:
+            # the phase clock reset the peak as the rollout phase began: what decoding itself took
+            peak = torch.cuda.max_memory_allocated(self.device)
+            self.rollout_overhead = max(self.rollout_overhead, peak - start - self.nf4_cache_bytes)
+        return rollout
+
+    def _nf4_cache_count(self) -> int:
+        """How many NF4 linears the next rollout holds dequantised (rollout.native.nf4_cache): as many as fit
+        between the memory in use now plus what decoding takes (the most it took so far) and the highest phase
+        peak of the steps so far; 0 at the first step (no peak known yet) and on CPU. Kept once chosen, so the
+        compiled decode step sees the same weights every rollout (`DenseCache`)."""
+        if not self.cfg.rollout.native.nf4_cache or self.device.type != "cuda" or not self.peak_seen:
+            return 0
+        budget = self.peak_seen - torch.cuda.memory_allocated(self.device) - self.rollout_overhead
+        before = self.nf4_cache.count
+        count, held, changed = self.nf4_cache.size(self.model, budget)
+        if changed and before is not None:
+            log.warning("rollout.native.nf4_cache: %d dequantised linears no longer fit under the step's peak; %d "
+                        "from now on (the decode step compiles again)", before, count)
+        elif changed:
+            log.info("rollout.native.nf4_cache: rollouts hold %d of %d NF4 linears dequantised (%.2f GiB, under the "
+                     "highest step peak so far, %.2f GiB)", count, len(nf4_modules(self.model)), held / 2**30,
+                     self.peak_seen / 2**30)
+        return count
 
     def rollout_vllm(self, prompt_ids: torch.Tensor) -> Rollout:
         """G responses from vLLM, after pushing the policy's weights; no resident state needed."""
@@ -342,7 +378,10 @@ class Trainer:
             rollouts.append(rollout)
             parts.append(part)
         result = self.transaction.finish(parts, clock)
+        self.peak_seen = max(self.peak_seen, *clock.cuda_peak_bytes.values(), 0)
         metrics = self._metrics(sum(prompts), rollouts, result, clock)
+        if self.cfg.rollout.native.nf4_cache:
+            metrics["mem/nf4_cache"] = self.nf4_cache_bytes
         metrics["lr"] = lr
         if self.reuse is not None:
             metrics.update(self.reuse.last)

@@ -74,12 +74,16 @@ class NativeConfig:
     # with cuda_graph: torch.compile the step first (fuses its ~2,300 small kernels; ~50 s once per process
     # and model shape, the first rollout pays it)
     compile: bool = True
+    # lora.quantize=nf4 only (the trainer sizes it): from the second step on, the rollout decodes from dequantised
+    # copies of as many NF4 linears as fit under the highest step peak seen so far (no dequantisation per token
+    # for them; the same numbers; the step's peak unchanged); freed when the rollout ends
+    nf4_cache: bool = False
 
     def __post_init__(self):
         if isinstance(self.stop_check_every, bool) or not isinstance(self.stop_check_every, int) \
                 or self.stop_check_every < 1:
             raise ValueError(f"stop_check_every must be an integer >= 1, got {self.stop_check_every!r}")
-        for name in ("cuda_graph", "compile"):
+        for name in ("cuda_graph", "compile", "nf4_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
 

@@ -207,3 +207,42 @@ def test_plan_counts_the_bytes_torchao_stores(name, overrides, dtype):
     planned = plan(cfg, quantize="nf4", **common)
     assert planned["weights"] == measured
     assert planned["weights"] < plan(cfg, **common)["weights"]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_dense_copies_decode_the_same_and_put_the_nf4_weights_back(name):
+    """rollout.native.nf4_cache's copies: a rollout with some or all NF4 linears held dequantised samples the
+    same tokens with the same log-probs (the products multiply by the same values), and the NF4 Parameters are
+    back afterwards."""
+    model = nf4_model(name, torch.float32, rank=2)
+    originals = {n: p for n, p in model.named_parameters() if is_nf4(p)}
+    prompt = ids(61, seed=2)
+    sampling = SamplingConfig(max_new_tokens=6, temperature=1.0)
+
+    def rollout():
+        return generate(model, model.capture(prompt, block_size=16), 3, sampling, torch.Generator().manual_seed(0),
+                        NativeConfig(cuda_graph=False))
+
+    want = rollout()
+    total = len(quantize.nf4_modules(model))
+    assert total == len(originals)
+    for count in (5, total):
+        with quantize.dense_copies(model, count) as held:
+            assert held == count and quantized_linears(model) == total - count
+            got = rollout()
+        assert [r.tolist() for r in got.responses] == [r.tolist() for r in want.responses]
+        assert all(torch.equal(a, b) for a, b in zip(got.logprobs, want.logprobs))
+        assert {n: p for n, p in model.named_parameters() if is_nf4(p)} == originals
+
+
+def test_dense_cache_keeps_its_first_size_and_only_shrinks():
+    model = nf4_model("qwen36_tiny", torch.float32)
+    sizes = [m.weight.numel() * 4 for m in quantize.nf4_modules(model)]
+    cache = quantize.DenseCache()
+    assert cache.size(model, sum(sizes[:3]) + 1) == (3, sum(sizes[:3]), True)
+    # more room later: the same count (the compiled decode step keeps its weights)
+    assert cache.size(model, 10 * sum(sizes)) == (3, sum(sizes[:3]), False)
+    assert cache.size(model, sum(sizes[:1])) == (1, sizes[0], True)
+    assert cache.size(model, -5) == (0, 0, True)
+    with quantize.dense_copies(model, 0) as held:
+        assert held == 0 and quantized_linears(model) == len(sizes)
