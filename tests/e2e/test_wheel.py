@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 import venv
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,14 @@ def test_wheel_installed_outside_the_checkout_trains(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-q", str(source), "-w",
                     str(wheels)], check=True, capture_output=True, text=True, timeout=300)
     [wheel] = wheels.glob("longstraw-*.whl")
+    # every package of the source tree is in the wheel: an editable install beside it would otherwise supply a
+    # missing subpackage from the checkout and the run below would not notice
+    packages = {f"longstraw_cli/{p.relative_to(REPO / 'longstraw_cli')}" for p in (REPO / "longstraw_cli").rglob(
+        "__init__.py")} | {f"longstraw_kernels/{p.relative_to(REPO / 'kernels')}" for p in (REPO / "kernels").rglob(
+        "__init__.py")}
+    with zipfile.ZipFile(wheel) as archive:
+        missing = packages - set(archive.namelist())
+    assert not missing, f"packages missing from the wheel (setup.cfg's packages): {sorted(missing)}"
     # the dependencies (torch, hydra, ...) come from this Python; the venv's own copy of longstraw shadows any
     # editable install there
     env_dir = tmp_path / "venv"
