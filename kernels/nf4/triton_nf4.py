@@ -20,8 +20,9 @@ import triton.language as tl
 
 from longstraw_kernels.nf4.reference import BLOCK, NF4Parts
 
-# 64-blocks per program
-DEQUANT_BLOCKS = 32
+# 64-blocks per program and warps (Triton's default 4): 2.78 TB/s for the 27B shape's linears on an H200
+# (bench_nf4.py; the only configuration timed so far)
+DEQUANT_BLOCKS, DEQUANT_WARPS = 32, 4
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -63,14 +64,16 @@ def _dequantize_kernel(codes_ptr, scalers_ptr, factors_ptr, mean_ptr, table_ptr,
     tl.store(out_ptr + element, weights, mask=valid[:, None])
 
 
-def dequantize_triton(p: NF4Parts) -> torch.Tensor:
-    """W [N, K] in p.dtype (CUDA; p.dtype bf16, fp16 or fp32)."""
+def dequantize_triton(p: NF4Parts, config: tuple[int, int] = (DEQUANT_BLOCKS, DEQUANT_WARPS)) -> torch.Tensor:
+    """W [N, K] in p.dtype (CUDA; p.dtype bf16, fp16 or fp32). `config`: (64-blocks a program, warps), for
+    sweeps (scripts/bench/bench_nf4.py --sweep)."""
+    blocks, warps = config
     n, k = p.shape
     out = torch.empty(n, k, dtype=p.dtype, device=p.codes.device)
     n_blocks = n * k // BLOCK
-    _dequantize_kernel[(triton.cdiv(n_blocks, DEQUANT_BLOCKS),)](
+    _dequantize_kernel[(triton.cdiv(n_blocks, blocks),)](
         p.codes, p.scalers, p.factors, p.mean, p.table, out, n_blocks, p.scaler_block,
-        OUT=_TL_DTYPE[p.dtype], INTERPRETED=_interpreted(), BLOCKS=DEQUANT_BLOCKS)
+        OUT=_TL_DTYPE[p.dtype], INTERPRETED=_interpreted(), BLOCKS=blocks, num_warps=warps)
     return out
 
 

@@ -25,6 +25,9 @@ from longstraw_cli.models import build_model
 from longstraw_cli.quantize import linear, nf4_parts, quantizable, scaler_block_size, torchao_nf4
 from longstraw_kernels.nf4 import triton_nf4
 
+# (64-blocks a program, warps) of the dequantisation
+SWEEP = [(16, 4), (64, 4), (64, 8), (128, 8), (256, 8)]
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -32,6 +35,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--unit", type=int, default=4, help="decoder layers in the repeating unit")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--sweep", action="store_true", help="also time the dequantisation's other tile shapes")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -68,6 +72,10 @@ def main() -> None:
         row[f"{name}_ms_model"] = round(ms * scale, 2)
         if moved[name]:
             row[f"{name}_TBps"] = round(moved[name] / ms / 1e9, 3)
+    if args.sweep:
+        for config in SWEEP:
+            ms = time_ms(lambda c=config: [triton_nf4.dequantize_triton(p, c) for p in parts], args.repeats, warmup=2)
+            row[f"dequant_triton_{config[0]}x{config[1]}_ms_model"] = round(ms * scale, 2)
     emit(row, args.out)
 
 

@@ -43,6 +43,13 @@ def test_dequantisation_is_torchaos_bit_for_bit(shape, dtype):
     assert torch.equal(nf4_ops.dequantize(parts), expected)
 
 
+@pytest.mark.parametrize("config", [(1, 1), (16, 4), (64, 8)])
+def test_every_tile_shape_of_the_sweep_is_exact(config):
+    # 33 x 64 weights: 33 blocks, a partial last program for each shape
+    q = nf4_weight(33, 64, 1, torch.bfloat16)
+    assert torch.equal(triton_nf4.dequantize_triton(nf4_parts(q), config), q.get_original_weight())
+
+
 def test_dispatch(monkeypatch):
     parts = nf4_parts(nf4_weight(64, 128, 64, torch.float32))
     monkeypatch.setenv("LONGSTRAW_NF4_KERNEL", "torch")
