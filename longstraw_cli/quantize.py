@@ -80,7 +80,7 @@ def torchao_nf4():
 _NF4_TENSOR: type | None = None
 
 
-def is_nf4(t: torch.Tensor) -> bool:
+def is_nf4(t: torch.Tensor | None) -> bool:
     return _NF4_TENSOR is not None and isinstance(t, _NF4_TENSOR)
 
 
@@ -184,7 +184,7 @@ def quantize_linears(module: nn.Module) -> int:
 
 def nf4_modules(model: nn.Module) -> list[nn.Module]:
     """The modules whose own `weight` is NF4, in module order."""
-    return [m for m in model.modules() if is_nf4(m._parameters.get("weight", torch.empty(0)))]
+    return [m for m in model.modules() if is_nf4(m._parameters.get("weight"))]
 
 
 @contextlib.contextmanager
