@@ -134,6 +134,7 @@ class Trainer:
         # rollout.native.nf4_cache: the highest phase peak of the steps so far, the rollout's own memory above its
         # start, how many NF4 linears the rollouts hold dequantised (fixed once chosen) and their bytes
         self.peak_seen, self.rollout_overhead, self.nf4_cache, self.nf4_cache_bytes = 0, 0, DenseCache(), 0
+        self.nf4_cache_on = cfg.rollout.native.caches_nf4(cfg.lora.quantize)
         if self.task.uses_prompt_tokens:
             self._check_host_memory(cfg.prompt_tokens)
         # where an error inside `train` came from: "iteration" (then the clock's phase) or a step's later part
@@ -156,7 +157,7 @@ class Trainer:
         if cfg.transaction.offload != "none" and self.device.type == "cpu":
             notice("capture.offload=cpu on device=cpu: the pages go to a second buffer in the same memory, staged "
                    "by plain copies (the host path runs, for testing; nothing is saved)", self.rank)
-        if cfg.rollout.native.nf4_cache and self.device.type == "cpu":
+        if cfg.rollout.native.nf4_cache is True and self.device.type == "cpu":
             notice("rollout.native.nf4_cache=true on device=cpu: it is sized from CUDA memory peaks, so it holds "
                    "nothing here", self.rank)
         if cfg.model.path is not None and cfg.model.tokenizer == "byte":
@@ -314,7 +315,7 @@ class Trainer:
         between the memory in use now plus what decoding takes (the most it took so far) and the highest phase
         peak of the steps so far; 0 at the first step (no peak known yet) and on CPU. Kept once chosen, so the
         compiled decode step sees the same weights every rollout (`DenseCache`)."""
-        if not self.cfg.rollout.native.nf4_cache or self.device.type != "cuda" or not self.peak_seen:
+        if not self.nf4_cache_on or self.device.type != "cuda" or not self.peak_seen:
             return 0
         budget = self.peak_seen - torch.cuda.memory_allocated(self.device) - self.rollout_overhead
         before = self.nf4_cache.count
@@ -380,7 +381,7 @@ class Trainer:
         result = self.transaction.finish(parts, clock)
         self.peak_seen = max(self.peak_seen, *clock.cuda_peak_bytes.values(), 0)
         metrics = self._metrics(sum(prompts), rollouts, result, clock)
-        if self.cfg.rollout.native.nf4_cache:
+        if self.nf4_cache_on:
             metrics["mem/nf4_cache"] = self.nf4_cache_bytes
         metrics["lr"] = lr
         if self.reuse is not None:

@@ -2,8 +2,8 @@
 
 Hydra passes values as YAML and its override grammar give them: `resume=no` is the string 'no' (true in a plain
 `bool()`), `capture.block_size=1.5` a float, `optim.lr=fast` a string. Checked here: bool (true / false only),
-int (not a bool, not a float), float (an int is accepted), str, None, `X | None`, tuples (given as lists) of
-those. Nested dataclasses and other types are left to their own checks.
+int (not a bool, not a float), float (an int is accepted), str, None, `Literal[...]`, `X | None`, tuples (given
+as lists) of those. Nested dataclasses and other types are left to their own checks.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ def _describe(hint) -> str:
     if hint is type(None):
         return "null"
     origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Literal:
+        return " or ".join(str(a) for a in args)
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_describe(a) for a in args)
     if origin is tuple:
@@ -53,6 +55,8 @@ def matches(value: Any, hint) -> bool:
     if hint is type(None):
         return value is None
     origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Literal:
+        return not isinstance(value, bool) and value in args
     if origin in (typing.Union, types.UnionType):
         return any(matches(value, a) for a in args)
     if origin is tuple:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -76,16 +77,23 @@ class NativeConfig:
     compile: bool = True
     # lora.quantize=nf4 only (the trainer sizes it): from the second step on, the rollout decodes from dequantised
     # copies of as many NF4 linears as fit under the highest step peak seen so far (no dequantisation per token
-    # for them; the same numbers; the step's peak unchanged); freed when the rollout ends
-    nf4_cache: bool = False
+    # for them; the same numbers; the step's peak unchanged); freed when the rollout ends. auto: on exactly when
+    # lora.quantize=nf4; true: on (refused without nf4); false: off
+    nf4_cache: bool | Literal["auto"] = "auto"
 
     def __post_init__(self):
         if isinstance(self.stop_check_every, bool) or not isinstance(self.stop_check_every, int) \
                 or self.stop_check_every < 1:
             raise ValueError(f"stop_check_every must be an integer >= 1, got {self.stop_check_every!r}")
-        for name in ("cuda_graph", "compile", "nf4_cache"):
+        for name in ("cuda_graph", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not (isinstance(self.nf4_cache, bool) or self.nf4_cache == "auto"):
+            raise ValueError(f"nf4_cache must be true, false or auto, got {self.nf4_cache!r}")
+
+    def caches_nf4(self, quantize: str) -> bool:
+        """Whether rollouts hold dequantised copies of NF4 linears, for this `lora.quantize`."""
+        return self.nf4_cache is True or (self.nf4_cache == "auto" and quantize == "nf4")
 
 
 class GraphedStep:

@@ -57,7 +57,7 @@ def test_bad_keys_and_group_options_are_caught_before_hydra(override, expected):
      "lora.quantize=nf4 computes in model.dtype, which must be one of ['bfloat16', 'float32', 'float64']"),
     (["lora.rank=4", "rollout.native.nf4_cache=true"],
      "rollout.native.nf4_cache=true caches dequantised NF4 weights: needs lora.quantize=nf4, got lora.quantize=none"),
-    (["rollout.native.nf4_cache=maybe"], "rollout.native.nf4_cache='maybe' must be true or false"),
+    (["rollout.native.nf4_cache=maybe"], "rollout.native.nf4_cache='maybe' must be true or false or auto"),
 ])
 def test_bad_input_exits_2_with_one_line(train_here, tmp_path, args, expected):
     code, _, err = train_here([*args, f"run_dir={tmp_path / 'run'}"])

@@ -209,6 +209,16 @@ def test_plan_counts_the_bytes_torchao_stores(name, overrides, dtype):
     assert planned["weights"] < plan(cfg, **common)["weights"]
 
 
+def test_nf4_cache_is_on_by_default_for_qlora_only():
+    """rollout.native.nf4_cache=auto (the default) caches with lora.quantize=nf4 and only then; true and false
+    override it (true without nf4 is refused by the config: tests/e2e/test_cli.py)."""
+    assert NativeConfig().caches_nf4("nf4") and not NativeConfig().caches_nf4("none")
+    assert not NativeConfig(nf4_cache=False).caches_nf4("nf4")
+    assert NativeConfig(nf4_cache=True).caches_nf4("nf4")
+    with pytest.raises(ValueError, match="true, false or auto, got 'on'"):
+        NativeConfig(nf4_cache="on")
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_dense_copies_decode_the_same_and_put_the_nf4_weights_back(name):
     """rollout.native.nf4_cache's copies: a rollout with some or all NF4 linears held dequantised samples the
