@@ -318,7 +318,8 @@ def plan(model_name_or_cfg, *, cp: int = 1, prompt_tokens: int, group_size: int,
 
     num_attn = sum(t == "full_attention" for t in cfg.layer_types)
     # offload="cpu": the K/V pages in host memory; on the device the GDN states plus one attention layer's pages
-    # staged (capture: its window [0, block end)) and the next layer's in flight
+    # staged (capture: its window [0, block end); replay: the forward's layer, or the layer whose backward runs)
+    # and the next layer's in flight
     host = resident["kv_pages"] if offload == "cpu" else 0
     on_device = resident["total"] - host + (2 * resident["kv_pages"] // max(num_attn, 1) if host else 0)
 
@@ -341,11 +342,6 @@ def plan(model_name_or_cfg, *, cp: int = 1, prompt_tokens: int, group_size: int,
     graph = response_graph_bytes(cfg, R, dtype, kernels)
     largest_trainable = counts["largest_matrix"] * s if lora_rank == 0 else 0
     replay_transient = min(R, logprob_chunk) * V * LOGIT_BYTES_REPLAY + largest_trainable
-    if host:
-        # replay under autograd reads host pages through the reference attention: one block of pages moved, and
-        # its fp32 scores
-        replay_transient += _attention_scores(cfg, 1, R, pages, "reference") + 2 * pages * (
-            cfg.num_key_value_heads * cfg.head_dim * f)
     # foreach AdamW: one temporary (sqrt of the second moment) the size of the trainable set
     step_transient = trainable * m
 

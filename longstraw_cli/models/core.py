@@ -273,9 +273,9 @@ class CausalLM(nn.Module):
         start = resident.num_tokens
         positions_T = torch.arange(start, start + input_ids_BT.shape[1], device=input_ids_BT.device)
         x_BTC, carry = self.model.embed_tokens(input_ids_BT), None
-        stage = stage_layers(resident, self.lm_head.weight.device, grad=torch.is_grad_enabled())
-        for i, layer in enumerate(self.model.layers):
-            x_BTC, carry = layer.replay(x_BTC, positions_T, stage(i), carry)
+        with stage_layers(resident, self.lm_head.weight.device, grad=torch.is_grad_enabled()) as stage:
+            for i, layer in enumerate(self.model.layers):
+                x_BTC, carry = layer.replay(x_BTC, positions_T, stage(i), carry)
         return self.model.norm(x_BTC)
 
     def logprobs(self, resident: Resident, response_ids: torch.Tensor, grad: bool = False,
@@ -351,8 +351,8 @@ class CausalLM(nn.Module):
         position = resident.num_tokens + decode.step
         positions_T = torch.arange(position, position + 1, device=tokens_B.device)
         x_BTC, carry = self.model.embed_tokens(tokens_B[:, None]), None
-        stage = stage_layers(resident, self.lm_head.weight.device, grad=False)
-        for i, (layer, cache) in enumerate(zip(self.model.layers, decode.layers)):
-            x_BTC, carry = layer.decode_step(x_BTC, positions_T, stage(i), cache, carry)
+        with stage_layers(resident, self.lm_head.weight.device, grad=False) as stage:
+            for i, (layer, cache) in enumerate(zip(self.model.layers, decode.layers)):
+                x_BTC, carry = layer.decode_step(x_BTC, positions_T, stage(i), cache, carry)
         decode.step += 1
         return at_least_fp32(self.lm_head(self.model.norm(x_BTC))[:, 0])

@@ -18,7 +18,9 @@ block's [start, end) written there and copied back to the host) and `PageWriter`
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import weakref
 
 import torch
 
@@ -110,17 +112,57 @@ def side_stream(device, purpose: str = "pages") -> torch.cuda.Stream:
     return _side_streams[device, purpose]
 
 
+@contextlib.contextmanager
 def stage_layers(resident, device, grad: bool):
-    """layer index -> that layer's resident state on the compute device: the state itself, or staged copies of
-    its pages when offloaded (carried states are on the device already). Under autograd only glm52's index keys
-    are staged: the attention saves the pages it reads for backward, so it reads the host pages (gathering the
-    selected rows, or qwen36's K/V block by block) instead of keeping a device copy of every layer."""
+    """Context yielding layer index -> that layer's resident state on the compute device: the state itself, or
+    a device copy of its pages when offloaded (carried states are on the device already), staged one layer ahead
+    on the side stream. Under autograd (`grad`) the kernels save the pages they read for backward; inside this
+    context a saved staged copy is kept as its host pages instead (`_HostSaved`) and staged again when the
+    backward reads it, so no layer's device copy outlives its forward."""
     if resident.offload is None:
-        return lambda i: resident.layers[i]
+        yield resident.layers.__getitem__
+        return
     layers = resident.layers
-    if grad and not any(layer.INDEX_FIELDS for layer in layers if not layer.CARRIED):
-        return lambda i: layers[i]
-    return LayerStager(layers, device, wanted=lambda i: not layers[i].CARRIED, index_only=grad).get
+    stager = LayerStager(layers, device, wanted=lambda i: not layers[i].CARRIED)
+    if not grad:
+        yield stager.get
+        return
+    saved = _HostSaved()
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+        yield lambda i: saved.add(layers[i], stager.get(i))
+
+
+class _HostSaved:
+    """Saved-tensor hooks for a replay over staged pages: a tensor that autograd saves whose storage is a staged
+    copy's (the copy itself or a view of it: kernels save `pages[:n]` too) is packed as the host pages plus the
+    view's geometry, and unpacked by copying the host pages to the device again (the backward's stream, in
+    order). Other saved tensors are kept as they are."""
+
+    def __init__(self):
+        # the staged copy's storage address -> (a weak reference to the copy, its host pages)
+        self.staged: dict[int, tuple] = {}
+
+    def add(self, host_state, staged_state):
+        if staged_state is not host_state:
+            for host, copy in zip(host_state.tensors(), staged_state.tensors()):
+                self.staged[copy.untyped_storage().data_ptr()] = (weakref.ref(copy), host)
+        return staged_state
+
+    def pack(self, t: torch.Tensor):
+        entry = self.staged.get(t.untyped_storage().data_ptr())
+        if entry is None:
+            return t
+        copy = entry[0]()
+        if copy is None or copy.untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
+            return t
+        return entry[1], t.device, t.shape, t.stride(), t.storage_offset()
+
+    @staticmethod
+    def unpack(packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        host, device, shape, stride, offset = packed
+        return host.to(device, non_blocking=True, copy=True).as_strided(shape, stride, offset)
 
 
 def host_bytes(resident_bytes: dict[str, int]) -> int:
@@ -138,9 +180,10 @@ def rollout_pages(resident, device) -> list:
     """The layer states a native rollout reads: the resident's own when on the device; offloaded, device copies of
     as many paged layers as fit in the device's free memory with 10% to spare (first layers first; a CUDA device:
     rollout holds no gradients and no graph, so room freed by the offload is there), made once for the rollout,
-    and the other paged layers left in host memory, staged again at every decode step (`left_on_host`) since
-    qwen36's dense attention reads all of its K/V each token: their rate is the host link's. A CPU device has no
-    memory of its own beside the host's: every paged layer stays on the host (the staged path runs there)."""
+    and the other paged layers left in host memory (`left_on_host`), read from there at every decode step: qwen36
+    stages them whole (its dense attention reads all of its K/V each token), glm52 fetches the selected rows;
+    their rate is the host link's. A CPU device has no memory of its own beside the host's: every paged layer
+    stays on the host (the host paths run there)."""
     if resident.offload is None:
         return resident.layers
     free = device_free_bytes(device)
@@ -155,8 +198,8 @@ def rollout_pages(resident, device) -> list:
         layers.append(layer.to(device))
         room -= nbytes
         copied += nbytes
-    log.info("rollout over offloaded pages: %.2f GiB copied to the device for the rollout, %.2f GiB staged from "
-             "the host at every decode step%s", copied / 2**30, left / 2**30,
+    log.info("rollout over offloaded pages: %.2f GiB copied to the device for the rollout, %.2f GiB left in host "
+             "memory and read from there at every decode step%s", copied / 2**30, left / 2**30,
              " (eager, no CUDA graph)" if left else "")
     return layers
 

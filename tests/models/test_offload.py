@@ -5,6 +5,8 @@ and the host are the same memory, so the host path runs with plain copies: equal
 block windows and write-backs put every value where the on-device path has it. The CUDA comparison at a long
 prompt is tests/models/test_gpu_offload.py."""
 
+import weakref
+
 import pytest
 import torch
 
@@ -71,6 +73,32 @@ def test_offloaded_replay_gradients_are_bit_identical(name, lora):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
+def test_replay_keeps_no_staged_copy_for_its_backward(name, monkeypatch):
+    """Under autograd each layer's pages are staged whole for the forward (the fast kernels read them on the
+    device), but what the graph saves for backward is the host pages: after the forward no staged copy is alive,
+    and the backward stages again (the gradients are those of the on-device state: the test above)."""
+    model = random_model(name)
+    host = model.capture(ids(60, 6), block_size=16, offload="cpu")
+    staged, restaged = [], []
+    stage = offload_mod.LayerStager._issue
+
+    def issue(self, i):
+        stage(self, i)
+        staged.extend(weakref.ref(t) for t in self.pending[i][0].tensors() if t.dtype.is_floating_point)
+
+    unpack = offload_mod._HostSaved.unpack
+    monkeypatch.setattr(offload_mod.LayerStager, "_issue", issue)
+    monkeypatch.setattr(offload_mod._HostSaved, "unpack",
+                        staticmethod(lambda packed: restaged.append(type(packed)) or unpack(packed)))
+    logp = model.logprobs(host, ids(9, 7), grad=True)
+    paged = sum(not layer.CARRIED for layer in host.layers)
+    assert paged and len(staged) >= paged
+    assert all(ref() is None for ref in staged), "a staged copy outlived the forward"
+    logp.sum().backward()
+    assert tuple in restaged, "the backward did not stage host pages again"
+
+
+@pytest.mark.parametrize("name", FAMILIES)
 @pytest.mark.parametrize("placement", ["staged", "part copied", "device copy"])
 def test_offloaded_rollout_is_bit_identical(name, placement, monkeypatch):
     """Greedy and sampled rollouts (tokens and log-probs) from offloaded pages equal those from device pages.
@@ -91,30 +119,37 @@ def test_offloaded_rollout_is_bit_identical(name, placement, monkeypatch):
             assert torch.equal(a, b)
 
 
-def test_qwen36_decode_placement(monkeypatch):
-    """Offloaded qwen36 decode: the attention layers' pages that fit in the device's free memory (10% spare) are
-    copied once, first layers first; the others are staged at every step. All copied: CUDA-graph safe; any staged:
-    eager. GDN states are never offloaded: they stay the device's."""
+@pytest.mark.parametrize("name", FAMILIES)
+def test_decode_placement(name, monkeypatch):
+    """Offloaded decode, both families: the paged layers that fit in the device's free memory (10% spare) are
+    copied once, first layers first; the others stay in host memory (qwen36 stages them per step, glm52 reads
+    their selected rows). All copied: CUDA-graph safe; any left on the host: eager. qwen36's GDN states are never
+    offloaded: they stay the device's."""
+    from longstraw_cli.models.glm52.decode import Glm52Decoder
     from longstraw_cli.models.qwen36.decode import Qwen36Decoder
 
-    model = random_model("qwen36_tiny")
+    Decoder = Qwen36Decoder if name.startswith("qwen36") else Glm52Decoder
+    model = random_model(name)
     host = model.capture(ids(40, 1), block_size=16, offload="cpu")
     paged = [not state.CARRIED for state in host.layers]
-    staged = Qwen36Decoder(model, host, 2, 4)
+    staged = Decoder(model, host, 2, 4)
     assert staged.on_host == paged and not staged.graph_safe
     need = host_bytes(host.nbytes())
-    assert need == host.nbytes()["kv_pages"] and need < host.nbytes()["total"]
-    one = need // sum(paged)
-    # room for one attention layer's pages (of two): the first is copied, the second staged
-    monkeypatch.setattr(offload_mod, "device_free_bytes", lambda device: int(one * 1.1) + 1)
-    partly = Qwen36Decoder(model, host, 2, 4)
+    if Decoder is Qwen36Decoder:
+        assert need == host.nbytes()["kv_pages"] and need < host.nbytes()["total"]
+    sizes = [sum(t.nbytes for t in state.tensors()) if p else 0 for state, p in zip(host.layers, paged)]
     first = paged.index(True)
+    # room for the first paged layer alone: it is copied, the rest not
+    monkeypatch.setattr(offload_mod, "device_free_bytes", lambda device: int(sizes[first] * 1.1) + 1)
+    partly = Decoder(model, host, 2, 4)
     assert partly.on_host == [p and i != first for i, p in enumerate(paged)] and not partly.graph_safe
     assert partly.pages[first] is not host.layers[first]
-    monkeypatch.setattr(offload_mod, "device_free_bytes", lambda device: int(need * 1.05))
-    assert sum(Qwen36Decoder(model, host, 2, 4).on_host) == 1
+    # room for all but the last paged layer
+    last = len(paged) - 1 - paged[::-1].index(True)
+    monkeypatch.setattr(offload_mod, "device_free_bytes", lambda device: int((need - sizes[last]) * 1.1) + 1)
+    assert Decoder(model, host, 2, 4).on_host == [i == last for i in range(len(paged))]
     monkeypatch.setattr(offload_mod, "device_free_bytes", lambda device: int(need * 1.2))
-    copied = Qwen36Decoder(model, host, 2, 4)
+    copied = Decoder(model, host, 2, 4)
     assert copied.graph_safe and not any(copied.on_host)
     for state, pages in zip(host.layers, copied.pages):
         if state.CARRIED:

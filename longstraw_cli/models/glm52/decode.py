@@ -10,10 +10,12 @@ densely over all experts with the routing weights (zero where not chosen): at de
 expert is chosen by some response, so this reads each expert's weights once, with static shapes.
 
 A step is CUDA-graph safe when the pages are on the device and the experts are local (`graph_safe`); with
-offloaded pages or expert parallelism (whose all-to-all sizes depend on the routing) it runs eagerly. Offloaded,
-decode does not move whole layers per token: the index keys (every token scores all of them: 128 values a token
-on each "full" layer) go to the device once per rollout, and of the latent and rope pages only the rows the top-k
-selects cross per token (B x index_topk x 576 values a layer, whatever the prompt's length).
+pages left in host memory or expert parallelism (whose all-to-all sizes depend on the routing) it runs eagerly.
+Offloaded pages: the layers that fit in the device's free memory are copied there once for the rollout (as
+qwen36's, `resident.offload.rollout_pages`); the others do not move whole per token: their index keys (every
+token scores all of them: 128 values a token on each "full" layer) go to the device once per rollout, and of the
+latent and rope pages only the rows the top-k selects cross per token (B x index_topk x 576 values a layer,
+whatever the prompt's length).
 
 Legend: B responses, S response capacity, P prompt pages, C hidden, L latent, R rope dim, I index head dim,
 K selected keys (index_topk), E experts, N tokens (B), X = 2 * moe_intermediate, V vocab.
@@ -28,6 +30,7 @@ from longstraw_cli.models.core import StaticDecoder
 from longstraw_cli.models.glm52.experts import dense_experts, local_experts
 from longstraw_cli.models.glm52.model import KeyAxis, rope_cos_sin
 from longstraw_cli.resident import Resident
+from longstraw_cli.resident.offload import left_on_host, rollout_pages
 from longstraw_kernels.dsa.topk import topk_lowest_position_static
 
 
@@ -49,12 +52,14 @@ class Glm52Decoder(StaticDecoder):
         dtype = resident.layers[0].latent_PL.dtype if resident.layers else model.lm_head.weight.dtype
         self.layers = [ResponseMLA(batch, capacity, model.config, layer.self_attn.full_indexer, dtype, self.device)
                        for layer in model.model.layers]
-        # offloaded pages: the index keys that every token scores in full move to the device once, for the whole
-        # rollout; the latent and rope pages stay on the host and sparse attention fetches only the selected rows
-        self.pages = (resident.layers if resident.offload is None
-                      else [pages.to(self.device, index_only=True) for pages in resident.layers])
+        # offloaded pages: whole layers copied to the device for the rollout where its free memory holds them
+        # (`rollout_pages`, as qwen36); of the others the index keys, which every token scores in full, move to the
+        # device once, and the latent and rope pages stay on the host: sparse attention fetches the selected rows
+        pages = rollout_pages(resident, self.device)
+        self.on_host = left_on_host(resident, pages)
+        self.pages = [p.to(self.device, index_only=True) if on_host else p for p, on_host in zip(pages, self.on_host)]
         moe_fns = [layer.mlp.experts_fn for layer in model.model.layers if hasattr(layer.mlp, "experts_fn")]
-        self.graph_safe = resident.offload is None and all(fn is local_experts for fn in moe_fns)
+        self.graph_safe = not any(self.on_host) and all(fn is local_experts for fn in moe_fns)
         # torch 2.11's inductor fails to compile this step (a TypeError in its Triton codegen, seen on an H200)
         self.compile_safe = False
 
