@@ -168,3 +168,28 @@ def test_offload_refusals():
     device = model.capture(ids(40, 2), block_size=16, tail=True)
     host = model.capture(ids(40, 2), block_size=16, offload="cpu", tail=True)
     assert all(torch.equal(a, b) for a, b in zip(device.tensors(), host.tensors()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_glm52_selected_rows_give_the_same_attention(dtype):
+    """glm52 decode over pages left in host memory moves only the selected rows, each once, and renumbers the
+    selection into them: the sparse attention reads the same keys in the same order, so the result is bit for
+    bit the one over all pages (duplicates across rows, -1 entries, rows with nothing selected)."""
+    from longstraw_cli.models.glm52.model import selected_rows
+    from longstraw_kernels.mla import sparse_mla_attention
+
+    g = torch.Generator().manual_seed(0)
+    P, L, R, B, T, H, K = 300, 16, 8, 2, 3, 4, 24
+    latent_PL, rope_PR = (torch.randn(P, n, generator=g).to(dtype) for n in (L, R))
+    q_BTHA = torch.randn(B, T, H, L + R, generator=g).to(dtype)
+    idx_BTK = torch.randint(0, 60, (B, T, K), generator=g) * 5   # many repeats, within [0, P)
+    idx_BTK[0, 1, ::3] = -1
+    idx_BTK[1, 2] = -1
+    latent_UL, rope_UR, idx_UTK = selected_rows(latent_PL, rope_PR, idx_BTK, torch.device("cpu"))
+    assert latent_UL.shape[0] == torch.unique(idx_BTK.clamp(min=0)).numel() < P
+    assert torch.equal(idx_UTK < 0, idx_BTK < 0)
+    assert torch.equal(latent_UL[idx_UTK.clamp(min=0)], latent_PL[idx_BTK.clamp(min=0)])
+    full = sparse_mla_attention(q_BTHA, latent_PL, rope_PR, idx_BTK, scale=0.3)
+    compact = sparse_mla_attention(q_BTHA, latent_UL, rope_UR, idx_UTK, scale=0.3)
+    for a, b in zip(full, compact):
+        assert torch.equal(a, b)
