@@ -127,9 +127,17 @@ def stage_layers(resident, device, grad: bool):
     if not grad:
         yield stager.get
         return
-    saved = _HostSaved()
+    saved = _HostSaved(_outer_hooks())
     with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
         yield lambda i: saved.add(layers[i], stager.get(i))
+
+
+def _outer_hooks():
+    """The saved-tensor hooks active now (e.g. the transaction's GraphMemory meter), or None. Only the innermost
+    hooks see a saved tensor, so `_HostSaved` hands every tensor it does not replace on to these. (A private torch
+    function, the one torch.utils.checkpoint uses; without it the outer hooks miss what the layers save.)"""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(False) if top is not None else None
 
 
 class _HostSaved:
@@ -138,9 +146,11 @@ class _HostSaved:
     view's geometry, and unpacked by copying the host pages to the device again (the backward's stream, in
     order). Other saved tensors are kept as they are."""
 
-    def __init__(self):
+    def __init__(self, outer=None):
         # the staged copy's storage address -> (a weak reference to the copy, its host pages)
         self.staged: dict[int, tuple] = {}
+        # the hooks this one shadows: every other saved tensor goes through them
+        self.outer = outer
 
     def add(self, host_state, staged_state):
         if staged_state is not host_state:
@@ -149,19 +159,18 @@ class _HostSaved:
         return staged_state
 
     def pack(self, t: torch.Tensor):
-        entry = self.staged.get(t.untyped_storage().data_ptr())
-        if entry is None:
-            return t
-        copy = entry[0]()
+        # staged pages are plain tensors (parameters and NF4 weights, which have no storage of their own, are not)
+        entry = self.staged.get(t.untyped_storage().data_ptr()) if type(t) is torch.Tensor else None
+        copy = None if entry is None else entry[0]()
         if copy is None or copy.untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
-            return t
-        return entry[1], t.device, t.shape, t.stride(), t.storage_offset()
+            return False, t if self.outer is None else self.outer[0](t)
+        return True, (entry[1], t.device, t.shape, t.stride(), t.storage_offset())
 
-    @staticmethod
-    def unpack(packed):
-        if isinstance(packed, torch.Tensor):
-            return packed
-        host, device, shape, stride, offset = packed
+    def unpack(self, packed):
+        staged, value = packed
+        if not staged:
+            return value if self.outer is None else self.outer[1](value)
+        host, device, shape, stride, offset = value
         return host.to(device, non_blocking=True, copy=True).as_strided(shape, stride, offset)
 
 

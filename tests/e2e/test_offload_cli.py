@@ -11,8 +11,9 @@ from conftest import rows
 E2E = Path(__file__).parent
 SMALL = ["prompt_tokens=48", "response_tokens=4", "group_size=3", "logger.backends=[jsonl]", "steps=2",
          "capture.block_size=16", "task.reward=rewards_for_tests:char_sum"]
+# mem/graph_peak too: the replay's saved-tensor accounting sees the same graph (staged pages are not part of it)
 DETERMINISTIC = ("step", "reward_mean", "reward_std", "loss", "pg_loss", "grad_norm", "entropy", "num_tokens",
-                 "mem/resident")
+                 "mem/resident", "mem/graph_peak")
 
 
 @pytest.fixture
