@@ -144,7 +144,7 @@ class _HostSaved:
     """Saved-tensor hooks for a replay over staged pages: a tensor that autograd saves whose storage is a staged
     copy's (the copy itself or a view of it: kernels save `pages[:n]` too) is packed as the host pages plus the
     view's geometry, and unpacked by copying the host pages to the device again (the backward's stream, in
-    order). Other saved tensors are kept as they are."""
+    order). Other saved tensors go to the hooks this one shadows (`outer`), or are kept as they are."""
 
     def __init__(self, outer=None):
         # the staged copy's storage address -> (a weak reference to the copy, its host pages)

@@ -9,8 +9,9 @@ kernels (its backward stages them again), so it should match up to those kernels
 the bounds below are the looser ones of its earlier form (the reference kernels over host pages), which it
 passed on an H200 before the change. qwen36's decode over staged or device-copied pages runs the same kernels:
 greedy tokens identical. glm52's decode over device-copied layers runs the same kernels; over layers left on the
-host ("staged" below: no free memory) it gathers the selected latent rows there (the reference): its greedy
-tokens are compared on the first tokens and its log-probs to bf16 closeness."""
+host ("staged" below: no free memory) it moves the distinct selected rows for the same kernel (equal to the
+attention over all pages on CPU); its greedy tokens are still compared on the first tokens only and its log-probs
+to bf16 closeness, the bounds of its earlier form (the reference kernel over host rows)."""
 
 import copy
 
