@@ -1,6 +1,8 @@
 """sparse_mla_attention for any device: the Triton kernels (triton_sparse.py) when q and the pages are on one
 CUDA device in one dtype among bf16 / fp16 / fp32 and Triton imports, the torch reference everywhere else (CPU,
-pages offloaded to CPU, fp64, mixed dtypes). Same signature, same saved-tensor contract.
+fp64, mixed dtypes). Same signature, same saved-tensor contract. Pages in host memory (an offloaded rollout) with
+q on a GPU: the distinct selected rows move to q's device first (`selected_rows`), then the same choice; pages
+that need a gradient there take the reference, which gathers per chunk.
 
 LONGSTRAW_MLA_KERNEL = auto (default) | torch: torch forces the reference (A/B benchmarks, or a fallback should
 the kernel misbehave). Under auto the backward is the Triton dq when no page needs a gradient, the torch
@@ -34,6 +36,28 @@ def use_triton(q_BTHA, latent_PL, rope_PR, idx_BTK) -> bool:
 def sparse_mla_attention(q_BTHA, latent_PL, rope_PR, idx_BTK, *, scale):
     """-> (out_BTHL in q's dtype, lse_BTH); see `reference.sparse_mla_attention`."""
     reference.check_shapes(q_BTHA, latent_PL, rope_PR, idx_BTK)
+    if latent_PL.device != q_BTHA.device and not (latent_PL.requires_grad or rope_PR.requires_grad):
+        # pages in host memory (an offloaded rollout): only the selected rows cross, each once
+        latent_PL, rope_PR, idx_BTK = selected_rows(latent_PL, rope_PR, idx_BTK, q_BTHA.device)
     if use_triton(q_BTHA, latent_PL, rope_PR, idx_BTK):
         return triton_module().TritonSparseMLA.apply(q_BTHA, latent_PL, rope_PR, idx_BTK, scale)
     return reference._SparseMLA.apply(q_BTHA, latent_PL, rope_PR, idx_BTK, scale)
+
+
+def selected_rows(latent_PL, rope_PR, idx_BTK, device):
+    """The page rows that `idx_BTK` selects, each once, on `device`, and idx renumbered into them (-1 kept, as it
+    is skipped). The attention then reads the same keys in the same order: the same result, bit for bit. The rows
+    are gathered where the pages are (into pinned memory when CUDA is there) and copied asynchronously; the set of
+    rows is the one host synchronisation. -> (latent_UL, rope_UR, idx_BTK on them)."""
+    # sorted and never empty: -1 entries read as row 0 here and stay -1 below
+    rows_U = torch.unique(idx_BTK.clamp(min=0))
+    host_rows_U = rows_U.to(latent_PL.device)
+    pinned = torch.cuda.is_available() and latent_PL.device.type == "cpu"
+    moved = []
+    for pages_PX in (latent_PL, rope_PR):
+        rows_UX = torch.empty((rows_U.numel(), pages_PX.shape[1]), dtype=pages_PX.dtype, device=pages_PX.device,
+                              pin_memory=pinned)
+        torch.index_select(pages_PX, 0, host_rows_U, out=rows_UX)
+        moved.append(rows_UX.to(device, non_blocking=True))
+    idx_BTK = torch.searchsorted(rows_U, idx_BTK.clamp(min=0)).masked_fill(idx_BTK < 0, -1)
+    return moved[0], moved[1], idx_BTK

@@ -191,10 +191,11 @@ def test_offload_refusals():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_glm52_selected_rows_give_the_same_attention(dtype):
     """glm52 decode over pages left in host memory moves only the selected rows, each once, and renumbers the
-    selection into them: the sparse attention reads the same keys in the same order, so the result is bit for
-    bit the one over all pages (duplicates across rows, -1 entries, rows with nothing selected)."""
-    from longstraw_cli.models.glm52.model import selected_rows
+    selection into them (the MLA dispatch does this when the pages are on another device than q): the sparse
+    attention reads the same keys in the same order, so the result is bit for bit the one over all pages
+    (duplicates across rows, -1 entries, rows with nothing selected)."""
     from longstraw_kernels.mla import sparse_mla_attention
+    from longstraw_kernels.mla.dispatch import selected_rows
 
     g = torch.Generator().manual_seed(0)
     P, L, R, B, T, H, K = 300, 16, 8, 2, 3, 4, 24

@@ -226,30 +226,8 @@ def local_pages_attention(q_BTHA, pages: MLAPages, idx_BTK, first: int, num_page
     """`pages_attention_fn` on one device: absorbed attention over the selected pages of [0, num_pages), which
     `pages` hold from position 0 on. -> (out_BTHL, lse_BTH)."""
     idx_pages = idx_BTK.masked_fill(idx_BTK >= num_pages, -1)
-    latent_PL, rope_PR = pages.latent_PL[:num_pages], pages.rope_PR[:num_pages]
-    if latent_PL.device != q_BTHA.device:
-        # pages left in host memory (an offloaded rollout): only the selected rows cross, each once
-        latent_PL, rope_PR, idx_pages = selected_rows(latent_PL, rope_PR, idx_pages, q_BTHA.device)
-    return sparse_attention_fn(q_BTHA, latent_PL, rope_PR, idx_pages, scale=scale)
-
-
-def selected_rows(latent_PL, rope_PR, idx_BTK, device):
-    """The page rows that `idx_BTK` selects, each once, on `device`, and idx renumbered into them (-1 kept, as it
-    is skipped). The sparse attention then reads the same keys in the same order: the same result, bit for bit.
-    The rows are gathered where the pages are (into pinned memory when CUDA is there) and copied asynchronously;
-    the set of rows is the one host synchronisation. -> (latent_UL, rope_UR, idx_BTK on them)."""
-    # sorted and never empty: -1 entries read as row 0 here and stay -1 below
-    rows_U = torch.unique(idx_BTK.clamp(min=0))
-    host_rows_U = rows_U.to(latent_PL.device)
-    pinned = torch.cuda.is_available() and latent_PL.device.type == "cpu"
-    moved = []
-    for pages_PX in (latent_PL, rope_PR):
-        rows_UX = torch.empty((rows_U.numel(), pages_PX.shape[1]), dtype=pages_PX.dtype, device=pages_PX.device,
-                              pin_memory=pinned)
-        torch.index_select(pages_PX, 0, host_rows_U, out=rows_UX)
-        moved.append(rows_UX.to(device, non_blocking=True))
-    idx_BTK = torch.searchsorted(rows_U, idx_BTK.clamp(min=0)).masked_fill(idx_BTK < 0, -1)
-    return moved[0], moved[1], idx_BTK
+    return sparse_attention_fn(q_BTHA, pages.latent_PL[:num_pages], pages.rope_PR[:num_pages], idx_pages,
+                               scale=scale)
 
 
 class MLAttention(nn.Module):
