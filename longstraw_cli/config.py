@@ -301,6 +301,9 @@ def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
     native_node = rollout_node.pop("native", None)
     native = _build(NativeConfig, native_node, "rollout.native") if native_node is not None else NativeConfig()
     sampling = _build(SamplingConfig, rollout_node, "rollout", max_new_tokens=d["response_tokens"])
+    if native.offload_copy_gib != "auto" and transaction.offload == "none":
+        raise ConfigError(f"rollout.native.offload_copy_gib={native.offload_copy_gib} caps the copies of offloaded "
+                          f"pages: needs capture.offload=cpu, got capture.offload=none")
     if native.nf4_cache is True and lora.quantize != "nf4":
         raise ConfigError(f"rollout.native.nf4_cache=true caches dequantised NF4 weights: needs lora.quantize=nf4, "
                           f"got lora.quantize={lora.quantize}")

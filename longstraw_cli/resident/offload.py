@@ -185,9 +185,10 @@ def host_available_bytes() -> int | None:
     return proc_bytes("/proc/meminfo", "MemAvailable")
 
 
-def rollout_pages(resident, device) -> list:
+def rollout_pages(resident, device, budget: int | None = None) -> list:
     """The layer states a native rollout reads: the resident's own when on the device; offloaded, device copies of
-    as many paged layers as fit in the device's free memory with 10% to spare (first layers first; a CUDA device:
+    as many paged layers as fit in the device's free memory with 10% to spare and in `budget` bytes if given
+    (rollout.native.offload_copy_gib; first layers first; a CUDA device:
     rollout holds no gradients and no graph, so room freed by the offload is there), made once for the rollout,
     and the other paged layers left in host memory (`left_on_host`), read from there at every decode step: qwen36
     stages them whole (its dense attention reads all of its K/V each token), glm52 fetches the selected rows;
@@ -197,6 +198,8 @@ def rollout_pages(resident, device) -> list:
         return resident.layers
     free = device_free_bytes(device)
     room = 0 if free is None else int(free / 1.1)
+    if budget is not None:
+        room = min(room, budget)
     layers, copied, left = [], 0, 0
     for layer in resident.layers:
         nbytes = 0 if layer.CARRIED else sum(t.nbytes for t in layer.tensors())

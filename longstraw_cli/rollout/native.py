@@ -80,6 +80,11 @@ class NativeConfig:
     # for them; the same numbers; the step's peak unchanged); freed when the rollout ends. auto: on exactly when
     # lora.quantize=nf4; true: on (refused without nf4); false: off
     nf4_cache: bool | Literal["auto"] = "auto"
+    # capture.offload=cpu only: GiB of the offloaded pages the rollout may copy to the device (whole layers, first
+    # layers first) for its duration. auto: as many as the device's free memory holds with 10% to spare (decode as
+    # fast as on-device; the rollout's peak rises by the copies); a number caps the copies (0: every paged layer
+    # stays in host memory and is read from there at every decode step; the rollout stays under the offload bound)
+    offload_copy_gib: float | Literal["auto"] = "auto"
 
     def __post_init__(self):
         if isinstance(self.stop_check_every, bool) or not isinstance(self.stop_check_every, int) \
@@ -90,6 +95,13 @@ class NativeConfig:
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not (isinstance(self.nf4_cache, bool) or self.nf4_cache == "auto"):
             raise ValueError(f"nf4_cache must be true, false or auto, got {self.nf4_cache!r}")
+        copy = self.offload_copy_gib
+        if copy != "auto" and (isinstance(copy, bool) or not isinstance(copy, (int, float)) or not copy >= 0):
+            raise ValueError(f"offload_copy_gib must be auto or a number of GiB >= 0, got {copy!r}")
+
+    def page_budget(self) -> int | None:
+        """Bytes of offloaded pages a rollout may copy to the device; None: as many as its free memory holds."""
+        return None if self.offload_copy_gib == "auto" else int(self.offload_copy_gib * 2**30)
 
     def caches_nf4(self, quantize: str) -> bool:
         """Whether rollouts hold dequantised copies of NF4 linears, for this `lora.quantize`."""
@@ -137,7 +149,7 @@ def generate(model, resident, num_responses: int, cfg: SamplingConfig, generator
     """Sample `num_responses` continuations of the captured prompt; each ends at its first stop token
     (included, it is a trained token) or at max_new_tokens. No host synchronisation per token: sampled tokens
     go straight back into the decoder's input buffer; stops are looked at every `stop_check_every` tokens."""
-    decoder = model.decoder(resident, num_responses, cfg.max_new_tokens)
+    decoder = model.decoder(resident, num_responses, cfg.max_new_tokens, page_budget=native.page_budget())
     device = decoder.device
     use_graph = native.cuda_graph and device.type == "cuda" and decoder.graph_safe
     compile = use_graph and native.compile and decoder.compile_safe
@@ -156,7 +168,7 @@ def generate(model, resident, num_responses: int, cfg: SamplingConfig, generator
         log.warning("torch.compile failed on the decode step (%s); decoding without it",
                     str(exc).splitlines()[0][:200])
         # a failure part-way may have written some layers' state: start again from a fresh decoder
-        decoder = model.decoder(resident, num_responses, cfg.max_new_tokens)
+        decoder = model.decoder(resident, num_responses, cfg.max_new_tokens, page_budget=native.page_budget())
         step_fn = GraphedStep(decoder, compile=False)
         first_BV = step_fn()
     steps = R

@@ -58,6 +58,10 @@ def test_bad_keys_and_group_options_are_caught_before_hydra(override, expected):
     (["lora.rank=4", "rollout.native.nf4_cache=true"],
      "rollout.native.nf4_cache=true caches dequantised NF4 weights: needs lora.quantize=nf4, got lora.quantize=none"),
     (["rollout.native.nf4_cache=maybe"], "rollout.native.nf4_cache='maybe' must be true or false or auto"),
+    (["rollout.native.offload_copy_gib=0"],
+     "rollout.native.offload_copy_gib=0 caps the copies of offloaded pages: needs capture.offload=cpu"),
+    (["capture.offload=cpu", "rollout.native.offload_copy_gib=-1"],
+     "offload_copy_gib must be auto or a number of GiB >= 0, got -1"),
 ])
 def test_bad_input_exits_2_with_one_line(train_here, tmp_path, args, expected):
     code, _, err = train_here([*args, f"run_dir={tmp_path / 'run'}"])

@@ -14,7 +14,7 @@ from conftest import grads, ids, random_lora_, random_model
 from longstraw_cli.models.spec import family_of
 from longstraw_cli.resident import offload as offload_mod
 from longstraw_cli.resident.offload import host_bytes
-from longstraw_cli.rollout.native import SamplingConfig, generate
+from longstraw_cli.rollout.native import NativeConfig, SamplingConfig, generate
 
 FAMILIES = ("qwen36_tiny", "glm52_tiny")
 
@@ -117,24 +117,29 @@ def test_replay_keeps_no_staged_copy_for_its_backward(name, monkeypatch):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-@pytest.mark.parametrize("placement", ["staged", "part copied", "device copy"])
-def test_offloaded_rollout_is_bit_identical(name, placement, monkeypatch):
+@pytest.mark.parametrize("placement", ["staged", "part copied", "device copy", "capped at 0"])
+def test_offloaded_rollout_is_bit_identical(name, placement, monkeypatch, caplog):
     """Greedy and sampled rollouts (tokens and log-probs) from offloaded pages equal those from device pages.
     qwen36: "staged" moves every attention layer's pages per token (a CPU device has no memory of its own, so this
     is what runs on CPU); "device copy" is what a GPU with room does, "part copied" one with room for one layer's
-    pages (forced here by reporting free memory)."""
+    pages (forced here by reporting free memory), "capped at 0" one with room where
+    rollout.native.offload_copy_gib=0 keeps every page on the host."""
     model = random_model(name)
     device, host = captures(model, ids(60, 9), 16)
+    native = NativeConfig(offload_copy_gib=0) if placement == "capped at 0" else NativeConfig()
     if placement != "staged":
         one = max(sum(t.nbytes for t in state.tensors()) for state in host.layers if not state.CARRIED)
-        free = 1 << 40 if placement == "device copy" else int(one * 1.1) + 1
+        free = int(one * 1.1) + 1 if placement == "part copied" else 1 << 40
         monkeypatch.setattr(offload_mod, "device_free_bytes", lambda device: free)
     for sampling, seed in ((SamplingConfig(temperature=0, max_new_tokens=12), None),
                            (SamplingConfig(temperature=1.0, max_new_tokens=12), 3)):
-        runs = [generate(model, r, 3, sampling, None if seed is None else torch.Generator().manual_seed(seed))
-                for r in (device, host)]
+        with caplog.at_level("INFO", logger=offload_mod.log.name):
+            runs = [generate(model, r, 3, sampling, None if seed is None else torch.Generator().manual_seed(seed),
+                             native=native) for r in (device, host)]
         for a, b in zip(runs[0].responses + runs[0].logprobs, runs[1].responses + runs[1].logprobs):
             assert torch.equal(a, b)
+    copied = {"staged": "0.00 GiB copied", "capped at 0": "0.00 GiB copied"}.get(placement)
+    assert copied is None or copied in caplog.text
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -169,6 +174,11 @@ def test_decode_placement(name, monkeypatch):
     monkeypatch.setattr(offload_mod, "device_free_bytes", lambda device: int(need * 1.2))
     copied = Decoder(model, host, 2, 4)
     assert copied.graph_safe and not any(copied.on_host)
+    # rollout.native.offload_copy_gib caps the copies below the free memory: the first layer's bytes, or none
+    # (layers that do not fit are skipped, later smaller ones still copied: below the smallest, none is)
+    assert Decoder(model, host, 2, 4, page_budget=sizes[first]).on_host == partly.on_host
+    assert Decoder(model, host, 2, 4, page_budget=min(n for n in sizes if n) - 1).on_host == paged
+    assert Decoder(model, host, 2, 4, page_budget=0).on_host == paged
     for state, pages in zip(host.layers, copied.pages):
         if state.CARRIED:
             assert pages is state

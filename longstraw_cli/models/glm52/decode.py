@@ -47,7 +47,7 @@ class ResponseMLA:
 class Glm52Decoder(StaticDecoder):
     """`step()` feeds `tokens_B` at position num_tokens + step and returns next-token logits [B, V] (fp32+)."""
 
-    def __init__(self, model, resident: Resident, batch: int, capacity: int):
+    def __init__(self, model, resident: Resident, batch: int, capacity: int, page_budget: int | None = None):
         super().__init__(model, resident, batch, capacity)
         dtype = resident.layers[0].latent_PL.dtype if resident.layers else model.lm_head.weight.dtype
         self.layers = [ResponseMLA(batch, capacity, model.config, layer.self_attn.full_indexer, dtype, self.device)
@@ -55,7 +55,7 @@ class Glm52Decoder(StaticDecoder):
         # offloaded pages: whole layers copied to the device for the rollout where its free memory holds them
         # (`rollout_pages`, as qwen36); of the others the index keys, which every token scores in full, move to the
         # device once, and the latent and rope pages stay on the host: sparse attention fetches the selected rows
-        pages = rollout_pages(resident, self.device)
+        pages = rollout_pages(resident, self.device, page_budget)
         self.on_host = left_on_host(resident, pages)
         self.pages = [p.to(self.device, index_only=True) if on_host else p for p, on_host in zip(pages, self.on_host)]
         moe_fns = [layer.mlp.experts_fn for layer in model.model.layers if hasattr(layer.mlp, "experts_fn")]

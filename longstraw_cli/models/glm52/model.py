@@ -641,12 +641,13 @@ class Glm52ForCausalLM(CausalLM):
                                     offload=offload, **kwargs)
 
     # -- native rollout ---------------------------------------------------------------------------------------
-    def decoder(self, resident: Resident, batch: int, capacity: int):
+    def decoder(self, resident: Resident, batch: int, capacity: int, page_budget: int | None = None):
         """The static-shaped decode of `batch` responses of up to `capacity` tokens (glm52/decode.py, which
-        builds on this module: imported here, not at the top)."""
+        builds on this module: imported here, not at the top); with offloaded pages, at most `page_budget` bytes
+        of whole layers copied to the device (None: what fits)."""
         from longstraw_cli.models.glm52.decode import Glm52Decoder
 
-        return Glm52Decoder(self, resident, batch, capacity)
+        return Glm52Decoder(self, resident, batch, capacity, page_budget)
 
     @torch.no_grad()
     def start_decode(self, resident: Resident, batch: int, max_new_tokens: int) -> DecodeState:

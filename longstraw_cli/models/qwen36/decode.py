@@ -52,11 +52,11 @@ class ResponseRecurrent:
 class Qwen36Decoder(StaticDecoder):
     """`step()` feeds `tokens_B` at position num_tokens + step and returns next-token logits [B, V] (fp32+)."""
 
-    def __init__(self, model, resident: Resident, batch: int, capacity: int):
+    def __init__(self, model, resident: Resident, batch: int, capacity: int, page_budget: int | None = None):
         super().__init__(model, resident, batch, capacity)
         cfg = model.config
         # offloaded pages: device copies of the layers that fit, made for the whole rollout; the rest staged per step
-        self.pages = rollout_pages(resident, self.device)
+        self.pages = rollout_pages(resident, self.device, page_budget)
         self.on_host = left_on_host(resident, self.pages)
         # no host synchronisation and static shapes: a CUDA graph may replay step(); not while it stages pages
         self.graph_safe = not any(self.on_host)

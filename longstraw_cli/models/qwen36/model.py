@@ -394,9 +394,10 @@ class Qwen36ForCausalLM(CausalLM):
         return out
 
     # -- native rollout ---------------------------------------------------------------------------------------
-    def decoder(self, resident: Resident, batch: int, capacity: int):
-        """The static-shaped decode of `batch` responses of up to `capacity` tokens (qwen36/decode.py)."""
-        return Qwen36Decoder(self, resident, batch, capacity)
+    def decoder(self, resident: Resident, batch: int, capacity: int, page_budget: int | None = None):
+        """The static-shaped decode of `batch` responses of up to `capacity` tokens (qwen36/decode.py); with
+        offloaded pages, at most `page_budget` bytes of them copied to the device (None: what fits)."""
+        return Qwen36Decoder(self, resident, batch, capacity, page_budget)
 
     @torch.no_grad()
     def start_decode(self, resident: Resident, batch: int, max_new_tokens: int) -> DecodeState:
