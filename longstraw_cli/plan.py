@@ -272,13 +272,18 @@ def plan(model_name_or_cfg, *, cp: int = 1, prompt_tokens: int, group_size: int,
          score_batch: int = 8, logprob_chunk: int = 1024, attention_block: int = 1024,
          moment_dtype: str | None = None, kernels: str = "auto", gradient: str = "response_only",
          walk_checkpoint: bool = False, reuse: bool = False, quantize: str = "none", offload: str = "none",
-         host_mem_gib: float = 128.0) -> dict:
+         host_mem_gib: float = 128.0, offload_copy_gib: float | str = "auto") -> dict:
     """Per-rank bytes of one transaction by component and by phase; see the module docstring.
     kernels: "gpu" (flash attention, fla's GDN forward), "reference" (the torch kernels), "auto": gpu for
     bf16/fp16, where the model dispatches to them on CUDA, reference otherwise. gradient: response_only | exact.
     reuse: the resident state also keeps the carried states at the last block's start (`Resident.tail`), and the
     drift probe copies the last block's pages and the carried states aside while it re-captures that block.
-    quantize: "none" | "nf4" (lora.quantize; needs lora_rank > 0): the base linears' storage, see the docstring."""
+    quantize: "none" | "nf4" (lora.quantize; needs lora_rank > 0): the base linears' storage, see the docstring.
+    offload_copy_gib (rollout.native.offload_copy_gib, offload="cpu"): the rollout's copies of host pages, whole
+    attention layers, into the GPU memory the other phases leave free (`rollout_copies`; "auto": what gpu_mem_gib
+    holds with 10% spare, as `resident.offload.rollout_pages` does with the device's free memory). The rollout's
+    figure (`rollout`) is not a phase of `peak`: the copies take only memory that is free, so they never decide
+    whether a prompt fits; they raise the measured peak above `peak` where they are larger than what replay adds."""
     cfg = _config(model_name_or_cfg)
     check_gradient_mode(gradient)
     refused = offload_refusal(offload, gradient=gradient, cp=cp)
@@ -375,12 +380,21 @@ def plan(model_name_or_cfg, *, cp: int = 1, prompt_tokens: int, group_size: int,
                            + carried)
     peak = max(phases.values())
     budget, host_budget = int(gpu_mem_gib * GIB), int(host_mem_gib * GIB)
+    # the offloaded rollout: no grads, no graph, no staged layer; the copies of host pages that fit (whole layers)
+    rollout_base = weights + optimizer + resident["total"] - host + boundaries + tail + dequant
+    copies = 0
+    if host:
+        room = max(budget - rollout_base, 0) / 1.1
+        if offload_copy_gib != "auto":
+            room = min(room, offload_copy_gib * GIB)
+        layer_pages = resident["kv_pages"] // num_attn
+        copies = min(num_attn, int(room // layer_pages)) * layer_pages
     return {
         "model": model_name_or_cfg if isinstance(model_name_or_cfg, str) else "custom",
         "cp": cp, "prompt_tokens": prompt_tokens, "group_size": group_size, "response_tokens": response_tokens,
         "dtype": dtype, "lora_rank": lora_rank, "block_size": block_size, "score_batch": score_batch,
         "kernels": kernels, "gradient": gradient, "walk_checkpoint": walk_checkpoint, "quantize": quantize,
-        "dequant_transient": dequant, "offload": offload,
+        "dequant_transient": dequant, "offload": offload, "offload_copy_gib": offload_copy_gib,
         "params": counts["total"], "trainable_params": trainable,
         "weights": weights, "grads": grads, "optimizer": optimizer,
         "resident": resident["total"], "resident_detail": resident, "resident_device": on_device, "host": host,
@@ -388,7 +402,7 @@ def plan(model_name_or_cfg, *, cp: int = 1, prompt_tokens: int, group_size: int,
         "response_graph": graph, "replay_transient": replay_transient, "step_transient": step_transient,
         "boundary_states": boundaries, "tail_states": tail, "state_grad": state_grad, "block_graph": block_graph,
         "page_grad_transient": page_grad_transient,
-        "phases": phases, "peak": peak,
+        "phases": phases, "peak": peak, "rollout_copies": copies, "rollout": rollout_base + copies,
         "bound": (weights + grads + optimizer + on_device + boundaries + tail + state_grad
                   + max(graph, block_graph)),
         "budget": budget, "host_budget": host_budget, "fits": peak <= budget and host <= host_budget,
@@ -458,6 +472,11 @@ def report(cfg: Qwen36Config, title: str, prompts: list[int], **common) -> int:
             print(f"{p['prompt_tokens']:>9} offload=cpu: pages in host memory {p['host'] / GIB:.2f} GiB (of "
                   f"{p['host_budget'] / GIB:g}), on the GPU {p['resident_device'] / GIB:.2f} GiB (GDN states + two "
                   f"attention layers' pages)")
+            rest = p["host"] - p["rollout_copies"]
+            print(f"{p['prompt_tokens']:>9} offload=cpu rollout: {p['rollout_copies'] / GIB:.2f} GiB of pages copied "
+                  f"to the GPU for it (rollout.native.offload_copy_gib={p['offload_copy_gib']}), its peak ~"
+                  f"{p['rollout'] / GIB:.2f} GiB" + (f"; {rest / GIB:.2f} GiB read from host memory at every decode "
+                                                    f"token" if rest else ""))
     print(f"longest prompt that fits in {common['gpu_mem_gib']:g} GiB: {longest} tokens ({longest / 2**20:.2f}M)")
     host_limit = f"{common.get('host_mem_gib', 128.0):g} GiB host"
     print("longest prompt per placement: " + ", ".join(

@@ -222,3 +222,42 @@ def test_reuse_keeps_one_boundary_and_the_peak_grows_by_under_0_2_percent():
     print(f"1M peak {today['peak'] / GIB:.2f} GiB, with reuse {reused['peak'] / GIB:.2f} GiB "
           f"(drift phase {reused['phases']['drift'] / GIB:.2f} GiB)")
     assert today["peak"] < reused["peak"] <= 1.002 * today["peak"]
+
+
+def test_offload_moves_all_but_two_layers_pages_to_the_host():
+    """capture.offload=cpu: the K/V pages in host memory; on the GPU the GDN states and two attention layers' pages
+    (the staged one and the next in flight), so every phase drops by the pages less those two layers."""
+    on, off = (plan("qwen36_mini", prompt_tokens=1048576, offload=o, **MINI) for o in ("none", "cpu"))
+    pages, layers = on["resident_detail"]["kv_pages"], sum(t == "full_attention"
+                                                          for t in named_config("qwen36_mini").layer_types)
+    assert off["host"] == pages and on["host"] == 0
+    assert off["resident_device"] == on["resident"] - pages + 2 * (pages // layers)
+    for phase, nbytes in on["phases"].items():
+        assert off["phases"][phase] == nbytes - pages + 2 * (pages // layers), phase
+    assert max_prompt_tokens("qwen36_mini", offload="cpu", **MINI) > max_prompt_tokens("qwen36_mini", **MINI)
+
+
+def test_offloaded_rollout_copies_whole_layers_into_free_memory():
+    """The rollout's copies of host pages (rollout.native.offload_copy_gib): all where the GPU has room, whole
+    layers under a cap or in a smaller GPU, none at 0; the rollout's figure is what it holds besides."""
+    common = dict(prompt_tokens=1048576, offload="cpu", **MINI)
+    auto = plan("qwen36_mini", **common)
+    layer = auto["host"] // sum(t == "full_attention" for t in named_config("qwen36_mini").layer_types)
+    assert auto["rollout_copies"] == auto["host"]
+    assert auto["rollout"] == auto["weights"] + auto["optimizer"] + auto["resident"] - auto["host"] + auto["host"]
+    assert plan("qwen36_mini", offload_copy_gib=0, **common)["rollout_copies"] == 0
+    assert plan("qwen36_mini", offload_copy_gib=2.5 * layer / GIB, **common)["rollout_copies"] == 2 * layer
+    small = plan("qwen36_mini", gpu_mem_gib=(auto["rollout"] - auto["host"] + 3.5 * layer * 1.1) / GIB, **common)
+    assert small["rollout_copies"] == 3 * layer
+    assert plan("qwen36_mini", prompt_tokens=1048576, **MINI)["rollout_copies"] == 0
+
+
+def test_longstraw_plan_command_prints_the_offloaded_rollout(capsys):
+    from longstraw_cli.__main__ import main as longstraw
+
+    assert longstraw(["plan", "model=qwen36", "lora.rank=16", "prompt_tokens=1M", "capture.offload=cpu",
+                      "rollout.native.offload_copy_gib=30"]) == 0
+    out = capsys.readouterr().out
+    assert "pages in host memory 64.00 GiB" in out
+    assert "28.00 GiB of pages copied to the GPU for it (rollout.native.offload_copy_gib=30)" in out
+    assert "36.00 GiB read from host memory at every decode token" in out
