@@ -83,11 +83,12 @@ class DecodeState:
 class StepDecoder:
     """rollout/native.py's decoder interface (`tokens_B`, `step()`, `device`) over `start_decode` / `decode_step`:
     eager, shapes growing with the step, so neither graph- nor compile-safe. For hooks that have no static-shaped
-    decode (glm52 under context parallel)."""
+    decode (glm52 under context parallel). `page_budget` (the decoders' rollout.native.offload_copy_gib) copies
+    nothing here: decode_step stages offloaded pages a layer at a time at every step."""
 
     graph_safe = compile_safe = False
 
-    def __init__(self, model, resident: Resident, batch: int, capacity: int):
+    def __init__(self, model, resident: Resident, batch: int, capacity: int, page_budget: int | None = None):
         self.model, self.resident = model, resident
         self.device = model.lm_head.weight.device
         self.tokens_B = torch.full((batch,), resident.last_token, dtype=torch.long, device=self.device)

@@ -58,11 +58,11 @@ def host_buffer(shape, dtype) -> torch.Tensor:
 
 class LayerStager:
     """Device copies of per-layer pages, one layer ahead. `get(l)` must be called in increasing order of l
-    (a skipped or repeated layer is staged synchronously). Objects staged must have `.to(device, non_blocking)`
-    returning a copy and `.tensors()`."""
+    (`step=-1`: decreasing, as a backward walks the layers; a skipped or repeated layer is staged synchronously).
+    Objects staged must have `.to(device, non_blocking)` returning a copy and `.tensors()`."""
 
-    def __init__(self, layers: list, device: torch.device, wanted=None, **to_kwargs):
-        self.layers, self.device, self.to_kwargs = layers, torch.device(device), to_kwargs
+    def __init__(self, layers: list, device: torch.device, wanted=None, step: int = 1, **to_kwargs):
+        self.layers, self.device, self.step, self.to_kwargs = layers, torch.device(device), step, to_kwargs
         # which layers to stage (others are returned as they are); default all
         self.wanted = wanted or (lambda i: True)
         self.stream = side_stream(self.device) if self.device.type == "cuda" else None
@@ -93,7 +93,8 @@ class LayerStager:
             for t in staged.tensors():
                 if t.device.type == self.device.type:
                     t.record_stream(current)
-        nxt = next((j for j in range(i + 1, len(self.layers)) if self.wanted(j)), None)
+        ahead = range(i + 1, len(self.layers)) if self.step > 0 else range(i - 1, -1, -1)
+        nxt = next((j for j in ahead if self.wanted(j)), None)
         if nxt is not None and nxt not in self.pending:
             self._issue(nxt)
         return staged
@@ -118,7 +119,8 @@ def stage_layers(resident, device, grad: bool):
     a device copy of its pages when offloaded (carried states are on the device already), staged one layer ahead
     on the side stream. Under autograd (`grad`) the kernels save the pages they read for backward; inside this
     context a saved staged copy is kept as its host pages instead (`_HostSaved`) and staged again when the
-    backward reads it, so no layer's device copy outlives its forward."""
+    backward reads it, so no layer's device copy outlives its forward; the backward stages the layers in reverse,
+    one ahead on the side stream as the forward does."""
     if resident.offload is None:
         yield resident.layers.__getitem__
         return
@@ -127,9 +129,9 @@ def stage_layers(resident, device, grad: bool):
     if not grad:
         yield stager.get
         return
-    saved = _HostSaved(_outer_hooks())
+    saved = _HostSaved(layers, device, _outer_hooks())
     with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
-        yield lambda i: saved.add(layers[i], stager.get(i))
+        yield lambda i: saved.add(i, stager.get(i))
 
 
 def _outer_hooks():
@@ -142,20 +144,26 @@ def _outer_hooks():
 
 class _HostSaved:
     """Saved-tensor hooks for a replay over staged pages: a tensor that autograd saves whose storage is a staged
-    copy's (the copy itself or a view of it: kernels save `pages[:n]` too) is packed as the host pages plus the
-    view's geometry, and unpacked by copying the host pages to the device again (the backward's stream, in
-    order). Other saved tensors go to the hooks this one shadows (`outer`), or are kept as they are."""
+    copy's (the copy itself or a view of it: kernels save `pages[:n]` too) is packed as (its layer, which of the
+    layer's tensors, the view's geometry), and unpacked from a device copy of that layer made again for the
+    backward: the backward reaches the layers last first, so a `LayerStager` walking down stages them, the next
+    one's copy on the side stream during this one's backward. The layer whose backward runs is kept for the
+    other tensors it saved (at most it and the next in flight are on the device). Other saved tensors go to the
+    hooks this one shadows (`outer`), or are kept as they are."""
 
-    def __init__(self, outer=None):
-        # the staged copy's storage address -> (a weak reference to the copy, its host pages)
+    def __init__(self, layers: list, device, outer=None):
+        self.layers, self.device = layers, device
+        # the staged copy's storage address -> (a weak reference to the copy, its layer, its index in tensors())
         self.staged: dict[int, tuple] = {}
         # the hooks this one shadows: every other saved tensor goes through them
         self.outer = outer
+        # the backward's stager (made at the first unpack) and the layer it handed out last: (index, device copy)
+        self.back, self.current = None, (None, None)
 
-    def add(self, host_state, staged_state):
-        if staged_state is not host_state:
-            for host, copy in zip(host_state.tensors(), staged_state.tensors()):
-                self.staged[copy.untyped_storage().data_ptr()] = (weakref.ref(copy), host)
+    def add(self, i: int, staged_state):
+        if staged_state is not self.layers[i]:
+            for k, copy in enumerate(staged_state.tensors()):
+                self.staged[copy.untyped_storage().data_ptr()] = (weakref.ref(copy), i, k)
         return staged_state
 
     def pack(self, t: torch.Tensor):
@@ -164,14 +172,20 @@ class _HostSaved:
         copy = None if entry is None else entry[0]()
         if copy is None or copy.untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
             return False, t if self.outer is None else self.outer[0](t)
-        return True, (entry[1], t.device, t.shape, t.stride(), t.storage_offset())
+        return True, (entry[1], entry[2], t.shape, t.stride(), t.storage_offset())
 
     def unpack(self, packed):
         staged, value = packed
         if not staged:
             return value if self.outer is None else self.outer[1](value)
-        host, device, shape, stride, offset = value
-        return host.to(device, non_blocking=True, copy=True).as_strided(shape, stride, offset)
+        i, k, shape, stride, offset = value
+        if self.current[0] != i:
+            if self.back is None:
+                self.back = LayerStager(self.layers, self.device, wanted=lambda j: not self.layers[j].CARRIED,
+                                        step=-1)
+            # the previous layer's copy is released here (the graph holds what it still needs of it)
+            self.current = (i, self.back.get(i))
+        return self.current[1].tensors()[k].as_strided(shape, stride, offset)
 
 
 def host_bytes(resident_bytes: dict[str, int]) -> int:

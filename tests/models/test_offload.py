@@ -117,6 +117,39 @@ def test_replay_keeps_no_staged_copy_for_its_backward(name, monkeypatch):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
+def test_backward_stages_each_layer_once_last_first(name, monkeypatch):
+    """The backward reaches the layers last first: it stages each paged layer once, in that order, one ahead (the
+    next one's copy issued while this one's backward runs), so no more than two layers' copies are alive."""
+    model = random_model(name)
+    host = model.capture(ids(60, 6), block_size=16, offload="cpu")
+    issued, alive = [], []
+    stage = offload_mod.LayerStager._issue
+
+    def issue(self, i):
+        stage(self, i)
+        if self.step < 0:
+            issued.append(i)
+            alive.append([weakref.ref(t) for t in self.pending[i][0].tensors()])
+
+    peak = []
+    unpack = offload_mod._HostSaved.unpack
+
+    def counting(self, packed):
+        out = unpack(self, packed)
+        peak.append(sum(any(ref() is not None for ref in refs) for refs in alive))
+        return out
+
+    monkeypatch.setattr(offload_mod.LayerStager, "_issue", issue)
+    monkeypatch.setattr(offload_mod._HostSaved, "unpack", counting)
+    logp = model.logprobs(host, ids(9, 7), grad=True)
+    assert not issued
+    logp.sum().backward()
+    paged = [i for i, layer in enumerate(host.layers) if not layer.CARRIED]
+    assert issued == paged[::-1]
+    assert peak and max(peak) <= 2
+
+
+@pytest.mark.parametrize("name", FAMILIES)
 @pytest.mark.parametrize("placement", ["staged", "part copied", "device copy", "capped at 0"])
 def test_offloaded_rollout_is_bit_identical(name, placement, monkeypatch, caplog):
     """Greedy and sampled rollouts (tokens and log-probs) from offloaded pages equal those from device pages.
