@@ -93,60 +93,34 @@ def test_offloaded_qlora_replay_is_bit_identical(name):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_replay_keeps_no_staged_copy_for_its_backward(name, monkeypatch):
     """Under autograd each layer's pages are staged whole for the forward (the fast kernels read them on the
-    device), but what the graph saves for backward is the host pages: after the forward no staged copy is alive,
-    and the backward stages again (the gradients are those of the on-device state: the test above)."""
+    device), but what the graph saves for backward is the host pages: after the forward no staged copy is alive
+    (the gradients are those of the on-device state: the test above). The backward reaches the layers last first:
+    it stages each paged layer again once, in that order, one ahead (the next one's copy issued while this one's
+    backward runs), so no more than two layers' copies are alive while it runs."""
     model = random_model(name)
     host = model.capture(ids(60, 6), block_size=16, offload="cpu")
-    staged, restaged = [], []
-    stage = offload_mod.LayerStager._issue
+    issued = {1: [], -1: []}  # stager direction -> [(layer, weak references to its copy's tensors)]
+    alive_in_backward = []
+    stage, unpack = offload_mod.LayerStager._issue, offload_mod._HostSaved.unpack
 
     def issue(self, i):
         stage(self, i)
-        staged.extend(weakref.ref(t) for t in self.pending[i][0].tensors() if t.dtype.is_floating_point)
-
-    unpack = offload_mod._HostSaved.unpack
-    monkeypatch.setattr(offload_mod.LayerStager, "_issue", issue)
-    monkeypatch.setattr(offload_mod._HostSaved, "unpack",
-                        lambda self, packed: restaged.append(packed[0]) or unpack(self, packed))
-    logp = model.logprobs(host, ids(9, 7), grad=True)
-    paged = sum(not layer.CARRIED for layer in host.layers)
-    assert paged and len(staged) >= paged
-    assert all(ref() is None for ref in staged), "a staged copy outlived the forward"
-    logp.sum().backward()
-    assert True in restaged, "the backward did not stage host pages again"
-
-
-@pytest.mark.parametrize("name", FAMILIES)
-def test_backward_stages_each_layer_once_last_first(name, monkeypatch):
-    """The backward reaches the layers last first: it stages each paged layer once, in that order, one ahead (the
-    next one's copy issued while this one's backward runs), so no more than two layers' copies are alive."""
-    model = random_model(name)
-    host = model.capture(ids(60, 6), block_size=16, offload="cpu")
-    issued, alive = [], []
-    stage = offload_mod.LayerStager._issue
-
-    def issue(self, i):
-        stage(self, i)
-        if self.step < 0:
-            issued.append(i)
-            alive.append([weakref.ref(t) for t in self.pending[i][0].tensors()])
-
-    peak = []
-    unpack = offload_mod._HostSaved.unpack
+        issued[self.step].append((i, [weakref.ref(t) for t in self.pending[i][0].tensors()]))
 
     def counting(self, packed):
         out = unpack(self, packed)
-        peak.append(sum(any(ref() is not None for ref in refs) for refs in alive))
+        alive_in_backward.append(sum(any(r() is not None for r in refs) for _, refs in issued[-1]))
         return out
 
     monkeypatch.setattr(offload_mod.LayerStager, "_issue", issue)
     monkeypatch.setattr(offload_mod._HostSaved, "unpack", counting)
     logp = model.logprobs(host, ids(9, 7), grad=True)
-    assert not issued
-    logp.sum().backward()
     paged = [i for i, layer in enumerate(host.layers) if not layer.CARRIED]
-    assert issued == paged[::-1]
-    assert peak and max(peak) <= 2
+    assert paged and [i for i, _ in issued[1]] == paged and not issued[-1]
+    assert all(r() is None for _, refs in issued[1] for r in refs), "a staged copy outlived the forward"
+    logp.sum().backward()
+    assert [i for i, _ in issued[-1]] == paged[::-1], "the backward did not stage each layer once, last first"
+    assert alive_in_backward and max(alive_in_backward) <= 2
 
 
 @pytest.mark.parametrize("name", FAMILIES)
