@@ -322,11 +322,13 @@ def plan(model_name_or_cfg, *, cp: int = 1, prompt_tokens: int, group_size: int,
     resident = resident_bytes(cfg, captured, dtype)
 
     num_attn = sum(t == "full_attention" for t in cfg.layer_types)
+    # one attention layer's K/V pages (what offload stages, the exact walk's page gradient, a rollout copy)
+    layer_pages = resident["kv_pages"] // max(num_attn, 1)
     # offload="cpu": the K/V pages in host memory; on the device the GDN states plus one attention layer's pages
     # staged (capture: its window [0, block end); replay: the forward's layer, or the layer whose backward runs)
     # and the next layer's in flight
     host = resident["kv_pages"] if offload == "cpu" else 0
-    on_device = resident["total"] - host + (2 * resident["kv_pages"] // max(num_attn, 1) if host else 0)
+    on_device = resident["total"] - host + (2 * layer_pages if host else 0)
 
     block = min(block_size, captured)
     pages = min(attention_block, captured)
@@ -355,7 +357,7 @@ def plan(model_name_or_cfg, *, cp: int = 1, prompt_tokens: int, group_size: int,
     boundaries = math.ceil(captured / block_size) * carried if exact else 0
     state_grad = (resident["kv_pages"] * f // s + resident["recurrent_state"] + resident["conv_state"] * f // s
                   if exact else 0)
-    page_grad_transient = resident["kv_pages"] // max(num_attn, 1) if exact else 0
+    page_grad_transient = layer_pages if exact else 0
     if exact and walk_checkpoint:
         # every layer's input, then one layer's graph at a time (the largest), recomputed inside the backward
         one_layer = max(block * _attention_graph_per_token(cfg, s, f), _gdn_graph(cfg, block, s, f, kernels)
@@ -387,7 +389,6 @@ def plan(model_name_or_cfg, *, cp: int = 1, prompt_tokens: int, group_size: int,
         room = max(budget - rollout_base, 0) / 1.1
         if offload_copy_gib != "auto":
             room = min(room, offload_copy_gib * GIB)
-        layer_pages = resident["kv_pages"] // num_attn
         copies = min(num_attn, int(room // layer_pages)) * layer_pages
     return {
         "model": model_name_or_cfg if isinstance(model_name_or_cfg, str) else "custom",
