@@ -9,7 +9,9 @@ reference.
 
 Backward: aten's flash attention backward, called per part with the GLOBAL out and lse (the ring-attention
 identity, see README.md): it recomputes each part's probabilities exactly and gives dq, and dk/dv of that part.
-Pages are taken in chunks of `BACKWARD_PAGE_CHUNK` so the kernel's page-gradient buffers stay bounded. The
+Pages are taken in chunks of `BACKWARD_PAGE_CHUNK` so the kernel's page-gradient buffers stay bounded. Frozen
+pages (no page gradient asked, as in every response-only replay) skip it: their share of dq comes from
+triton_page_dq.py, three of the five products, with no page-sized buffers. The
 kernel cannot take a cotangent for the lse, so when the lse itself is used (context-parallel merges) the
 backward is the reference's.
 
@@ -42,6 +44,16 @@ log = logging.getLogger(__name__)
 FLASH_DTYPES = (torch.bfloat16, torch.float16)
 FORWARD_BACKENDS = ("flash_attn", "cudnn", "flash")
 BACKWARD_PAGE_CHUNK = 1 << 17
+# frozen pages (no page gradient): their dq through triton_page_dq, three of the flash backward's five products
+PAGE_DQ_TRITON = True
+
+
+def page_dq_supported(q_BRQD, k_pages_PKD, v_pages_PKD) -> bool:
+    """Whether triton_page_dq serves these pages: a power-of-two head dim (its tiles), k and v pages laid out
+    alike and contiguous in D."""
+    D = q_BRQD.shape[3]
+    return (D >= 16 and D & (D - 1) == 0 and k_pages_PKD.stride(2) == 1
+            and k_pages_PKD.stride() == v_pages_PKD.stride())
 
 
 def flash_supported(q_BRQD, k_pages_PKD, k_new_BSKD) -> bool:
@@ -198,7 +210,15 @@ def flash_replay_attention_backward(saved, needs_grad, dout_BRQD, dlse_BQR, *, s
             dk_new_BSKD = dk_BQSD.float().reshape(B, K, G, S, D).sum(2).transpose(1, 2).to(k_new_BSKD.dtype)
         if need_vn:
             dv_new_BSKD = dv_BQSD.float().reshape(B, K, G, S, D).sum(2).transpose(1, 2).to(v_new_BSKD.dtype)
-    if P > 0 and (need_q or need_kp or need_vp):
+    frozen_pages = not (need_kp or need_vp) and PAGE_DQ_TRITON
+    if P > 0 and need_q and frozen_pages and page_dq_supported(q_BRQD, k_pages_PKD, v_pages_PKD):
+        from longstraw_kernels.attention.triton_page_dq import page_dq
+
+        q_KMD, do_KMD = _fold_pages_query(q_BRQD, K)[0], _fold_pages_query(dout_BRQD, K)[0]
+        delta_KM = (do_KMD.float() * _fold_pages_query(out_BRQD, K)[0].float()).sum(-1)
+        dq_KMD = page_dq(q_KMD, do_KMD, _fold_pages_lse(lse_BQR, K)[0], delta_KM, k_pages_PKD, v_pages_PKD, scale)
+        dq_BQRD += _unfold_pages_query(dq_KMD[None], B, R)
+    elif P > 0 and (need_q or need_kp or need_vp):
         q_1KMD, do_1KMD = _fold_pages_query(q_BRQD, K), _fold_pages_query(dout_BRQD, K)
         out_1KMD, lse_1KM = _fold_pages_query(out_BRQD, K), _fold_pages_lse(lse_BQR, K)
         dq_1KMD = torch.zeros(q_1KMD.shape, dtype=torch.float32, device=q_BRQD.device)

@@ -55,6 +55,38 @@ def test_flash_replay_attention_matches_reference(backend, B, R, S, P, Q, K, D, 
             assert rel_err(got, want) < 3e-2
 
 
+@pytest.mark.parametrize("B, R, S, P, Q, K, D", [
+    (1, 64, 64, 5000, 16, 2, 256),   # several page ranges (splits) per row block
+    (2, 33, 33, 777, 4, 2, 128),     # ragged rows and pages, a batch
+    (1, 300, 300, 70000, 24, 4, 256),  # the 27B shape's heads
+])
+def test_frozen_pages_dq_through_triton_matches_reference(B, R, S, P, Q, K, D, monkeypatch):
+    """Pages without a gradient (response-only replay): their share of dq comes from triton_page_dq, and q's and
+    the new keys' gradients match the fp64 reference as they do through aten's flash backward."""
+    from longstraw_kernels.attention import flash, replay_attention
+    from longstraw_kernels.attention import triton_page_dq as tpd
+    from longstraw_kernels.attention.reference import replay_attention as reference
+
+    original, calls = tpd.page_dq, []
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(tpd, "page_dq", spy)
+    q, kp, vp, kn, vn = attention_inputs(B, R, S, P, Q, K, D, torch.bfloat16, seed=1)
+    leaves = [t.requires_grad_(True) for t in (q, kn, vn)]
+    out = replay_attention(q, kp, vp, kn, vn, scale=D**-0.5)
+    q64, kn64, vn64 = (t.detach().double().requires_grad_(True) for t in leaves)
+    ref = reference(q64, kp.double(), vp.double(), kn64, vn64, scale=D**-0.5)
+    dout = torch.randn_like(ref)
+    got = torch.autograd.grad(out.float(), leaves, dout.float())
+    want = torch.autograd.grad(ref, (q64, kn64, vn64), dout)
+    assert flash.PAGE_DQ_TRITON and calls == [(K, B * (Q // K) * R, D)]
+    for g, w in zip(got, want):
+        assert rel_err(g, w) < 2e-2
+
+
 def test_flash_replay_attention_lse_cotangent_takes_the_reference_backward():
     """A loss through the lse (as context-parallel merges use it) is differentiated exactly."""
     from longstraw_kernels.attention import replay_attention
