@@ -272,5 +272,6 @@ def plan(argv: list[str]) -> int:
         score_batch=integer("capture.score_batch"), logprob_chunk=integer("capture.logprob_chunk"),
         kernels=own["kernels"], gradient=str(OmegaConf.select(cfg, "capture.gradient")),
         walk_checkpoint=bool(OmegaConf.select(cfg, "capture.walk_checkpoint")),
-        reuse=integer("capture.reuse_steps") > 1, offload=str(OmegaConf.select(cfg, "capture.offload")),
+        reuse=integer("capture.reuse_steps") > 1, probe_tokens=integer("capture.probe_tokens"),
+        offload=str(OmegaConf.select(cfg, "capture.offload")),
         host_mem_gib=host_mem_gib, offload_copy_gib=OmegaConf.select(cfg, "rollout.native.offload_copy_gib"))

@@ -150,7 +150,7 @@ class TrainConfig:
     lora: LoraConfig
     checkpoint: CheckpointConfig
     strategy: StrategyConfig = StrategyConfig()
-    # capture.reuse_steps / capture.max_drift (reuse.py)
+    # capture.reuse_steps / max_drift / probe_responses / probe_tokens (reuse.py)
     reuse: ReuseConfig = ReuseConfig()
     cp: int = 1
     ep: int = 1
@@ -279,8 +279,10 @@ def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
     advantage = algo.pop("advantage", "grpo")
     loss = _build(LossConfig, algo, "algo", max_response_tokens=d["response_tokens"])
     capture = _take(dict(d["capture"]), "capture", {"block_size", "score_batch", "logprob_chunk", "gradient",
-                                                   "walk_checkpoint", "reuse_steps", "max_drift", "offload"})
-    reuse = _build(ReuseConfig, {k: capture.pop(k) for k in ("reuse_steps", "max_drift") if k in capture}, "capture")
+                                                   "walk_checkpoint", "reuse_steps", "max_drift", "probe_responses",
+                                                   "probe_tokens", "offload"})
+    reuse = _build(ReuseConfig, {k: capture.pop(k) for k in ("reuse_steps", "max_drift", "probe_responses",
+                                                             "probe_tokens") if k in capture}, "capture")
     optim = _build(OptimConfig, d["optim"], "optim")
     transaction = _build(TransactionConfig, capture, "capture", advantage=advantage)
     if transaction.exact:

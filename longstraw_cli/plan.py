@@ -7,7 +7,8 @@
     prompt  = weights + optimizer + grads + resident + state gradient + one block's graph + one layer's page
               gradient (exact mode's reverse walk; `gradient="exact"`)
     drift   = weights + optimizer + resident + one capture block's activations (or one response's scoring) +
-              the last block's pages and the carried states, copied (`reuse=True`: capture.reuse_steps > 1)
+              the tail's pages (the last probe_tokens positions) and the carried states, copied (`reuse=True`:
+              capture.reuse_steps > 1)
     peak    = the largest phase
 
 Exact mode (`capture.gradient=exact`, resident/gradient.py) adds to the resident state the boundary states (the
@@ -271,13 +272,14 @@ def plan(model_name_or_cfg, *, cp: int = 1, prompt_tokens: int, group_size: int,
          dtype: str = "bfloat16", lora_rank: int = 0, gpu_mem_gib: float = 139.0, block_size: int = 8192,
          score_batch: int = 8, logprob_chunk: int = 1024, attention_block: int = 1024,
          moment_dtype: str | None = None, kernels: str = "auto", gradient: str = "response_only",
-         walk_checkpoint: bool = False, reuse: bool = False, quantize: str = "none", offload: str = "none",
-         host_mem_gib: float = 128.0, offload_copy_gib: float | str = "auto") -> dict:
+         walk_checkpoint: bool = False, reuse: bool = False, probe_tokens: int = 1024, quantize: str = "none",
+         offload: str = "none", host_mem_gib: float = 128.0, offload_copy_gib: float | str = "auto") -> dict:
     """Per-rank bytes of one transaction by component and by phase; see the module docstring.
     kernels: "gpu" (flash attention, fla's GDN forward), "reference" (the torch kernels), "auto": gpu for
     bf16/fp16, where the model dispatches to them on CUDA, reference otherwise. gradient: response_only | exact.
-    reuse: the resident state also keeps the carried states at the last block's start (`Resident.tail`), and the
-    drift probe copies the last block's pages and the carried states aside while it re-captures that block.
+    reuse: the resident state also keeps the carried states at the tail's start (`Resident.tail`), and the drift
+    probe copies the tail's pages (its last min(probe_tokens, block_size) positions) and the carried states aside
+    while it re-captures the tail.
     quantize: "none" | "nf4" (lora.quantize; needs lora_rank > 0): the base linears' storage, see the docstring.
     offload_copy_gib (rollout.native.offload_copy_gib, offload="cpu"): the rollout's copies of host pages, whole
     attention layers, into the GPU memory the other phases leave free (`rollout_copies`; "auto": what gpu_mem_gib
@@ -378,7 +380,8 @@ def plan(model_name_or_cfg, *, cp: int = 1, prompt_tokens: int, group_size: int,
         phases["prompt"] = base + grads + state_grad + block_graph + page_grad_transient
     if reuse:
         # the probe scores one response at a time
-        phases["drift"] = (base + max(capture_act, score_activations(1)) + resident["kv_pages"] * block // captured
+        probed = min(block, probe_tokens, captured)
+        phases["drift"] = (base + max(capture_act, score_activations(1)) + resident["kv_pages"] * probed // captured
                            + carried)
     peak = max(phases.values())
     budget, host_budget = int(gpu_mem_gib * GIB), int(host_mem_gib * GIB)

@@ -11,20 +11,25 @@ only (`capture.gradient=response_only`); `exact` is refused: its walk would diff
 older weights computed, a gradient of no policy's objective.
 
 Drift, every cycle (metrics `drift`, `drift_mean`, `reuse_cycle`, `captures`): the max (and mean) |delta log-prob|
-over the cycle's response tokens between two states, both read with the current weights:
+over the tokens of the cycle's first `capture.probe_responses` responses (default 2) between two states, both read
+with the current weights:
 - the stale state as the rollout used it, and
-- the same state with its LAST capture block re-captured under the current weights, starting from the carried
-  states the capture kept at that block's start (`Resident.tail`); the block's pages and carried states are put
-  back afterwards.
+- the same state with its last `capture.probe_tokens` positions (default 1,024) re-captured under the current
+  weights, starting from the carried states the capture kept there (`Resident.tail`: a capture for reuse cuts its
+  last block so that these positions are a block of their own); their pages and the carried states are put back
+  afterwards.
 Why this probe: a fresh capture of the whole prompt is the capture reuse avoids, and a fresh capture of a short
-suffix alone is another prompt (its log-probs differ from the full prompt's by far more than any drift). The last
-block is what the responses read most directly (its pages are the nearest keys, its end is the recurrent state
-they start from), it costs one block of capture (block_size / prompt of a capture) and two graph-free scorings,
-and at cycle 0 it is exactly 0 (the same weights recompute the same block), so cycle 0 skips it. What it does
-not see: staleness of the earlier blocks' pages, and of the last block's input boundary; it is a lower estimate
-of the full drift, exact when the prompt fits one block. `capture.max_drift=x`: when a cycle's drift passes x,
-the next step re-captures (a warning says so), and its cycles count from 0 again; the data schedule (s // K) is
-unchanged.
+suffix alone is another prompt (its log-probs differ from the full prompt's by far more than any drift). The
+prompt's end is what the responses read most directly (its pages are the nearest keys, its end is the recurrent
+state they start from), and at cycle 0 the probe is exactly 0 (the same weights recompute the same positions), so
+cycle 0 skips it. Its cost, per cycle: capture.probe_tokens positions of capture and 2 x probe_responses
+graph-free scorings, each against the whole prompt (at 1M tokens on an H200 with qwen36_mini, ~0.2 s per 1,024
+tokens scored or re-captured); the first version (the whole last block of 8,192 and all 8 responses) took 4.3 s
+a cycle there. The responses are exchangeable samples, so the first ones are as good as any; the max over fewer
+tokens can only be lower. What it does not see: staleness of the earlier pages and of the tail's input boundary;
+it is a lower estimate of the full drift, exact when the prompt fits in probe_tokens and every response is
+probed. `capture.max_drift=x`: when a cycle's drift passes x, the next step re-captures (a warning says so), and
+its cycles count from 0 again; the data schedule (s // K) is unchanged.
 
 Checkpoints and resume: the resident state is not saved. A run resumed (or preempted) mid-reuse re-captures the
 prompt of its first step under the checkpoint's weights and counts cycles from 0; its steps differ from an
@@ -58,10 +63,16 @@ class ReuseConfig:
     reuse_steps: int = 1
     # capture.max_drift: a cycle's drift above this re-captures at the next step (None: never early)
     max_drift: float | None = None
+    # capture.probe_responses / probe_tokens: the drift probe scores the first this many responses of a cycle, with
+    # the prompt's last this many positions re-captured
+    probe_responses: int = 2
+    probe_tokens: int = 1024
 
     def __post_init__(self):
-        if isinstance(self.reuse_steps, bool) or not isinstance(self.reuse_steps, int) or self.reuse_steps < 1:
-            raise ValueError(f"reuse_steps must be an integer >= 1, got {self.reuse_steps!r}")
+        for name in ("reuse_steps", "probe_responses", "probe_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.max_drift is not None and not 0 <= self.max_drift < math.inf:
             raise ValueError(f"max_drift must be a finite number >= 0 (null: no early re-capture), got "
                              f"{self.max_drift!r}")
@@ -98,11 +109,12 @@ class Drift:
 
 @contextlib.contextmanager
 @torch.no_grad()
-def tail_recaptured(model, prompt_ids: torch.Tensor, resident, block_size: int):
-    """`resident` with its last capture block re-captured by the model's current weights from the carried states
-    kept at that block's start; the block's pages and the carried states are put back on exit."""
-    num_tokens = resident.num_tokens
-    start = (num_tokens - 1) // block_size * block_size
+def tail_recaptured(model, prompt_ids: torch.Tensor, resident):
+    """`resident` with its tail (positions tail_start.. of its captured prompt) re-captured by the model's current
+    weights from the carried states kept there; the tail's pages and the carried states are put back on exit."""
+    num_tokens, start = resident.num_tokens, resident.tail_start
+    if resident.tail is None or start is None:
+        raise ValueError("the drift probe needs a resident state captured with tail > 0 (capture(..., tail=n))")
     pages = [None if state.CARRIED else {f.name: getattr(state, f.name)[start:].clone()
                                           for f in dataclasses.fields(state) if getattr(state, f.name) is not None}
              for state in resident.layers]
@@ -128,8 +140,8 @@ def _copy_carried(layers: list, source: list) -> None:
 class PromptReuse:
     """The resident state of the prompt now being reused, its cycle, and the latest drift."""
 
-    def __init__(self, cfg: ReuseConfig, block_size: int):
-        self.cfg, self.block_size = cfg, block_size
+    def __init__(self, cfg: ReuseConfig):
+        self.cfg = cfg
         self.resident, self.group, self.cycle, self.refresh = None, None, 0, False
         self.drift = Drift(0.0, 0.0)
         # the metrics of the latest cycle
@@ -170,9 +182,10 @@ class PromptReuse:
         if self.cycle == 0:
             self.drift, self.refresh = Drift(0.0, 0.0), False
             return self.drift
-        stale = [score(self.resident, [r])[0] for r in responses]
-        with tail_recaptured(model, prompt_ids, self.resident, self.block_size) as probe:
-            fresh = [score(probe, [r])[0] for r in responses]
+        probed = responses[:self.cfg.probe_responses]
+        stale = [score(self.resident, [r])[0] for r in probed]
+        with tail_recaptured(model, prompt_ids, self.resident) as probe:
+            fresh = [score(probe, [r])[0] for r in probed]
         delta = torch.cat([(s - f).abs() for s, f in zip(stale, fresh)]).double()
         self.drift = Drift(float(delta.max()), float(delta.mean()))
         self.refresh = self.cfg.max_drift is not None and self.drift.max > self.cfg.max_drift

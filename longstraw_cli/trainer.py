@@ -128,7 +128,7 @@ class Trainer:
         self.generator = torch.Generator(self.device).manual_seed(cfg.seed * 1000 + self.dp_rank)
         self.engine = self._vllm_engine() if cfg.rollout.engine == "vllm" else None
         # capture.reuse_steps > 1: one prompt's resident state held across steps (reuse.py); not checkpointed
-        self.reuse = PromptReuse(cfg.reuse, cfg.transaction.block_size) if cfg.reuse.active else None
+        self.reuse = PromptReuse(cfg.reuse) if cfg.reuse.active else None
         # capture.offload=cpu: host bytes of pages already checked against the host's memory
         self.host_checked = 0
         # rollout.native.nf4_cache: the highest phase peak of the steps so far, the rollout's own memory above its
@@ -269,8 +269,9 @@ class Trainer:
         check_prompt(example, len(ids), self.max_positions, self.cfg.response_tokens)
         return torch.tensor(ids, dtype=torch.long, device=self.device)
 
-    def capture(self, prompt_ids: torch.Tensor, tail: bool = False):
-        """The prompt's resident state (tail: also the carried states at its last block, for reuse's drift probe);
+    def capture(self, prompt_ids: torch.Tensor, tail: int = 0):
+        """The prompt's resident state (tail > 0: its last `tail` tokens a block of their own, whose carried states
+        are kept for reuse's drift probe);
         with capture.offload=cpu, the host's memory is checked first."""
         self._check_host_memory(prompt_ids.numel())
         return self.transaction.capture(prompt_ids, tail=tail)
@@ -426,7 +427,7 @@ class Trainer:
             if captured:
                 self.reuse.release()
                 with clock.phase("capture"):
-                    self.reuse.hold(step, self.capture(prompt_ids, tail=True))
+                    self.reuse.hold(step, self.capture(prompt_ids, tail=self.reuse.cfg.probe_tokens))
             resident = self.reuse.resident
             with clock.phase("rollout"):
                 rollout = self.rollout(resident)

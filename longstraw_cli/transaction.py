@@ -154,12 +154,13 @@ class Transaction:
         self.reference = reference if loss_cfg.kl_coef > 0 else None
 
     # -- phases -----------------------------------------------------------------------------------------------
-    def capture(self, prompt_ids: torch.Tensor, *, tail: bool = False):
+    def capture(self, prompt_ids: torch.Tensor, *, tail: int = 0):
         """The policy's resident state of the prompt, graph-free (whole weights: a collective under fsdp2).
-        tail=True: with the carried states at its last block's start (reuse.py's drift probe)."""
+        tail=n > 0: its last n tokens captured as a block of their own, with the carried states at that block's
+        start (reuse.py's drift probe)."""
         kept = {"boundaries": True} if self.cfg.exact else {}
         if tail:
-            kept["tail"] = True
+            kept["tail"] = tail
         with self.strategy.full_weights():
             return self.model.capture(prompt_ids, block_size=self.cfg.block_size, **self.cfg.placement, **kept)
 

@@ -59,6 +59,18 @@ def stop_grad_prefix(x_BT_: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([x_BT_[:, :n].detach(), x_BT_[:, n:]], dim=1)
 
 
+def capture_blocks(num_tokens: int, block_size: int, tail: int = 0) -> list[tuple[int, int]]:
+    """[start, end) of the capture's blocks: block_size tokens each from 0; with tail > 0 the last block's last
+    min(tail, its length) tokens are cut off as a block of their own (reuse.py's drift probe re-captures it)."""
+    blocks = [(start, min(num_tokens, start + block_size)) for start in range(0, num_tokens, block_size)]
+    if tail > 0 and blocks:
+        start, end = blocks[-1]
+        cut = max(start, end - tail)
+        if cut > start:
+            blocks[-1:] = [(start, cut), (cut, end)]
+    return blocks
+
+
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate x) * up x), HF's names."""
 
@@ -203,7 +215,7 @@ class CausalLM(nn.Module):
     # -- capture ----------------------------------------------------------------------------------------------
     @torch.no_grad()
     def capture(self, prompt_ids: torch.Tensor, block_size: int = 4096, page_dtype: torch.dtype | None = None,
-                offload: str | None = None, boundaries: bool = False, tail: bool = False) -> Resident:
+                offload: str | None = None, boundaries: bool = False, tail: int = 0) -> Resident:
         """Resident state of a 1-D prompt: its first P-1 tokens; the last token is kept for replay.
         Block by block through all layers (activations bounded by one block). offload="cpu": the pages live in host
         memory; per block each layer's earlier pages are staged to the device (the next layer's while this one
@@ -212,8 +224,9 @@ class CausalLM(nn.Module):
         prompt^2 / (2 block_size) page rows; `capture_span(offload="cpu")` moves each layer's pages once instead
         but holds the whole prompt's hidden states.
         boundaries=True (exact mode): also keep the carried states at each block's start (`Resident.boundaries`).
-        tail=True (capture.reuse_steps > 1): also keep them at the last block's start (`Resident.tail`), from
-        which reuse.py's drift probe re-captures that block under newer weights."""
+        tail=n > 0 (capture.reuse_steps > 1): the last block is cut so that its last min(n, its length) tokens are a
+        block of their own, and the carried states at that block's start are kept (`Resident.tail`, `tail_start`),
+        from which reuse.py's drift probe re-captures it under newer weights."""
         check_prompt(prompt_ids, block_size)
         num_tokens = prompt_ids.numel() - 1
         if offload is not None and boundaries:
@@ -222,12 +235,11 @@ class CausalLM(nn.Module):
         resident = self.empty_resident(num_tokens, page_dtype, offload)
         resident.last_token = int(prompt_ids[-1])
         resident.boundaries = [] if boundaries else None
-        for start in range(0, num_tokens, block_size):
-            end = min(num_tokens, start + block_size)
+        for start, end in capture_blocks(num_tokens, block_size, tail):
             if boundaries:
                 resident.boundaries.append(snapshot(resident))
             if tail and end == num_tokens:
-                resident.tail = snapshot(resident)
+                resident.tail, resident.tail_start = snapshot(resident), start
             self.capture_prompt_block(prompt_ids, resident, start, end)
         return resident
 

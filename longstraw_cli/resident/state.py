@@ -120,8 +120,10 @@ class Resident:
     # the reverse walk recomputes each block from them (models/core.py `prompt_backward`). Under context parallel
     # a rank keeps those of the blocks that start in its shard; the others' entries are None (cp_walk.py)
     boundaries: list[list | None] | None = None
-    # capture.reuse_steps > 1: the CARRIED layer states at the last capture block's start (reuse.py's drift probe)
+    # capture.reuse_steps > 1: the CARRIED layer states at the last capture block's start, position tail_start
+    # (reuse.py's drift probe; the capture cut that block to capture.probe_tokens)
     tail: list | None = None
+    tail_start: int | None = None
 
     def nbytes(self) -> dict[str, int]:
         """Bytes by component, as allocated (the components of the layer kinds present, then "total")."""

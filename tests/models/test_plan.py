@@ -213,7 +213,7 @@ def test_reuse_keeps_one_boundary_and_the_peak_grows_by_under_0_2_percent():
     """capture.reuse_steps > 1: the tail states are what the capture keeps; at 1M (qwen36_mini, G=8) they and the
     drift probe's copies leave the peak within 0.2% of a run without reuse."""
     model = build_model("qwen36_tiny")
-    resident = model.capture(torch.randint(0, 259, (301,)), block_size=64, tail=True)
+    resident = model.capture(torch.randint(0, 259, (301,)), block_size=64, tail=1024)
     tiny = plan(model.config, prompt_tokens=301, group_size=2, response_tokens=8, block_size=64, dtype="float32",
                 kernels="reference", reuse=True)
     assert tiny["tail_states"] == resident.nbytes()["tail_states"] > 0
