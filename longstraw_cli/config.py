@@ -288,7 +288,7 @@ def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
     if transaction.exact:
         _check_exact(d, strategy, world_size)
     refused = refusal(reuse, gradient=transaction.gradient, engine=d["rollout"].get("engine"),
-                      prompts_per_step=d["prompts_per_step"], cp=d["cp"])
+                      prompts_per_step=d["prompts_per_step"])
     if refused:
         raise ConfigError(refused)
     refused = offload_refusal(transaction.offload, gradient=transaction.gradient, cp=d["cp"])

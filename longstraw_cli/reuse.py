@@ -35,9 +35,14 @@ Checkpoints and resume: the resident state is not saved. A run resumed (or preem
 prompt of its first step under the checkpoint's weights and counts cycles from 0; its steps differ from an
 uninterrupted run's only through that fresher state (the random streams are restored as always).
 
-Not built: context / expert parallel (cp > 1 is refused, and with it ep > 1: the probe re-captures on one rank),
-vLLM rollout (it samples from current weights on a fresh prompt, so there is nothing to reuse; refused),
-prompts_per_step > 1 (refused), and reuse of the KL reference's capture (kl_coef > 0 re-captures every cycle).
+Context (and expert) parallel: each rank holds its shard of the state across the cycles, as it would for one
+step. The capture for reuse keeps, on the rank whose shard holds the tail's first position, the carried states
+there (the GDN span hooks, as exact mode keeps its block boundaries; the tail starts where one device's would, so
+the drift is one device's), and the probe re-computes the tail through the exact walk's block path: every rank
+computes it against all ranks' pages before it, each writes the rows of its own shard (`_recompute_tail`).
+Not built: vLLM rollout (it samples from current weights on a fresh prompt, so there is nothing to reuse;
+refused), prompts_per_step > 1 (refused), and reuse of the KL reference's capture (kl_coef > 0 re-captures every
+cycle).
 Data parallel ranks each hold their own prompt's state; capture runs inside the step's one gather of whole
 weights (fsdp2), so a re-capture on one rank and not another needs no collective.
 """
@@ -52,7 +57,8 @@ from dataclasses import dataclass
 
 import torch
 
-from longstraw_cli.resident.state import snapshot
+from longstraw_cli.resident.gradient import WholePrompt
+from longstraw_cli.resident.state import prefix, snapshot
 
 log = logging.getLogger("longstraw")
 
@@ -82,7 +88,7 @@ class ReuseConfig:
         return self.reuse_steps > 1
 
 
-def refusal(cfg: ReuseConfig, *, gradient: str, engine: str, prompts_per_step: int, cp: int) -> str | None:
+def refusal(cfg: ReuseConfig, *, gradient: str, engine: str, prompts_per_step: int) -> str | None:
     """Why this run cannot reuse captures (one line), or None."""
     if not cfg.active:
         return None
@@ -96,8 +102,6 @@ def refusal(cfg: ReuseConfig, *, gradient: str, engine: str, prompts_per_step: i
     if prompts_per_step > 1:
         return (f"capture.reuse_steps={k} holds one prompt's state: needs prompts_per_step=1, got "
                 f"prompts_per_step={prompts_per_step}")
-    if cp > 1:
-        return f"capture.reuse_steps={k} runs on one rank per prompt: needs cp=1, got cp={cp}"
     return None
 
 
@@ -111,23 +115,58 @@ class Drift:
 @torch.no_grad()
 def tail_recaptured(model, prompt_ids: torch.Tensor, resident):
     """`resident` with its tail (positions tail_start.. of its captured prompt) re-captured by the model's current
-    weights from the carried states kept there; the tail's pages and the carried states are put back on exit."""
-    num_tokens, start = resident.num_tokens, resident.tail_start
-    if resident.tail is None or start is None:
+    weights from the carried states kept there; the tail's pages and the carried states are put back on exit.
+    On one device through the capture's own block path (offloaded pages too); under context parallel (the model's
+    `prompt_placement_fn` is cp_walk.py's) through the exact walk's (`_recompute_tail`)."""
+    start = resident.tail_start
+    placement = model.prompt_placement_fn(resident)
+    one_device = isinstance(placement, WholePrompt)
+    if start is None or (one_device and resident.tail is None):
         raise ValueError("the drift probe needs a resident state captured with tail > 0 (capture(..., tail=n))")
-    pages = [None if state.CARRIED else {f.name: getattr(state, f.name)[start:].clone()
+    # this device's pages of the tail: its local rows from `before` on
+    before = placement.num_before(start)
+    pages = [None if state.CARRIED else {f.name: getattr(state, f.name)[before:].clone()
                                           for f in dataclasses.fields(state) if getattr(state, f.name) is not None}
              for state in resident.layers]
     ends = snapshot(resident)
-    _copy_carried(resident.layers, resident.tail)
     try:
-        model.capture_prompt_block(prompt_ids, resident, start, num_tokens)
+        if one_device:
+            _copy_carried(resident.layers, resident.tail)
+            model.capture_prompt_block(prompt_ids, resident, start, resident.num_tokens)
+        else:
+            _recompute_tail(model, prompt_ids, resident, placement, start)
         yield resident
     finally:
         _copy_carried(resident.layers, ends)
         for state, saved in zip(resident.layers, pages):
             for name, t in (saved or {}).items():
-                getattr(state, name)[start:].copy_(t)
+                getattr(state, name)[before:].copy_(t)
+
+
+def _recompute_tail(model, prompt_ids: torch.Tensor, resident, placement, start: int) -> None:
+    """Positions [start, num_tokens) through the exact walk's block path (`recompute_block`, layer by layer): every
+    rank computes them against every rank's pages before them (its hooks merge the shards) from the carried states
+    at `start` (broadcast by `placement` from the rank that kept them), then keeps the rows its own shard holds and
+    the carried states at the end."""
+    num_tokens = resident.num_tokens
+    before, held = placement.num_before(start), placement.num_before(num_tokens)
+    # block rows of this rank's pages [before, held)
+    rows = slice(placement.first + before - start, placement.first + held - start)
+    boundary = placement.carried_at(start, resident.tail)
+    device = model.lm_head.weight.device
+    positions_T = torch.arange(start, num_tokens, device=device)
+    x_BTC, carry = model.model.embed_tokens(prompt_ids[start:num_tokens].to(device))[None], None
+    for layer, state, carried in zip(model.model.layers, resident.layers, boundary):
+        read = carried if state.CARRIED else prefix(state, before)
+        x_BTC, carry, written = layer.recompute_block(x_BTC, positions_T, read, carry)
+        for f in dataclasses.fields(state):
+            new, target = getattr(written, f.name), getattr(state, f.name)
+            if new is None:
+                continue
+            if state.CARRIED:
+                target.copy_(new)
+            elif held > before:
+                target[before:held].copy_(new[rows])
 
 
 def _copy_carried(layers: list, source: list) -> None:

@@ -29,6 +29,7 @@ from longstraw_cli.distributed.comm import shard_bounds
 from longstraw_cli.distributed.cp_attention import cp_capture_attention, cp_decode_pages_attention, cp_replay_attention
 from longstraw_cli.distributed.cp_gdn import SpanBoundaries, cp_conv_window, cp_gdn_scan
 from longstraw_cli.distributed.cp_walk import ShardedPrompt, owned_blocks
+from longstraw_cli.models.core import capture_blocks
 from longstraw_cli.models.spec import family_of
 from longstraw_cli.resident import RecurrentState
 from longstraw_kernels.gdn import gdn_forward
@@ -37,30 +38,40 @@ __all__ = ["apply_context_parallel", "apply_context_parallel_qwen36", "cp_captur
 
 
 def cp_capture(model, prompt_ids: torch.Tensor, block_size: int = 4096, page_dtype=None, boundaries: bool = False,
-               *, group=None):
+               tail: int = 0, *, group=None):
     """This rank's resident state of a 1-D prompt that every rank of the CP group holds. boundaries=True (exact
     mode): also the GDN states at the start of each capture block that starts in this rank's shard
-    (`Resident.boundaries`, None for the other blocks), kept by the GDN span hooks while they scan."""
+    (`Resident.boundaries`, None for the other blocks), kept by the GDN span hooks while they scan. tail=n > 0
+    (capture reuse): `Resident.tail_start` where one device's capture would start its tail (`capture_blocks`),
+    and on the rank whose shard holds that position the GDN states there (`Resident.tail`; None elsewhere)."""
     if prompt_ids.dim() != 1 or prompt_ids.numel() == 0:
         raise ValueError(f"capture takes a non-empty 1-D prompt, got shape {tuple(prompt_ids.shape)}")
+    if boundaries and tail:
+        raise ValueError("a capture keeps either the exact walk's boundaries or reuse's tail, not both")
     num_tokens = prompt_ids.numel() - 1
     start, end = shard_bounds(num_tokens, dist.get_world_size(group), dist.get_rank(group))
     capture = functools.partial(model.capture_span, prompt_ids[start:end], start=start, num_tokens=num_tokens,
                                 last_token=int(prompt_ids[-1]), block_size=block_size, page_dtype=page_dtype)
-    if not boundaries:
+    if not (boundaries or tail):
         return capture()
-    owned = owned_blocks(num_tokens, block_size, start, end)
-    spans = {i: SpanBoundaries([b * block_size - start for b in owned])
+    tail_start = capture_blocks(num_tokens, block_size, tail)[-1][0] if tail else None
+    positions = ([b * block_size for b in owned_blocks(num_tokens, block_size, start, end)] if boundaries
+                 else [tail_start] if start <= tail_start < end else [])
+    spans = {i: SpanBoundaries([p - start for p in positions])
              for i, layer in enumerate(model.model.layers) if not layer.is_attention}
     _set_span_hooks(model, group, spans)
     try:
         resident = capture()
     finally:
         _set_span_hooks(model, group)
+    kept = [[RecurrentState(spans[i].conv_XW[j], spans[i].ssm_GKV[j]) if i in spans else None
+             for i in range(len(resident.layers))] for j in range(len(positions))]
+    if tail:
+        resident.tail, resident.tail_start = (kept[0] if kept else None), tail_start
+        return resident
     resident.boundaries = [None] * -(-num_tokens // block_size)
-    for j, b in enumerate(owned):
-        resident.boundaries[b] = [RecurrentState(spans[i].conv_XW[j], spans[i].ssm_GKV[j]) if i in spans else None
-                                  for i in range(len(resident.layers))]
+    for b, states in zip(owned_blocks(num_tokens, block_size, start, end), kept):
+        resident.boundaries[b] = states
     return resident
 
 

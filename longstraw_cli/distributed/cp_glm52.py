@@ -53,7 +53,7 @@ from longstraw_cli.distributed.cp_attention import AllReduceGrad, MergeAcrossRan
 from longstraw_cli.distributed.cp_topk import cp_global_topk
 from longstraw_cli.distributed.cp_walk import ShardedPrompt, owned_blocks
 from longstraw_cli.distributed.ep import tokens_sharded
-from longstraw_cli.models.core import StepDecoder, check_prompt
+from longstraw_cli.models.core import StepDecoder, capture_blocks, check_prompt
 from longstraw_cli.resident import MLAPages
 from longstraw_kernels import compute_dtype
 
@@ -141,12 +141,13 @@ def cp_span_pages(pages: MLAPages, *, group) -> MLAPages:
 
 @torch.no_grad()
 def cp_capture_glm52(model, prompt_ids: torch.Tensor, block_size: int = 4096, page_dtype=None,
-                     boundaries: bool = False, *, group):
+                     boundaries: bool = False, tail: int = 0, *, group):
     """This rank's resident state of a 1-D prompt that every rank of the CP group holds: the pages of its shard,
     num_tokens the global count. MoE layers see SHARDED tokens here (`tokens_sharded`: expert parallel uses
     all-to-all), and every rank runs the same number of MLP blocks (the largest shard's), so that collective
     calls match across ranks. boundaries=True (exact mode): `Resident.boundaries` as cp_walk.py lays them out,
-    with no carried state in them."""
+    with no carried state in them. tail=n > 0 (capture reuse): `Resident.tail_start` where one device's capture
+    would start its tail (`capture_blocks`), no carried state kept (glm52 has none)."""
     check_prompt(prompt_ids, block_size)
     num_tokens = prompt_ids.numel() - 1
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -166,6 +167,9 @@ def cp_capture_glm52(model, prompt_ids: torch.Tensor, block_size: int = 4096, pa
         resident.boundaries = [None] * -(-num_tokens // block_size)
         for b in owned_blocks(num_tokens, block_size, start, end):
             resident.boundaries[b] = [None] * len(resident.layers)
+    if tail:
+        resident.tail, resident.tail_start = [None] * len(resident.layers), capture_blocks(num_tokens, block_size,
+                                                                                          tail)[-1][0]
     return resident
 
 

@@ -83,6 +83,10 @@ class ShardedPrompt:
     def num_before(self, start: int) -> int:
         return min(max(start - self.first, 0), self.end - self.first)
 
+    def owner(self, position: int) -> int:
+        """The rank whose shard holds prompt position `position`."""
+        return next(r for r, (first, last) in enumerate(self.bounds) if first <= position < last)
+
     def block_grads(self, grad: StateGrad, start: int, end: int) -> list[dict[str, torch.Tensor] | None]:
         """Per layer the gradient of the block's pages [start, end) ({field: [T, ...]}; None for carried layers),
         the same on every rank: each owner of a part broadcasts that part of every paged layer's buffer."""
@@ -108,11 +112,16 @@ class ShardedPrompt:
 
     def boundary(self, block: int, start: int) -> list:
         """The carried states at the block's start (None for paged layers), from the rank whose shard holds it."""
+        return self.carried_at(start, self.resident.boundaries[block])
+
+    def carried_at(self, start: int, states: list | None) -> list:
+        """The carried states at prompt position `start` (None for paged layers), the same on every rank: `states`
+        as the rank whose shard holds `start` kept them (the others' are not read), broadcast from it."""
         out = [None] * len(self.resident.layers)
         if not self.carried:
             return out
-        owner = next(r for r, (first, last) in enumerate(self.bounds) if first <= start < last)
-        states = self.resident.boundaries[block] if owner == self.rank else self.resident.layers
+        owner = self.owner(start)
+        states = states if owner == self.rank else self.resident.layers
         names = [[f.name for f in dataclasses.fields(states[i])] for i in self.carried]
         mine = [getattr(states[i], name) for i, fields in zip(self.carried, names) for name in fields]
         received = iter(broadcast_tensors(mine, owner, self.group))

@@ -84,6 +84,9 @@ class WholePrompt:
     views into the buffer; None for carried layers) and `boundary(block, start)` (the carried states at its
     start; None for paged layers)."""
 
+    # the prompt position of this device's first page
+    first = 0
+
     def __init__(self, resident: Resident):
         self.resident = resident
 
@@ -96,3 +99,7 @@ class WholePrompt:
 
     def boundary(self, block: int, start: int) -> list:
         return self.resident.boundaries[block]
+
+    def carried_at(self, start: int, states: list) -> list:
+        """The carried states at prompt position `start`, kept as `states` (here they are)."""
+        return states

@@ -309,10 +309,14 @@ def test_lora_with_kl_reference_trains_adapters_only_and_exports_hf(train_here, 
     # QLoRA: NF4 base linears on every rank (each quantises the same weights), adapters trained
     ("qwen36_tiny", ["cp=2"], ["lora.rank=4", "lora.quantize=nf4"]),
     ("glm52_tiny", ["cp=2", "ep=2"], ["lora.rank=4", "lora.quantize=nf4"]),
-], ids=["qwen36", "glm52_ep2", "qwen36_exact", "qwen36_qlora", "glm52_ep2_qlora"])
+    # capture reuse: step 1 trains on step 0's capture, its drift probe re-captures the tail across the shards
+    ("qwen36_tiny", ["cp=2"], ["capture.reuse_steps=2", "lora.rank=4", "capture.probe_tokens=40"]),
+    ("glm52_tiny", ["cp=2", "ep=2"], ["capture.reuse_steps=2"]),
+], ids=["qwen36", "glm52_ep2", "qwen36_exact", "qwen36_qlora", "glm52_ep2_qlora", "qwen36_lora_reuse",
+        "glm52_ep2_reuse"])
 def test_cp2_train_step_matches_cp1(train_here, tmp_path, model, parallel, mode):
     """Two ranks sharing each prompt (glm52: also splitting the experts) train as one rank does, exact mode's
-    gradient through the prompt included."""
+    gradient through the prompt and capture reuse's drift included."""
     args = [f"model={model}", "steps=2", "prompt_tokens=256", "response_tokens=8", "group_size=4",
             "model.dtype=float64", "logger.backends=[jsonl]", *mode]
     code, _, err = train_here([*args, f"run_dir={tmp_path / 'cp1'}"])
@@ -327,7 +331,11 @@ def test_cp2_train_step_matches_cp1(train_here, tmp_path, model, parallel, mode)
         assert a["reward_mean"] == b["reward_mean"]
         assert a["mem/resident"] < b["mem/resident"]
         assert ("time/prompt" in a) == ("capture.gradient=exact" in mode)
+        if "capture.reuse_steps=2" in mode:
+            assert a["captures"] == b["captures"] and abs(a["drift"] - b["drift"]) <= 1e-9 * max(1.0, b["drift"])
     assert rows(tmp_path / "cp1")[0]["grad_norm"] > 0
+    if "capture.reuse_steps=2" in mode:
+        assert [r["captures"] for r in rows(tmp_path / "cp2")] == [1, 0] and rows(tmp_path / "cp2")[1]["drift"] > 0
 
 
 def torchrun(args, cwd, nproc=2):

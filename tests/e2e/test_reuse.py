@@ -1,7 +1,7 @@
 """`capture.reuse_steps=K` end to end (reuse.py): K=1 is today's trainer; K=3 trains three steps on one capture and
 logs its drift (0 at the first cycle, larger at a larger learning rate); `capture.max_drift` re-captures early; a
-run resumed mid-reuse re-captures and continues; LoRA with a KL reference and two data-parallel ranks (ddp, fsdp2)
-run it; what reuse cannot run with is refused in one line."""
+run resumed mid-reuse re-captures and continues; LoRA with a KL reference, QLoRA and two data-parallel ranks (ddp,
+fsdp2) run it; what reuse cannot run with is refused in one line."""
 
 import subprocess
 import sys
@@ -84,6 +84,13 @@ def test_max_drift_recaptures_at_the_next_step(train):
 def test_lora_with_a_kl_reference_reuses_the_capture(train):
     got = train("lora", "steps=2", "capture.reuse_steps=2", "lora.rank=4", "algo.kl_coef=0.1", "optim.lr=0.05")
     assert [r["captures"] for r in got] == [1, 0] and got[1]["drift"] > 0 and got[1]["kl_loss"] > 0
+
+
+def test_qlora_reuses_the_capture(train):
+    """NF4 base weights with adapters: the probe re-captures the tail through the quantised linears."""
+    pytest.importorskip("torchao")
+    got = train("qlora", "steps=2", "capture.reuse_steps=2", "lora.rank=4", "lora.quantize=nf4", "optim.lr=0.05")
+    assert [r["captures"] for r in got] == [1, 0] and got[1]["drift"] > 0
 
 
 @pytest.mark.slow

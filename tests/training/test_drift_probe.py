@@ -107,9 +107,9 @@ def test_bad_counts_are_refused_by_name(field, value):
 
 def test_refusals_are_one_line():
     k3 = ReuseConfig(reuse_steps=3)
-    common = {"gradient": "response_only", "engine": "native", "prompts_per_step": 1, "cp": 1}
+    common = {"gradient": "response_only", "engine": "native", "prompts_per_step": 1}
     assert refusal(k3, **common) is None and refusal(ReuseConfig(), **{**common, "gradient": "exact"}) is None
     for change, word in [({"gradient": "exact"}, "capture.gradient=exact"), ({"engine": "vllm"}, "rollout=vllm"),
-                         ({"prompts_per_step": 2}, "prompts_per_step=1"), ({"cp": 2}, "cp=1")]:
+                         ({"prompts_per_step": 2}, "prompts_per_step=1")]:
         line = refusal(k3, **{**common, **change})
         assert word in line and "\n" not in line

@@ -378,13 +378,16 @@ class MLAttention(nn.Module):
         """capture_block's function (B = 1): x's keys, rounded to the page dtype, continue the pages before it
         (`before`: those this device holds; `block_range_fn` says which); x selects among both and attends to the
         selected pages and the selected keys of its own (sparse, merged by LSE).
-        -> (y_BTC, idx_BTK, x's pages: latent and rope; no index keys, which carry no gradient)."""
+        -> (y_BTC, idx_BTK, x's pages: latent, rope and, on indexer layers, the index keys; these select only, so
+        the exact walk differentiates the other two; the drift probe's re-capture writes all three)."""
         T = x_BTC.shape[1]
         first, start, scores_new = self.block_range_fn(before, positions_T, T)
         cos, sin, (q_resid, q_nope, q_rope), new = self.project(x_BTC, positions_T)
         latent_TL, rope_TR = new[0][0].to(before.latent_PL.dtype), new[1][0].to(before.rope_PR.dtype)
+        index_TI = None
         if self.indexer is not None:
-            keys = [before.index_PI] + ([new[2][0].to(before.index_PI.dtype)] if scores_new else [])
+            index_TI = new[2][0].to(before.index_PI.dtype)
+            keys = [before.index_PI] + ([index_TI] if scores_new else [])
             idx_BTK = self.select(x_BTC, q_resid, cos, sin, keys, KeyAxis(start, T, T), first,
                                   lambda scores_BTS, k: self.pages_topk_fn(scores_BTS, k, first))
         else:
@@ -396,7 +399,7 @@ class MLAttention(nn.Module):
             out_pages, lse_pages = self.pages_attention_fn(q_BTHA, before, idx_BTK, first, start, scale=self.scale,
                                                            sparse_attention_fn=self.sparse_attention_fn)
             out, lse = merge_lse(out_pages, lse_pages, out, lse)
-        return self.output(out), idx_BTK, MLAPages(latent_TL, rope_TR, None)
+        return self.output(out), idx_BTK, MLAPages(latent_TL, rope_TR, index_TI)
 
     def replay(self, x_BTC, positions_T, pages: MLAPages, prev_idx=None):
         """x continues the prompt: it attends to the selected pages plus its own keys (causal), pages read only.
