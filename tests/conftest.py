@@ -185,16 +185,19 @@ def join_gloo(rank: int, world_size: int, port: int) -> dict:
     return {2: dist.new_subgroups(group_size=2)[0]} if world_size > 2 else {}
 
 
+def rank_results(worker, world_size: int, out_dir, timeout_s: int = 120) -> list:
+    """[rank -> what worker(rank, world_size, port, out_dir) saved as out_dir/rank{r}.pt], after run_ranks."""
+    run_ranks(worker, world_size, str(out_dir), timeout_s=timeout_s)
+    return [torch.load(Path(out_dir) / f"rank{r}.pt") for r in range(world_size)]
+
+
 def cached_rank_results(tmp_path_factory, worker, name: str):
-    """world size -> [rank -> what worker(rank, world_size, port, out_dir) saved as out_dir/rank{r}.pt], running
-    each world size once per module."""
+    """world size -> `rank_results`, running each world size once per module."""
     cache = {}
 
     def get(world_size):
         if world_size not in cache:
-            out_dir = tmp_path_factory.mktemp(f"{name}{world_size}")
-            run_ranks(worker, world_size, str(out_dir))
-            cache[world_size] = [torch.load(out_dir / f"rank{r}.pt") for r in range(world_size)]
+            cache[world_size] = rank_results(worker, world_size, tmp_path_factory.mktemp(f"{name}{world_size}"))
         return cache[world_size]
 
     return get

@@ -29,7 +29,7 @@ from longstraw_cli.distributed.comm import shard_bounds
 from longstraw_cli.distributed.cp_attention import cp_capture_attention, cp_decode_pages_attention, cp_replay_attention
 from longstraw_cli.distributed.cp_gdn import SpanBoundaries, cp_conv_window, cp_gdn_scan
 from longstraw_cli.distributed.cp_walk import ShardedPrompt, owned_blocks
-from longstraw_cli.models.core import capture_blocks
+from longstraw_cli.models.core import tail_start
 from longstraw_cli.models.spec import family_of
 from longstraw_cli.resident import RecurrentState
 from longstraw_kernels.gdn import gdn_forward
@@ -54,9 +54,9 @@ def cp_capture(model, prompt_ids: torch.Tensor, block_size: int = 4096, page_dty
                                 last_token=int(prompt_ids[-1]), block_size=block_size, page_dtype=page_dtype)
     if not (boundaries or tail):
         return capture()
-    tail_start = capture_blocks(num_tokens, block_size, tail)[-1][0] if tail else None
+    first_tail = tail_start(num_tokens, block_size, tail) if tail else None
     positions = ([b * block_size for b in owned_blocks(num_tokens, block_size, start, end)] if boundaries
-                 else [tail_start] if start <= tail_start < end else [])
+                 else [first_tail] if start <= first_tail < end else [])
     spans = {i: SpanBoundaries([p - start for p in positions])
              for i, layer in enumerate(model.model.layers) if not layer.is_attention}
     _set_span_hooks(model, group, spans)
@@ -67,7 +67,7 @@ def cp_capture(model, prompt_ids: torch.Tensor, block_size: int = 4096, page_dty
     kept = [[RecurrentState(spans[i].conv_XW[j], spans[i].ssm_GKV[j]) if i in spans else None
              for i in range(len(resident.layers))] for j in range(len(positions))]
     if tail:
-        resident.tail, resident.tail_start = (kept[0] if kept else None), tail_start
+        resident.tail, resident.tail_start = (kept[0] if kept else None), first_tail
         return resident
     resident.boundaries = [None] * -(-num_tokens // block_size)
     for b, states in zip(owned_blocks(num_tokens, block_size, start, end), kept):

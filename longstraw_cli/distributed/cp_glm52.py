@@ -53,7 +53,7 @@ from longstraw_cli.distributed.cp_attention import AllReduceGrad, MergeAcrossRan
 from longstraw_cli.distributed.cp_topk import cp_global_topk
 from longstraw_cli.distributed.cp_walk import ShardedPrompt, owned_blocks
 from longstraw_cli.distributed.ep import tokens_sharded
-from longstraw_cli.models.core import StepDecoder, capture_blocks, check_prompt
+from longstraw_cli.models.core import StepDecoder, check_prompt, tail_start
 from longstraw_cli.resident import MLAPages
 from longstraw_kernels import compute_dtype
 
@@ -168,8 +168,7 @@ def cp_capture_glm52(model, prompt_ids: torch.Tensor, block_size: int = 4096, pa
         for b in owned_blocks(num_tokens, block_size, start, end):
             resident.boundaries[b] = [None] * len(resident.layers)
     if tail:
-        resident.tail, resident.tail_start = [None] * len(resident.layers), capture_blocks(num_tokens, block_size,
-                                                                                          tail)[-1][0]
+        resident.tail, resident.tail_start = [None] * len(resident.layers), tail_start(num_tokens, block_size, tail)
     return resident
 
 

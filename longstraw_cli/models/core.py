@@ -71,6 +71,11 @@ def capture_blocks(num_tokens: int, block_size: int, tail: int = 0) -> list[tupl
     return blocks
 
 
+def tail_start(num_tokens: int, block_size: int, tail: int) -> int:
+    """The first position of the tail that `capture_blocks(..., tail)` cuts (context parallel keeps it too)."""
+    return capture_blocks(num_tokens, block_size, tail)[-1][0]
+
+
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate x) * up x), HF's names."""
 

@@ -5,7 +5,6 @@ Per prompt length: one response of R tokens (q [1, R, Q, D]) against P frozen pa
 as one replay's attention layer sees them. Times (median ms, CUDA events): the forward alone, and forward + backward
 with each page-dq path; the TFLOP/s column counts the products each path must do (forward 2, backward 3 for the
 pages: S, dP and dq). Errors: both paths' dq against each other and, at the smallest P, against the fp64 reference.
-Optionally (--cudnn) aten's cuDNN backward over the pages with the global out and lse, for comparison.
 
 --sweep also times page_dq alone under a few DqConfigs at the largest P (to choose DEFAULT_CONFIG).
 
@@ -60,7 +59,6 @@ def main():
     parser.add_argument("--response", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--cudnn", action="store_true", help="also time aten's cuDNN backward over the pages")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     cfg = named_config(args.model)
@@ -70,8 +68,7 @@ def main():
             "torch": torch.__version__, "backend": flash.forward_backend()}
     prompts = [int(p) for p in args.prompt.split(",")]
     for P in prompts:
-        emit(one_prompt(base, P, R, Q, K, D, args.repeats, args.cudnn, with_fp64=P == min(prompts) <= 1 << 17),
-             args.out)
+        emit(one_prompt(base, P, R, Q, K, D, args.repeats, with_fp64=P == min(prompts) <= 1 << 17), args.out)
     if args.sweep:
         P = max(prompts)
         q, kp, vp, _, _ = inputs(R, P, Q, K, D)
@@ -95,7 +92,7 @@ def main():
                       rel_vs_default=err), args.out)
 
 
-def one_prompt(base, P, R, Q, K, D, repeats, cudnn, with_fp64):
+def one_prompt(base, P, R, Q, K, D, repeats, with_fp64):
     scale = D**-0.5
     q, kp, vp, kn, vn = inputs(R, P, Q, K, D)
     dout = torch.randn_like(q)
@@ -119,29 +116,7 @@ def one_prompt(base, P, R, Q, K, D, repeats, cudnn, with_fp64):
         ref = reference(q64, kp.double(), vp.double(), kn.double(), vn.double(), scale=scale)
         (want,) = torch.autograd.grad(ref, q64, dout.double())
         row["dq_rel_triton_vs_fp64"], row["dq_rel_aten_vs_fp64"] = rel(dqs["triton"], want), rel(dqs["aten"], want)
-    if cudnn:
-        row.update(cudnn_pages_backward(q, kp, vp, dout, scale, K, repeats, matmul_tflop))
     return row
-
-
-def cudnn_pages_backward(q, kp, vp, dout, scale, K, repeats, matmul_tflop):
-    """aten's cuDNN backward over the pages (all five products) fed the pages' own out and lse."""
-    B, R = q.shape[:2]
-    qf, dof = flash._fold_pages_query(q, K), flash._fold_pages_query(dout, K)
-    kf, vf = kp.transpose(0, 1)[None], vp.transpose(0, 1)[None]
-    try:
-        fwd = torch.ops.aten._scaled_dot_product_cudnn_attention(qf, kf, vf, None, True, 0.0, False, False,
-                                                                 scale=scale)
-        out, lse = fwd[0], fwd[1]
-
-        def bwd():
-            return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-                dof, qf, kf, vf, out, lse, fwd[6], fwd[7], None, fwd[2], fwd[3],
-                fwd[4], fwd[5], 0.0, False, scale=scale)
-        ms = time_ms(bwd, repeats)
-        return {"cudnn_pages_bwd_ms": round(ms, 2), "cudnn_bwd_tflops_5": round(5 * matmul_tflop / ms * 1e3, 1)}
-    except Exception as exc:
-        return {"cudnn_pages_bwd_error": f"{type(exc).__name__}: {str(exc)[:200]}"}
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import exact_grads, ids, join_gloo, random_lora_, random_model, rel_err, run_ranks
+from conftest import exact_grads, ids, join_gloo, random_lora_, random_model, rank_results, rel_err
 from longstraw_cli.distributed.cp import apply_context_parallel
 from longstraw_cli.distributed.cp_walk import ShardedPrompt
 from longstraw_cli.distributed.ep import apply_expert_parallel, expert_bounds
@@ -94,9 +94,8 @@ def worst(got, ref, rank, ep):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_exact_gradient_under_context_parallel_equals_one_rank(tmp_path, world):
-    run_ranks(_worker, world, str(tmp_path), timeout_s=300)
+    results = rank_results(_worker, world, tmp_path, timeout_s=300)
     torch.set_num_threads(1)
-    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     for name, model_name, lora, ep, block in CASES[world]:
         ref, ref_bytes = one_rank(model_name, lora, block)
         if lora is not None:

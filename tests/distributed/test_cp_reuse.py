@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import longstraw_cli.reuse as reuse_module
-from conftest import ids, join_gloo, random_model, run_ranks
+from conftest import ids, join_gloo, random_model, rank_results
 from longstraw_cli.distributed.cp import apply_context_parallel
 from longstraw_cli.distributed.ep import apply_expert_parallel
 from longstraw_cli.reuse import PromptReuse, ReuseConfig
@@ -78,9 +78,8 @@ def _worker(rank, world, port, out_dir):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_drift_under_context_parallel_equals_one_rank(tmp_path, world):
-    run_ranks(_worker, world, str(tmp_path), timeout_s=300)
+    results = rank_results(_worker, world, tmp_path, timeout_s=300)
     torch.set_num_threads(1)
-    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     for name, model_name, _, block, tail in CASES[world]:
         ref_max, ref_mean, ref_start, ref_restored = drift_of(random_model(model_name, seed=3), block, tail)
         assert ref_restored and ref_max > 1e-4
