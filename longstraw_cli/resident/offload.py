@@ -181,8 +181,10 @@ class _HostSaved:
         i, k, shape, stride, offset = value
         if self.current[0] != i:
             if self.back is None:
-                self.back = LayerStager(self.layers, self.device, wanted=lambda j: not self.layers[j].CARRIED,
-                                        step=-1)
+                # the filter must not refer to self: the stager it goes into is self's, and a cycle would keep the
+                # layer copy held in self.current alive past the backward until Python's cycle collector ran
+                layers = self.layers
+                self.back = LayerStager(layers, self.device, wanted=lambda j: not layers[j].CARRIED, step=-1)
             # the previous layer's copy is released here (the graph holds what it still needs of it)
             self.current = (i, self.back.get(i))
         return self.current[1].tensors()[k].as_strided(shape, stride, offset)

@@ -56,7 +56,9 @@ class GraphMemory:
         self.sizes: dict[tuple[str, int], int] = {}
         self.live_bytes = 0
         self.peak_bytes = 0
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        # made on entry and dropped on exit: hooks held by the meter would make a meter -> hooks -> bound method ->
+        # meter cycle, left for Python's cycle collector
+        self._hooks = None
 
     def _pack(self, t: torch.Tensor):
         key = _storage_key(t)
@@ -86,11 +88,13 @@ class GraphMemory:
         return sum(self.refs.values())
 
     def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc):
         self._hooks.__exit__(*exc)
+        self._hooks = None
 
 
 class PhaseClock:
