@@ -294,3 +294,14 @@ def train_here(tmp_path, monkeypatch, capsys):
 def rows(run_dir: Path) -> list[dict]:
     """The metrics.jsonl rows of a run."""
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def composed(overrides: list[str]) -> dict:
+    """The resolved config that `longstraw train OVERRIDES` would compose (what `train_config` takes)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from longstraw_cli.cli import CONF_DIR
+
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        return OmegaConf.to_container(compose("config", overrides=overrides), resolve=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import longstraw, rows
+from conftest import composed, longstraw, rows
 from longstraw_cli.cli import check_overrides
 from longstraw_cli.config import ConfigError
 
@@ -111,33 +111,22 @@ def test_multirun_sweep_runs_each_job(train_here, tmp_path):
 
 
 def test_train_config_is_typed_and_frozen():
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from longstraw_cli.cli import CONF_DIR
     from longstraw_cli.config import train_config
 
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=["algo=dapo", "lora.rank=4", "group_size=6", "run_dir=x"])
-    tc = train_config(OmegaConf.to_container(cfg, resolve=True))
+    cfg = composed(["algo=dapo", "lora.rank=4", "group_size=6", "run_dir=x"])
+    tc = train_config(cfg)
     assert tc.loss.name == "dapo" and tc.loss.clip_high == 0.28 and tc.lora.rank == 4 and tc.group_size == 6
     assert tc.rollout.sampling.max_new_tokens == tc.response_tokens
     with pytest.raises(dataclasses.FrozenInstanceError):
         tc.group_size = 3
     with pytest.raises(ConfigError, match="cp=3 does not divide the world size 4; valid: \\[1, 2, 4\\]"):
-        train_config({**OmegaConf.to_container(cfg, resolve=True), "cp": 3}, world_size=4)
+        train_config({**cfg, "cp": 3}, world_size=4)
 
 
 def test_exact_gradient_refuses_what_it_does_not_run_with():
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from longstraw_cli.cli import CONF_DIR
     from longstraw_cli.config import train_config
 
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = OmegaConf.to_container(compose("config", overrides=["capture.gradient=exact", "run_dir=x"]),
-                                     resolve=True)
+    cfg = composed(["capture.gradient=exact", "run_dir=x"])
     assert train_config(cfg).transaction.exact
     # context parallel runs it, whatever the strategy's name (one data-parallel rank: nothing to reduce)
     assert train_config({**cfg, "cp": 2, "strategy": {"name": "fsdp2"}}, world_size=2).cp == 2

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import rows
+from conftest import composed, rows
 
 E2E = Path(__file__).parent
 SMALL = ["prompt_tokens=48", "response_tokens=4", "group_size=3", "logger.backends=[jsonl]", "steps=2",
@@ -83,17 +83,11 @@ def test_a_step_leaves_nothing_for_the_cycle_collector(tmp_path, monkeypatch, ar
     pages once did (an H200 run's peak rose ~0.5 GiB a step until a collection)."""
     import gc
 
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from longstraw_cli.cli import CONF_DIR
     from longstraw_cli.config import train_config
     from longstraw_cli.trainer import Trainer
 
     monkeypatch.syspath_prepend(str(E2E))
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=[*SMALL, *args, "steps=3", f"run_dir={tmp_path}"])
-    trainer = Trainer(train_config(OmegaConf.to_container(cfg, resolve=True)))
+    trainer = Trainer(train_config(composed([*SMALL, *args, "steps=3", f"run_dir={tmp_path}"])))
     gc.collect()
     enabled = gc.isenabled()
     gc.disable()
@@ -109,4 +103,6 @@ def test_a_step_leaves_nothing_for_the_cycle_collector(tmp_path, monkeypatch, ar
         gc.garbage.clear()
         if enabled:
             gc.enable()
+        trainer.progress.close()
+        trainer.metrics.close()
     assert not ours, sorted({type(o).__name__ for o in ours})

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import free_port, rows, run_ranks
+from conftest import composed, free_port, rows, run_ranks
 from longstraw_cli.checkpoint import OPTIMIZER_FILE, CheckpointError, CheckpointManager
 from longstraw_cli.distributed import sharded_checkpoint
 
@@ -22,15 +22,9 @@ DETERMINISTIC = ("step", "reward_mean", "reward_std", "loss", "pg_loss", "grad_n
 
 
 def _config(overrides: list[str]):
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from longstraw_cli.cli import CONF_DIR
     from longstraw_cli.config import train_config
 
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=overrides)
-    return train_config(OmegaConf.to_container(cfg, resolve=True))
+    return train_config(composed(overrides))
 
 
 def _two_ranks(rank, world_size, port, out_dir, strategy, ports):
