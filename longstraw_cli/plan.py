@@ -448,11 +448,14 @@ def report(cfg: Qwen36Config, title: str, prompts: list[int], **common) -> int:
     short = ("weights", "grads", "optim", "resident", "capt_act", "score_act", "graph", "repl_tr")
     try:
         plans = [plan(cfg, prompt_tokens=prompt, **common) for prompt in prompts]
-        longest = max_prompt_tokens(cfg, **common)
+        # the trainer refuses a prompt past the model's positions (less the response's), whatever memory allows
+        positions = cfg.max_position_embeddings
+        cap = positions - common["response_tokens"]
+        longest = max_prompt_tokens(cfg, limit=cap, **common)
         # the placements this run may take (offload is refused with exact gradients and under context parallel)
         placements = [o for o in OFFLOAD_NAMES if not offload_refusal(
             o, gradient=common.get("gradient", "response_only"), cp=common.get("cp", 1))]
-        per_placement = {o: max_prompt_tokens(cfg, **{**common, "offload": o}) for o in placements}
+        per_placement = {o: max_prompt_tokens(cfg, limit=cap, **{**common, "offload": o}) for o in placements}
     except ValueError as e:
         print(f"plan: error: {e}", file=sys.stderr)
         return 2
@@ -481,7 +484,14 @@ def report(cfg: Qwen36Config, title: str, prompts: list[int], **common) -> int:
                   f"to the GPU for it (rollout.native.offload_copy_gib={p['offload_copy_gib']}), its peak ~"
                   f"{p['rollout'] / GIB:.2f} GiB" + (f"; {rest / GIB:.2f} GiB read from host memory at every decode "
                                                     f"token" if rest else ""))
-    print(f"longest prompt that fits in {common['gpu_mem_gib']:g} GiB: {longest} tokens ({longest / 2**20:.2f}M)")
+    for p in plans:
+        if p["prompt_tokens"] > cap:
+            print(f"{p['prompt_tokens']:>9} is past the model's positions: with response_tokens="
+                  f"{common['response_tokens']} its {positions} positions leave room for {cap} (longstraw train "
+                  f"refuses it)")
+    capped = f" (the model's {positions} positions less the response; memory allows more)" if longest == cap else ""
+    print(f"longest prompt that fits in {common['gpu_mem_gib']:g} GiB: {longest} tokens ({longest / 2**20:.2f}M)"
+          + capped)
     host_limit = f"{common.get('host_mem_gib', 128.0):g} GiB host"
     print("longest prompt per placement: " + ", ".join(
         f"offload={o}: {n} tokens ({n / 2**20:.2f}M)" + (f", {host_limit}" if o == "cpu" else "")

@@ -123,6 +123,18 @@ def test_train_config_is_typed_and_frozen():
         train_config({**cfg, "cp": 3}, world_size=4)
 
 
+@pytest.mark.parametrize("model", ["qwen36", "glm52"])
+def test_named_configs_admit_the_papers_longest_prompt(model):
+    """The paper's 4,456,448-position point with 1K responses fits the named configs' 8M positions; past them is
+    refused in one line."""
+    from longstraw_cli.config import train_config
+
+    cfg = composed([f"model={model}", "cp=8", "prompt_tokens=4456448", "response_tokens=1024", "run_dir=x"])
+    assert train_config(cfg, world_size=8).prompt_tokens == 4_456_448
+    with pytest.raises(ConfigError, match="8388608 positions"):
+        train_config({**cfg, "prompt_tokens": 2**23}, world_size=8)
+
+
 def test_exact_gradient_refuses_what_it_does_not_run_with():
     from longstraw_cli.config import train_config
 

@@ -265,3 +265,16 @@ def test_longstraw_plan_command_prints_the_offloaded_rollout(capsys):
     assert "pages in host memory 64.00 GiB" in out
     assert "28.00 GiB of pages copied to the GPU for it (rollout.native.offload_copy_gib=30)" in out
     assert "36.00 GiB read from host memory at every decode token" in out
+
+
+def test_the_longest_prompt_stops_at_the_models_positions(capsys):
+    """Memory would allow far more than qwen36_tiny's 65,536 positions: the plan's longest prompt is what
+    `longstraw train` accepts (positions less the response), and a prompt past it is named."""
+    from longstraw_cli.__main__ import main as longstraw
+
+    assert longstraw(["plan", "model=qwen36_tiny", "prompt_tokens=70000", "response_tokens=16"]) == 0
+    out = capsys.readouterr().out
+    assert ("70000 is past the model's positions: with response_tokens=16 its 65536 positions leave room for "
+            "65520") in out
+    assert "longest prompt that fits in 139 GiB: 65520 tokens (0.06M) (the model's 65536 positions" in out
+    assert "offload=none: 65520 tokens" in out

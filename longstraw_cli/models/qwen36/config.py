@@ -27,8 +27,9 @@ class Qwen36Config:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10_000_000.0
     partial_rotary_factor: float = 0.25
-    # LongStraw's named configs admit 4M positions (the paper trains at 2M-4.4M); HF's release says 262144.
-    max_position_embeddings: int = 4_194_304
+    # LongStraw's named configs admit 8M positions (the paper trains at 2M-4,456,448); HF's release says 262144.
+    # Only a check (no table is sized by it): fp32 positions in RoPE are exact to 2**24.
+    max_position_embeddings: int = 8_388_608
     tie_word_embeddings: bool = False
 
     def __post_init__(self):
