@@ -479,7 +479,8 @@ class Trainer:
         if self.cfg.transaction.offload != "none":
             metrics["mem/host_pages"] = host_bytes(result.resident_bytes)
         metrics["mem/graph_peak"] = result.graph_peak_bytes
-        if result.state_grad_bytes:
+        if self.cfg.transaction.exact:
+            # every rank logs the same keys (the metrics all-reduce reduces them in order), 0 or not
             metrics["mem/state_grad"] = result.state_grad_bytes
         metrics["mem/accounted_peak"] = result.accounted_peak_bytes
         metrics.update(clock.memory_metrics())
@@ -518,17 +519,20 @@ class Trainer:
         checkpoint when due or on a signal; -> the signal's name when the run is to stop after it."""
         done, every, val_every = step + 1, self.cfg.checkpoint.every, self.cfg.task.val_every
         self.section = "iteration"
-        metrics = self.iteration(step)
+        own = self.iteration(step)
         self.guard.after_step(step)
-        metrics["nonfinite_steps"] = self.guard.total
+        own["nonfinite_steps"] = self.guard.total
         self.section = "the metrics all-reduce"
-        metrics = self._across_ranks(metrics)
+        metrics = self._across_ranks(own)
         if self.val_task is not None and val_every and done % val_every == 0:
             self.section = "validation"
-            metrics.update(self.validate(step))
+            val = self.validate(step)
+            metrics.update(val)
+            own.update(val)
         self.progress.step_done()
         self.metrics.log(step, metrics)
-        log.info("rank %d step %d %s", self.rank, step, json.dumps(metrics))
+        # each rank's log keeps its own times and peaks (metrics.jsonl has the worst rank's)
+        log.info("rank %d step %d %s", self.rank, step, json.dumps(own))
         self.guard.stop_if_due(step)
         self.section = "the preemption check"
         stop = preemption.agreed(self.device)
@@ -539,17 +543,21 @@ class Trainer:
         return stop
 
     def _across_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Data-parallel runs log the mean over ranks of each number, and the max of times and memory."""
-        if self.dims.dp == 1:
-            return metrics
+        """A new dict: over all ranks, the max of times and memory (the worst rank's, under context and expert
+        parallel too); data-parallel runs also log the mean over ranks of every other number (the ranks of one
+        context-parallel group compute the same ones)."""
+        out = dict(metrics)
+        if self.dims.world_size == 1:
+            return out
         keys = sorted(metrics)
         worst = [k for k in keys if k.startswith(("time/", "mem/"))]
-        mean = [k for k in keys if k not in worst]
-        values = torch.tensor([float(metrics[k]) for k in mean], dtype=torch.float64, device=self.device)
         peaks = torch.tensor([float(metrics[k]) for k in worst], dtype=torch.float64, device=self.device)
-        dist.all_reduce(values)
         dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
-        out = {k: v / self.dims.world_size for k, v in zip(mean, values.tolist())}
+        if self.dims.dp > 1:
+            mean = [k for k in keys if k not in worst]
+            values = torch.tensor([float(metrics[k]) for k in mean], dtype=torch.float64, device=self.device)
+            dist.all_reduce(values)
+            out.update((k, v / self.dims.world_size) for k, v in zip(mean, values.tolist()))
         out.update(zip(worst, peaks.tolist()))
         return out
 

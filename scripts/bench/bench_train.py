@@ -1,13 +1,14 @@
 """The real job, measured: `longstraw train` itself, on the GPU, with native rollout; its metrics rows are the record.
 
-Runs `python -m longstraw_cli train <overrides> steps=N run_dir=...` once per prompt length and reads back the
-run's metrics.jsonl: per step the time and CUDA peak of each phase (rollout, drift, reward, capture, score,
-replay, finalize, step) and decode ms per token, the host's peak RSS and, with capture.offload=cpu, the bytes of
-pages held in host memory; with capture.reuse_steps > 1 also each step's reuse cycle,
-captures and drift (`reuse`). Step 0 also pays one-time costs (Triton JIT, cuBLAS/cuDNN handles,
-the first CUDA-graph capture): it is reported as its own row, `warmup`, and the later steps are averaged into
-`steady`; `first_step_extra_s` is step 0's time minus the steady step's. `transaction_s` is the step without
-rollout and reward, what `scripts/bench/bench_step.py` times in isolation. One JSON row per run to --out.
+Runs `python -m longstraw_cli train <overrides> steps=N run_dir=...` once per prompt length (`--nproc N`: under
+torchrun, N ranks; the worst rank's numbers) and reads back the run's metrics.jsonl: per step the time and CUDA
+peak of each phase (rollout, drift, reward, capture, score, replay, finalize, step) and decode ms per token, the
+host's peak RSS and, with capture.offload=cpu, the bytes of pages held in host memory; with capture.reuse_steps > 1
+also each step's reuse cycle, captures and drift (`reuse`). Step 0 also pays one-time costs (Triton JIT,
+cuBLAS/cuDNN handles, the first CUDA-graph capture): it is reported as its own row, `warmup`, and the later
+steps are averaged into `steady`; `first_step_extra_s` is step 0's time minus the steady step's. `transaction_s`
+is the step without rollout and reward, what `scripts/bench/bench_step.py` times in isolation. One JSON row per
+run to --out.
 
     python scripts/bench/bench_train.py --prompt 65536 262144 -- model=qwen36_mini model.dtype=bfloat16 \\
         device=cuda task=passkey group_size=8 response_tokens=1024
@@ -71,13 +72,18 @@ def main() -> None:
     parser.add_argument("--run-root", default=None,
                         help="where the runs' dirs go (default: a temporary dir); on the device machine $OUT/runs "
                              "brings each step's metrics.jsonl back even when the call's time limit kills the run")
+    parser.add_argument("--nproc", type=int, default=1,
+                        help="ranks: > 1 launches the run under torchrun (--standalone) with this many processes, "
+                             "e.g. with cp=8; its metrics.jsonl holds the worst rank's times and peaks")
     parser.add_argument("overrides", nargs="*", help="longstraw train overrides (after --)")
     args = parser.parse_args()
+    launcher = [sys.executable] if args.nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc)]
     for prompt in args.prompt:
         if args.run_root:
             Path(args.run_root).mkdir(parents=True, exist_ok=True)
         run_dir = Path(tempfile.mkdtemp(prefix="bench_train_", dir=args.run_root))
-        cmd = [sys.executable, "-m", "longstraw_cli", "train", *args.overrides, f"prompt_tokens={prompt}",
+        cmd = [*launcher, "-m", "longstraw_cli", "train", *args.overrides, f"prompt_tokens={prompt}",
                f"steps={args.steps}", f"run_dir={run_dir}", "checkpoint.enabled=false"]
         start = time.perf_counter()
         done = subprocess.run(cmd, env={**os.environ, "HYDRA_FULL_ERROR": "1"})

@@ -5,7 +5,9 @@ prove the same there as in a child process, without its start-up. A child proces
 thing under test: the console script's exit code and stderr, kill -9 and resume, torchrun's ranks."""
 
 import dataclasses
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -337,6 +339,18 @@ def test_cp2_train_step_matches_cp1(train_here, tmp_path, model, parallel, mode)
     assert rows(tmp_path / "cp1")[0]["grad_norm"] > 0
     if "capture.reuse_steps=2" in mode:
         assert [r["captures"] for r in rows(tmp_path / "cp2")] == [1, 0] and rows(tmp_path / "cp2")[1]["drift"] > 0
+    # metrics.jsonl has the worst rank's times and memory; each rank's log has its own (the shards differ in size)
+    own = [rank_rows(tmp_path / "cp2" / f"train_rank{rank}.log") for rank in (0, 1)]
+    for step, row in enumerate(rows(tmp_path / "cp2")):
+        for key in (k for k in row if k.startswith(("time/", "mem/"))):
+            assert row[key] == max(own[0][step][key], own[1][step][key]), key
+    assert own[0][0]["mem/resident"] != own[1][0]["mem/resident"]
+
+
+def rank_rows(log: Path) -> list[dict]:
+    """The metrics a rank logged in its train_rank*.log, one dict per step."""
+    found = (re.search(r"rank \d+ step \d+ (\{.*\})$", line) for line in log.read_text().splitlines())
+    return [json.loads(m.group(1)) for m in found if m]
 
 
 def torchrun(args, cwd, nproc=2):
