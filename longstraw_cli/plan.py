@@ -489,7 +489,8 @@ def report(cfg: Qwen36Config, title: str, prompts: list[int], **common) -> int:
             print(f"{p['prompt_tokens']:>9} is past the model's positions: with response_tokens="
                   f"{common['response_tokens']} its {positions} positions leave room for {cap} (longstraw train "
                   f"refuses it)")
-    capped = f" (the model's {positions} positions less the response; memory allows more)" if longest == cap else ""
+    capped = (f" (the model's {positions} positions less the response; memory allows more)"
+              if longest == cap and plan(cfg, prompt_tokens=cap + 1, **common)["fits"] else "")
     print(f"longest prompt that fits in {common['gpu_mem_gib']:g} GiB: {longest} tokens ({longest / 2**20:.2f}M)"
           + capped)
     host_limit = f"{common.get('host_mem_gib', 128.0):g} GiB host"
