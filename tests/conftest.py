@@ -1,3 +1,4 @@
+import contextlib
 import json
 import logging
 import os
@@ -53,11 +54,20 @@ def gdn_inputs(B, T, H, G, K, V, with_state=True, seed=0) -> dict:
     }
 
 
+def free_ports(n: int) -> list[int]:
+    """n different free TCP ports on localhost, one per gloo rendezvous: all n are held open while the kernel picks,
+    so none repeats. Runs one after another in the same processes need different ports: a rank that finishes a run
+    first and opens the next on the same port meets the store of the run a slower rank is still in, and hangs."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+
+
 def free_port() -> int:
     """A free TCP port on localhost for a gloo rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 @pytest.fixture(scope="module")

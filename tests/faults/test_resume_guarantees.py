@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import composed, free_port, rows, run_ranks
+from conftest import composed, free_ports, rows, run_ranks
 from longstraw_cli.checkpoint import OPTIMIZER_FILE, CheckpointError, CheckpointManager
 from longstraw_cli.distributed import sharded_checkpoint
 
@@ -57,7 +57,7 @@ def _weights(checkpoint: Path) -> dict:
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_two_rank_resume_equals_the_uninterrupted_run(train_here, tmp_path, monkeypatch, strategy):
     monkeypatch.syspath_prepend(str(E2E))
-    run_ranks(_two_ranks, 2, str(tmp_path), strategy, [free_port() for _ in range(3)], timeout_s=600)
+    run_ranks(_two_ranks, 2, str(tmp_path), strategy, free_ports(3), timeout_s=600)
     whole, part = rows(tmp_path / "whole"), rows(tmp_path / "part")
     assert len(whole) == len(part) == 3 and all(r["grad_norm"] > 0 for r in whole)
     assert [{k: r[k] for k in DETERMINISTIC} for r in part] == [{k: r[k] for k in DETERMINISTIC} for r in whole]
