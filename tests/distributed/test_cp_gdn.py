@@ -5,10 +5,9 @@ sliced conv windows."""
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from conftest import free_port, rel_err
+from conftest import rel_err, run_ranks
 from longstraw_cli.distributed.cp_gdn import compose_prefix, cp_conv_window, cp_gdn_scan, gdn_transition, span_affine
 from longstraw_kernels.gdn import gdn_chunked, gdn_recurrent
 
@@ -138,7 +137,7 @@ def _worker(rank, world, port, spans, out_dir):
 @pytest.mark.parametrize("spans", [[2, 35], [11, 0, 2, 24]], ids=["world2", "world4"])
 def test_cp_ranks_match_one_rank(spans, tmp_path):
     world = len(spans)
-    mp.spawn(_worker, args=(world, free_port(), spans, str(tmp_path)), nprocs=world, join=True)
+    run_ranks(_worker, world, spans, str(tmp_path))
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     tolerances = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 1e-2}
     for dtype, tol in tolerances.items():

@@ -6,9 +6,8 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from conftest import free_port, randomize_, rel_err
+from conftest import randomize_, rel_err, run_ranks
 from longstraw_cli.distributed.cp import apply_context_parallel, shard_bounds
 from longstraw_cli.models import build_model
 from longstraw_cli.rollout.native import SamplingConfig, generate
@@ -59,7 +58,7 @@ def _worker(rank, world, port, out_dir, dtype):
 @pytest.mark.parametrize("world, dtype, tol", [(2, torch.float64, 1e-10), (4, torch.float64, 1e-10),
                                                (2, torch.float32, 1e-5)])
 def test_context_parallel_equals_one_rank(tmp_path, world, dtype, tol):
-    mp.spawn(_worker, args=(world, free_port(), str(tmp_path), dtype), nprocs=world, join=True)
+    run_ranks(_worker, world, str(tmp_path), dtype)
     ref = run(make_model(dtype), *problem())
     num_tokens = PROMPT - 1
     for rank in range(world):

@@ -4,8 +4,8 @@ reduction per step and none during replays, context parallel underneath, LoRA, a
 a checkpoint, exact gradients (ddp reduces after the prompt's walk; under context parallel too), and
 `longstraw train strategy=...` under torchrun.
 
-The ranks run every case in one spawn per layout (process start-up and the first DDP/FSDP import cost more than
-the cases themselves); the tests then read what each case left."""
+The ranks run every case in one launch of forked ranks per layout (process start-up and the first DDP/FSDP import
+cost more than the cases themselves); the tests then read what each case left."""
 
 import collections
 import contextlib
@@ -19,10 +19,9 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import free_port, randomize_, rel_err
+from conftest import randomize_, rel_err, run_ranks
 from longstraw_cli.checkpoint import CheckpointManager
 from longstraw_cli.distributed import sharded_checkpoint
 from longstraw_cli.distributed.cp import apply_context_parallel
@@ -35,7 +34,7 @@ from longstraw_cli.rl.advantages import get_advantage
 from longstraw_cli.rl.losses import LossConfig
 from longstraw_cli.transaction import Transaction, TransactionConfig
 
-# every case runs on spawned gloo ranks or under torchrun
+# every case runs on forked gloo ranks or under torchrun
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 G, STEPS, MAX_GRAD_NORM = 3, 2, 0.5
@@ -179,7 +178,7 @@ def run_case(name, dims, rank, groups, out_dir):
     torch.save(out, out_dir / f"{name}.rank{rank}.pt")
 
 
-def _worker(rank, world, cp, port, out_dir, names):
+def _worker(rank, world, port, cp, out_dir, names):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -193,9 +192,9 @@ def _worker(rank, world, cp, port, out_dir, names):
         dist.destroy_process_group()
 
 
-def spawn(tmp_path_factory, world, cp, names):
+def launch(tmp_path_factory, world, cp, names):
     out_dir = tmp_path_factory.mktemp(f"world{world}_cp{cp}")
-    mp.spawn(_worker, args=(world, cp, free_port(), out_dir, names), nprocs=world, join=True)
+    run_ranks(_worker, world, cp, out_dir, names, timeout_s=600)
 
     def load(name, rank):
         return torch.load(out_dir / f"{name}.rank{rank}.pt")
@@ -207,12 +206,12 @@ def spawn(tmp_path_factory, world, cp, names):
 @pytest.fixture(scope="module")
 def dp2(tmp_path_factory):
     names = [n for n in CASES if HAS_DEEPSPEED or not n.startswith("deepspeed")]
-    return spawn(tmp_path_factory, 2, 1, names)
+    return launch(tmp_path_factory, 2, 1, names)
 
 
 @pytest.fixture(scope="module")
 def cp2_dp2(tmp_path_factory):
-    return spawn(tmp_path_factory, 4, 2, CP_CASES)
+    return launch(tmp_path_factory, 4, 2, CP_CASES)
 
 
 @functools.cache
