@@ -190,8 +190,10 @@ def test_bad_lora_config_is_one_line(bad, expected):
 
 @pytest.mark.parametrize("name, overrides, dtype", [
     ("qwen36_tiny", {}, "float32"),
-    # qwen36_mini's widths (every linear 256 scalers a factor, as on the 27B shape), 4 layers, a small vocab
-    pytest.param("qwen36_mini", {"num_hidden_layers": 4, "vocab_size": 1024}, "bfloat16", marks=pytest.mark.slow),
+    # qwen36_mini's widths (every linear 256 scalers a factor, as on the 27B shape), a GDN and a full-attention
+    # layer, a small vocab
+    pytest.param("qwen36_mini", {"num_hidden_layers": 2, "full_attention_interval": 2, "vocab_size": 1024},
+                 "bfloat16", marks=pytest.mark.slow),
 ], ids=["tiny", "mini_widths"])
 def test_plan_counts_the_bytes_torchao_stores(name, overrides, dtype):
     """plan's weights for quantize=nf4 equal the measured storage of every parameter, NF4 inner tensors
