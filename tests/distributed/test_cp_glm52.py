@@ -28,6 +28,8 @@ CASES = {
         ("cp2_ep2", 2, torch.float64, PROMPT)],
     4: [("cp4", 1, torch.float64, PROMPT), ("cp4_ep2", 2, torch.float64, PROMPT),
         ("cp4_ep2_short", 2, torch.float64, 3)],
+    # the paper's layout, CP8 x EP8: the experts split over the whole context-parallel group, one each
+    8: [("cp8_ep8", 8, torch.float64, PROMPT)],
 }
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 
@@ -79,7 +81,7 @@ def reference(dtype, prompt_len):
 
 
 def _worker(rank, world, port, out_dir):
-    ep_group = join_gloo(rank, world, port).get(2, dist.group.WORLD)
+    pairs = join_gloo(rank, world, port)
     alone = dist.new_subgroups(group_size=1)[0]
     # which EP dispatch each MoE call took, per case
     modes = collections.Counter()
@@ -89,6 +91,7 @@ def _worker(rank, world, port, out_dir):
                 lambda *a, fn=fn, mode=mode, **k: (modes.update([mode]), fn(*a, **k))[1])
     results = {}
     for name, ep, dtype, prompt_len in CASES[world]:
+        ep_group = pairs[2] if ep == 2 and world > 2 else dist.group.WORLD
         model = random_model("glm52_tiny", dtype, seed=3)
         full = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith(EXPERTS)}
         apply_context_parallel(model, dist.group.WORLD)
@@ -116,7 +119,7 @@ def _worker(rank, world, port, out_dir):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_glm52_context_and_expert_parallel_equal_one_rank(tmp_path, world):
     run_ranks(_worker, world, str(tmp_path), timeout_s=300)
     refs = {c[2:]: reference(*c[2:]) for c in CASES[world]}
