@@ -51,11 +51,15 @@ class ModelConfig:
     tokenizer: str | None = None
     # a Jinja chat template file (or its text) replacing the tokenizer's own
     chat_template: str | None = None
+    # fields of the named shape's config replaced (verl's override_config), e.g. {num_hidden_layers: 8}: the shape
+    # at a reduced depth, its per-layer patterns repeated
+    override_config: dict[str, Any] | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "tokenizer", resolve_tokenizer(self.tokenizer, self.path))
         if self.path is None and self.name not in MODEL_NAMES:
             raise ConfigError(f"model.name={self.name!r} is not a named model; valid: {MODEL_NAMES}")
+        self._check_override()
         if self.path is not None and not (Path(self.path) / "config.json").exists():
             raise ConfigError(f"model.path={self.path!r} is not an HF model directory (no config.json)")
         if self.dtype not in DTYPES:
@@ -68,12 +72,43 @@ class ModelConfig:
             except (ValueError, TypeError) as e:
                 raise ConfigError(f"model.path={self.path!r}: cannot use its config.json ({e})") from None
 
+    def _check_override(self) -> None:
+        if self.override_config is None:
+            object.__setattr__(self, "override_config", {})
+        if not isinstance(self.override_config, dict):
+            raise ConfigError(f"model.override_config={self.override_config!r} must be a mapping of config fields, "
+                              f"e.g. {{num_hidden_layers: 8}}")
+        if not self.override_config:
+            return
+        if self.path is not None:
+            raise ConfigError(f"model.override_config replaces fields of a named shape; model.path={self.path!r} "
+                              f"is read from its config.json (edit that, or use a model.name)")
+        # lists (as YAML gives them) are the configs' tuples
+        overrides = {k: tuple(v) if isinstance(v, list) else v for k, v in self.override_config.items()}
+        object.__setattr__(self, "override_config", overrides)
+        spec = family_of(self.name)
+        base = spec.configs[self.name]
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(base)})
+        if unknown:
+            raise ConfigError(f"model.override_config: {self.name} has no field(s) {unknown}; valid: "
+                              f"{sorted(f.name for f in dataclasses.fields(base))}")
+        problem = mismatch(type(base), overrides, "model.override_config")
+        if problem:
+            raise ConfigError(problem)
+        try:
+            self.family_config()
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"model.override_config={dict(overrides)}: {e}") from None
+
     def family_config(self):
-        """(family spec, the family's model config) of the named shape or of the HF directory's config.json."""
+        """(family spec, the family's model config) of the named shape, with model.override_config's fields, or
+        of the HF directory's config.json."""
         if self.path is not None:
             return hf_model_config(self.path)
         spec = family_of(self.name)
-        return spec, spec.configs[self.name]
+        if not self.override_config:
+            return spec, spec.configs[self.name]
+        return spec, spec.named_config(self.name, **self.override_config)
 
     def max_positions(self) -> int:
         return self.family_config()[1].max_position_embeddings

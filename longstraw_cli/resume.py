@@ -37,7 +37,8 @@ from longstraw_cli.guard import first_nonfinite
 log = logging.getLogger("longstraw")
 
 # keys whose change makes the saved tensors mean something else: refused on resume
-STRUCTURAL = ("model.name", "model.path", "lora.rank", "lora.alpha", "lora.target_modules", "lora.quantize")
+STRUCTURAL = ("model.name", "model.path", "model.override_config", "lora.rank", "lora.alpha", "lora.target_modules",
+              "lora.quantize")
 # optimizer hyperparameters: the optimizer takes the new values on resume
 OPTIMIZER = ("optim.lr", "optim.betas", "optim.weight_decay")
 # keys that differ between a run and its resumption by design (a run_dir may also have been moved or copied)
@@ -88,6 +89,13 @@ def _flat(tree: dict, prefix: str = "") -> dict:
     return out
 
 
+def _at(tree: dict, key: str):
+    """The value at a dotted key of a nested config, {} where a mapping is absent (written before it existed)."""
+    for part in key.split("."):
+        tree = tree.get(part, {}) if isinstance(tree, dict) else {}
+    return tree
+
+
 def config_json(config: dict) -> str:
     return json.dumps(config, sort_keys=True)
 
@@ -97,15 +105,17 @@ def check_config(path: Path, saved_json: str | None, config: dict) -> None:
     if saved_json is None:
         log.warning("%s holds no config (written by an older version): changes since it are not checked", path.name)
         return
-    saved, now = _flat(json.loads(saved_json)), _flat(json.loads(config_json(config)))
+    saved_tree, now_tree = json.loads(saved_json), json.loads(config_json(config))
+    saved, now = _flat(saved_tree), _flat(now_tree)
     # checkpoints written before lora.quantize existed were all of unquantised models
     saved.setdefault("lora.quantize", "none")
     changed = {k: (saved.get(k), now.get(k)) for k in sorted(set(saved) | set(now))
                if saved.get(k) != now.get(k) and k not in _IGNORED}
-    structural = [k for k in STRUCTURAL if k in changed]
+    # a mapping (model.override_config) is flattened into its keys: a change of any of them is its change
+    structural = [key for key in STRUCTURAL if any(k == key or k.startswith(f"{key}.") for k in changed)]
     if structural:
         key = structural[0]
-        old, new = changed[key]
+        old, new = changed[key] if key in changed else (_at(saved_tree, key), _at(now_tree, key))
         raise ResumeError(f"resume from {path}: {key} changed from {old!r} to {new!r}, which changes what the "
                           f"checkpoint's tensors mean; put back {key}={json.dumps(old)} or start a new run_dir")
     if not changed:

@@ -172,7 +172,8 @@ class Trainer:
         if m.path is not None:
             model = from_pretrained(m.path, dtype=dtype, device=self.device, quantize=quantize)
         else:
-            model = build_model(m.name, dtype=dtype, device=self.device, seed=self.cfg.seed, quantize=quantize)
+            model = build_model(m.name, dtype=dtype, device=self.device, seed=self.cfg.seed, quantize=quantize,
+                                **m.override_config)
         if self.tokenizer.vocab_size > model.config.vocab_size:
             raise TrainerError(f"tokenizer {m.tokenizer!r} has {self.tokenizer.vocab_size} ids but the model's "
                                f"vocab is {model.config.vocab_size}")

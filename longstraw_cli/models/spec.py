@@ -17,8 +17,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FamilySpec", "HFAdapter", "config_with_overrides", "families", "family_of", "family_of_hf", "get_family",
-           "register_family"]
+__all__ = ["FamilySpec", "HFAdapter", "check_sizes", "config_with_overrides", "families", "family_of", "family_of_hf",
+           "get_family", "register_family"]
 
 
 @dataclass(frozen=True)
@@ -113,6 +113,16 @@ def family_of_hf(hf_config: dict) -> FamilySpec:
             return spec
     valid = [t for spec in families() for t in spec.hf.model_types]
     raise ValueError(f"model_type {model_type!r} is not a checkpoint LongStraw reads; valid: {valid}")
+
+
+def check_sizes(cfg, may_be_zero: tuple[str, ...] = ()) -> None:
+    """A ValueError naming the first integer field of a model config below 1 (below 0 for `may_be_zero`): a count
+    or a width, which a config.json or model.override_config may get wrong."""
+    for field in dataclasses.fields(cfg):
+        value = getattr(cfg, field.name)
+        if isinstance(value, int) and not isinstance(value, bool) and value < (field.name not in may_be_zero):
+            least = 0 if field.name in may_be_zero else 1
+            raise ValueError(f"{field.name}={value} must be >= {least}")
 
 
 def config_with_overrides(family: str, configs: Mapping[str, Any], name: str, overrides: dict):

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 
 from conftest import composed, longstraw, rows
 from longstraw_cli.cli import check_overrides
@@ -64,6 +65,13 @@ def test_bad_keys_and_group_options_are_caught_before_hydra(override, expected):
      "rollout.native.offload_copy_gib=0 caps the copies of offloaded pages: needs capture.offload=cpu"),
     (["capture.offload=cpu", "rollout.native.offload_copy_gib=-1"],
      "offload_copy_gib must be auto or a number of GiB >= 0, got -1"),
+    (["model.override_config={num_layers:2}"], "model.override_config: qwen36_tiny has no field(s) ['num_layers']; "
+                                               "valid: ['full_attention_interval', 'head_dim', "),
+    (["model.override_config={num_hidden_layers:two}"], "model.override_config.num_hidden_layers='two' must be an "
+                                                        "integer"),
+    (["model.override_config={num_hidden_layers:0}"], "num_hidden_layers=0 must be >= 1"),
+    (["model.override_config=3"], "model.override_config=3 must be a mapping of config fields"),
+    (["model=glm52_tiny", "model.override_config={num_experts_per_tok:9}"], "num_experts_per_tok=9 does not fit"),
 ])
 def test_bad_input_exits_2_with_one_line(train_here, tmp_path, args, expected):
     code, _, err = train_here([*args, f"run_dir={tmp_path / 'run'}"])
@@ -135,6 +143,33 @@ def test_named_configs_admit_the_papers_longest_prompt(model):
     assert train_config(cfg, world_size=8).prompt_tokens == 4_456_448
     with pytest.raises(ConfigError, match="8388608 positions"):
         train_config({**cfg, "prompt_tokens": 2**23}, world_size=8)
+
+
+def test_override_config_gives_the_named_shape_at_a_reduced_depth(train_here, tmp_path):
+    """model.override_config replaces fields of a named shape (the paper's glm52 at a depth that fits): the trainer
+    builds it, with the shape's per-layer patterns repeated (tests/models/test_plan.py: `plan` plans it); a model.path
+    is refused."""
+    from longstraw_cli.config import train_config
+    from longstraw_cli.models.glm52.config import NAMED_CONFIGS
+
+    cfg = train_config(composed(["model=glm52", "model.override_config={num_hidden_layers:8}", "cp=8", "ep=8",
+                                 "prompt_tokens=1048576", "run_dir=x"]), world_size=8)
+    _, shape = cfg.model.family_config()
+    full = NAMED_CONFIGS["glm52"]
+    assert shape == dataclasses.replace(full, num_hidden_layers=8)
+    cfg = train_config(composed(["model=glm52_mini", "model.override_config={num_hidden_layers:8}", "run_dir=x"]))
+    assert cfg.model.family_config()[1].indexer_types == NAMED_CONFIGS["glm52_mini"].indexer_types[:8]
+    run = tmp_path / "run"
+    code, _, err = train_here(["model=glm52_tiny", "model.override_config={num_hidden_layers:2,n_routed_experts:4}",
+                               "steps=1", "prompt_tokens=64", "response_tokens=4", "group_size=2",
+                               "logger.backends=[jsonl]", f"run_dir={run}"])
+    assert code == 0, err
+    weights = safetensors.torch.load_file(run / "checkpoints" / "step_00000001" / "model.safetensors")
+    assert {int(n.split(".")[2]) for n in weights if n.startswith("model.layers.")} == {0, 1}
+    assert weights["model.layers.1.mlp.experts.gate_up_proj"].shape[0] == 4
+    code, _, err = train_here(["model.override_config={num_hidden_layers:2}", f"model.path={tmp_path}",
+                               f"run_dir={tmp_path / 'other'}"])
+    assert code == 2 and "model.override_config replaces fields of a named shape" in err, err
 
 
 def test_exact_gradient_refuses_what_it_does_not_run_with():

@@ -115,7 +115,8 @@ def test_changed_lr_is_listed_and_taken_by_the_optimizer(train_here, one_thread,
     assert [g["lr"] for g in saved["param_groups"]] == [0.05]
 
 
-@pytest.mark.parametrize("override, key", [("lora.rank=4", "lora.rank"), ("model=glm52_tiny", "model.name")])
+@pytest.mark.parametrize("override, key", [("lora.rank=4", "lora.rank"), ("model=glm52_tiny", "model.name"),
+                                           ("model.override_config={num_hidden_layers:2}", "model.override_config")])
 def test_structural_change_is_refused_with_one_line(train_here, one_thread, two_steps, copy_of, override, key):
     run = copy_of(two_steps)
     code, _, err = train_here([*ARGS, "steps=3", override, f"run_dir={run}", "resume=true"])

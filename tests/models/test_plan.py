@@ -189,6 +189,19 @@ def test_longstraw_plan_command_reads_the_training_config(capsys):
     assert f"longest prompt that fits in 80 GiB: {longest} tokens" in out
 
 
+def test_longstraw_plan_plans_the_shape_override_config_gives(capsys):
+    from longstraw_cli.__main__ import main as longstraw
+
+    assert longstraw(["plan", "model=qwen36", "model.override_config={num_hidden_layers:16}", "prompt_tokens=1M",
+                      "lora.rank=16", "response_tokens=1K"]) == 0
+    out = capsys.readouterr().out
+    want = plan(named_config("qwen36", num_hidden_layers=16), prompt_tokens=2**20, group_size=8, response_tokens=1024,
+                lora_rank=16, dtype="bfloat16", block_size=4096, score_batch=8, logprob_chunk=512)
+    full = plan("qwen36", prompt_tokens=2**20, group_size=8, response_tokens=1024, lora_rank=16, dtype="bfloat16",
+                block_size=4096, score_batch=8, logprob_chunk=512)
+    assert "qwen36 (16 layers)" in out and f"{want['peak'] / GIB:.2f}" in out and want["peak"] < full["peak"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["cp=x"], "cp='x' must be an integer"),
     (["cp=0"], "cp must be an int >= 1, got 0"),

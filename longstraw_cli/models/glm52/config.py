@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from longstraw_cli.models.spec import config_with_overrides
+from longstraw_cli.models.spec import check_sizes, config_with_overrides
 
 MLP_TYPES = ("dense", "sparse")
 INDEXER_TYPES = ("full", "shared")
@@ -49,6 +49,7 @@ class Glm52Config:
     tie_word_embeddings: bool = False
 
     def __post_init__(self):
+        check_sizes(self, may_be_zero=("n_shared_experts", "first_k_dense_replace"))
         for name, allowed in (("mlp_layer_types", MLP_TYPES), ("indexer_types", INDEXER_TYPES)):
             value = getattr(self, name)
             if value is None:

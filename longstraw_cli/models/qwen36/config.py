@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from longstraw_cli.models.spec import config_with_overrides
+from longstraw_cli.models.spec import check_sizes, config_with_overrides
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ class Qwen36Config:
     tie_word_embeddings: bool = False
 
     def __post_init__(self):
+        check_sizes(self)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
