@@ -12,6 +12,10 @@ run to --out.
 
     python scripts/bench/bench_train.py --prompt 65536 262144 -- model=qwen36_mini model.dtype=bfloat16 \\
         device=cuda task=passkey group_size=8 response_tokens=1024
+
+Strong scaling (`--cp 1 2 4 8`): each prompt runs once per context-parallel size N, on N ranks with cp=N, then one
+`scaling` row gives the steady capture and step times by N and their efficiency against linear, T(1) / (N T(N))
+(T(1) from the smallest N run, scaled as if linear below it).
 """
 
 from __future__ import annotations
@@ -64,6 +68,23 @@ def summarize(rows: list[dict]) -> dict:
     return summary
 
 
+def scaling(prompt: int, runs: dict[int, dict]) -> dict:
+    """The `scaling` row of one prompt from its runs by cp: steady capture and step seconds, and efficiency against
+    linear from the smallest cp's time (1.0 there)."""
+    done = {n: r for n, r in sorted(runs.items()) if "steady" in r}
+    row = {"scaling": True, "prompt": prompt, "cp": list(done)}
+    if not done:
+        return row
+    base = min(done)
+    for key, phase in (("capture_s", "capture"), ("step_s", "total")):
+        times = [done[n]["steady"][phase] for n in done]
+        row[key] = times
+        row[key.replace("_s", "_efficiency")] = [times[0] * base / (n * t) if t > 0 else None
+                                                 for n, t in zip(done, times)]
+    row["peak_gib"] = [done[n]["peak_gib"] for n in done]
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompt", type=int, nargs="+", required=True)
@@ -75,24 +96,40 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=1,
                         help="ranks: > 1 launches the run under torchrun (--standalone) with this many processes, "
                              "e.g. with cp=8; its metrics.jsonl holds the worst rank's times and peaks")
+    parser.add_argument("--cp", type=int, nargs="+", default=None,
+                        help="strong scaling: run each prompt at each of these cp sizes (on that many ranks; "
+                             "replaces --nproc), then a `scaling` row of efficiency against linear")
     parser.add_argument("overrides", nargs="*", help="longstraw train overrides (after --)")
     args = parser.parse_args()
-    launcher = [sys.executable] if args.nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc)]
+    if args.cp and args.nproc != 1:
+        parser.error("--cp sets the ranks of each run (cp=N on N ranks); leave out --nproc")
     for prompt in args.prompt:
-        if args.run_root:
-            Path(args.run_root).mkdir(parents=True, exist_ok=True)
-        run_dir = Path(tempfile.mkdtemp(prefix="bench_train_", dir=args.run_root))
-        cmd = [*launcher, "-m", "longstraw_cli", "train", *args.overrides, f"prompt_tokens={prompt}",
-               f"steps={args.steps}", f"run_dir={run_dir}", "checkpoint.enabled=false"]
-        start = time.perf_counter()
-        done = subprocess.run(cmd, env={**os.environ, "HYDRA_FULL_ERROR": "1"})
-        row = {"date": datetime.date.today().isoformat(), "command": " ".join(cmd[1:]), "prompt": prompt,
-               "returncode": done.returncode, "wall_s": time.perf_counter() - start}
-        metrics = run_dir / "metrics.jsonl"
-        if done.returncode == 0 and metrics.exists():
-            row.update(summarize([json.loads(line) for line in metrics.read_text().splitlines()]))
-        emit(row, args.out)
+        runs = {}
+        for cp in args.cp or [None]:
+            nproc = cp or args.nproc
+            runs[cp] = run(prompt, nproc, [*args.overrides, *([f"cp={cp}"] if cp else [])], args)
+        if args.cp:
+            emit(scaling(prompt, runs), args.out)
+
+
+def run(prompt: int, nproc: int, overrides: list[str], args) -> dict:
+    """One `longstraw train` run on nproc ranks; its row, emitted."""
+    launcher = [sys.executable] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    if args.run_root:
+        Path(args.run_root).mkdir(parents=True, exist_ok=True)
+    run_dir = Path(tempfile.mkdtemp(prefix="bench_train_", dir=args.run_root))
+    cmd = [*launcher, "-m", "longstraw_cli", "train", *overrides, f"prompt_tokens={prompt}",
+           f"steps={args.steps}", f"run_dir={run_dir}", "checkpoint.enabled=false"]
+    start = time.perf_counter()
+    done = subprocess.run(cmd, env={**os.environ, "HYDRA_FULL_ERROR": "1"})
+    row = {"date": datetime.date.today().isoformat(), "command": " ".join(cmd[1:]), "prompt": prompt,
+           "returncode": done.returncode, "wall_s": time.perf_counter() - start}
+    metrics = run_dir / "metrics.jsonl"
+    if done.returncode == 0 and metrics.exists():
+        row.update(summarize([json.loads(line) for line in metrics.read_text().splitlines()]))
+    emit(row, args.out)
+    return row
 
 
 if __name__ == "__main__":
