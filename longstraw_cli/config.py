@@ -86,15 +86,10 @@ class ModelConfig:
         # lists (as YAML gives them) are the configs' tuples
         overrides = {k: tuple(v) if isinstance(v, list) else v for k, v in self.override_config.items()}
         object.__setattr__(self, "override_config", overrides)
-        spec = family_of(self.name)
-        base = spec.configs[self.name]
-        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(base)})
-        if unknown:
-            raise ConfigError(f"model.override_config: {self.name} has no field(s) {unknown}; valid: "
-                              f"{sorted(f.name for f in dataclasses.fields(base))}")
-        problem = mismatch(type(base), overrides, "model.override_config")
+        problem = mismatch(type(family_of(self.name).configs[self.name]), overrides, "model.override_config")
         if problem:
             raise ConfigError(problem)
+        # the family's named_config names an unknown field and its config checks the values
         try:
             self.family_config()
         except (ValueError, TypeError) as e:

@@ -119,9 +119,8 @@ def check_sizes(cfg, may_be_zero: tuple[str, ...] = ()) -> None:
     """A ValueError naming the first integer field of a model config below 1 (below 0 for `may_be_zero`): a count
     or a width, which a config.json or model.override_config may get wrong."""
     for field in dataclasses.fields(cfg):
-        value = getattr(cfg, field.name)
-        if isinstance(value, int) and not isinstance(value, bool) and value < (field.name not in may_be_zero):
-            least = 0 if field.name in may_be_zero else 1
+        value, least = getattr(cfg, field.name), 0 if field.name in may_be_zero else 1
+        if isinstance(value, int) and not isinstance(value, bool) and value < least:
             raise ValueError(f"{field.name}={value} must be >= {least}")
 
 

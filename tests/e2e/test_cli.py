@@ -65,8 +65,8 @@ def test_bad_keys_and_group_options_are_caught_before_hydra(override, expected):
      "rollout.native.offload_copy_gib=0 caps the copies of offloaded pages: needs capture.offload=cpu"),
     (["capture.offload=cpu", "rollout.native.offload_copy_gib=-1"],
      "offload_copy_gib must be auto or a number of GiB >= 0, got -1"),
-    (["model.override_config={num_layers:2}"], "model.override_config: qwen36_tiny has no field(s) ['num_layers']; "
-                                               "valid: ['full_attention_interval', 'head_dim', "),
+    (["model.override_config={num_layers:2}"], "model.override_config={'num_layers': 2}: unknown model override(s) "
+                                               "['num_layers']; valid: ['full_attention_interval', 'head_dim', "),
     (["model.override_config={num_hidden_layers:two}"], "model.override_config.num_hidden_layers='two' must be an "
                                                         "integer"),
     (["model.override_config={num_hidden_layers:0}"], "num_hidden_layers=0 must be >= 1"),
