@@ -22,6 +22,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# tqdm (datasets, hub) starts a monitor thread that takes its lock every few seconds; run_ranks forks this
+# process, and a lock held by a thread at the fork stays held in the child: keep the process single-threaded
+with contextlib.suppress(ImportError):
+    import tqdm
+
+    tqdm.tqdm.monitor_interval = 0
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
@@ -172,8 +178,9 @@ def run_ranks(worker, world_size, *args, timeout_s=120):
 
     Forked, not spawned: spawn re-imports torch in every child (15-35 s for 2-4 ranks on the loaded 2-core test
     machine, against 1 s). Safe because the worker sets one intra-op thread before any torch op: libgomp's thread
-    pool does not survive a fork, and a forked child entering a parallel region with more threads hangs; the
-    deadline turns any such hang into a failure.
+    pool does not survive a fork, and a forked child entering a parallel region with more threads hangs; and because
+    the suite keeps this process to its one thread (tqdm's monitor off, above). The deadline turns any hang into a
+    failure.
     """
     ctx = mp.start_processes(worker, args=(world_size, free_port(), *args), nprocs=world_size, join=False,
                              start_method="fork")
