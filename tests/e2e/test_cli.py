@@ -146,7 +146,7 @@ def test_named_configs_admit_the_papers_longest_prompt(model):
 
 
 def test_override_config_gives_the_named_shape_at_a_reduced_depth(train_here, tmp_path):
-    """model.override_config replaces fields of a named shape (the paper's glm52 at a depth that fits): the trainer
+    """model.override_config replaces fields of a named shape (#18's glm52 at a reduced depth): the trainer
     builds it, with the shape's per-layer patterns repeated (tests/models/test_plan.py: `plan` plans it); a model.path
     is refused."""
     from longstraw_cli.config import train_config
