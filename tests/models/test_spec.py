@@ -37,6 +37,18 @@ def test_every_named_config_maps_to_its_family(name):
     assert spec.named_config(name) == spec.configs[name]
 
 
+@pytest.mark.parametrize("name, field, least", [
+    ("qwen36_tiny", "num_hidden_layers", 1), ("qwen36_tiny", "num_key_value_heads", 1), ("glm52_tiny", "index_topk", 1),
+    ("glm52_tiny", "n_shared_experts", 0), ("glm52_tiny", "first_k_dense_replace", 0)])
+def test_a_config_refuses_a_count_or_width_below_its_least(name, field, least):
+    """Every integer field of a family config is a count or a width: >= 1, or >= 0 where none is a choice (glm52
+    without shared experts or dense layers); a config.json or model.override_config may get one wrong."""
+    spec = family_of(name)
+    assert getattr(spec.named_config(name, **{field: least}), field) == least
+    with pytest.raises(ValueError, match=f"^{field}={least - 1} must be >= {least}$"):
+        spec.named_config(name, **{field: least - 1})
+
+
 def test_a_model_maps_to_its_family_through_wrappers():
     model = build_model("glm52_tiny", seed=0)
     assert family_of(model) is get_family("glm52")

@@ -73,8 +73,6 @@ class Glm52Config:
         if not 0 < self.num_experts_per_tok <= self.n_routed_experts * self.topk_group // self.n_group:
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} does not fit in {self.topk_group} "
                              f"of {self.n_group} groups of {self.n_routed_experts // self.n_group} experts")
-        if self.index_topk < 1:
-            raise ValueError(f"index_topk must be >= 1, got {self.index_topk}")
 
     @property
     def layer_mlp_types(self) -> tuple[str, ...]:
