@@ -11,13 +11,17 @@ lists; `longstraw train` holds run_dir's lock (runlock.py) while it trains.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
+import re
 import secrets
 import sys
+import time
 from datetime import datetime
 from pathlib import Path
 
+from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 # the Hydra configs ship inside the package, so an installed wheel runs from any directory
@@ -37,6 +41,15 @@ def _run_id() -> str:
     if "WORLD_SIZE" in os.environ:
         return f"torchrun-{os.environ.get('MASTER_ADDR', 'local')}-{os.environ.get('MASTER_PORT', '0')}"
     return f"{datetime.now().strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+
+
+def _run_id_is_stable() -> bool:
+    """Whether a relaunch gets this launch's run id (a requeued slurm job, torchrun with its own --rdzv-id), not
+    a fresh one (the local time and a random suffix, `torchrun --standalone`'s random uuid)."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    if run_id and run_id != "none":
+        return re.fullmatch(r"[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}", run_id) is None
+    return "SLURM_JOB_ID" in os.environ
 
 
 def _hydra_subdir() -> str | None:
@@ -91,8 +104,27 @@ def check_overrides(overrides: list[str]) -> str | None:
     return None
 
 
-def _fail(message: str, code: int = 2, kind: str = "error"):
-    print(f"longstraw: {kind}: {message}", file=sys.stderr, flush=True)
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _say_once(line: str, every_rank: bool) -> None:
+    """A run's last line on stderr. Under torchrun, one the ranks meet alike (input refused at start, an agreed
+    preemption) is printed by rank 0 alone, others by every rank with its number; every rank also leaves it in
+    torchrun's error file, so torchrun's failure summary names it instead of pointing at its docs."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        with contextlib.suppress(OSError):
+            Path(error_file).write_text(json.dumps({"message": {"message": line, "extraInfo": {
+                "py_callstack": line, "timestamp": str(int(time.time()))}}}))
+    if every_rank and "WORLD_SIZE" in os.environ and os.environ["WORLD_SIZE"] != "1":
+        line = line.replace("longstraw: ", f"longstraw: rank {_rank()}: ", 1)
+    if every_rank or _rank() == 0:
+        print(line, file=sys.stderr, flush=True)
+
+
+def _fail(message: str, code: int = 2, kind: str = "error", *, every_rank: bool = False):
+    _say_once(f"longstraw: {kind}: {message}", every_rank)
     sys.exit(code)
 
 
@@ -103,25 +135,44 @@ class BelowError(logging.Filter):
         return record.levelno < logging.ERROR
 
 
-def _stop(e: BaseException):
-    """A run that stops early (errors.RunError): its line in the rank's log file and on stderr, its exit status."""
+def _stop(e: BaseException, *, every_rank: bool = True):
+    """A run that stops early (errors.RunError): its line in the rank's log file and on stderr, its exit status.
+    every_rank=False: an error every rank meets alike (set-up), printed once."""
     from longstraw_cli.errors import RunError
+    from longstraw_cli.guard import NonFiniteStop
+    from longstraw_cli.preemption import Preempted
 
     code, kind = (e.exit_code, e.kind) if isinstance(e, RunError) else (2, "error")
     logging.getLogger("longstraw").error("%s", e)
+    # the ranks agree on these (one all-reduce): one line for the launch
+    every_rank = every_rank and not isinstance(e, (Preempted, NonFiniteStop))
     if getattr(e, "hard_exit", False):
         # a process group whose peer is gone may block its teardown: end here
-        print(f"longstraw: {kind}: {e}", file=sys.stderr, flush=True)
+        _say_once(f"longstraw: {kind}: {e}", every_rank)
         logging.shutdown()
         os._exit(code)
-    _fail(str(e), code, kind)
+    _fail(str(e), code, kind, every_rank=every_rank)
+
+
+def _override(overrides: list[str], name: str) -> str | None:
+    """The value of the last `name=` override (the one Hydra takes), if one is given."""
+    values = [value for key, sep, value in (o.partition("=") for o in overrides)
+              if sep and key.lstrip("+~") == name]
+    return values[-1] if values and values[-1] not in ("", "null") else None
 
 
 def _run_dir_override(overrides: list[str]) -> str | None:
-    """The value of the last `run_dir=` override (the one Hydra takes), if one is given."""
-    values = [value for key, sep, value in (o.partition("=") for o in overrides)
-              if sep and key.lstrip("+~") == "run_dir"]
-    return values[-1] if values and values[-1] not in ("", "null") else None
+    return _override(overrides, "run_dir")
+
+
+def _check_resume(overrides: list[str]) -> str | None:
+    """Before Hydra makes a run dir: resume=true names the run to continue, unless a relaunch keeps its id."""
+    resume = _override(overrides, "resume")
+    if resume and resume.lower() == "true" and _run_dir_override(overrides) is None and not _run_id_is_stable():
+        # a launch without run_dir gets a directory of its own: there would be nothing to resume
+        return ("resume=true needs run_dir=<the run's directory>: without one every launch starts a new "
+                "directory (runs/<run id>), which holds no checkpoint to continue")
+    return None
 
 
 def _check_run_dir(overrides: list[str]) -> str | None:
@@ -146,8 +197,9 @@ def _task(cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     container = OmegaConf.to_container(cfg, resolve=True)
+    hydra_cfg = HydraConfig.get()
     if container["run_dir"] is None:
-        container["run_dir"] = HydraConfig.get().runtime.output_dir
+        container["run_dir"] = hydra_cfg.runtime.output_dir
     try:
         train_cfg = train_config(container)
     except ConfigError as e:
@@ -156,7 +208,9 @@ def _task(cfg) -> None:
         _fail(str(e))
     from longstraw_cli.errors import RunError
     from longstraw_cli.runlock import RunLock
+    from longstraw_cli.telemetry.progress import notice
     from longstraw_cli.trainer import Trainer
+
 
     # rank 0 writes run_dir: it holds the lock (the other ranks' CLI asked before Hydra wrote anything)
     lock = RunLock(train_cfg.run_dir) if os.environ.get("RANK", "0") == "0" else contextlib.nullcontext()
@@ -169,7 +223,12 @@ def _task(cfg) -> None:
             except (ValueError, ImportError) as e:
                 if full_error:
                     raise
-                _stop(e)
+                _stop(e, every_rank=False)
+            # after set-up, whose errors stay one line: where this run's logs, metrics and checkpoints go
+            where = f"run dir {Path(train_cfg.run_dir).resolve()}"
+            if hydra_cfg.mode == RunMode.MULTIRUN:
+                where += f" (sweep job {hydra_cfg.job.num} in {Path(hydra_cfg.sweep.dir).resolve()})"
+            notice(where, _rank())
             trainer.train()
     except RunError as e:
         if full_error:
@@ -183,7 +242,7 @@ def train(argv: list[str]) -> int:
 
     args, _ = get_args_parser().parse_known_args(argv)
     if not (args.help or args.hydra_help):
-        problem = check_overrides(args.overrides)
+        problem = check_overrides(args.overrides) or _check_resume(args.overrides)
         if not problem and not args.multirun and not args.cfg:
             problem = _check_run_dir(args.overrides)
         if problem:

@@ -106,8 +106,11 @@ class Trainer:
         checked = [self.task] + ([] if self.val_task is None else [self.val_task])
         check_prompts((ex for task in checked for ex in task.examples_checked_at_start()), self.prompt_ids,
                       self.max_positions, cfg.response_tokens)
-        # the reward binds to a file task's first row's columns
-        probe = Example("", "") if self.task.uses_prompt_tokens else self.task.example(0)
+        # the reward binds to a file task's first row's columns; a synthetic task's first prompt is built here
+        # (under a second at 1M tokens) so that fixed text longer than prompt_tokens is one line now, not at step 0
+        probe = self.task.example(0)
+        if self.task.uses_prompt_tokens:
+            probe = Example("", "")
         self.reward_fn = GroupReward(cfg.reward or self.task.default_reward, cfg.reward_style, probe)
         self._notices()
         self.model = self._build_model()
@@ -139,6 +142,9 @@ class Trainer:
             self._check_host_memory(cfg.prompt_tokens)
         # where an error inside `train` came from: "iteration" (then the clock's phase) or a step's later part
         self.clock, self.section = PhaseClock(self.device), "set-up"
+        self.last_checkpoint: Path | None = None
+        # resume=true: what it found, one line at the start of train
+        self.resumed: str | None = None
         self.start_step = self._resume() if cfg.resume else 0
         log.info("rank %d of %d (%s, strategy %s), starting at step %d of %d", self.rank, world_size, self.dims,
                  self.strategy.name, self.start_step, cfg.steps)
@@ -226,22 +232,28 @@ class Trainer:
         if self.strategy.sharded_checkpoints:
             # each rank checks and writes its shards (collectives)
             check_finite(sharded_checkpoint.model_state(self.strategy), step)
-            sharded_checkpoint.save(self.checkpoints, step, self.strategy, trainer_state)
-            return
-        # whole tensors, whatever the strategy and ep (a collective under deepspeed / ep: every rank is here)
-        model_state, optimizer_state = self.strategy.state_dict()
-        # every rank holds the same whole tensors: every rank stops here alike
-        check_finite(model_state, step)
-        self.checkpoints.save(step, model_state=model_state, optimizer_state=optimizer_state,
-                              trainer_state=trainer_state)
+            path = sharded_checkpoint.save(self.checkpoints, step, self.strategy, trainer_state)
+        else:
+            # whole tensors, whatever the strategy and ep (a collective under deepspeed / ep: every rank is here)
+            model_state, optimizer_state = self.strategy.state_dict()
+            # every rank holds the same whole tensors: every rank stops here alike
+            check_finite(model_state, step)
+            path = self.checkpoints.save(step, model_state=model_state, optimizer_state=optimizer_state,
+                                         trainer_state=trainer_state)
+        self.last_checkpoint = path
+        notice(f"checkpoint {path.resolve() if path else self.checkpoints.dir / f'step_{step:08d}'} written "
+               f"(after step {step - 1})", self.rank)
 
     def _resume(self) -> int:
         """The newest intact checkpoint of either format into the strategy (resume.py) -> the step to start at."""
         found = resume.newest_intact(self.checkpoints, lambda path: resume.load_checkpoint(
             path, self.checkpoints, self.strategy, self.cfg.as_dict(), map_location=self.device))
         if found is None:
+            # a requeued job whose first launch saved nothing yet lands here: said at the start of train
+            self.resumed = f"resume=true: {self.checkpoints.dir.resolve()} holds no checkpoint yet; starting at step 0"
             return 0
-        _, trainer_state = found
+        path, trainer_state = found
+        self.resumed = f"resumed from {Path(path).resolve()} at step {int(trainer_state['step'])} of {self.cfg.steps}"
         resume.optimizer_hyperparameters(self.strategy.optimizer, self._hyperparameters())
         resume.restore_own_rng(trainer_state, self.rank, self.dims, {"sampling": self.generator})
         if "guard" in trainer_state:
@@ -465,16 +477,18 @@ class Trainer:
                 "time/val": clock.seconds["val"]}
 
     def _metrics(self, prompt_tokens: int, rollouts: list[Rollout], result, clock: PhaseClock) -> dict[str, float]:
-        """The step's numbers; token counts are over its prompts."""
+        """The step's numbers. Token counts are the step's totals on this rank (all its prompts, all their
+        responses), named `step_*` apart from the config keys prompt_tokens / response_tokens (per prompt, per
+        response); `time/decode_step` is one decode step of all G responses together, not one token's time."""
         metrics = dict(result.stats)
         if all(r.entropies is not None for r in rollouts):
             metrics["entropy"] = float(torch.cat([e for r in rollouts for e in r.entropies]).mean())
-        metrics["prompt_tokens"] = prompt_tokens
-        metrics["response_tokens"] = sum(len(response) for r in rollouts for response in r.responses)
+        metrics["step_prompt_tokens"] = prompt_tokens
+        metrics["step_response_tokens"] = sum(len(response) for r in rollouts for response in r.responses)
         decode_steps = sum(r.decode_steps for r in rollouts)
         if decode_steps:
             metrics["decode_steps"] = decode_steps
-            metrics["time/decode_per_token"] = clock.seconds["rollout"] / decode_steps
+            metrics["time/decode_step"] = clock.seconds["rollout"] / decode_steps
         metrics.update(clock.time_metrics())
         metrics["mem/resident"] = result.resident_bytes["total"]
         if self.cfg.transaction.offload != "none":
@@ -563,6 +577,8 @@ class Trainer:
         return out
 
     def train(self) -> None:
+        if self.resumed:
+            notice(self.resumed, self.rank)
         try:
             with Preemption() as preemption:
                 for step in range(self.start_step, self.cfg.steps):
@@ -578,13 +594,17 @@ class Trainer:
 
             with self.strategy.full_weights():
                 if self.rank == 0:
-                    export_run(self.model, self.run_dir, tokenizer=self.tokenizer,
-                               stop_token_ids=self.sampling.stop_token_ids, sampling=self.sampling,
-                               lora=self.cfg.lora, model_path=self.cfg.model.path)
+                    written = export_run(self.model, self.run_dir, tokenizer=self.tokenizer,
+                                         stop_token_ids=self.sampling.stop_token_ids, sampling=self.sampling,
+                                         lora=self.cfg.lora, model_path=self.cfg.model.path)
+                    notice(f"exported {', '.join(str(Path(w).resolve()) for w in written)}", self.rank)
         if self.rank == 0 and "jsonl" in self.cfg.logger.backends:
             with contextlib.suppress(ImportError):
                 from longstraw_cli.telemetry.plot import plot_memory
 
                 plot_memory(self.metrics.path, self.run_dir / "memory.png")
+        last = f"; last checkpoint {self.last_checkpoint.resolve()}" if self.last_checkpoint else ""
+        notice(f"finished {self.cfg.steps} step{'s' * (self.cfg.steps != 1)} in {self.run_dir.resolve()}{last}",
+               self.rank)
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -16,8 +16,9 @@ The Transaction drives a strategy through one optimizer step of G replays:
 - `ddp`: torch DistributedDataParallel over the dp group, around a thin module whose forward is the replay's
   `logprobs`. Replays 0..G-2 run under `no_sync()`, so their gradients accumulate in `.grad`; the last one
   runs synced and its backward all-reduces the accumulated sums, bucket by bucket, once per step.
-  `find_unused_parameters=True`: a trainable parameter without a gradient (glm52's DSA indexer) is marked
-  ready instead of stalling the reduction; the graph walk it costs runs in the synced replay only.
+  `find_unused_parameters` only where a trainable parameter never gets a gradient (glm52's DSA indexer under full
+  fine-tuning, `lora.NO_GRADIENT_SCOPES`): DDP then marks it ready instead of stalling the reduction (the graph
+  walk it costs runs in the synced replay only); elsewhere DDP would warn on every rank that it found none.
 - `fsdp2`: `fully_shard` per decoder layer and on the root, over a 1-D mesh of the dp group. The model's entry
   points (capture, logprobs, start_decode, decode_step; a layer's named paths) are registered as forward
   methods so FSDP gathers around them. Replays 0..G-2 run with gradient sync off (gradients accumulate
@@ -59,6 +60,7 @@ from torch import nn
 
 from longstraw_cli.distributed.local_strategy import LocalStrategy, MakeOptimizer, Replay, _trainable
 from longstraw_cli.distributed.topology import SINGLE_PROCESS, ProcessGroups
+from longstraw_cli.lora import NO_GRADIENT_SCOPES
 from longstraw_cli.models.core import LAYER_PATHS
 
 __all__ = ["DDPStrategy", "FSDP2Strategy", "LocalStrategy", "StrategyConfig", "STRATEGIES", "make_strategy"]
@@ -83,6 +85,12 @@ class StrategyConfig:
             raise ValueError(f"zero_stage={self.zero_stage!r}; valid: {list(ZERO_STAGES)}")
 
 
+def never_differentiated(model: nn.Module) -> list[str]:
+    """The trainable parameters that the loss never reaches (modules run without autograd)."""
+    return [name for name, p in model.named_parameters()
+            if p.requires_grad and set(name.split(".")) & set(NO_GRADIENT_SCOPES)]
+
+
 class DDPStrategy(LocalStrategy):
     name = "ddp"
 
@@ -91,7 +99,8 @@ class DDPStrategy(LocalStrategy):
         from torch.nn.parallel import DistributedDataParallel
 
         # device_ids=None: inputs stay where they are (DDP would rebuild the Resident to move it)
-        self.ddp = DistributedDataParallel(Replay(model), process_group=dp_group, find_unused_parameters=True)
+        self.ddp = DistributedDataParallel(Replay(model), process_group=dp_group,
+                                           find_unused_parameters=bool(never_differentiated(model)))
         super().__init__(model, make_optimizer([p for p in model.parameters() if p.requires_grad]), max_grad_norm,
                          ep_group=ep_group)
 

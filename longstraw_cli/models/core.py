@@ -308,8 +308,8 @@ class CausalLM(nn.Module):
         inputs_BR = torch.cat([last_B1, ids_BR[:, :-1]], dim=1)
         with torch.set_grad_enabled(grad):
             h_BRC = self.replay_hidden(resident, inputs_BR)
-            logp_BR = token_logprobs(h_BRC, self.lm_head.weight, ids_BR, chunk_size)
-        return logp_BR[0] if response_ids.dim() == 1 else logp_BR
+            # [R] for a 1-D response: shaped by token_logprobs itself, not a view of row 0 (FSDP2 warns on views)
+            return token_logprobs(h_BRC, self.lm_head.weight, response_ids, chunk_size)
 
     # -- exact mode ---------------------------------------------------------------------------------------------
     def prompt_backward(self, prompt_ids: torch.Tensor, resident: Resident, grad: StateGrad, block_size: int,

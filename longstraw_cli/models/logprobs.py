@@ -25,9 +25,13 @@ class _ChunkedLogprobs(torch.autograd.Function):
     a parameter, saved by reference)."""
 
     @staticmethod
-    def forward(ctx, h_NC, weight_VC, targets_N, chunk_size):
+    def forward(ctx, h_NC, weight_VC, targets, chunk_size):
         dtype = compute_dtype(h_NC.dtype)
-        logp_N = torch.empty(h_NC.shape[0], dtype=dtype, device=h_NC.device)
+        targets_N = targets.reshape(-1)
+        # allocated in the targets' shape and returned as it is: a caller gets a tensor of its own, not a view
+        # (FSDP2 hooks the output of a wrapped module for its backward and warns on views)
+        logp = torch.empty(targets.shape, dtype=dtype, device=h_NC.device)
+        logp_N = logp.view(-1)
         lse_N = torch.empty_like(logp_N)
         for start in range(0, h_NC.shape[0], chunk_size):
             end = start + chunk_size
@@ -37,11 +41,12 @@ class _ChunkedLogprobs(torch.autograd.Function):
             del logits_NV
         ctx.save_for_backward(h_NC, weight_VC, targets_N, lse_N)
         ctx.chunk_size = chunk_size
-        return logp_N
+        return logp
 
     @staticmethod
-    def backward(ctx, dlogp_N):
+    def backward(ctx, dlogp):
         h_NC, weight_VC, targets_N, lse_N = ctx.saved_tensors
+        dlogp_N = dlogp.reshape(-1)
         need_h, need_w = ctx.needs_input_grad[:2]
         dh_NC = torch.empty_like(h_NC) if need_h else None
         dweight_VC = torch.zeros_like(weight_VC) if need_w else None
@@ -62,12 +67,12 @@ class _ChunkedLogprobs(torch.autograd.Function):
 
 
 def token_logprobs(
-    h_BTC: torch.Tensor, weight_VC: torch.Tensor, targets_BT: torch.Tensor, chunk_size: int = 1024
+    h_BTC: torch.Tensor, weight_VC: torch.Tensor, targets: torch.Tensor, chunk_size: int = 1024
 ) -> torch.Tensor:
-    """log softmax(h W^T)[target] per token, [B, T], in fp32 (fp64 for fp64 inputs). Chunks run over the
-    flattened batch x tokens, so a batch of responses costs no more logits memory than one."""
-    B, T = targets_BT.shape
-    if B * T == 0:
-        return h_BTC.new_zeros(targets_BT.shape, dtype=compute_dtype(h_BTC.dtype))
-    h_NC, targets_N = h_BTC.reshape(B * T, -1), targets_BT.reshape(B * T)
-    return _ChunkedLogprobs.apply(h_NC, weight_VC, targets_N, chunk_size).reshape(B, T)
+    """log softmax(h W^T)[target] per token, shaped like `targets` ([B, T], or [T] for one response: h then
+    [1, T, C]), in fp32 (fp64 for fp64 inputs). Chunks run over the flattened batch x tokens, so a batch of
+    responses costs no more logits memory than one."""
+    if targets.numel() == 0:
+        return h_BTC.new_zeros(targets.shape, dtype=compute_dtype(h_BTC.dtype))
+    h_NC = h_BTC.reshape(targets.numel(), -1)
+    return _ChunkedLogprobs.apply(h_NC, weight_VC, targets, chunk_size)

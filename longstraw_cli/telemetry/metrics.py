@@ -6,7 +6,8 @@ resumed run passes `resume_step` (the first step it will log): rows with step >=
 checkpoint by the killed process, are dropped before logging starts, so the resumed file equals the one an
 uninterrupted run writes. A fresh run (resume_step None) replaces an existing metrics.jsonl.
 
-Key conventions the console and `plot_memory` rely on: `time/<phase>` in seconds, `mem/<what>` in bytes.
+Key conventions the console and `plot_memory` rely on: `time/<phase>` in seconds, `mem/<what>` in bytes. The
+console prints each time in the unit that keeps three figures (s, ms or us) and each memory in MiB or GiB.
 Only rank 0 logs; on other ranks every method is a no-op and nothing is created.
 
 W&B: a fresh run draws a run id and keeps it in run_dir/wandb_run_id; a resumed run opens the same id
@@ -84,6 +85,15 @@ def _fmt_bytes(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
+def _fmt_seconds(v: float) -> str:
+    """A time with its unit chosen by size: fast phases and per-step figures are milliseconds, never `0.00s`."""
+    if abs(v) >= 1:
+        return f"{v:.2f}s"
+    if abs(v) >= 1e-3:
+        return f"{v * 1e3:.3g}ms"
+    return f"{v * 1e6:.3g}us"
+
+
 def _fmt_value(v: float) -> str:
     return str(v) if isinstance(v, int) else f"{v:.4g}"
 
@@ -104,7 +114,7 @@ def format_line(step: int, metrics: dict[str, float]) -> str:
     for k in _console_order(metrics):
         v = metrics[k]
         if k.startswith("time/"):
-            times.append(f"{escape(k[5:])} {v:.2f}s")
+            times.append(f"{escape(k[5:])} {_fmt_seconds(v)}")
         elif k.startswith("mem/"):
             mems.append(f"{escape(k[4:])} {_fmt_bytes(v)}")
         else:

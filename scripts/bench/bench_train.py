@@ -44,7 +44,7 @@ def summarize(rows: list[dict]) -> dict:
         out = {p: row.get(f"time/{p}", 0.0) for p in PHASES}
         out["total"] = sum(out.values())
         out["transaction"] = sum(out[p] for p in TRANSACTION)
-        out["decode_ms_per_token"] = 1e3 * row.get("time/decode_per_token", float("nan"))
+        out["decode_ms_per_step"] = 1e3 * row.get("time/decode_step", row.get("time/decode_per_token", float("nan")))
         out.update({f"peak_{p}_gib": row[f"mem/peak_{p}"] / GIB for p in PHASES if f"mem/peak_{p}" in row})
         return out
 

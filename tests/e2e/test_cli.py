@@ -72,6 +72,8 @@ def test_bad_keys_and_group_options_are_caught_before_hydra(override, expected):
     (["model.override_config={num_hidden_layers:0}"], "num_hidden_layers=0 must be >= 1"),
     (["model.override_config=3"], "model.override_config=3 must be a mapping of config fields"),
     (["model=glm52_tiny", "model.override_config={num_experts_per_tok:9}"], "num_experts_per_tok=9 does not fit"),
+    # a synthetic task's fixed text is checked at start, not at step 0
+    (["task=passkey", "prompt_tokens=10"], "task 'passkey': prompt_tokens=10 is too small; its fixed text alone is"),
 ])
 def test_bad_input_exits_2_with_one_line(train_here, tmp_path, args, expected):
     code, _, err = train_here([*args, f"run_dir={tmp_path / 'run'}"])
@@ -118,6 +120,32 @@ def test_multirun_sweep_runs_each_job(train_here, tmp_path):
     for job, g in (("0", 2), ("1", 3)):
         [row] = rows(tmp_path / "sweep" / job)
         assert row["num_tokens"] <= 8 * g
+        assert f"run dir {tmp_path / 'sweep' / job} (sweep job {job} in {tmp_path / 'sweep'})" in err
+
+
+def test_console_says_where_the_run_went(train_here, tmp_path):
+    """One line each: the run dir, what resume=true found, every checkpoint written, the export, the end."""
+    run = tmp_path / "run"
+    code, _, err = train_here([*SMALL, "steps=1", "resume=true", f"run_dir={run}"])
+    assert code == 0, err
+    ckpt = run / "checkpoints"
+    assert f"longstraw: resume=true: {ckpt} holds no checkpoint yet; starting at step 0" in err
+    assert f"longstraw: run dir {run}\n" in err
+    assert f"longstraw: checkpoint {ckpt / 'step_00000001'} written (after step 0)" in err
+    assert f"longstraw: finished 1 step in {run}; last checkpoint {ckpt / 'step_00000001'}" in err
+    code, _, err = train_here([*SMALL, "steps=2", "resume=true", "export_hf=true", f"run_dir={run}"])
+    assert code == 0, err
+    assert f"longstraw: resumed from {ckpt / 'step_00000001'} at step 1 of 2" in err
+    assert f"longstraw: exported {run / 'hf'}" in err
+
+
+def test_resume_without_a_run_dir_is_refused(train_here, tmp_path, monkeypatch):
+    # a launch without run_dir gets a new directory: nothing to resume there (a slurm job id is kept on requeue)
+    for name in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    code, _, err = train_here(["resume=true"])
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "resume=true needs run_dir=" in err and not (tmp_path / "runs").exists()
 
 
 def test_train_config_is_typed_and_frozen():
@@ -309,15 +337,33 @@ def test_qlora_learns_on_a_trained_base(train_here, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_torchrun_ranks_share_one_run_dir(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_torchrun_ranks_share_one_run_dir(tmp_path, strategy):
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          "-m", "longstraw_cli", "train", *SMALL, "steps=2"], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=900)
+                          "-m", "longstraw_cli", "train", *SMALL, "steps=2", f"strategy={strategy}"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-2000:]
     [run] = list((tmp_path / "runs").iterdir())
     assert (run / ".hydra" / "config.yaml").exists()
-    assert (run / "train_rank0.log").exists() and "strategy ddp" in (run / "train_rank1.log").read_text()
+    assert (run / "train_rank0.log").exists() and f"strategy {strategy}" in (run / "train_rank1.log").read_text()
     assert [r["step"] for r in rows(run)] == [0, 1]
+    # rank 0 names the run dir once; no rank warns (FSDP2 about a view it was handed, DDP about searching for
+    # unused parameters where the trainable set has none)
+    assert out.stderr.count(f"longstraw: run dir {run}") == 1, out.stderr
+    assert "Warning" not in out.stderr and "find_unused_parameters" not in out.stderr, out.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_torchrun_bad_input_is_one_line_for_the_launch(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "longstraw_cli", "train", *SMALL, "cp=3"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=900)
+    assert out.returncode != 0
+    line = "longstraw: error: cp=3 does not divide the world size 2; valid: [1, 2]"
+    # printed by rank 0 alone, and named in torchrun's failure summary (the workers' error file)
+    assert out.stderr.count(f"\n{line}") + out.stderr.startswith(line) == 1, out.stderr
+    assert f"traceback : {line}" in out.stderr, out.stderr
 
 
 def test_lora_with_kl_reference_trains_adapters_only_and_exports_hf(train_here, tmp_path):

@@ -24,7 +24,7 @@ def char_reward(completions, solution, **kwargs):
 def nan_reward(response, example):
     return float("nan")
 """
-DETERMINISTIC = ("reward_mean", "loss", "grad_norm", "entropy", "num_tokens", "prompt_tokens", "lr",
+DETERMINISTIC = ("reward_mean", "loss", "grad_norm", "entropy", "num_tokens", "step_prompt_tokens", "lr",
                  "val/reward_mean")
 
 
@@ -63,7 +63,7 @@ def test_verl_style_run(train_here, model_dir, verl_files, tmp_path):
     assert "prompt_tokens=1024 does not apply to task=dataset" in err
     first, second = rows(run)
     # two chat prompts a step, each "<|im_start|>user\nWhat is i+i?<|im_end|>\n<|im_start|>assistant\n"
-    assert first["prompt_tokens"] == second["prompt_tokens"] == 2 * 31
+    assert first["step_prompt_tokens"] == second["step_prompt_tokens"] == 2 * 31
     assert first["num_tokens"] <= 2 * 2 * 6 and first["grad_norm"] > 0
     assert [first["lr"], second["lr"]] == [0.005, 0.01]
     assert "val/reward_mean" not in first and second["val/prompts"] == 2 and second["val/reward_mean"] > 0

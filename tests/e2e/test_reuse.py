@@ -56,14 +56,14 @@ def test_three_steps_on_one_capture_and_resume_mid_reuse(train):
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]
     _same(resumed[:2], whole[:2])
     assert [r["captures"] for r in resumed[2:]] == [1, 1] and [r["reuse_cycle"] for r in resumed[2:]] == [0, 0]
-    assert resumed[2]["prompt_tokens"] == whole[2]["prompt_tokens"]
+    assert resumed[2]["step_prompt_tokens"] == whole[2]["step_prompt_tokens"]
 
 
 def test_the_data_advances_once_per_k_steps(train, tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text("".join(f'{{"prompt": "{"x" * n}", "answer": "a"}}\n' for n in (10, 20, 30)))
     got = train("data", "task=jsonl", f"task.path={data}", "steps=4", "capture.reuse_steps=2")
-    lengths = [r["prompt_tokens"] for r in got]
+    lengths = [r["step_prompt_tokens"] for r in got]
     assert lengths[0] == lengths[1] < lengths[2] == lengths[3]
     assert [r["epoch"] for r in got] == pytest.approx([1 / 3, 1 / 3, 2 / 3, 2 / 3])
 

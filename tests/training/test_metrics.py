@@ -82,10 +82,18 @@ def test_console_line_is_one_line_in_a_stable_order(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.count("\n") == 1 and not (tmp_path / "metrics.jsonl").exists()
     order = ["step 2", "reward_mean 0.5", "loss -0.02", "clip_frac 0.125", "grad_norm 3.5", "num_tokens 102",
-             "capture 0.50s", "replay 3.25s", "resident 3.00 GiB", "peak_replay 5.00 GiB"]
+             "capture 500ms", "replay 3.25s", "resident 3.00 GiB", "peak_replay 5.00 GiB"]
     positions = [out.index(piece) for piece in order]
     assert positions == sorted(positions), out
     assert "300.0 MiB" in format_line(0, {"mem/resident": 300 * 2**20})
+
+
+def test_console_times_keep_their_figures():
+    # a decode step of 4.8 ms and a reward of 0.2 ms once printed as `0.00s`
+    line = format_line(0, {"time/decode_step": 0.0048, "time/reward": 2.1e-4, "time/capture": 64.3,
+                           "time/step": 0.0})
+    assert "decode_step 4.8ms" in line and "reward 210us" in line and "capture 64.30s" in line
+    assert "step 0us" in line and "0.00s" not in line
 
 
 def test_wandb_missing_gives_install_hint(tmp_path, monkeypatch):
