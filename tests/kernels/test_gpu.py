@@ -108,8 +108,8 @@ def test_fla_gdn_forward_matches_chunked_reference(T, H, G):
     from longstraw_kernels.gdn import gdn_chunked, gdn_forward
     from longstraw_kernels.gdn.fla_gpu import fla_forward
 
-    if fla_forward() is None:
-        pytest.skip("fla is not installed")
+    # a GPU run is meant to test fla's path: missing, it fails (a skip here once hid fla blocked by a test module)
+    assert fla_forward() is not None, "fla is not importable: pip install flash-linear-attention"
     g = torch.Generator(device="cuda").manual_seed(T)
     q = torch.nn.functional.normalize(torch.randn(1, T, H, 128, device="cuda", generator=g), dim=-1)
     k = torch.nn.functional.normalize(torch.randn(1, T, H, 128, device="cuda", generator=g), dim=-1)

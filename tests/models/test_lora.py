@@ -3,17 +3,13 @@ adapters off is the base model, and the merged HF export loads (ours and transfo
 
 import copy
 import json
-import sys
 
-# With triton importable, transformers' Qwen3.5 code binds fla and crashes on CPU (as in conftest).
-sys.modules.setdefault("fla", None)
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
-
-from conftest import randomize_, rel_err  # noqa: E402
-from longstraw_cli.lora import (  # noqa: E402
+from conftest import randomize_, rel_err
+from longstraw_cli.lora import (
     DEFAULT_TARGETS,
     LoraConfig,
     LoraLinear,
@@ -26,8 +22,8 @@ from longstraw_cli.lora import (  # noqa: E402
     lora_state_dict,
     merged_state_dict,
 )
-from longstraw_cli.models import build_model, from_pretrained  # noqa: E402
-from longstraw_cli.models.qwen36.hf import config_from_hf, config_to_hf  # noqa: E402
+from longstraw_cli.models import build_model, from_pretrained
+from longstraw_cli.models.qwen36.hf import config_from_hf, config_to_hf
 
 # tiny: 6 GDN layers x (in_proj_qkv, in_proj_z, out_proj) + 2 attention x (q, k, v, o) + 8 MLPs x 3
 NUM_TARGETED = 6 * 3 + 2 * 4 + 8 * 3

@@ -8,18 +8,15 @@ import sys
 import types
 from types import SimpleNamespace
 
-# with triton importable, transformers' Qwen3.5 binds fla and crashes on CPU (conftest does this too)
-sys.modules.setdefault("fla", None)
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
-
-from conftest import randomize_, rel_err  # noqa: E402
-from longstraw_cli.models import build_model  # noqa: E402
-from longstraw_cli.rollout.native import Rollout, SamplingConfig  # noqa: E402
-from longstraw_cli.rollout.vllm_engine import (  # noqa: E402
+from conftest import randomize_, rel_err
+from longstraw_cli.models import build_model
+from longstraw_cli.rollout.native import Rollout, SamplingConfig
+from longstraw_cli.rollout.vllm_engine import (
     SAMPLING_FIELDS,
     VllmConfig,
     VllmEngine,
