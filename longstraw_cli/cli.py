@@ -249,7 +249,16 @@ def train(argv: list[str]) -> int:
             _fail(problem)
     sys.argv = ["longstraw-train", *argv]
     main = hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(_task)
-    main()
+    from longstraw_cli.preemption import ABORTED, recorded_outcome
+
+    with recorded_outcome():
+        try:
+            main()
+        except KeyboardInterrupt:
+            # the training loop takes a first SIGINT as a request to stop with a checkpoint (preemption.py)
+            if os.environ.get("HYDRA_FULL_ERROR") == "1":
+                raise
+            _fail("SIGINT outside the training loop: stopped, without a checkpoint", ABORTED, "interrupted")
     return 0
 
 

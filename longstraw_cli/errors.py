@@ -7,10 +7,12 @@
 | 2 | bad input, refused at start or at the first use (one line naming the value and the valid choices) |
 | 3 | stopped by the non-finite guard (guard.py) |
 | 4 | a collective did not complete within dist_timeout_s (watchdog.py) |
-| 75 | preempted (SIGTERM / SIGUSR1): a checkpoint was written, `resume=true` continues (preemption.py) |
+| 75 | preempted (SIGTERM, SIGUSR1, a first SIGINT): a checkpoint was written; `resume=true` continues (preemption.py) |
+| 130 | interrupted: a second SIGINT, or one before training began; no checkpoint (one line, no traceback) |
 
 75 is sysexits' EX_TEMPFAIL: try again later. Under torchrun each worker exits with its status and torchrun
-reports its own (non-zero when a worker's is).
+reports its own (non-zero when a worker's is). Where a launcher set LONGSTRAW_OUTCOME_DIR (scripts/slurm/train.sbatch)
+each rank also writes how it ended there, and a preempted one exits 0 (preemption.recorded_outcome).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""Lost work: SIGTERM (slurm's at the time limit and on preemption) and SIGUSR1 (what the sbatch script asks for
-ahead of them) finish the current step, write a checkpoint, print one line and exit 75; `resume=true` then continues
-as if the run had not stopped. One process, and torchrun with two ranks (torchrun passes SIGTERM on to them)."""
+"""Lost work: SIGTERM (slurm's at the time limit and on preemption), SIGUSR1 (what the sbatch script sends ahead
+of them) and a first SIGINT (Ctrl-C) finish the current step, write a checkpoint, print one line and exit 75;
+`resume=true` then continues as if the run had not stopped. A second SIGINT stops at once, in one line. One process,
+and torchrun with two ranks (torchrun passes SIGTERM on to them). Under slurm: tests/e2e/test_slurm.py."""
 
 import os
 import signal
@@ -51,7 +52,7 @@ def deterministic(run: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT], ids=lambda s: s.name)
 def test_signal_checkpoints_and_resume_continues_without_loss(train_here, one_thread, tmp_path, monkeypatch, signum):
     run = tmp_path / "run"
     # SIGUSR1's run has checkpoint.enabled=false: no periodic or final checkpoint, but a signal still writes one
@@ -60,13 +61,17 @@ def test_signal_checkpoints_and_resume_continues_without_loss(train_here, one_th
     code, err = signal_after_first_step(proc, run, signum)
     name = signal.Signals(signum).name
     assert code == 75, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
     last = err.strip().splitlines()[-1]
     assert last.startswith(f"longstraw: preempted: {name} received: stopped after step"), err[-3000:]
     done = len(rows(run))
     assert 1 <= done < STEPS
     assert [p.name for p in (run / "checkpoints").iterdir()] == [f"step_{done:08d}"]
     assert f"step_{done:08d}" in last and f"{name} received" in (run / "train_rank0.log").read_text()
-    if signum != signal.SIGTERM:
+    if signum == signal.SIGINT:
+        # Ctrl-C is answered at once: the step under way finishes first
+        assert "longstraw: SIGINT: stopping after this step with a checkpoint (SIGINT again: stop at once" in err
+    if signum == signal.SIGUSR1:
         return
     # resumed, the run logs what an uninterrupted one does: no step lost, none repeated
     monkeypatch.syspath_prepend(str(E2E))
@@ -76,6 +81,32 @@ def test_signal_checkpoints_and_resume_continues_without_loss(train_here, one_th
     assert code == 0, err
     assert deterministic(run) == deterministic(tmp_path / "whole")
     assert [r["step"] for r in rows(run)] == list(range(STEPS))
+
+
+@pytest.mark.slow
+def test_second_sigint_stops_at_once_in_one_line(tmp_path):
+    run = tmp_path / "run"
+    # longer steps (64 decode steps each): the second SIGINT comes while the first one's step is still under way
+    longer = [o for o in COMMON if not o.startswith("response_tokens=")] + ["response_tokens=64"]
+    proc = start(["-m", "longstraw_cli", "train", *longer, f"run_dir={run}"], tmp_path)
+    deadline = time.monotonic() + 300
+    while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-2000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    # the second one once the first has been taken (two pending SIGINTs would be delivered as one)
+    lines = []
+    while not any("SIGINT again" in line for line in lines):
+        lines.append(proc.stderr.readline())
+        assert lines[-1], f"the run ended without answering the first SIGINT: {''.join(lines)[-2000:]}"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    err = "".join(lines) + err
+    assert proc.returncode == 130, err[-3000:]
+    assert err.strip().splitlines()[-1] == "longstraw: interrupted: a second SIGINT: stopped at once, without a " \
+                                           "checkpoint", err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())
 
 
 @pytest.mark.slow
