@@ -24,7 +24,7 @@ from longstraw_cli.resident.offload import offload_refusal
 from longstraw_cli.reuse import ReuseConfig, refusal
 from longstraw_cli.rl.losses import LossConfig
 from longstraw_cli.rl.reward_adapters import REWARD_STYLES
-from longstraw_cli.rl.tasks import TaskConfig
+from longstraw_cli.rl.task_base import TaskConfig
 from longstraw_cli.rollout.native import NativeConfig, SamplingConfig
 from longstraw_cli.rollout.vllm_engine import VllmConfig
 from longstraw_cli.schedule import SCHEDULES
