@@ -116,7 +116,8 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     # the one clipping threshold: the strategy's (make_strategy), which finalizes gradients; None: no clipping
     max_grad_norm: float | None = 1.0
-    # schedule.py: linear warmup over warmup_steps, then constant | linear | cosine down to lr * min_lr_ratio
+    # schedule.py: linear warmup over warmup_steps, then constant | linear | cosine towards lr * min_lr_ratio,
+    # reached after the last step
     warmup_steps: int = 0
     schedule: str = "constant"
     min_lr_ratio: float = 0.0
