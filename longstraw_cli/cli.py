@@ -57,7 +57,10 @@ def _hydra_subdir() -> str | None:
 
 
 def _run_dir(run_dir: str | None) -> str:
-    return run_dir if run_dir else f"runs/{_run_id()}"
+    """Hydra's run dir: run_dir, expanded as config.py expands it (Hydra writes .hydra/ and the log there first)."""
+    from longstraw_cli.config import expand_path
+
+    return expand_path(run_dir, "run_dir") if run_dir else f"runs/{_run_id()}"
 
 
 OmegaConf.register_new_resolver("longstraw_run_id", _run_id, replace=True, use_cache=True)
@@ -162,7 +165,14 @@ def _override(overrides: list[str], name: str) -> str | None:
 
 
 def _run_dir_override(overrides: list[str]) -> str | None:
-    return _override(overrides, "run_dir")
+    """The value of the last `run_dir=` override (the one Hydra takes), expanded, if one is given."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from longstraw_cli.config import expand_path
+
+    values = [o.value() for o in OverridesParser.create().parse_overrides(overrides)
+              if o.key_or_group == "run_dir" and not o.is_delete()]
+    return expand_path(values[-1], "run_dir") if values and isinstance(values[-1], str) and values[-1] else None
 
 
 def _check_resume(overrides: list[str]) -> str | None:
@@ -178,8 +188,12 @@ def _check_resume(overrides: list[str]) -> str | None:
 def _check_run_dir(overrides: list[str]) -> str | None:
     """Before Hydra writes `.hydra/` and a log file there: run_dir is a directory and no other launch holds it."""
     from longstraw_cli import runlock
+    from longstraw_cli.config import ConfigError
 
-    run_dir = _run_dir_override(overrides)
+    try:
+        run_dir = _run_dir_override(overrides)
+    except ConfigError as e:
+        return str(e)
     if run_dir is None:
         return None
     if Path(run_dir).exists() and not Path(run_dir).is_dir():
@@ -187,21 +201,43 @@ def _check_run_dir(overrides: list[str]) -> str | None:
     return runlock.check(run_dir)
 
 
+def hydra_quoted(arg: str) -> str:
+    """`key=~/path` for a path key (config.PATH_KEYS), quoted for Hydra's grammar, where `~` (its delete prefix)
+    cannot stand in an unquoted value: a shell leaves `task.path=~/x` as it is (no tilde expansion after
+    `key.sub=`), and config.py expands it. A value with quotes, brackets, braces, commas or spaces is Hydra's
+    grammar's to read, as it is."""
+    key, sep, value = arg.partition("=")
+    if not sep or "~" not in value or re.search(r"[\s'\"\\,\[\]{}()]", value):
+        return arg
+    from longstraw_cli.config import PATH_KEYS
+
+    return f"{key}='{value}'" if key.lstrip("+") in PATH_KEYS else arg
+
+
 def _task(cfg) -> None:
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf.errors import InterpolationResolutionError
+
     from longstraw_cli.config import ConfigError, train_config
 
     full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
-    missing = sorted(k for k in OmegaConf.missing_keys(cfg) if not k.startswith("hydra"))
-    if missing:
-        _fail(f"missing value(s) for {missing}: set them on the command line, e.g. {missing[0]}=...")
-    from hydra.core.hydra_config import HydraConfig
-
-    container = OmegaConf.to_container(cfg, resolve=True)
+    try:
+        missing = sorted(k for k in OmegaConf.missing_keys(cfg) if not k.startswith("hydra"))
+        if missing:
+            _fail(f"missing value(s) for {missing}: set them on the command line, e.g. {missing[0]}=...")
+        container = OmegaConf.to_container(cfg, resolve=True)
+    except InterpolationResolutionError as e:
+        if full_error:
+            raise
+        # '${HOME}' in quotes reaches Hydra, which reads it as a reference to a config key
+        _fail(f"{e.full_key}: {str(e).splitlines()[0]}; an environment variable is $VAR (or ${{oc.env:VAR}})")
     hydra_cfg = HydraConfig.get()
     if container["run_dir"] is None:
         container["run_dir"] = hydra_cfg.runtime.output_dir
+    # this job's overrides (a sweep's included): a notice names only what the user set
+    set_keys = tuple(o.partition("=")[0].lstrip("+~") for o in hydra_cfg.overrides.task)
     try:
-        train_cfg = train_config(container)
+        train_cfg = train_config(container, set_keys=set_keys)
     except ConfigError as e:
         if full_error:
             raise
@@ -236,11 +272,18 @@ def _task(cfg) -> None:
         _stop(e)
 
 
-def train(argv: list[str]) -> int:
-    import hydra
+def parse_train_argv(argv: list[str]):
+    """`longstraw train`'s arguments as Hydra gets them (hydra_quoted), and Hydra's parse of them."""
     from hydra._internal.utils import get_args_parser
 
-    args, _ = get_args_parser().parse_known_args(argv)
+    argv = [hydra_quoted(arg) for arg in argv]
+    return argv, get_args_parser().parse_known_args(argv)[0]
+
+
+def train(argv: list[str]) -> int:
+    import hydra
+
+    argv, args = parse_train_argv(argv)
     if not (args.help or args.hydra_help):
         problem = check_overrides(args.overrides) or _check_resume(args.overrides)
         if not problem and not args.multirun and not args.cfg:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from longstraw_cli.resident.offload import offload_refusal
 from longstraw_cli.reuse import ReuseConfig, refusal
 from longstraw_cli.rl.losses import LossConfig
 from longstraw_cli.rl.reward_adapters import REWARD_STYLES
-from longstraw_cli.rl.tasks import TaskConfig
+from longstraw_cli.rl.task_base import TaskConfig
 from longstraw_cli.rollout.native import NativeConfig, SamplingConfig
 from longstraw_cli.rollout.vllm_engine import VllmConfig
 from longstraw_cli.schedule import SCHEDULES
@@ -40,6 +41,62 @@ BACKENDS = ("console", "jsonl", "wandb", "tensorboard")
 
 class ConfigError(ValueError):
     """A user-facing configuration error: one line, naming the bad value and the valid choices."""
+
+
+# keys that name a file or directory: `~` and environment variables expanded once, here (task.reward when it is
+# path/to/file.py:function; model.chat_template when it is a file, not the template's text)
+PATH_KEYS = ("run_dir", "model.path", "model.tokenizer", "model.chat_template", "task.path", "task.val_path",
+             "task.reward", "logger.wandb.dir")
+_VARIABLE = re.compile(r"\$(\w+)|\$\{([^}]*)\}")
+# a token count's suffixes, as `longstraw plan` has always read them
+TOKEN_SUFFIXES = {"K": 2**10, "M": 2**20}
+
+
+def expand_path(value: Any, key: str) -> Any:
+    """A path as a shell expands it: a leading `~` or `~user` is the home directory, `$VAR` and `${VAR}` the
+    environment variable (after `~`, so a variable's own `~` stays, as in a shell). An unset variable is an error
+    naming it: a path holding '$VAR' would name no file either. Anything but a string is returned as it is."""
+    if not isinstance(value, str):
+        return value
+
+    def variable(match: re.Match) -> str:
+        name = match[1] or match[2]
+        if name not in os.environ:
+            raise ConfigError(f"{key}={value!r}: the environment variable {name!r} is not set")
+        return os.environ[name]
+
+    return _VARIABLE.sub(variable, os.path.expanduser(value))
+
+
+def parse_tokens(value: Any, key: str) -> int:
+    """A token count: an integer, or digits with a K (1024) or M (1048576) suffix ('256K', '2M'), as `train` and
+    `plan` take prompt_tokens and response_tokens. Whether the count is in range is the caller's check."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    match = re.fullmatch(r"(\d+)([KkMm]?)", value) if isinstance(value, str) else None
+    if match is None:
+        raise ConfigError(f"{key}={value!r} is not a token count; e.g. 65536, 64K, 2M (K = 1024, M = 1048576)")
+    return int(match[1]) * TOKEN_SUFFIXES.get(match[2].upper(), 1)
+
+
+def _expand_paths(d: dict) -> dict:
+    """The composed config with every PATH_KEYS value expanded (nested dicts copied, not changed)."""
+    d = dict(d)
+    for key in PATH_KEYS:
+        *parents, leaf = key.split(".")
+        node = d
+        for part in parents:
+            if not isinstance(node.get(part), dict):
+                break
+            node[part] = node = dict(node[part])
+        else:
+            value = node.get(leaf)
+            # a chat template given as its text (read_chat_template) is no path: its `$` and `~` are Jinja's
+            if key == "model.chat_template" and isinstance(value, str) and ("{%" in value or "{{" in value):
+                continue
+            if leaf in node:
+                node[leaf] = expand_path(value, key)
+    return d
 
 
 @dataclass(frozen=True)
@@ -116,7 +173,8 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     # the one clipping threshold: the strategy's (make_strategy), which finalizes gradients; None: no clipping
     max_grad_norm: float | None = 1.0
-    # schedule.py: linear warmup over warmup_steps, then constant | linear | cosine down to lr * min_lr_ratio
+    # schedule.py: linear warmup over warmup_steps, then constant | linear | cosine towards lr * min_lr_ratio,
+    # reached after the last step
     warmup_steps: int = 0
     schedule: str = "constant"
     min_lr_ratio: float = 0.0
@@ -201,9 +259,12 @@ class TrainConfig:
     max_nonfinite_steps: int = 3
     # how long a collective may wait for the other ranks before the run stops with one line (watchdog.py)
     dist_timeout_s: float = 1800.0
+    # the keys the user set (cli.py: Hydra's overrides), so that a notice names only what was asked for; not part
+    # of the run's config (as_dict leaves it out: a resumed run sets other keys)
+    set_keys: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "set_keys"}
 
 
 def _take(node: dict, where: str, allowed: set[str]) -> dict:
@@ -251,13 +312,16 @@ def _check_exact(d: dict, strategy: str, world_size: int) -> None:
                           f"lora.dropout=0, got lora.dropout={dropout!r}")
 
 
-def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
-    """TrainConfig from the resolved container of the composed config (hydra node removed)."""
-    d = dict(d)
+def train_config(d: dict, world_size: int | None = None, set_keys: tuple[str, ...] = ()) -> TrainConfig:
+    """TrainConfig from the resolved container of the composed config (hydra node removed); `set_keys`: the keys
+    the user set."""
+    d = _expand_paths(d)
     d.pop("hydra", None)
     top = {f.name for f in dataclasses.fields(TrainConfig)} - {"loss", "transaction", "reward", "reward_style",
-                                                                "reuse"}
+                                                                "reuse", "set_keys"}
     _take(d, "the config", top | {"algo", "capture"})
+    for name in ("prompt_tokens", "response_tokens"):
+        d[name] = parse_tokens(d[name], name)
     for name in ("cp", "ep", "group_size", "steps", "prompt_tokens", "response_tokens", "prompts_per_step",
                  "max_nonfinite_steps"):
         _positive(name, d[name], 2 if name == "group_size" else 1)
@@ -365,7 +429,7 @@ def train_config(d: dict, world_size: int | None = None) -> TrainConfig:
         response_tokens=d["response_tokens"], seed=d["seed"], device=device, run_dir=str(d["run_dir"]),
         resume=d["resume"], export_hf=d["export_hf"], reward_style=reward_style,
         prompts_per_step=d["prompts_per_step"], max_nonfinite_steps=d["max_nonfinite_steps"],
-        dist_timeout_s=float(d["dist_timeout_s"]),
+        dist_timeout_s=float(d["dist_timeout_s"]), set_keys=tuple(set_keys),
     )
 
 

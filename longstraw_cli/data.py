@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from longstraw_cli.rl.tasks import Example, Task, TaskConfig, _check_index, register_task
+from longstraw_cli.rl.task_base import Example, Task, TaskConfig, check_index, register_task
 from longstraw_cli.tokenizer import Tokenizer
 
 # where an answer is looked for when task.answer_key is unset: ours, verl's, TRL's math sets, others
@@ -99,7 +99,7 @@ class FileTask(Task):
 
     def row_index(self, i: int) -> int:
         """The row behind example i."""
-        epoch, position = divmod(_check_index(i), len(self.rows))
+        epoch, position = divmod(check_index(i), len(self.rows))
         if not self.cfg.shuffle:
             return position
         if self._order is None or self._order[0] != epoch:

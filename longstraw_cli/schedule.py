@@ -2,8 +2,10 @@
 step, so a resumed run sets the same rate with nothing to save.
 
 Warmup rises linearly over `warmup_steps` (step 0 takes lr / warmup_steps, step warmup_steps - 1 the full lr);
-the schedule then runs from 1 down to `min_lr_ratio` over the remaining steps. Each schedule is a small
-registered function of the progress p in [0, 1] after warmup.
+the schedule then runs from 1 at the first step after warmup towards `min_lr_ratio`, which it reaches after the
+last step, as Hugging Face's `get_cosine_schedule_with_warmup` and torch's `CosineAnnealingLR` (T_max = the decay
+steps) do: every step moves the weights, none is spent at a rate of 0. Each schedule is a small registered
+function of the progress p in [0, 1) after warmup.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def lr_factor(step: int, *, total_steps: int, warmup_steps: int, schedule: str, 
         raise ValueError(f"optim.schedule={schedule!r}; valid: {sorted(SCHEDULES)}")
     if step < warmup_steps:
         return (step + 1) / warmup_steps
-    decay_steps = total_steps - warmup_steps
-    p = 0.0 if decay_steps <= 1 else min(1.0, (step - warmup_steps) / (decay_steps - 1))
+    # p = 1 falls on step total_steps, the one after the last
+    decay_steps = max(total_steps - warmup_steps, 1)
+    p = min(1.0, (step - warmup_steps) / decay_steps)
     return min_lr_ratio + (1.0 - min_lr_ratio) * SCHEDULES[schedule](p)

@@ -156,7 +156,7 @@ def read_chat_template(spec: str | None) -> str | None:
     "chat_template" key), or the template text itself."""
     if spec is None:
         return None
-    path = Path(spec).expanduser()
+    path = Path(spec)
     if path.is_file():
         text = path.read_text()
         return json.loads(text)["chat_template"] if path.suffix == ".json" else text
@@ -209,7 +209,7 @@ def load_tokenizer(spec: str, chat_template: str | None = None) -> Tokenizer:
     `chat_template` (the template's text) replaces the tokenizer's own."""
     if spec == "byte":
         return ByteTokenizer(chat_template)
-    path = Path(spec).expanduser()
+    path = Path(spec)
     if not path.is_dir():
         raise ValueError(
             f"tokenizer {spec!r}: no such directory {str(path)!r}; give a local Hugging Face tokenizer "

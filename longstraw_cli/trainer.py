@@ -157,7 +157,7 @@ class Trainer:
     def _notices(self) -> None:
         """What the user asked for that does not apply, as one line each (rank 0)."""
         cfg = self.cfg
-        if not self.task.uses_prompt_tokens:
+        if not self.task.uses_prompt_tokens and "prompt_tokens" in cfg.set_keys:
             notice(f"prompt_tokens={cfg.prompt_tokens} does not apply to task={cfg.task.name}: its rows are used as "
                    f"written (each prompt + response_tokens must fit the model's positions)", self.rank)
         if cfg.transaction.offload != "none" and self.device.type == "cpu":

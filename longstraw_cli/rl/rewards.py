@@ -76,7 +76,7 @@ def get_reward(spec: str) -> RewardFn:
     if not module_name or not attr:
         raise ValueError(f"reward {spec!r}: expected 'package.module:function' or 'path/to/file.py:function'")
     if module_name.endswith(".py") or os.sep in module_name or "/" in module_name:
-        obj = _import_file(Path(module_name).expanduser(), spec)
+        obj = _import_file(Path(module_name), spec)
     else:
         obj = _import_module(module_name, spec)
     for part in attr.split("."):

@@ -1,7 +1,10 @@
 """A non-editable install (`pip install .`: the wheel) carries its Hydra configs: `longstraw train` runs its
 embedded default from a directory outside the checkout, importing the installed copy, not the source tree."""
 
+import importlib.metadata
 import importlib.util
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,8 +24,8 @@ def test_wheel_installed_outside_the_checkout_trains(tmp_path):
     shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(".git", "build", "dist", "runs", "multirun",
                                                                 "outputs", "*.egg-info", "__pycache__"))
     wheels = tmp_path / "wheels"
-    # with setuptools here, no download; else pip fetches the build backend into an isolated environment
-    isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
+    # with a build backend here, no download; else pip fetches one into an isolated environment
+    isolation = ["--no-build-isolation"] if _builds_wheels_here() else []
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-q", str(source), "-w",
                     str(wheels)], check=True, capture_output=True, text=True, timeout=300)
     [wheel] = wheels.glob("longstraw-*.whl")
@@ -34,24 +37,58 @@ def test_wheel_installed_outside_the_checkout_trains(tmp_path):
     with zipfile.ZipFile(wheel) as archive:
         missing = packages - set(archive.namelist())
     assert not missing, f"packages missing from the wheel (setup.cfg's packages): {sorted(missing)}"
-    # the dependencies (torch, hydra, ...) come from this Python; the venv's own copy of longstraw shadows any
-    # editable install there
+    # the dependencies (torch, hydra, ...) come from this Python, whatever environment it is: a venv's Python
+    # makes venvs whose pyvenv.cfg names the base interpreter, so `system_site_packages` would see the base's
+    # site-packages, not this venv's (nor a conda env's extra paths, nor PYTHONPATH). A .pth file listing this
+    # interpreter's own import paths sees exactly what it sees; its entries are appended after the venv's own
+    # site-packages, where the wheel goes, and .pth files inside them are not run (site.py appends a .pth line's
+    # directory as it is), so an editable install's import hook there stays off
     env_dir = tmp_path / "venv"
-    venv.create(env_dir, system_site_packages=True, with_pip=False)
+    venv.create(env_dir, with_pip=False)
     python = env_dir / "bin" / "python"
+    (Path(_site_packages(python)) / "outer_environment.pth").write_text("\n".join(_dependency_paths()) + "\n")
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q", str(wheel)],
                    check=True, capture_output=True, text=True, timeout=300)
     shutil.rmtree(source)
 
     work = tmp_path / "elsewhere"
     work.mkdir()
+    # PYTHONPATH (a checkout on it, as in `PYTHONPATH=. pytest`) would come before the installed copy
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     where = subprocess.run([str(python), "-c", "import longstraw_cli.cli as c; print(c.CONF_DIR)"], cwd=work,
-                           capture_output=True, text=True, check=True).stdout.strip()
+                           env=env, capture_output=True, text=True, check=True).stdout.strip()
     assert where.startswith(str(env_dir)) and (Path(where) / "config.yaml").is_file(), where
     out = subprocess.run([str(env_dir / "bin" / "longstraw"), "train", "steps=1", "prompt_tokens=64",
                           "response_tokens=4", "group_size=2", "logger.backends=[jsonl]"], cwd=work,
-                         capture_output=True, text=True, timeout=600)
+                         env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     [run] = (work / "runs").iterdir()
     assert (run / "metrics.jsonl").read_text().startswith('{"step": 0')
     assert (run / "checkpoints" / "step_00000001" / "COMPLETE").is_file()
+
+
+def _builds_wheels_here() -> bool:
+    """Whether this Python's setuptools builds our wheel: pyproject.toml's >= 64, and bdist_wheel, its own from
+    70.1, the `wheel` package's before (a venv of Python 3.11 has setuptools 65 and no `wheel`)."""
+    if importlib.util.find_spec("setuptools") is None:
+        return False
+    version = tuple(int(part) for part in re.findall(r"\d+", importlib.metadata.version("setuptools"))[:2])
+    return version >= (64,) and (version >= (70, 1) or importlib.util.find_spec("wheel") is not None)
+
+
+def _site_packages(python: Path) -> str:
+    return subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+def _dependency_paths() -> list[str]:
+    """This interpreter's import paths but the working directory, the checkout and any directory holding
+    longstraw's packages (an editable install's path entry): the wheel must be the only copy. The standard
+    library's entries are the venv's own already (site.py skips a .pth line it has)."""
+    paths = []
+    for entry in filter(None, sys.path):
+        path = Path(entry).resolve()
+        if (path.is_dir() and path != REPO and REPO not in path.parents
+                and not any((path / name).exists() for name in ("longstraw_cli", "longstraw_kernels"))):
+            paths.append(str(path))
+    return paths

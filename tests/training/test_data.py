@@ -220,16 +220,23 @@ def test_a_failing_reward_names_itself_and_the_row(reward_files, tmp_path):
 
 # -- schedule, progress, prompts per step ------------------------------------------------------------------------------
 def test_learning_rate_schedules():
-    def factors(schedule, **kw):
-        return [lr_factor(s, total_steps=6, schedule=schedule, **kw) for s in range(6)]
+    def factors(schedule, total_steps=6, **kw):
+        return [lr_factor(s, total_steps=total_steps, schedule=schedule, **kw) for s in range(total_steps)]
 
     assert factors("constant", warmup_steps=0) == [1.0] * 6
     assert factors("constant", warmup_steps=2) == [0.5, 1.0, 1.0, 1.0, 1.0, 1.0]
-    # after warmup the schedule runs from the full rate at its first step to min_lr_ratio at the last
-    assert factors("linear", warmup_steps=2) == pytest.approx([0.5, 1.0, 1.0, 2 / 3, 1 / 3, 0.0])
+    # after warmup the schedule runs from the full rate at its first step; it reaches min_lr_ratio after the last
+    # (step 6 of 6), so the last applied step still moves the weights
+    assert factors("linear", warmup_steps=2) == pytest.approx([0.5, 1.0, 1.0, 0.75, 0.5, 0.25])
     cosine = factors("cosine", warmup_steps=1, min_lr_ratio=0.1)
-    assert cosine[:2] == [1.0, 1.0] and cosine[-1] == pytest.approx(0.1)
-    assert cosine[3] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert cosine[:2] == [1.0, 1.0] and cosine[-1] > 0.1
+    assert cosine[3] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 2 / 5)))
+    for schedule in ("linear", "cosine"):
+        assert lr_factor(6, total_steps=6, warmup_steps=1, schedule=schedule, min_lr_ratio=0.1) == pytest.approx(0.1)
+        # no applied step is at the floor, however few the steps
+        for total_steps in (1, 2, 3):
+            assert min(factors(schedule, total_steps, warmup_steps=0)) > 0
+        assert factors(schedule, 1, warmup_steps=0) == [1.0]
 
 
 def test_progress_line_shows_step_phase_and_eta():

@@ -237,3 +237,41 @@ def test_hf_tokenizer_decodes_ids_beyond_its_vocabulary_as_replacement_character
 
     tok = HFTokenizer(Letters())
     assert tok.decode([0, 1, 12, 2, 9, 151_000]) == "ab\ufffdc\ufffd"
+
+
+def _module_imports(module: str) -> set[str]:
+    """The longstraw_cli modules `module` imports when it loads (its top-level import statements)."""
+    import ast
+    import importlib.util
+
+    tree = ast.parse(open(importlib.util.find_spec(module).origin).read())
+    names = set()
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            # `from package import module` names a module; `from module import name` the module itself
+            names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return {n for n in names if n.startswith("longstraw_cli.") and _is_module(n)}
+
+
+def _is_module(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a name inside a module: the module has no __path__ to search
+        return False
+
+
+@pytest.mark.parametrize("module", ["longstraw_cli.data", "longstraw_cli.rl.tasks", "longstraw_cli.rl.task_base"])
+def test_task_modules_do_not_import_themselves_back(module):
+    """The file tasks and the synthetic ones share their base (rl/task_base.py): no module of the three reaches
+    itself again through the imports it makes when it loads."""
+    seen, todo = set(), list(_module_imports(module))
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo += _module_imports(name)
+    assert module not in seen
