@@ -52,8 +52,6 @@ E experts, k chosen experts / selected keys, P pages.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -61,7 +59,9 @@ from torch import nn
 from longstraw_cli.models import core
 from longstraw_cli.models.core import MLP, Backbone, CausalLM, DecodeState, stop_grad_prefix
 from longstraw_cli.models.glm52.config import Glm52Config
+from longstraw_cli.models.glm52.decode import Glm52Decoder
 from longstraw_cli.models.glm52.experts import local_experts
+from longstraw_cli.models.glm52.positions import KeyAxis, rope_cos_sin
 from longstraw_cli.quantize import dense
 from longstraw_cli.resident import MLAPages, Resident
 from longstraw_cli.resident.offload import OFFLOAD_CHOICES, host_buffer
@@ -92,14 +92,6 @@ class RMSNorm(nn.Module):
         h = at_least_fp32(x)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
-
-
-def rope_cos_sin(positions_T: torch.Tensor, dim: int, theta: float, dtype: torch.dtype):
-    """cos, sin [T, dim/2] of each rotated pair; fp32 angles as HF computes them, cast to the activations' dtype."""
-    angle_dtype = compute_dtype(dtype)
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=positions_T.device).to(angle_dtype) / dim))
-    freqs_TF = positions_T.to(angle_dtype)[:, None] * inv_freq[None, :]
-    return freqs_TF.cos().to(dtype), freqs_TF.sin().to(dtype)
 
 
 def apply_rope_interleaved(x_BT_D: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor) -> torch.Tensor:
@@ -160,21 +152,6 @@ class DSAIndexer(nn.Module):
             out.append(indexer_scores(q_BTJI, w_BTJ, k, self.softmax_scale, local))
             first += S
         return out[0] if len(out) == 1 else torch.cat(out, dim=-1)
-
-
-@dataclass
-class KeyAxis:
-    """The keys one call attends to: `num_pages` prompt pages (shared by the batch) then `num_new` per-sequence
-    keys. Query t of T sees key position g iff g <= offset + t, offset = num_pages + num_new - T (capture:
-    the block's own keys are already pages; replay/decode: the new keys end at the last query)."""
-
-    num_pages: int
-    num_new: int
-    num_queries: int
-
-    @property
-    def offset(self) -> int:
-        return self.num_pages + self.num_new - self.num_queries
 
 
 class DecodeMLA:
@@ -645,11 +622,8 @@ class Glm52ForCausalLM(CausalLM):
 
     # -- native rollout ---------------------------------------------------------------------------------------
     def decoder(self, resident: Resident, batch: int, capacity: int, page_budget: int | None = None):
-        """The static-shaped decode of `batch` responses of up to `capacity` tokens (glm52/decode.py, which
-        builds on this module: imported here, not at the top); with offloaded pages, at most `page_budget` bytes
-        of whole layers copied to the device (None: what fits)."""
-        from longstraw_cli.models.glm52.decode import Glm52Decoder
-
+        """The static-shaped decode of `batch` responses of up to `capacity` tokens (glm52/decode.py); with
+        offloaded pages, at most `page_budget` bytes of whole layers copied to the device (None: what fits)."""
         return Glm52Decoder(self, resident, batch, capacity, page_budget)
 
     @torch.no_grad()
