@@ -59,7 +59,8 @@ def weight_map(path: Path) -> dict[str, str]:
         return dict(json.loads(index.read_text())["weight_map"])
     if not (path / SINGLE).exists():
         raise ValueError(f"{path} has neither {SINGLE} nor {INDEX}")
-    return {key: SINGLE for key in _open(path, SINGLE).keys()}
+    with _open(path, SINGLE) as handle:
+        return dict.fromkeys(handle.keys(), SINGLE)
 
 
 def fp8_block_size(path: Path) -> tuple[int, int]:
