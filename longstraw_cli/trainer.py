@@ -36,6 +36,7 @@ from longstraw_cli import resume, watchdog
 from longstraw_cli.checkpoint import CheckpointManager
 from longstraw_cli.config import TrainConfig
 from longstraw_cli.distributed import sharded_checkpoint
+from longstraw_cli.distributed.ep import ep_slice
 from longstraw_cli.distributed.strategy import make_strategy
 from longstraw_cli.distributed.topology import ParallelDims, env_rank_world
 from longstraw_cli.errors import RunError, first_line
@@ -175,11 +176,14 @@ class Trainer:
         m, dtype = self.cfg.model, DTYPES[self.cfg.model.dtype]
         # lora.quantize=nf4: the base linears quantised layer by layer as the model is built or loaded
         quantize = self.cfg.lora.quantize
+        # ep > 1: this rank builds (loads) only its own routed experts; `_parallelize` keeps them as they are
+        expert_slice = ep_slice(self.groups.ep)
         if m.path is not None:
-            model = from_pretrained(m.path, dtype=dtype, device=self.device, quantize=quantize)
+            model = from_pretrained(m.path, dtype=dtype, device=self.device, quantize=quantize,
+                                    expert_slice=expert_slice)
         else:
             model = build_model(m.name, dtype=dtype, device=self.device, seed=self.cfg.seed, quantize=quantize,
-                                **m.override_config)
+                                expert_slice=expert_slice, **m.override_config)
         if self.tokenizer.vocab_size > model.config.vocab_size:
             raise TrainerError(f"tokenizer {m.tokenizer!r} has {self.tokenizer.vocab_size} ids but the model's "
                                f"vocab is {model.config.vocab_size}")
@@ -198,15 +202,17 @@ class Trainer:
             return None
         if self.cfg.lora.rank > 0:
             return Reference(self.model, self.cfg.transaction, context=lambda: adapters_disabled(self.model))
-        # a second model rather than a deepcopy: the policy's context-parallel hooks hold process groups
+        # a second model rather than a deepcopy: the policy's context-parallel hooks hold process groups; built
+        # as the policy is (this rank's experts only), then given the policy's weights
         frozen = self._build_model().requires_grad_(False)
         self._parallelize(frozen)
         frozen.load_state_dict(self.model.state_dict())
         return Reference(frozen, self.cfg.transaction)
 
     def _parallelize(self, model: torch.nn.Module) -> None:
-        """Context parallel (pages sharded over the CP group), then expert parallel (experts split over the EP
-        group, which lies inside the CP group)."""
+        """Context parallel (pages sharded over the CP group), then expert parallel (the EP group, which lies
+        inside the CP group, routes tokens to the experts' ranks; `_build_model` already built each rank's
+        slice)."""
         family = family_of(model)
         if self.cfg.cp > 1:
             family.apply_context_parallel(model, self.groups.cp)

@@ -15,10 +15,12 @@ Under EP over a group of W ranks, rank r holds experts [r E/W, (r+1) E/W) (conti
 - `ep_experts_replicated` (tokens REPLICATED, e.g. replay, scoring, decode under CP): every rank computes its
   own experts' contributions for all tokens, and one all-reduce sums them.
 
-Applied to a model by `apply_expert_parallel(model, ep_group, cp_group=...)`: each MoE layer keeps its slice of
-the experts as its own nn.Parameters and its `experts_fn` becomes an `EPExperts`, which picks the mode per call
-from a context flag: inside `tokens_sharded()` (entered only by the glm52 CP capture, `cp_glm52.cp_capture_glm52`,
-which gives each rank its own prompt shard) all-to-all, everywhere else (replay, scoring, decode, and any capture
+A rank builds or loads only its slice (`models.build_model` / `from_pretrained` with
+`expert_slice=ep_slice(group)`). Applied to a model by `apply_expert_parallel(model, ep_group, cp_group=...)`:
+each MoE layer keeps its slice of the experts as its own nn.Parameters (taken here if the model was built
+whole) and its `experts_fn` becomes an `EPExperts`, which picks the mode per call from a context flag: inside
+`tokens_sharded()` (entered only by the glm52 CP capture, `cp_glm52.cp_capture_glm52`, which gives each rank
+its own prompt shard) all-to-all, everywhere else (replay, scoring, decode, and any capture
 without CP) replicated. The EP group must lie within the CP group (ep divides cp), so that EP ranks share the
 prompt and responses and call the same collectives. `gather_expert_params` / `load_expert_params` convert
 between the slices and full [E, ...] tensors (checkpoints).
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 
 import torch
 import torch.distributed as dist
@@ -48,7 +51,8 @@ from torch import nn
 from longstraw_cli.distributed.comm import rank_world
 from longstraw_cli.models.glm52.experts import combine, expert_ffn, local_experts, pairs_by_expert
 
-__all__ = ["apply_expert_parallel", "ep_experts_alltoall", "ep_experts_replicated", "ep_shard", "expert_bounds",
+__all__ = ["apply_expert_parallel", "ep_experts_alltoall", "ep_experts_replicated", "ep_shard", "ep_slice",
+           "expert_bounds",
            "gather_expert_params", "load_expert_params", "local_experts", "tokens_sharded"]
 
 
@@ -63,6 +67,21 @@ def expert_bounds(num_experts: int, num_ranks: int, rank: int) -> tuple[int, int
         raise ValueError(f"rank {rank} outside an EP group of {num_ranks}")
     num_local = num_experts // num_ranks
     return rank * num_local, (rank + 1) * num_local
+
+
+def ep_slice(group):
+    """The `expert_slice` of models.build_model / from_pretrained for this rank of an EP group: num_experts ->
+    this rank's `expert_bounds`. None (every expert) without a group or in a group of one rank."""
+    if group is None:
+        return None
+    rank, world = rank_world(group)
+    if world == 1:
+        return None
+    return functools.partial(_bounds_of_rank, num_ranks=world, rank=rank)
+
+
+def _bounds_of_rank(num_experts: int, *, num_ranks: int, rank: int) -> tuple[int, int]:
+    return expert_bounds(num_experts, num_ranks, rank)
 
 
 def ep_shard(full_E: torch.Tensor, group=None) -> torch.Tensor:
@@ -250,9 +269,11 @@ def _moe_layers(model):
 
 def apply_expert_parallel(model, group, *, cp_group) -> None:
     """Each MoE layer keeps only this rank's contiguous slice of the routed experts (its own nn.Parameters) and
-    dispatches tokens through `EPExperts`. The EP group must lie within the CP group: EP ranks then hold the same
-    prompt and response, so they call the same collectives in the same order (ranks with different prompts
-    would not: rollout and response lengths differ). cp=1 with ep=1 changes nothing."""
+    dispatches tokens through `EPExperts`. A model built with this rank's slice (`ep_slice`: what the trainer
+    builds, so no rank ever holds another's experts) is kept as it is; a model holding every expert is sliced
+    here (a copy of the slice, the whole freed). The EP group must lie within the CP group: EP ranks then hold
+    the same prompt and response, so they call the same collectives in the same order (ranks with different
+    prompts would not: rollout and response lengths differ). cp=1 with ep=1 changes nothing."""
     rank, world = rank_world(group)
     if world == 1:
         return
@@ -261,12 +282,17 @@ def apply_expert_parallel(model, group, *, cp_group) -> None:
     if not ep_ranks <= cp_ranks:
         raise ValueError(f"the EP group (global ranks {sorted(ep_ranks)}) must lie within the CP group (global "
                          f"ranks {sorted(cp_ranks)}): ep must divide cp, with EP groups of ranks sharing a prompt")
+    num_experts = model.config.n_routed_experts
+    own = expert_bounds(num_experts, world, rank)
     for moe in _moe_layers(model):
         experts = moe.experts
-        num_experts = experts.gate_up_proj.shape[0]
-        expert_bounds(num_experts, world, rank)
-        experts.gate_up_proj = nn.Parameter(ep_shard(experts.gate_up_proj, group))
-        experts.down_proj = nn.Parameter(ep_shard(experts.down_proj, group))
+        if experts.expert_rows == (0, num_experts):
+            experts.gate_up_proj = nn.Parameter(ep_shard(experts.gate_up_proj, group))
+            experts.down_proj = nn.Parameter(ep_shard(experts.down_proj, group))
+            experts.expert_rows = own
+        elif experts.expert_rows != own:
+            raise ValueError(f"the model holds experts {list(experts.expert_rows)} but rank {rank} of an EP group "
+                             f"of {world} holds {list(own)}: build it with ep_slice(group) or with every expert")
         moe.experts_fn = EPExperts(group, num_experts)
 
 

@@ -2,7 +2,8 @@
 
 Each family registers a `FamilySpec` (models/spec.py) from its package's `spec.py`; everything here goes
 through that registry. `build_model(name)` makes a randomly initialised model of a named shape;
-`from_pretrained(path)` loads an HF directory (config.json + safetensors, sharded or not).
+`from_pretrained(path)` loads an HF directory (config.json + safetensors, sharded or not, bf16 or FP8
+block-quantised; models/loading.py). Both take `expert_slice` to hold only some routed experts (expert parallel).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 import longstraw_cli.models.glm52.spec
 import longstraw_cli.models.qwen36.spec  # noqa: F401
 from longstraw_cli.models.core import units
+from longstraw_cli.models.loading import CheckpointReader
 from longstraw_cli.models.spec import (
     FamilySpec,
     families,
@@ -41,8 +43,15 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def build_model(name: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                seed: int | None = None, quantize: str = "none", **overrides) -> torch.nn.Module:
+                seed: int | None = None, quantize: str = "none", expert_slice=None, **overrides) -> torch.nn.Module:
     """A randomly initialised model of a named shape; keyword overrides replace config fields.
+
+    expert_slice (families with routed experts): a function num_experts -> (lo, hi), the rows of the routed
+    experts to hold (distributed/ep.py's `ep_slice` gives an EP rank its own); the model then holds only those
+    experts and every replicated part, and nothing else is ever allocated. A named config's routed experts are
+    drawn expert by expert (glm52 `Experts.reset_parameters`: expert e from a generator seeded by the layer's base
+    seed and e), so expert e has the same weights whichever slice holds it, and every replicated part the same
+    numbers whatever the slice: a model built expert-parallel equals the one built whole.
 
     quantize="nf4" (quantize.py): built on the meta device, then part by part (embeddings, each decoder layer,
     norm, lm_head) materialised, initialised and its base linears quantised before the next part, so the model
@@ -53,28 +62,40 @@ def build_model(name: str, *, dtype: torch.dtype = torch.float32, device: str | 
     if seed is not None:
         torch.manual_seed(seed)
     if quantize != "none":
-        model = _on_meta(spec, cfg, dtype, quantize)
+        model = _on_meta(spec, cfg, dtype, quantize, expert_slice)
         with _default_dtype(dtype):
             return _by_parts(model, device, lambda _, part: model.reset_parameters(root=part), quantize)
-    # parameters are born in their dtype and on their device: a 27B shape never exists in fp32 on the host
+    # parameters are born in their dtype and on their device (only this process's experts): a 27B shape never
+    # exists in fp32 on the host
     with _default_dtype(dtype), torch.device(device):
-        model = spec.model_cls(cfg)
+        model = spec.model_cls(cfg, **_slice_kwargs(spec, expert_slice))
     return model
 
 
-def _on_meta(spec: FamilySpec, cfg, dtype: torch.dtype, quantize: str) -> torch.nn.Module:
-    """The model's structure without storage; checks the quantize choice (and that torchao imports) first."""
+def _slice_kwargs(spec: FamilySpec, expert_slice) -> dict:
+    if expert_slice is None:
+        return {}
+    if spec.expert_parallel is None:
+        raise ValueError(f"expert_slice given for model family {spec.name!r}, which has no routed experts; valid "
+                         f"families: {[s.name for s in families() if s.expert_parallel]}")
+    return {"expert_slice": expert_slice}
+
+
+def _on_meta(spec: FamilySpec, cfg, dtype: torch.dtype, quantize: str, expert_slice=None) -> torch.nn.Module:
+    """The model's structure without storage (of its own experts only, with expert_slice); checks the quantize
+    choice (and that torchao imports) first."""
     if quantize not in QUANTIZE_CHOICES:
         raise ValueError(f"quantize={quantize!r}; valid: {list(QUANTIZE_CHOICES)}")
     if quantize == "nf4":
         torchao_nf4()
     with _default_dtype(dtype), torch.device("meta"):
-        return spec.model_cls(cfg)
+        return spec.model_cls(cfg, **_slice_kwargs(spec, expert_slice))
 
 
 def _by_parts(model: torch.nn.Module, device, fill, quantize: str) -> torch.nn.Module:
     """A meta model materialised on `device` one part at a time (`core.units`): each part allocated, filled by
-    `fill(part name, part)`, and, for a decoder layer under quantize="nf4", its base linears quantised."""
+    `fill(part name, part)`, and, for a decoder layer under quantize="nf4", its base linears quantised. The peak
+    is what the model holds plus what filling one part needs."""
     layers = {id(layer) for layer in model.model.layers}
     for name, part in units(model):
         part.to_empty(device=device)
@@ -108,75 +129,25 @@ def _read_hf_config(config_file: str, mtime_ns: int, size: int) -> tuple[FamilyS
     return spec, spec.hf.config_from_hf(hf_config)
 
 
-def _safetensors_keys(path: Path, stack: contextlib.ExitStack):
-    """(open file, key) of every tensor of an HF directory's safetensors files, sharded or not; files stay open
-    (memory-mapped) until `stack` closes."""
-    from safetensors import safe_open
-
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (path / "model.safetensors").exists():
-        files = ["model.safetensors"]
-    else:
-        raise ValueError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
-    for file in files:
-        try:
-            handle = stack.enter_context(safe_open(str(path / file), framework="pt"))
-        except Exception as e:  # noqa: BLE001 - safetensors' own error type: a truncated or foreign file
-            raise ValueError(f"{path / file}: not a readable safetensors file ({e})") from None
-        for key in handle.keys():
-            yield handle, key
-
-
-def _part_of(name: str, parts: list[str]) -> str:
-    return next(part for part in parts if name.startswith(part + "."))
-
-
 def from_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                    quantize: str = "none") -> torch.nn.Module:
+                    quantize: str = "none", expert_slice=None) -> torch.nn.Module:
     """Load an HF directory of any registered family's model types (`qwen3_5_text`, `qwen3_5`'s text weights,
     `glm_moe_dsa`).
 
-    The family's key map names the parameter or buffer each checkpoint key fills, and the part of it (glm52's
-    per-expert keys fill slices of its 3-D expert parameters). Tensors keep their target's dtype (glm52 keeps
-    the router weight and bias and the indexer's weights_proj in fp32). The model is built on the meta device
-    and loaded one part at a time (`core.units`); quantize="nf4" quantises each decoder layer's base linears as
-    soon as it is loaded (quantize.py)."""
+    The model is built on the meta device and loaded one part at a time (`core.units`) by
+    `loading.CheckpointReader`: model.safetensors.index.json decides which files are opened, and only the keys
+    this process holds are read. The family's key map names the parameter or buffer each checkpoint key fills,
+    and the part of it (glm52's per-expert keys fill rows of its 3-D expert parameters; with `expert_slice`, as in
+    `build_model`, only this process's experts are allocated and read). FP8 block-quantised weights
+    (`weight_scale_inv`) are dequantised to `dtype` on load. Tensors keep their target's dtype (glm52 keeps the
+    router weight and bias and the indexer's weights_proj in fp32). quantize="nf4" quantises each decoder layer's
+    base linears as soon as it is loaded (quantize.py)."""
     path = Path(path)
     spec, cfg = hf_model_config(path)
-    model = _on_meta(spec, cfg, dtype, quantize)
-    targets = dict(model.named_parameters(remove_duplicate=False))
-    targets.update(model.named_buffers())
-    parts = [name for name, _ in units(model)]
-    filled = {name: 0 for name in targets}
-    with contextlib.ExitStack() as stack:
-        keys = {part: [] for part in parts}
-        for handle, key in _safetensors_keys(path, stack):
-            mapped = spec.hf.key_map(key, cfg)
-            if mapped is None:
-                continue
-            name, index = mapped
-            if name not in targets:
-                raise ValueError(f"{path}: checkpoint key {key!r} has no counterpart in the {spec.name} model")
-            keys[_part_of(name, parts)].append((handle, key, name, index))
-
-        @torch.no_grad()
-        def fill(part_name: str, part: torch.nn.Module) -> None:
-            # the part's own tensors: to_empty gave it new ones
-            own = {f"{part_name}.{n}": t for n, t in part.named_parameters(remove_duplicate=False)}
-            own.update((f"{part_name}.{n}", t) for n, t in part.named_buffers())
-            for handle, key, name, index in keys[part_name]:
-                tensor, dest = handle.get_tensor(key), own[name][index]
-                if tuple(dest.shape) != tuple(tensor.shape):
-                    raise ValueError(f"{path}: {key} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
-                dest.copy_(tensor.to(dest.dtype))
-                filled[name] += dest.numel()
-
-        _by_parts(model, device, fill, quantize)
-    missing = sorted(n for n, t in targets.items() if filled[n] < t.numel())
-    if cfg.tie_word_embeddings:
-        missing = [m for m in missing if m != "lm_head.weight"]
+    model = _on_meta(spec, cfg, dtype, quantize, expert_slice)
+    reader = CheckpointReader(path, model, spec.hf.key_map, cfg, [name for name, _ in units(model)])
+    _by_parts(model, device, reader.fill, quantize)
+    missing = reader.missing(tied=("lm_head.weight",) if cfg.tie_word_embeddings else ())
     if missing:
         raise ValueError(f"{path}: checkpoint lacks {len(missing)} weights, e.g. {missing[:5]}")
     return model

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from longstraw_cli.models.core import StaticDecoder
 from longstraw_cli.models.glm52.experts import dense_experts, local_experts
-from longstraw_cli.models.glm52.model import KeyAxis, rope_cos_sin
+from longstraw_cli.models.glm52.positions import KeyAxis, rope_cos_sin
 from longstraw_cli.resident import Resident
 from longstraw_cli.resident.offload import left_on_host, rollout_pages
 from longstraw_kernels.dsa.topk import topk_lowest_position_static

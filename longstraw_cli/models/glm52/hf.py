@@ -3,8 +3,9 @@
 Module names mirror HF's, with one difference of layout: in memory the routed experts are 3-D parameters
 (`mlp.experts.gate_up_proj` [E, 2I, C], `mlp.experts.down_proj` [E, C, I], as in HF 5.24), while
 `save_pretrained` writes (and GLM-5 releases hold) per-expert keys `mlp.experts.{e}.{gate,up,down}_proj.weight`.
-`hf_to_local` maps each key to a parameter and the slice of it that the key fills. Layers past
-num_hidden_layers (GLM-5's MTP layer 78) are skipped, as HF does.
+`hf_to_local` maps each key to a parameter and the slice of it that the key fills, by global expert index; a
+model holding only some experts (`Experts.expert_rows`, expert parallel) reads only their keys, shifted to its
+rows (models/loading.py). Layers past num_hidden_layers (GLM-5's MTP layer 78) are skipped, as HF does.
 """
 
 from __future__ import annotations

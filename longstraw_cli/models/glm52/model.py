@@ -52,8 +52,6 @@ E experts, k chosen experts / selected keys, P pages.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -61,7 +59,9 @@ from torch import nn
 from longstraw_cli.models import core
 from longstraw_cli.models.core import MLP, Backbone, CausalLM, DecodeState, stop_grad_prefix
 from longstraw_cli.models.glm52.config import Glm52Config
+from longstraw_cli.models.glm52.decode import Glm52Decoder
 from longstraw_cli.models.glm52.experts import local_experts
+from longstraw_cli.models.glm52.positions import KeyAxis, rope_cos_sin
 from longstraw_cli.quantize import dense
 from longstraw_cli.resident import MLAPages, Resident
 from longstraw_cli.resident.offload import OFFLOAD_CHOICES, host_buffer
@@ -92,14 +92,6 @@ class RMSNorm(nn.Module):
         h = at_least_fp32(x)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
-
-
-def rope_cos_sin(positions_T: torch.Tensor, dim: int, theta: float, dtype: torch.dtype):
-    """cos, sin [T, dim/2] of each rotated pair; fp32 angles as HF computes them, cast to the activations' dtype."""
-    angle_dtype = compute_dtype(dtype)
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=positions_T.device).to(angle_dtype) / dim))
-    freqs_TF = positions_T.to(angle_dtype)[:, None] * inv_freq[None, :]
-    return freqs_TF.cos().to(dtype), freqs_TF.sin().to(dtype)
 
 
 def apply_rope_interleaved(x_BT_D: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor) -> torch.Tensor:
@@ -160,21 +152,6 @@ class DSAIndexer(nn.Module):
             out.append(indexer_scores(q_BTJI, w_BTJ, k, self.softmax_scale, local))
             first += S
         return out[0] if len(out) == 1 else torch.cat(out, dim=-1)
-
-
-@dataclass
-class KeyAxis:
-    """The keys one call attends to: `num_pages` prompt pages (shared by the batch) then `num_new` per-sequence
-    keys. Query t of T sees key position g iff g <= offset + t, offset = num_pages + num_new - T (capture:
-    the block's own keys are already pages; replay/decode: the new keys end at the last query)."""
-
-    num_pages: int
-    num_new: int
-    num_queries: int
-
-    @property
-    def offset(self) -> int:
-        return self.num_pages + self.num_new - self.num_queries
 
 
 class DecodeMLA:
@@ -515,19 +492,41 @@ class TopkRouter(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts as 3-D parameters (HF 5.24's in-memory layout)."""
+    """Routed experts as 3-D parameters (HF 5.24's in-memory layout): rows lo..hi-1 of the n_routed_experts,
+    `expert_rows` = (lo, hi); all of them unless built with a slice. A model holding a slice computes its MoE
+    layers only once expert parallelism (distributed/ep.py) has swapped `experts_fn` for one that routes tokens
+    to the other slices."""
 
-    def __init__(self, cfg: Glm52Config):
+    def __init__(self, cfg: Glm52Config, expert_rows: tuple[int, int] | None = None):
         super().__init__()
         E, C, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, C))
-        self.down_proj = nn.Parameter(torch.empty(E, C, I))
+        lo, hi = (0, E) if expert_rows is None else expert_rows
+        if not 0 <= lo < hi <= E:
+            raise ValueError(f"expert_rows=({lo}, {hi}) must satisfy 0 <= lo < hi <= n_routed_experts={E}")
+        self.expert_rows = (lo, hi)
+        self.gate_up_proj = nn.Parameter(torch.empty(hi - lo, 2 * I, C))
+        self.down_proj = nn.Parameter(torch.empty(hi - lo, C, I))
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float) -> None:
+        """normal(0, std), expert by expert: expert e from its own generator, seeded by a base drawn once from the
+        global generator and e, so expert e gets the same numbers whichever rows this module holds (a model built
+        expert-parallel equals the one-device model), and the global stream advances by one draw whatever the
+        slice (the replicated parts after it are drawn alike)."""
+        base = int(torch.randint(0, 2**62, (), device="cpu"))
+        if self.gate_up_proj.is_meta:
+            return
+        device = self.gate_up_proj.device
+        for i, e in enumerate(range(*self.expert_rows)):
+            g = torch.Generator(device).manual_seed((base + e * 0x9E3779B97F4A7C15) % 2**63)
+            self.gate_up_proj[i].normal_(0.0, std, generator=g)
+            self.down_proj[i].normal_(0.0, std, generator=g)
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: Glm52Config):
+    def __init__(self, cfg: Glm52Config, expert_rows: tuple[int, int] | None = None):
         super().__init__()
-        self.experts = Experts(cfg)
+        self.experts = Experts(cfg, expert_rows)
         self.gate = TopkRouter(cfg)
         self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
         self.experts_fn = local_experts
@@ -543,11 +542,11 @@ class DecoderLayer(core.DecoderLayer):
     """One named path per method (see models/core.py); `carry` is the DSA selection [B, T, index_topk] that
     "shared" indexer layers reuse from the full layer before them."""
 
-    def __init__(self, cfg: Glm52Config, layer_idx: int):
+    def __init__(self, cfg: Glm52Config, layer_idx: int, expert_rows: tuple[int, int] | None = None):
         super().__init__()
         self.self_attn = MLAttention(cfg, layer_idx)
         sparse = cfg.layer_mlp_types[layer_idx] == "sparse"
-        self.mlp = MoE(cfg) if sparse else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = MoE(cfg, expert_rows) if sparse else MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -579,12 +578,17 @@ class DecoderLayer(core.DecoderLayer):
 class Glm52ForCausalLM(CausalLM):
     family = "glm52"
 
-    def __init__(self, cfg: Glm52Config):
-        layers = (DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+    def __init__(self, cfg: Glm52Config, expert_slice=None):
+        """expert_slice: None (every routed expert), or a function num_experts -> (lo, hi), the rows of the
+        routed experts this model holds (distributed/ep.py's `ep_slice` gives a rank its own); nothing else
+        is sliced."""
+        rows = None if expert_slice is None else tuple(expert_slice(cfg.n_routed_experts))
+        layers = (DecoderLayer(cfg, i, rows) for i in range(cfg.num_hidden_layers))
         super().__init__(cfg, Backbone(cfg.vocab_size, cfg.hidden_size, layers, RMSNorm, cfg.rms_norm_eps))
 
     def init_module(self, module: nn.Module, std: float) -> None:
-        """Norms at one, LayerNorm bias zero; router and experts normal(0, std), the router's bias zero."""
+        """Norms at one, LayerNorm bias zero; router and experts normal(0, std) (experts expert by expert,
+        `Experts.reset_parameters`), the router's bias zero."""
         if isinstance(module, RMSNorm):
             module.weight.fill_(1.0)
         elif isinstance(module, nn.LayerNorm):
@@ -594,8 +598,7 @@ class Glm52ForCausalLM(CausalLM):
             module.weight.normal_(0.0, std)
             module.e_score_correction_bias.zero_()
         elif isinstance(module, Experts):
-            module.gate_up_proj.normal_(0.0, std)
-            module.down_proj.normal_(0.0, std)
+            module.reset_parameters(std)
 
     # -- resident state ---------------------------------------------------------------------------------------
     def empty_resident(self, num_tokens: int, page_dtype: torch.dtype | None = None,
@@ -645,11 +648,8 @@ class Glm52ForCausalLM(CausalLM):
 
     # -- native rollout ---------------------------------------------------------------------------------------
     def decoder(self, resident: Resident, batch: int, capacity: int, page_budget: int | None = None):
-        """The static-shaped decode of `batch` responses of up to `capacity` tokens (glm52/decode.py, which
-        builds on this module: imported here, not at the top); with offloaded pages, at most `page_budget` bytes
-        of whole layers copied to the device (None: what fits)."""
-        from longstraw_cli.models.glm52.decode import Glm52Decoder
-
+        """The static-shaped decode of `batch` responses of up to `capacity` tokens (glm52/decode.py); with
+        offloaded pages, at most `page_budget` bytes of whole layers copied to the device (None: what fits)."""
         return Glm52Decoder(self, resident, batch, capacity, page_budget)
 
     @torch.no_grad()
