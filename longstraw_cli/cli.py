@@ -309,13 +309,26 @@ def train(argv: list[str]) -> int:
 PLAN_KEYS = {"gpu_mem_gib": "GPU memory per rank in GiB (default 139: an H200)",
              "host_mem_gib": "host memory per rank for offloaded pages in GiB (default 128: an H200 machine's share)",
              "kernels": "auto | gpu | reference (default auto: gpu for bf16/fp16)"}
-PLAN_USAGE = """usage: longstraw plan [overrides]
-The per-rank memory of one transaction by phase, and the longest prompt that fits, for the run that
-`longstraw train` would launch with the same overrides (model, cp, group_size, prompt_tokens,
-response_tokens, lora.rank, lora.quantize, capture.*). prompt_tokens and response_tokens take K/M suffixes
-(2M = 2097152).
+PLAN_USAGE = """usage: longstraw plan [overrides]   (the same: python -m longstraw_cli.plan [overrides])
+The per-rank memory of one transaction by phase, and the longest prompt that fits per placement, for the run
+that `longstraw train` would launch with the same overrides and defaults (model, cp, ep, group_size,
+prompt_tokens, response_tokens, model.dtype, lora.rank, lora.quantize, capture.*). prompt_tokens and
+response_tokens take K/M suffixes (2M = 2097152); prompt_tokens takes a comma list, one row each
+(prompt_tokens=256K,1M,2M).
 Plan's own keys: """ + "; ".join(f"{k}: {v}" for k, v in PLAN_KEYS.items()) + """
-example: longstraw plan model=qwen36 cp=8 prompt_tokens=2M group_size=8 lora.rank=16 gpu_mem_gib=139"""
+examples: longstraw plan model=qwen36 cp=8 prompt_tokens=2M group_size=8 lora.rank=16 gpu_mem_gib=139
+          longstraw plan model=glm52 cp=32 ep=32 prompt_tokens=256K,1M,2M lora.rank=16 lora.quantize=nf4"""
+
+
+def _plan_tokens(key: str, value: str) -> list[int]:
+    """A token count or, for prompt_tokens, a comma list of them (K/M suffixes); one line on a bad value."""
+    from longstraw_cli import plan as planner
+
+    texts = value.strip("[]").split(",") if key == "prompt_tokens" else [value]
+    try:
+        return [planner._tokens(text.strip()) for text in texts]
+    except Exception as e:  # noqa: BLE001 - argparse's error type, shown as one line
+        _fail(f"{key}={value}: {e}")
 
 
 def plan(argv: list[str]) -> int:
@@ -323,21 +336,21 @@ def plan(argv: list[str]) -> int:
 
     from longstraw_cli import plan as planner
     from longstraw_cli.config import ConfigError, ModelConfig
-    from longstraw_cli.models import families
 
     if any(a in ("-h", "--help") for a in argv):
         print(PLAN_USAGE)
         return 0
-    own, overrides = {"gpu_mem_gib": "139", "host_mem_gib": "128", "kernels": "auto"}, []
+    own, overrides, prompts = {"gpu_mem_gib": "139", "host_mem_gib": "128", "kernels": "auto"}, [], None
     for arg in argv:
         key, sep, value = arg.partition("=")
         if sep and key in PLAN_KEYS:
             own[key] = value
         elif sep and key in ("prompt_tokens", "response_tokens"):
-            try:
-                overrides.append(f"{key}={planner._tokens(value)}")
-            except Exception as e:  # noqa: BLE001 - argparse's error type, shown as one line
-                _fail(f"{key}={value}: {e}")
+            counts = _plan_tokens(key, value)
+            if key == "prompt_tokens":
+                prompts = counts
+            # Hydra composes one value (a comma list would be a sweep); the plan takes every prompt length
+            overrides.append(f"{key}={counts[0]}")
         else:
             overrides.append(arg)
     problem = check_overrides(overrides)
@@ -349,7 +362,6 @@ def plan(argv: list[str]) -> int:
             gib[key] = float(own[key])
         except ValueError:
             _fail(f"{key}={own[key]!r} is not a number (GiB)")
-    gpu_mem_gib, host_mem_gib = gib["gpu_mem_gib"], gib["host_mem_gib"]
     if own["kernels"] not in planner.KERNELS:
         _fail(f"kernels={own['kernels']!r}; valid: {list(planner.KERNELS)}")
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
@@ -357,17 +369,9 @@ def plan(argv: list[str]) -> int:
     # the training config's own checks of model.name / path / dtype
     try:
         model = ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True))
-    except ConfigError as e:
+        _, model_cfg = model.family_config()
+    except (ConfigError, ValueError) as e:
         _fail(str(e))
-    try:
-        family, model_cfg = model.family_config()
-    except ValueError as e:
-        _fail(str(e))
-    if not family.plan:
-        planned = [spec for spec in families() if spec.plan]
-        _fail(f"the memory plan models the {' / '.join(s.name for s in planned)} family only, not "
-              f"{model.path or model.name!r}; valid: {sorted(name for s in planned for name in s.configs)} or a "
-              f"{' / '.join(t for s in planned for t in s.hf.model_types)} model.path")
 
     def integer(key: str) -> int:
         value = OmegaConf.select(cfg, key)
@@ -376,13 +380,13 @@ def plan(argv: list[str]) -> int:
         return value
 
     return planner.report(
-        model_cfg, model.path or model.name, [integer("prompt_tokens")], cp=integer("cp"),
-        group_size=integer("group_size"), response_tokens=integer("response_tokens"), dtype=model.dtype,
-        lora_rank=integer("lora.rank"), quantize=str(OmegaConf.select(cfg, "lora.quantize")),
-        gpu_mem_gib=gpu_mem_gib, block_size=integer("capture.block_size"),
+        model_cfg, model.path or model.name, prompts or [integer("prompt_tokens")], cp=integer("cp"),
+        ep=integer("ep"), group_size=integer("group_size"), response_tokens=integer("response_tokens"),
+        dtype=model.dtype, lora_rank=integer("lora.rank"), quantize=str(OmegaConf.select(cfg, "lora.quantize")),
+        gpu_mem_gib=gib["gpu_mem_gib"], block_size=integer("capture.block_size"),
         score_batch=integer("capture.score_batch"), logprob_chunk=integer("capture.logprob_chunk"),
         kernels=own["kernels"], gradient=str(OmegaConf.select(cfg, "capture.gradient")),
         walk_checkpoint=bool(OmegaConf.select(cfg, "capture.walk_checkpoint")),
         reuse=integer("capture.reuse_steps") > 1, probe_tokens=integer("capture.probe_tokens"),
         offload=str(OmegaConf.select(cfg, "capture.offload")),
-        host_mem_gib=host_mem_gib, offload_copy_gib=OmegaConf.select(cfg, "rollout.native.offload_copy_gib"))
+        host_mem_gib=gib["host_mem_gib"], offload_copy_gib=OmegaConf.select(cfg, "rollout.native.offload_copy_gib"))

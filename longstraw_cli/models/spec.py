@@ -1,11 +1,11 @@
 """One registry of model families (torchtitan's `TrainSpec` / `register_train_spec`).
 
 Each family registers one `FamilySpec` in its package's `spec.py`: the model class, its named configs, its
-Hugging Face adapter, its parallelize hooks, its LoRA targets and whether the memory plan models it. Code that
+Hugging Face adapter, its parallelize hooks, its LoRA targets and its memory plan hook. Code that
 needs to know a family asks `family_of(model name | model)` or `get_family(family name)`; nothing else branches
 on a family's name.
 
-Parallelize hooks are import paths ("module:function"), resolved when called: the model packages import no
+Parallelize and plan hooks are import paths ("module:function"), resolved when called: the model packages import no
 torch.distributed, and building a model imports none of the parallel code.
 """
 
@@ -48,8 +48,9 @@ class FamilySpec:
     # "module:function" hooks: apply_context_parallel(model, group), apply_expert_parallel(model, ep_group, cp_group=)
     context_parallel: str | None = None
     expert_parallel: str | None = None
-    # whether `longstraw plan` models the family's memory
-    plan: bool = False
+    # "module:function" hook of `longstraw plan`: plan(model config, plan.common.Run) -> bytes by component and
+    # phase (longstraw_cli/plan/); None: the family's memory is not planned
+    plan: str | None = None
 
     def apply_context_parallel(self, model, group) -> None:
         if self.context_parallel is None:

@@ -8,7 +8,8 @@ import torch
 from longstraw_cli.lora import LoraConfig, apply_lora
 from longstraw_cli.models import build_model
 from longstraw_cli.models.qwen36.config import named_config
-from longstraw_cli.plan import GIB, main, max_prompt_tokens, param_counts, plan, resident_bytes
+from longstraw_cli.plan import GIB, main, max_prompt_tokens, plan
+from longstraw_cli.plan.qwen36 import param_counts, resident_bytes
 from longstraw_cli.resident.gradient import StateGrad
 from longstraw_cli.telemetry.memory import GraphMemory
 
@@ -164,14 +165,26 @@ def test_custom_config_and_bad_input():
         plan("qwen36_mini", prompt_tokens=0, **MINI)
     with pytest.raises(ValueError, match="dtype"):
         plan("qwen36_mini", prompt_tokens=10, **{**MINI, "dtype": "bf16"})
-    with pytest.raises(ValueError, match="unknown qwen36 config"):
+    with pytest.raises(ValueError, match="unknown model .qwen99."):
         plan("qwen99", prompt_tokens=10, **MINI)
 
 
-def test_main_prints_a_table(capsys):
-    assert main(["--model", "qwen36_mini", "--prompts", "64K,1M", "--group-size", "4"]) == 0
+def test_python_m_plan_is_the_longstraw_plan_command(capsys):
+    """`python -m longstraw_cli.plan` takes `longstraw plan`'s overrides and defaults; a comma list of prompt
+    lengths gives one row each, with the numbers of plan() on the training config's defaults."""
+    from longstraw_cli.__main__ import main as longstraw
+
+    args = ["model=qwen36_mini", "prompt_tokens=64K,1M", "group_size=4"]
+    assert main(args) == 0
     out = capsys.readouterr().out
-    assert "65536" in out and "1048576" in out and "longest prompt" in out
+    assert longstraw(["plan", *args]) == 0
+    assert capsys.readouterr().out == out
+    # the training config's defaults: response_tokens 16, capture.block_size 4096, logprob_chunk 512
+    for n in (65536, 1048576):
+        want = plan("qwen36_mini", prompt_tokens=n, group_size=4, response_tokens=16, block_size=4096,
+                    logprob_chunk=512)
+        assert f"{n:>9} " in out and f"{want['peak'] / GIB:.2f}" in out
+    assert "longest prompt" in out and "phases: capture" in out
 
 
 def test_longstraw_plan_command_reads_the_training_config(capsys):
@@ -208,7 +221,9 @@ def test_longstraw_plan_plans_the_shape_override_config_gives(capsys):
     (["gpu_mem_gib=lots"], "gpu_mem_gib='lots' is not a number"),
     (["kernels=fast"], "kernels='fast'; valid: ['auto', 'gpu', 'reference']"),
     (["prompt_tokens=3Q"], "not a token count: '3Q'"),
-    (["model=glm52_tiny"], "models the qwen36 family only"),
+    (["prompt_tokens=1M,x"], "not a token count: 'x'"),
+    (["model=glm52_tiny", "ep=3"], "ep=3 must divide cp=1"),
+    (["ep=2", "cp=2"], "model family 'qwen36' has no routed experts"),
     (["modle=qwen36"], "unknown config key 'modle'"),
 ])
 def test_longstraw_plan_command_rejects_bad_values_in_one_line(capsys, args, message):

@@ -102,7 +102,7 @@ def test_parallel_hooks_resolve_and_missing_ones_are_refused():
 
 
 def test_plan_and_export_are_declared_per_family():
-    assert [spec.name for spec in families() if spec.plan] == ["qwen36"]
+    assert [spec.name for spec in families() if spec.plan] == ["glm52", "qwen36"]
     assert get_family("qwen36").hf.export_refusal is None
     assert "glm52 is not (yet)" in get_family("glm52").hf.export_refusal
 

@@ -16,4 +16,5 @@ SPEC = register_family(FamilySpec(
                   "down_proj"),
     context_parallel="longstraw_cli.distributed.cp_glm52:apply_context_parallel_glm52",
     expert_parallel="longstraw_cli.distributed.ep:apply_expert_parallel",
+    plan="longstraw_cli.plan.glm52:plan",
 ))

@@ -14,5 +14,5 @@ SPEC = register_family(FamilySpec(
     hf=hf.ADAPTER,
     lora_targets=DEFAULT_TARGETS,
     context_parallel="longstraw_cli.distributed.cp:apply_context_parallel_qwen36",
-    plan=True,
+    plan="longstraw_cli.plan.qwen36:plan",
 ))

@@ -1,4 +1,4 @@
-"""Memory plan of one LongStraw transaction per rank, from the config alone (no model is built).
+"""The qwen36 family's memory plan (FamilySpec.plan): per-rank bytes of one transaction, from the config alone.
 
     capture = weights + optimizer + resident + one capture block's activations
     score   = weights + optimizer + resident + one graph-free scoring batch
@@ -61,47 +61,20 @@ runs the torch chunked GDN, whose activations are `_gdn_graph`).
 
 from __future__ import annotations
 
-import argparse
 import math
-import sys
 
-import torch
-
-from longstraw_cli.lora import DEFAULT_TARGETS, LoraConfig
-from longstraw_cli.models.qwen36.config import NAMED_CONFIGS, Qwen36Config, named_config
-from longstraw_cli.quantize import QUANTIZE_CHOICES, dtype_refusal, nf4_bytes
-from longstraw_cli.resident.gradient import check_gradient_mode
-from longstraw_cli.resident.offload import OFFLOAD_NAMES, offload_refusal
-
-GIB = 2**30
-DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
+from longstraw_cli.lora import DEFAULT_TARGETS
+from longstraw_cli.models.qwen36.config import Qwen36Config
+from longstraw_cli.plan.common import GIB, LOGIT_BYTES_REPLAY, LOGIT_BYTES_SCORE, Run, itemsize, rollout_copies
+from longstraw_cli.quantize import nf4_bytes
 
 # the chunk length of kernels/gdn's chunked form
 GDN_CHUNK = 64
-KERNELS = ("auto", "gpu", "reference")
 # fp32 copies of a [heads, queries, keys] score block the reference attention holds at once
 SCORE_COPIES = 3
 # fp32 [heads, queries, head dim] buffers of the flash path's LSE merge (two partial outputs, their weighted
 # copies, the sum) on top of its bf16 copies of q and the expanded new keys
 FLASH_FP32_COPIES = 6
-# bytes per logit element: graph-free (fp32 logits + the exp temporary), and the log-prob backward's chunk
-# (the fp32 logits it works on in place, plus the bf16 matmul output before it or the bf16 gradient after it)
-LOGIT_BYTES_SCORE = 8
-LOGIT_BYTES_REPLAY = 6
-
-
-def _itemsize(dtype: str) -> int:
-    if dtype not in DTYPE_NAMES:
-        raise ValueError(f"dtype={dtype!r}; valid: {list(DTYPE_NAMES)}")
-    return getattr(torch, dtype).itemsize
-
-
-def _config(model_name_or_cfg) -> Qwen36Config:
-    if isinstance(model_name_or_cfg, Qwen36Config):
-        return model_name_or_cfg
-    if isinstance(model_name_or_cfg, str):
-        return named_config(model_name_or_cfg)
-    raise ValueError(f"model must be a name in {sorted(NAMED_CONFIGS)} or a Qwen36Config, got {model_name_or_cfg!r}")
 
 
 def _layer_linears(cfg: Qwen36Config, layer_type: str) -> dict[str, tuple[int, int]]:
@@ -145,7 +118,7 @@ def param_counts(cfg: Qwen36Config, lora_rank: int = 0, lora_targets=DEFAULT_TAR
 
 def linear_bytes(cfg: Qwen36Config, dtype: str, quantize: str = "none") -> int:
     """Bytes of the decoder layers' linear weights: NF4 storage (quantize.nf4_bytes, linear by linear) or dtype's."""
-    s = _itemsize(dtype)
+    s = itemsize(dtype)
     return sum(nf4_bytes(i * o, s) if quantize == "nf4" else i * o * s
                for layer_type in cfg.layer_types for i, o in _layer_linears(cfg, layer_type).values())
 
@@ -154,12 +127,12 @@ def dequant_transient(numel: int, dtype: str) -> int:
     """Live bytes while one NF4 weight of `numel` is dequantised for its product: on a GPU the Triton kernel
     (longstraw_kernels.nf4) writes the weight in `dtype` directly and nothing else. (The torch reference that
     CPUs run forms int64 codes and half-size intermediates besides: ~3x this, not planned.)"""
-    return numel * _itemsize(dtype)
+    return numel * itemsize(dtype)
 
 
 def resident_bytes(cfg: Qwen36Config, num_tokens: int, dtype: str = "bfloat16") -> dict[str, int]:
     """What `Qwen36ForCausalLM.resident_bytes(num_tokens)` reports for a model in `dtype`."""
-    s = _itemsize(dtype)
+    s = itemsize(dtype)
     f = max(s, 4)
     num_attn = sum(t == "full_attention" for t in cfg.layer_types)
     num_gdn = cfg.num_hidden_layers - num_attn
@@ -232,7 +205,7 @@ def response_graph_bytes(cfg: Qwen36Config, response_tokens: int, dtype: str = "
                          kernels: str = "reference") -> int:
     """Saved-for-backward bytes of one replayed response (what GraphMemory counts at its peak); kernels="gpu":
     the GDN layers' Triton op, plus one layer's backward transient (it recomputes the chunked terms)."""
-    s = _itemsize(dtype)
+    s = itemsize(dtype)
     f = max(s, 4)
     # final norm, the checkpointed logits input, the token ids
     total = response_tokens * (2 * cfg.hidden_size * f + cfg.hidden_size * s + 8)
@@ -268,60 +241,19 @@ def _attention_scores(cfg: Qwen36Config, batch: int, queries: int, keys: int, ke
     return SCORE_COPIES * batch * cfg.num_attention_heads * queries * keys * 4 + mask
 
 
-def plan(model_name_or_cfg, *, cp: int = 1, prompt_tokens: int, group_size: int, response_tokens: int,
-         dtype: str = "bfloat16", lora_rank: int = 0, gpu_mem_gib: float = 139.0, block_size: int = 8192,
-         score_batch: int = 8, logprob_chunk: int = 1024, attention_block: int = 1024,
-         moment_dtype: str | None = None, kernels: str = "auto", gradient: str = "response_only",
-         walk_checkpoint: bool = False, reuse: bool = False, probe_tokens: int = 1024, quantize: str = "none",
-         offload: str = "none", host_mem_gib: float = 128.0, offload_copy_gib: float | str = "auto") -> dict:
-    """Per-rank bytes of one transaction by component and by phase; see the module docstring.
-    kernels: "gpu" (flash attention, fla's GDN forward), "reference" (the torch kernels), "auto": gpu for
-    bf16/fp16, where the model dispatches to them on CUDA, reference otherwise. gradient: response_only | exact.
-    reuse: the resident state also keeps the carried states at the tail's start (`Resident.tail`), and the drift
-    probe copies the tail's pages (its last min(probe_tokens, block_size) positions) and the carried states aside
-    while it re-captures the tail.
-    quantize: "none" | "nf4" (lora.quantize; needs lora_rank > 0): the base linears' storage, see the docstring.
-    offload_copy_gib (rollout.native.offload_copy_gib, offload="cpu"): the rollout's copies of host pages, whole
-    attention layers, into the GPU memory the other phases leave free (`rollout_copies`; "auto": what gpu_mem_gib
-    holds with 10% spare, as `resident.offload.rollout_pages` does with the device's free memory). The rollout's
-    figure (`rollout`) is not a phase of `peak`: the copies take only memory that is free, so they never decide
-    whether a prompt fits; they raise the measured peak above `peak` where they are larger than what replay adds."""
-    cfg = _config(model_name_or_cfg)
-    check_gradient_mode(gradient)
-    refused = offload_refusal(offload, gradient=gradient, cp=cp)
-    if refused:
-        raise ValueError(refused)
-    if kernels not in KERNELS:
-        raise ValueError(f"kernels={kernels!r}; valid: {list(KERNELS)}")
-    if kernels == "auto":
-        kernels = "gpu" if dtype in ("bfloat16", "float16") else "reference"
-    for name, value in (("cp", cp), ("prompt_tokens", prompt_tokens), ("group_size", group_size),
-                        ("response_tokens", response_tokens), ("block_size", block_size),
-                        ("score_batch", score_batch), ("logprob_chunk", logprob_chunk),
-                        ("attention_block", attention_block)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    if isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 0:
-        raise ValueError(f"lora_rank must be an int >= 0 (0 = full fine-tuning), got {lora_rank!r}")
-    # the training config's own refusals (lora.LoraConfig, config._check_quantize)
-    LoraConfig(rank=lora_rank, quantize=quantize)
-    refused = dtype_refusal(quantize, dtype)
-    if refused:
-        raise ValueError(refused)
-    s = _itemsize(dtype)
-    f = max(s, 4)
-    m = _itemsize(moment_dtype or dtype)
-
-    counts = param_counts(cfg, lora_rank)
-    trainable = counts["lora"] if lora_rank > 0 else counts["total"]
-    weights = (counts["total"] - counts["linears"] + counts["lora"]) * s + linear_bytes(cfg, dtype, quantize)
-    dequant = dequant_transient(counts["largest_linear"], dtype) if quantize == "nf4" else 0
+def plan(cfg: Qwen36Config, run: Run) -> dict:
+    """Per-rank bytes of one transaction by component and by phase (see the module docstring); the hook
+    `longstraw_cli.plan.plan` calls with the validated settings."""
+    s, f, m, kernels = run.s, run.f, run.m, run.kernels
+    counts = param_counts(cfg, run.lora_rank)
+    trainable = counts["lora"] if run.lora_rank > 0 else counts["total"]
+    weights = (counts["total"] - counts["linears"] + counts["lora"]) * s + linear_bytes(cfg, run.dtype, run.quantize)
+    dequant = dequant_transient(counts["largest_linear"], run.dtype) if run.quantize == "nf4" else 0
     grads = trainable * s
     optimizer = 2 * trainable * m
 
-    # capture keeps prompt_tokens - 1 tokens; cp ranks split them into contiguous pieces
-    captured = math.ceil((prompt_tokens - 1) / cp)
-    resident = resident_bytes(cfg, captured, dtype)
+    captured = run.captured
+    resident = resident_bytes(cfg, captured, run.dtype)
 
     num_attn = sum(t == "full_attention" for t in cfg.layer_types)
     # one attention layer's K/V pages (what offload stages, the exact walk's page gradient, a rollout copy)
@@ -329,46 +261,46 @@ def plan(model_name_or_cfg, *, cp: int = 1, prompt_tokens: int, group_size: int,
     # offload="cpu": the K/V pages in host memory; on the device the GDN states plus one attention layer's pages
     # staged (capture: its window [0, block end); replay: the forward's layer, or the layer whose backward runs)
     # and the next layer's in flight
-    host = resident["kv_pages"] if offload == "cpu" else 0
+    host = resident["kv_pages"] if run.offload == "cpu" else 0
     on_device = resident["total"] - host + (2 * layer_pages if host else 0)
 
-    block = min(block_size, captured)
-    pages = min(attention_block, captured)
+    block = min(run.block_size, captured)
+    pages = min(run.attention_block, captured)
     capture_act = _layer_activations(cfg, block, s, f, kernels) + block * cfg.hidden_size * s + max(
         _attention_scores(cfg, 1, block, block, kernels), _attention_scores(cfg, 1, block, pages, kernels))
 
-    R, V = response_tokens, cfg.vocab_size
+    R, V = run.response_tokens, cfg.vocab_size
 
     def score_activations(batch: int) -> int:
         return max(
             batch * _layer_activations(cfg, R, s, f, kernels)
             + max(_attention_scores(cfg, batch, R, R, kernels), _attention_scores(cfg, batch, R, pages, kernels)),
-            batch * min(R, logprob_chunk) * V * LOGIT_BYTES_SCORE + batch * R * cfg.hidden_size * s,
+            batch * min(R, run.logprob_chunk) * V * LOGIT_BYTES_SCORE + batch * R * cfg.hidden_size * s,
         )
 
-    score_act = score_activations(min(group_size, score_batch))
+    score_act = score_activations(min(run.group_size, run.score_batch))
 
-    graph = response_graph_bytes(cfg, R, dtype, kernels)
-    largest_trainable = counts["largest_matrix"] * s if lora_rank == 0 else 0
-    replay_transient = min(R, logprob_chunk) * V * LOGIT_BYTES_REPLAY + largest_trainable
+    graph = response_graph_bytes(cfg, R, run.dtype, kernels)
+    largest_trainable = counts["largest_matrix"] * s if run.lora_rank == 0 else 0
+    replay_transient = min(R, run.logprob_chunk) * V * LOGIT_BYTES_REPLAY + largest_trainable
     # foreach AdamW: one temporary (sqrt of the second moment) the size of the trainable set
     step_transient = trainable * m
 
-    exact = gradient == "exact"
+    exact = run.gradient == "exact"
     carried = resident["recurrent_state"] + resident["conv_state"]
-    boundaries = math.ceil(captured / block_size) * carried if exact else 0
+    boundaries = math.ceil(captured / run.block_size) * carried if exact else 0
     state_grad = (resident["kv_pages"] * f // s + resident["recurrent_state"] + resident["conv_state"] * f // s
                   if exact else 0)
     page_grad_transient = layer_pages if exact else 0
-    if exact and walk_checkpoint:
+    if exact and run.walk_checkpoint:
         # every layer's input, then one layer's graph at a time (the largest), recomputed inside the backward
         one_layer = max(block * _attention_graph_per_token(cfg, s, f), _gdn_graph(cfg, block, s, f, kernels)
                         + (_gdn_rule_graph(cfg, block, f) if kernels == "gpu" else 0))
         block_graph = cfg.num_hidden_layers * block * cfg.hidden_size * s + int(one_layer)
     else:
-        block_graph = response_graph_bytes(cfg, block, dtype, kernels) if exact else 0
+        block_graph = response_graph_bytes(cfg, block, run.dtype, kernels) if exact else 0
 
-    tail = carried if reuse else 0
+    tail = carried if run.reuse else 0
     base = weights + optimizer + on_device + boundaries + tail + dequant
     phases = {
         "capture": base + capture_act,
@@ -378,154 +310,36 @@ def plan(model_name_or_cfg, *, cp: int = 1, prompt_tokens: int, group_size: int,
     }
     if exact:
         phases["prompt"] = base + grads + state_grad + block_graph + page_grad_transient
-    if reuse:
+    if run.reuse:
         # the probe scores one response at a time
-        probed = min(block, probe_tokens, captured)
+        probed = min(block, run.probe_tokens, captured)
         phases["drift"] = (base + max(capture_act, score_activations(1)) + resident["kv_pages"] * probed // captured
                            + carried)
-    peak = max(phases.values())
-    budget, host_budget = int(gpu_mem_gib * GIB), int(host_mem_gib * GIB)
     # the offloaded rollout: no grads, no graph, no staged layer; the copies of host pages that fit (whole layers)
     rollout_base = weights + optimizer + resident["total"] - host + boundaries + tail + dequant
-    copies = 0
+    copies = rollout_copies(run, rollout_base, [layer_pages] * num_attn) if host else 0
+    notes = []
+    if exact:
+        notes.append(f"exact: boundary states {boundaries / GIB:.2f}, state gradient {state_grad / GIB:.2f}, block "
+                     f"graph {block_graph / GIB:.2f}, page gradient {page_grad_transient / GIB:.2f}")
     if host:
-        room = max(budget - rollout_base, 0) / 1.1
-        if offload_copy_gib != "auto":
-            room = min(room, offload_copy_gib * GIB)
-        copies = min(num_attn, int(room // layer_pages)) * layer_pages
+        notes.append(f"offload=cpu: pages in host memory {host / GIB:.2f} GiB (of {run.host_mem_gib:g}), on the GPU "
+                     f"{on_device / GIB:.2f} GiB (GDN states + two attention layers' pages)")
+        rest = host - copies
+        notes.append(f"offload=cpu rollout: {copies / GIB:.2f} GiB of pages copied to the GPU for it "
+                     f"(rollout.native.offload_copy_gib={run.offload_copy_gib}), its peak ~"
+                     f"{(rollout_base + copies) / GIB:.2f} GiB"
+                     + (f"; {rest / GIB:.2f} GiB read from host memory at every decode token" if rest else ""))
     return {
-        "model": model_name_or_cfg if isinstance(model_name_or_cfg, str) else "custom",
-        "cp": cp, "prompt_tokens": prompt_tokens, "group_size": group_size, "response_tokens": response_tokens,
-        "dtype": dtype, "lora_rank": lora_rank, "block_size": block_size, "score_batch": score_batch,
-        "kernels": kernels, "gradient": gradient, "walk_checkpoint": walk_checkpoint, "quantize": quantize,
-        "dequant_transient": dequant, "offload": offload, "offload_copy_gib": offload_copy_gib,
-        "params": counts["total"], "trainable_params": trainable,
+        "params": counts["total"], "trainable_params": trainable, "dequant_transient": dequant,
         "weights": weights, "grads": grads, "optimizer": optimizer,
         "resident": resident["total"], "resident_detail": resident, "resident_device": on_device, "host": host,
         "capture_activations": capture_act, "score_activations": score_act,
         "response_graph": graph, "replay_transient": replay_transient, "step_transient": step_transient,
         "boundary_states": boundaries, "tail_states": tail, "state_grad": state_grad, "block_graph": block_graph,
         "page_grad_transient": page_grad_transient,
-        "phases": phases, "peak": peak, "rollout_copies": copies, "rollout": rollout_base + copies,
+        "phases": phases, "rollout_copies": copies, "rollout": rollout_base + copies,
         "bound": (weights + grads + optimizer + on_device + boundaries + tail + state_grad
                   + max(graph, block_graph)),
-        "budget": budget, "host_budget": host_budget, "fits": peak <= budget and host <= host_budget,
+        "notes": notes,
     }
-
-
-def max_prompt_tokens(model_name_or_cfg, *, gpu_mem_gib: float = 139.0, limit: int = 2**34, **kwargs) -> int:
-    """The longest prompt whose planned peak fits in gpu_mem_gib (0 if not even a 2-token prompt fits)."""
-    def fits(n: int) -> bool:
-        return plan(model_name_or_cfg, prompt_tokens=n, gpu_mem_gib=gpu_mem_gib, **kwargs)["fits"]
-
-    if not fits(2):
-        return 0
-    lo, hi = 2, 4
-    while hi < limit and fits(hi):
-        lo, hi = hi, hi * 2
-    if hi >= limit and fits(limit):
-        return limit
-    # invariant: fits(lo), not fits(hi)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
-
-
-def _tokens(text: str) -> int:
-    """'262144', '256K', '2M' -> tokens (K = 1024)."""
-    scale = {"K": 2**10, "M": 2**20}.get(text[-1:].upper(), 1)
-    try:
-        return int(text[:-1] if scale > 1 else text) * scale
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a token count: {text!r} (e.g. 65536, 64K, 2M)") from None
-
-
-def report(cfg: Qwen36Config, title: str, prompts: list[int], **common) -> int:
-    """Print the per-rank plan of each prompt length and the longest prompt that fits; 2 on a bad value."""
-    columns = ("weights", "grads", "optimizer", "resident", "capture_activations", "score_activations",
-               "response_graph", "replay_transient")
-    short = ("weights", "grads", "optim", "resident", "capt_act", "score_act", "graph", "repl_tr")
-    try:
-        plans = [plan(cfg, prompt_tokens=prompt, **common) for prompt in prompts]
-        # the trainer refuses a prompt past the model's positions (less the response's), whatever memory allows
-        positions = cfg.max_position_embeddings
-        cap = positions - common["response_tokens"]
-        longest = max_prompt_tokens(cfg, limit=cap, **common)
-        # the placements this run may take (offload is refused with exact gradients and under context parallel)
-        placements = [o for o in OFFLOAD_NAMES if not offload_refusal(
-            o, gradient=common.get("gradient", "response_only"), cp=common.get("cp", 1))]
-        per_placement = {o: max_prompt_tokens(cfg, limit=cap, **{**common, "offload": o}) for o in placements}
-    except ValueError as e:
-        print(f"plan: error: {e}", file=sys.stderr)
-        return 2
-    print(f"{title} ({cfg.num_hidden_layers} layers), cp={common['cp']}, G={common['group_size']}, "
-          f"R={common['response_tokens']}, {common['dtype']}, lora_rank={common['lora_rank']}, "
-          f"quantize={common.get('quantize', 'none')}, block={common['block_size']}, kernels={common['kernels']}, "
-          f"gradient={common.get('gradient', 'response_only')}"
-          f"{', walk_checkpoint' if common.get('walk_checkpoint') else ''}; GiB per rank")
-    print(f"{'prompt':>9} " + " ".join(f"{c:>9}" for c in short) + f" {'bound':>9} {'peak':>9} {'phase':>8}  fits")
-    for p in plans:
-        phase = max(p["phases"], key=p["phases"].get)
-        print(f"{p['prompt_tokens']:>9} " + " ".join(f"{p[c] / GIB:>9.2f}" for c in columns)
-              + f" {p['bound'] / GIB:>9.2f} {p['peak'] / GIB:>9.2f} {phase:>8}  {'yes' if p['fits'] else 'NO'}")
-    for p in plans:
-        if p["gradient"] == "exact":
-            print(f"{p['prompt_tokens']:>9} exact: boundary states {p['boundary_states'] / GIB:.2f}, state gradient "
-                  f"{p['state_grad'] / GIB:.2f}, block graph {p['block_graph'] / GIB:.2f}, page gradient "
-                  f"{p['page_grad_transient'] / GIB:.2f}")
-    for p in plans:
-        if p["offload"] == "cpu":
-            print(f"{p['prompt_tokens']:>9} offload=cpu: pages in host memory {p['host'] / GIB:.2f} GiB (of "
-                  f"{p['host_budget'] / GIB:g}), on the GPU {p['resident_device'] / GIB:.2f} GiB (GDN states + two "
-                  f"attention layers' pages)")
-            rest = p["host"] - p["rollout_copies"]
-            print(f"{p['prompt_tokens']:>9} offload=cpu rollout: {p['rollout_copies'] / GIB:.2f} GiB of pages copied "
-                  f"to the GPU for it (rollout.native.offload_copy_gib={p['offload_copy_gib']}), its peak ~"
-                  f"{p['rollout'] / GIB:.2f} GiB" + (f"; {rest / GIB:.2f} GiB read from host memory at every decode "
-                                                    f"token" if rest else ""))
-    for p in plans:
-        if p["prompt_tokens"] > cap:
-            print(f"{p['prompt_tokens']:>9} is past the model's positions: with response_tokens="
-                  f"{common['response_tokens']} its {positions} positions leave room for {cap} (longstraw train "
-                  f"refuses it)")
-    capped = (f" (the model's {positions} positions less the response; memory allows more)"
-              if longest == cap and plan(cfg, prompt_tokens=cap + 1, **common)["fits"] else "")
-    print(f"longest prompt that fits in {common['gpu_mem_gib']:g} GiB: {longest} tokens ({longest / 2**20:.2f}M)"
-          + capped)
-    host_limit = f"{common.get('host_mem_gib', 128.0):g} GiB host"
-    print("longest prompt per placement: " + ", ".join(
-        f"offload={o}: {n} tokens ({n / 2**20:.2f}M)" + (f", {host_limit}" if o == "cpu" else "")
-        for o, n in per_placement.items()))
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m longstraw_cli.plan", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="qwen36_mini", choices=sorted(NAMED_CONFIGS))
-    parser.add_argument("--num-layers", type=int, default=None, help="override num_hidden_layers")
-    parser.add_argument("--prompts", default="64K,256K,1M,2M", help="comma list of prompt lengths (K/M suffixes)")
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--response", type=_tokens, default=1024)
-    parser.add_argument("--cp", type=int, default=1)
-    parser.add_argument("--dtype", default="bfloat16", choices=DTYPE_NAMES)
-    parser.add_argument("--lora-rank", type=int, default=0)
-    parser.add_argument("--quantize", default="none", choices=QUANTIZE_CHOICES)
-    parser.add_argument("--gpu-mem-gib", type=float, default=139.0)
-    parser.add_argument("--block-size", type=int, default=8192)
-    parser.add_argument("--score-batch", type=int, default=8)
-    parser.add_argument("--kernels", default="auto", choices=KERNELS)
-    args = parser.parse_args(argv)
-    try:
-        prompts = [_tokens(p) for p in args.prompts.split(",") if p]
-    except argparse.ArgumentTypeError as e:
-        parser.error(str(e))
-    cfg = named_config(args.model) if args.num_layers is None else named_config(
-        args.model, num_hidden_layers=args.num_layers)
-    return report(cfg, args.model, prompts, cp=args.cp, group_size=args.group_size, response_tokens=args.response,
-                  dtype=args.dtype, lora_rank=args.lora_rank, quantize=args.quantize, gpu_mem_gib=args.gpu_mem_gib,
-                  block_size=args.block_size, score_batch=args.score_batch, kernels=args.kernels)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

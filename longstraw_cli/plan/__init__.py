@@ -1,0 +1,210 @@
+"""`longstraw plan`: the memory of one LongStraw transaction per rank, from the config alone (no model is built).
+
+Every family plans the same phases (the family's hook, FamilySpec.plan, says what each holds):
+
+    capture = weights + optimizer + resident + one capture block's activations
+    score   = weights + optimizer + resident + one graph-free scoring batch
+    replay  = weights + optimizer + grads + resident + one response graph + the logits chunk's backward
+    step    = weights + optimizer + grads + resident + AdamW's foreach temporary
+    prompt  = exact mode's reverse walk (capture.gradient=exact)
+    drift   = the reuse probe (capture.reuse_steps > 1)
+    rollout = weights + optimizer + resident + the decode buffers (glm52; qwen36 plans its offloaded rollout apart)
+    peak    = the largest phase
+
+`plan()` checks the settings once (the training config's own refusals) and calls the family's hook with a `Run`;
+`report()` prints one table row per prompt length, every phase, the family's notes and the longest prompt that fits
+per placement. The command line is `longstraw plan [overrides]` (cli.py), with the training config's keys and
+defaults; `python -m longstraw_cli.plan` runs the same command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from longstraw_cli.lora import LoraConfig
+from longstraw_cli.plan.common import GIB, KERNELS, Run, itemsize
+from longstraw_cli.quantize import dtype_refusal
+from longstraw_cli.resident.gradient import check_gradient_mode
+from longstraw_cli.resident.offload import OFFLOAD_NAMES, offload_refusal
+
+__all__ = ["GIB", "KERNELS", "main", "max_prompt_tokens", "plan", "report"]
+
+
+def _family(model_name_or_cfg):
+    """(family spec, model config) of a named config or a family's config object."""
+    from longstraw_cli.models import families, family_of
+
+    if isinstance(model_name_or_cfg, str):
+        spec = family_of(model_name_or_cfg)
+        return spec, spec.named_config(model_name_or_cfg)
+    for spec in families():
+        if isinstance(model_name_or_cfg, type(next(iter(spec.configs.values())))):
+            return spec, model_name_or_cfg
+    names = sorted(name for spec in families() for name in spec.configs)
+    raise ValueError(f"model must be a name in {names} or a family's config, got {model_name_or_cfg!r}")
+
+
+def _hook(spec):
+    """The family's plan function, or a one-line refusal naming the families planned."""
+    from longstraw_cli.models import families
+
+    if spec.plan is None:
+        planned = [s for s in families() if s.plan]
+        raise ValueError(f"the memory plan models the {' / '.join(s.name for s in planned)} families, not {spec.name}; "
+                         f"valid: {sorted(name for s in planned for name in s.configs)}")
+    module, _, function = spec.plan.partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def plan(model_name_or_cfg, *, cp: int = 1, ep: int = 1, prompt_tokens: int, group_size: int, response_tokens: int,
+         dtype: str = "bfloat16", lora_rank: int = 0, gpu_mem_gib: float = 139.0, block_size: int = 8192,
+         score_batch: int = 8, logprob_chunk: int = 1024, attention_block: int = 1024,
+         moment_dtype: str | None = None, kernels: str = "auto", gradient: str = "response_only",
+         walk_checkpoint: bool = False, reuse: bool = False, probe_tokens: int = 1024, quantize: str = "none",
+         offload: str = "none", host_mem_gib: float = 128.0, offload_copy_gib: float | str = "auto") -> dict:
+    """Per-rank bytes of one transaction by component and by phase, with `peak`, `budget` and `fits`.
+    kernels: "gpu" (the CUDA kernels), "reference" (the torch kernels), "auto": gpu for bf16/fp16, where the
+    models dispatch to them on CUDA, reference otherwise. gradient: response_only | exact. reuse: capture reuse
+    (capture.reuse_steps > 1). quantize: "none" | "nf4" (lora.quantize; needs lora_rank > 0).
+    offload_copy_gib (rollout.native.offload_copy_gib, offload="cpu"): the rollout's copies of host pages, whole
+    layers, into the GPU memory the other phases leave free ("auto": what gpu_mem_gib holds with 10% spare). The
+    offloaded rollout's figure (`rollout`) is not a phase of `peak` where a family plans it apart: its copies take
+    only memory that is free, so they never decide whether a prompt fits."""
+    spec, cfg = _family(model_name_or_cfg)
+    check_gradient_mode(gradient)
+    refused = offload_refusal(offload, gradient=gradient, cp=cp)
+    if refused:
+        raise ValueError(refused)
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels={kernels!r}; valid: {list(KERNELS)}")
+    if kernels == "auto":
+        kernels = "gpu" if dtype in ("bfloat16", "float16") else "reference"
+    for name, value in (("cp", cp), ("ep", ep), ("prompt_tokens", prompt_tokens), ("group_size", group_size),
+                        ("response_tokens", response_tokens), ("block_size", block_size),
+                        ("score_batch", score_batch), ("logprob_chunk", logprob_chunk),
+                        ("attention_block", attention_block)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 0:
+        raise ValueError(f"lora_rank must be an int >= 0 (0 = full fine-tuning), got {lora_rank!r}")
+    if ep > 1 and spec.expert_parallel is None:
+        raise ValueError(f"ep={ep}: model family {spec.name!r} has no routed experts to split; valid: ep=1")
+    if cp % ep:
+        raise ValueError(f"ep={ep} must divide cp={cp} (an EP group lies within a CP group); valid ep: "
+                         f"{[n for n in range(1, cp + 1) if cp % n == 0]}")
+    # the training config's own refusals (lora.LoraConfig, config._check_quantize)
+    LoraConfig(rank=lora_rank, quantize=quantize)
+    refused = dtype_refusal(quantize, dtype)
+    if refused:
+        raise ValueError(refused)
+    run = Run(cp=cp, ep=ep, prompt_tokens=prompt_tokens, group_size=group_size, response_tokens=response_tokens,
+              dtype=dtype, lora_rank=lora_rank, block_size=block_size, score_batch=score_batch,
+              logprob_chunk=logprob_chunk, attention_block=attention_block, moment_dtype=moment_dtype,
+              kernels=kernels, gradient=gradient, walk_checkpoint=walk_checkpoint, reuse=reuse,
+              probe_tokens=probe_tokens, quantize=quantize, offload=offload, gpu_mem_gib=gpu_mem_gib,
+              host_mem_gib=host_mem_gib, offload_copy_gib=offload_copy_gib)
+    for value in (dtype, moment_dtype or dtype):
+        itemsize(value)
+    out = _hook(spec)(cfg, run)
+    peak = max(out["phases"].values())
+    budget, host_budget = run.budget, int(host_mem_gib * GIB)
+    return {
+        "model": model_name_or_cfg if isinstance(model_name_or_cfg, str) else "custom", "family": spec.name,
+        "cp": cp, "ep": ep, "prompt_tokens": prompt_tokens, "group_size": group_size,
+        "response_tokens": response_tokens, "dtype": dtype, "lora_rank": lora_rank, "block_size": block_size,
+        "score_batch": score_batch, "kernels": kernels, "gradient": gradient, "walk_checkpoint": walk_checkpoint,
+        "quantize": quantize, "offload": offload, "offload_copy_gib": offload_copy_gib,
+        **out, "peak": peak, "budget": budget, "host_budget": host_budget,
+        "fits": peak <= budget and out["host"] <= host_budget,
+    }
+
+
+def max_prompt_tokens(model_name_or_cfg, *, gpu_mem_gib: float = 139.0, limit: int = 2**34, **kwargs) -> int:
+    """The longest prompt whose planned peak fits in gpu_mem_gib (0 if not even a 2-token prompt fits)."""
+    def fits(n: int) -> bool:
+        return plan(model_name_or_cfg, prompt_tokens=n, gpu_mem_gib=gpu_mem_gib, **kwargs)["fits"]
+
+    if not fits(2):
+        return 0
+    lo, hi = 2, 4
+    while hi < limit and fits(hi):
+        lo, hi = hi, hi * 2
+    if hi >= limit and fits(limit):
+        return limit
+    # invariant: fits(lo), not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def _tokens(text: str) -> int:
+    """'262144', '256K', '2M' -> tokens (K = 1024)."""
+    scale = {"K": 2**10, "M": 2**20}.get(text[-1:].upper(), 1)
+    try:
+        return int(text[:-1] if scale > 1 else text) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a token count: {text!r} (e.g. 65536, 64K, 2M)") from None
+
+
+COLUMNS = {"weights": "weights", "grads": "grads", "optimizer": "optim", "resident": "resident",
+           "capture_activations": "capt_act", "score_activations": "score_act", "response_graph": "graph",
+           "replay_transient": "repl_tr"}
+
+
+def report(cfg, title: str, prompts: list[int], **common) -> int:
+    """Print the per-rank plan of each prompt length (a row of components, then every phase and the family's
+    notes) and the longest prompt that fits per placement; 2 on a bad value."""
+    try:
+        plans = [plan(cfg, prompt_tokens=prompt, **common) for prompt in prompts]
+        # the trainer refuses a prompt past the model's positions (less the response's), whatever memory allows
+        positions = cfg.max_position_embeddings
+        cap = positions - common["response_tokens"]
+        longest = max_prompt_tokens(cfg, limit=cap, **common)
+        # the placements this run may take (offload is refused with exact gradients and under context parallel)
+        placements = [o for o in OFFLOAD_NAMES if not offload_refusal(
+            o, gradient=common.get("gradient", "response_only"), cp=common.get("cp", 1))]
+        per_placement = {o: max_prompt_tokens(cfg, limit=cap, **{**common, "offload": o}) for o in placements}
+    except ValueError as e:
+        print(f"plan: error: {e}", file=sys.stderr)
+        return 2
+    ep = f", ep={common['ep']}" if common.get("ep", 1) > 1 else ""
+    print(f"{title} ({cfg.num_hidden_layers} layers), cp={common['cp']}{ep}, G={common['group_size']}, "
+          f"R={common['response_tokens']}, {common['dtype']}, lora_rank={common['lora_rank']}, "
+          f"quantize={common.get('quantize', 'none')}, block={common['block_size']}, kernels={plans[0]['kernels']}, "
+          f"gradient={common.get('gradient', 'response_only')}"
+          f"{', walk_checkpoint' if common.get('walk_checkpoint') else ''}; GiB per rank")
+    print(f"{'prompt':>9} " + " ".join(f"{c:>9}" for c in COLUMNS.values())
+          + f" {'bound':>9} {'peak':>9} {'phase':>8}  fits")
+    for p in plans:
+        phase = max(p["phases"], key=p["phases"].get)
+        print(f"{p['prompt_tokens']:>9} " + " ".join(f"{p[c] / GIB:>9.2f}" for c in COLUMNS)
+              + f" {p['bound'] / GIB:>9.2f} {p['peak'] / GIB:>9.2f} {phase:>8}  {'yes' if p['fits'] else 'NO'}")
+    for p in plans:
+        print(f"{p['prompt_tokens']:>9} phases: " + ", ".join(f"{name} {nbytes / GIB:.2f}"
+                                                             for name, nbytes in p["phases"].items()))
+        for note in p["notes"]:
+            print(f"{p['prompt_tokens']:>9} {note}")
+    for p in plans:
+        if p["prompt_tokens"] > cap:
+            print(f"{p['prompt_tokens']:>9} is past the model's positions: with response_tokens="
+                  f"{common['response_tokens']} its {positions} positions leave room for {cap} (longstraw train "
+                  f"refuses it)")
+    capped = (f" (the model's {positions} positions less the response; memory allows more)"
+              if longest == cap and plan(cfg, prompt_tokens=cap + 1, **common)["fits"] else "")
+    print(f"longest prompt that fits in {common['gpu_mem_gib']:g} GiB: {longest} tokens ({longest / 2**20:.2f}M)"
+          + capped)
+    host_limit = f"{common.get('host_mem_gib', 128.0):g} GiB host"
+    print("longest prompt per placement: " + ", ".join(
+        f"offload={o}: {n} tokens ({n / 2**20:.2f}M)" + (f", {host_limit}" if o == "cpu" else "")
+        for o, n in per_placement.items()))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m longstraw_cli.plan [overrides]`: the `longstraw plan` command itself."""
+    from longstraw_cli.cli import plan as command
+
+    return command(sys.argv[1:] if argv is None else argv)

@@ -1,0 +1,95 @@
+"""What every family's memory plan shares: the validated run settings (`Run`), dtype sizes and the logits terms.
+
+A family's plan hook (FamilySpec.plan, "module:function") takes (model config, Run) and returns its components
+and phases in bytes per rank; `longstraw_cli.plan.plan` validates the settings once and adds the peak and the
+fit (see that module's docstring)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+GIB = 2**30
+DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
+KERNELS = ("auto", "gpu", "reference")
+# bytes per logit element: graph-free (fp32 logits + the exp temporary), and the log-prob backward's chunk
+# (the fp32 logits it works on in place, plus the bf16 matmul output before it or the bf16 gradient after it)
+LOGIT_BYTES_SCORE = 8
+LOGIT_BYTES_REPLAY = 6
+
+
+def itemsize(dtype: str) -> int:
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"dtype={dtype!r}; valid: {list(DTYPE_NAMES)}")
+    return getattr(torch, dtype).itemsize
+
+
+@dataclass(frozen=True)
+class Run:
+    """The settings of one planned transaction, checked by `longstraw_cli.plan.plan` (the training config's keys:
+    cp, ep, prompt_tokens, group_size, response_tokens, model.dtype, lora.rank, lora.quantize, capture.*,
+    rollout.native.offload_copy_gib; plan's own gpu_mem_gib, host_mem_gib, kernels resolved to gpu | reference)."""
+
+    cp: int
+    ep: int
+    prompt_tokens: int
+    group_size: int
+    response_tokens: int
+    dtype: str
+    lora_rank: int
+    block_size: int
+    score_batch: int
+    logprob_chunk: int
+    attention_block: int
+    moment_dtype: str | None
+    kernels: str
+    gradient: str
+    walk_checkpoint: bool
+    reuse: bool
+    probe_tokens: int
+    quantize: str
+    offload: str
+    gpu_mem_gib: float
+    host_mem_gib: float
+    offload_copy_gib: float | str
+
+    @property
+    def s(self) -> int:
+        """Bytes per element of the model dtype (weights, pages, activations)."""
+        return itemsize(self.dtype)
+
+    @property
+    def f(self) -> int:
+        """Bytes per element of the compute dtype (at least fp32)."""
+        return max(self.s, 4)
+
+    @property
+    def m(self) -> int:
+        """Bytes per element of AdamW's moments (the parameter's dtype unless moment_dtype is set)."""
+        return itemsize(self.moment_dtype or self.dtype)
+
+    @property
+    def captured(self) -> int:
+        """Prompt tokens whose pages one rank keeps: capture keeps prompt_tokens - 1, context parallel's ranks
+        split them into contiguous pieces (the first ranks one token more)."""
+        return math.ceil((self.prompt_tokens - 1) / self.cp)
+
+    @property
+    def budget(self) -> int:
+        return int(self.gpu_mem_gib * GIB)
+
+
+def rollout_copies(run: Run, rollout_base: int, layer_pages: list[int]) -> int:
+    """offload="cpu": bytes of host pages the rollout copies to the device, whole layers, first layers first (a layer
+    that does not fit is passed over), into what the GPU leaves free with 10% spare, at most
+    rollout.native.offload_copy_gib: `resident.offload.rollout_pages` with the device's free memory."""
+    room = max(run.budget - rollout_base, 0) / 1.1
+    if run.offload_copy_gib != "auto":
+        room = min(room, run.offload_copy_gib * GIB)
+    copies = 0
+    for nbytes in layer_pages:
+        if nbytes <= room:
+            copies, room = copies + nbytes, room - nbytes
+    return copies

@@ -1,0 +1,346 @@
+"""The glm52 family's memory plan (FamilySpec.plan): per-rank bytes of one transaction for any cp x ep, from the
+config alone. The phases are longstraw_cli.plan's; what they hold for MLA + DSA + MoE (models/glm52/model.py):
+
+- weights, listed apart: `replicated` (embeddings, lm_head, norms, the MLA linears, the DSA indexer with its fp32
+  weights_proj, the dense and shared-expert MLPs, the fp32 router weight and bias: every rank holds them whole)
+  and `experts` (the routed experts, E / ep per rank: distributed/ep.py's `expert_bounds`). lora.quantize=nf4:
+  every decoder linear but the indexer's (lora._candidate_linears) in torchao's NF4 layout (quantize.nf4_bytes),
+  and the routed experts likewise, each expert's [2I, C] and [C, I] matrix on its own; plus, in every phase, one
+  MoE layer's local experts dequantised at once (`dequant_transient`: the most a per-expert dequantisation holds).
+- grads and optimizer: the trainable parameters in their own dtype (the router's fp32), two AdamW moments each.
+  Full fine-tuning trains all but the DSA indexer, which never gets a gradient, so AdamW keeps no state for it.
+- pages (`resident`): per layer and captured token the MLA latent (kv_lora_rank) and rope key (qk_rope_head_dim),
+  and the indexer key (index_head_dim) on "full" indexer layers, in the model dtype; context parallel splits the
+  captured tokens (`Glm52ForCausalLM.resident_bytes` of a rank's shard). No carried state: no boundary or tail
+  states.
+- capture: cp = 1 runs `CausalLM.capture` block by block through every layer: one block's layer activations
+  (estimated, as for qwen36, by what the layer would save for backward: everything in it coexists at some point)
+  plus the index-score chunk (`_SCORE_ELEMENTS` of the model, ~12 bytes an element with the top-k's
+  temporaries). cp > 1 runs `cp_capture_glm52`, one layer over the rank's whole span at a time: the span's hidden
+  states ([span, C] copies: the residual, its norm, the attention output's blocks and their concatenation, the
+  residual sum), the RMSNorm's fp32 copies of the span, the DSA selection [span, index_topk] int64 (carried to the
+  next layer, its blocks and their concatenation), and the layer's pages of every rank all-gathered (the gathered
+  shards and their concatenation coexist: twice the prompt's pages of one layer, `cp_gather`).
+- score: min(G, score_batch) responses without a graph: their layer activations, or the logits chunk, as qwen36.
+- replay: one response's graph, term by term from what autograd saves (`_layer_graph`): the norms' fp32 copies,
+  the linears' inputs, the absorbed query, per layer its own copy of the DSA selection as the sparse kernel saves
+  it ([R, index_topk] int64), the dense attention over the response's own keys ([R, heads, R] fp32 scores and
+  probabilities), the LSE merge's fp32 copies, the routed experts' rows (R k / ep pairs per rank under expert
+  parallel's replicated mode); under LoRA (and NF4) each layer's folded kv_b weight, twice (absorb and output).
+  Then the logits chunk's backward and, with full fine-tuning, one lm_head-sized gradient (as qwen36).
+- prompt (capture.gradient=exact): the state gradient (latent and rope pages in the compute dtype), one layer's
+  page gradient (the torch backward's fp32 buffers), and one block's graph through every layer (or, with
+  walk_checkpoint, every layer's block input plus the largest layer's graph).
+- rollout: weights + optimizer + pages + the decode buffers (G responses' latent, rope and index keys per layer,
+  `ResponseMLA`) + one step's logits and index scores.
+- offload=cpu (cp = 1): the pages in host memory, two layers' pages staged on the GPU; the rollout copies whole
+  layers into free memory, and the index keys of the others move to the GPU (glm52/decode.py).
+Left out, as for qwen36: the CUDA context, fragmentation, the collectives' buffers (besides capture's all-gather),
+expert imbalance (every rank is planned with the average share of routed pairs), a KL reference's second model.
+"""
+
+from __future__ import annotations
+
+from longstraw_cli.models.glm52.config import Glm52Config
+from longstraw_cli.models.glm52.model import _SCORE_ELEMENTS
+from longstraw_cli.plan.common import GIB, LOGIT_BYTES_REPLAY, LOGIT_BYTES_SCORE, Run, itemsize, rollout_copies
+from longstraw_cli.quantize import nf4_bytes
+
+# bytes per index-score element formed at once: the fp32 score and the top-k's temporaries (models/glm52/model.py)
+SCORE_BYTES = 12
+# the torch reference's sparse attention gathers this many (query, key) entries at once (kernels/mla/reference.py)
+REFERENCE_GATHER = 1 << 20
+INT64 = 8
+
+
+def _dims(cfg: Glm52Config):
+    return (cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_topk)
+
+
+def layer_linears(cfg: Glm52Config, layer: int) -> dict[str, tuple[int, int]]:
+    """(in, out) of every nn.Linear of decoder layer `layer` that LoRA may target and NF4 stores 4-bit (the
+    indexer's are neither)."""
+    C, H = cfg.hidden_size, cfg.num_attention_heads
+    mlp = (cfg.intermediate_size if cfg.layer_mlp_types[layer] == "dense"
+           else cfg.moe_intermediate_size * cfg.n_shared_experts)
+    return {"q_a_proj": (C, cfg.q_lora_rank), "q_b_proj": (cfg.q_lora_rank, H * cfg.qk_head_dim),
+            "kv_a_proj_with_mqa": (C, cfg.kv_lora_rank + cfg.qk_rope_head_dim),
+            "kv_b_proj": (cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim)),
+            "o_proj": (H * cfg.v_head_dim, C), "gate_proj": (C, mlp), "up_proj": (C, mlp), "down_proj": (mlp, C)}
+
+
+def weight_parts(cfg: Glm52Config, run: Run) -> dict[str, int]:
+    """One rank's weights: bytes `replicated` (the LoRA adapters included) and `experts` (its E / ep routed
+    experts), `params` (its parameters, adapters included; buffers not), the adapters' count `lora`, the
+    trainable set's `trainable_params`, `grads` and `optimizer` bytes, the largest decoder linear and the
+    routed-expert weights of one MoE layer on this rank (`layer_experts`)."""
+    from longstraw_cli.models import get_family
+
+    s, f, C = run.s, run.f, cfg.hidden_size
+    nf4 = run.quantize == "nf4"
+    targets = get_family("glm52").lora_targets
+    embeddings = cfg.vocab_size * C * (1 if cfg.tie_word_embeddings else 2)
+    # (count, itemsize) of the parameters full fine-tuning trains; bytes and count of the rest
+    trained, frozen, frozen_params, lora, largest_linear = [(embeddings + C, s)], 0, 0, 0, 0
+    for i, mlp_type in enumerate(cfg.layer_mlp_types):
+        trained.append((2 * C + cfg.q_lora_rank + cfg.kv_lora_rank, s))
+        for name, (n_in, n_out) in layer_linears(cfg, i).items():
+            largest_linear = max(largest_linear, n_in * n_out)
+            if nf4:
+                frozen, frozen_params = frozen + nf4_bytes(n_in * n_out, s), frozen_params + n_in * n_out
+            else:
+                trained.append((n_in * n_out, s))
+            if run.lora_rank and name in targets:
+                lora += run.lora_rank * (n_in + n_out)
+        if cfg.layer_indexer_types[i] == "full":
+            # no gradient reaches the indexer (it runs under no_grad); weights_proj is fp32
+            I, J = cfg.index_head_dim, cfg.index_n_heads
+            frozen += (cfg.q_lora_rank * J * I + C * I + 2 * I) * s + C * J * f
+            frozen_params += cfg.q_lora_rank * J * I + C * I + 2 * I + C * J
+        if mlp_type == "sparse":
+            # the router's weight (trained) and its correction bias (a buffer), both fp32
+            trained.append((cfg.n_routed_experts * C, f))
+            frozen += cfg.n_routed_experts * f
+    local, I_e = cfg.n_routed_experts // run.ep, cfg.moe_intermediate_size
+    num_moe = sum(t == "sparse" for t in cfg.layer_mlp_types)
+    expert_params = num_moe * local * 3 * C * I_e
+    replicated = sum(n * size for n, size in trained) + frozen + lora * s
+    if nf4:
+        experts = num_moe * local * (nf4_bytes(2 * I_e * C, s) + nf4_bytes(C * I_e, s))
+        frozen_params += expert_params
+    else:
+        experts = expert_params * s
+        trained.append((expert_params, s))
+    out = {"replicated": replicated, "experts": experts, "lora": lora,
+           "params": sum(n for n, _ in trained) + frozen_params + lora, "largest_linear": largest_linear,
+           "layer_experts": local * 3 * C * I_e}
+    if run.lora_rank:
+        out.update(trainable_params=lora, grads=lora * s, optimizer=2 * lora * run.m)
+    else:
+        out.update(trainable_params=sum(n for n, _ in trained), grads=sum(n * size for n, size in trained),
+                   optimizer=2 * sum(n * (run.m if run.moment_dtype else size) for n, size in trained))
+    return out
+
+
+def page_bytes(cfg: Glm52Config, num_tokens: int, dtype: str = "bfloat16") -> dict[str, int]:
+    """What `Glm52ForCausalLM.resident_bytes(num_tokens)` reports for pages in `dtype`."""
+    s = itemsize(dtype)
+    num_full = sum(t == "full" for t in cfg.layer_indexer_types)
+    out = {"latent_pages": cfg.num_hidden_layers * num_tokens * cfg.kv_lora_rank * s,
+           "rope_pages": cfg.num_hidden_layers * num_tokens * cfg.qk_rope_head_dim * s,
+           "index_pages": num_full * num_tokens * cfg.index_head_dim * s}
+    out["total"] = sum(out.values())
+    return out
+
+
+def layer_page_bytes(cfg: Glm52Config, num_tokens: int, s: int) -> list[int]:
+    """Each layer's pages of num_tokens tokens (latent + rope, + index keys on full indexer layers)."""
+    return [num_tokens * (cfg.kv_lora_rank + cfg.qk_rope_head_dim + (cfg.index_head_dim if kind == "full" else 0)) * s
+            for kind in cfg.layer_indexer_types]
+
+
+def _layer_graph(cfg: Glm52Config, layer: int, T: int, new_keys: int, run: Run, *, full: bool,
+                 folded: bool) -> int:
+    """Saved-for-backward bytes of one layer's replay over T tokens of one sequence whose own `new_keys` keys
+    the dense part attends to (0: pages only, as capture). full: the base weights take gradients (their
+    inputs are saved); folded: kv_b is read as a computed weight (LoRA or NF4), saved by both of its einsums."""
+    s, f = run.s, run.f
+    C, H, L, R, K = _dims(cfg)
+    Q, A = cfg.q_lora_rank, L + R
+    upcast = f if f != s else 0
+    # two RMSNorms (fp32 input; the normalised value when the norm weight trains), q_a / kv_a norms likewise
+    norms = (2 * C + Q + L) * (f + (s if full else 0))
+    attention = (
+        C * s + Q * s  # inputs of q_a / kv_a (one tensor) and q_b
+        + H * cfg.qk_head_dim * s  # q_b's output, which the absorption's einsum saves (q_nope is a view)
+        + H * A * s  # the absorbed query [q_nope W_uk | q_rope]
+        + K * INT64 + H * L * s + H * f  # the sparse kernel: its copy of the selection, out, lse
+        + 2 * H * L * f  # the LSE merge's fp32 copies of both partial outputs
+        + H * L * s + H * cfg.v_head_dim * s  # inputs of the output einsum and of o_proj
+        + (run.lora_rank * 8 * s if run.lora_rank else 0)  # each adapter's A output
+    )
+    if new_keys:
+        # the dense attention over the response's own keys: fp32 scores and probabilities [H, S], the mask
+        attention += H * new_keys * 2 * f + new_keys + H * A * upcast + A * upcast
+    if cfg.layer_mlp_types[layer] == "dense":
+        mlp = C * s + 4 * cfg.intermediate_size * s
+    else:
+        # routed pairs on this rank (the average share under expert parallel): the gathered rows, the experts'
+        # SwiGLU, the outputs the routing weights multiply; the shared experts' SwiGLU; the router's fp32 input
+        pairs = cfg.num_experts_per_tok / run.ep
+        mlp = (C * s + pairs * (2 * C * s + 4 * cfg.moe_intermediate_size * s + f + INT64)
+               + 4 * cfg.moe_intermediate_size * cfg.n_shared_experts * s + (C * upcast if full else 0)
+               + cfg.n_routed_experts * f)
+    per_token = norms + attention + mlp
+    weight = 2 * cfg.kv_lora_rank * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) * s
+    return int(T * per_token) + (weight if folded else 0)
+
+
+def response_graph_bytes(cfg: Glm52Config, run: Run, tokens: int | None = None) -> int:
+    """Saved-for-backward bytes of one replayed response (what GraphMemory counts at its peak)."""
+    R = run.response_tokens if tokens is None else tokens
+    full, folded = run.lora_rank == 0, run.lora_rank > 0
+    # final norm, the checkpointed logits input, the token ids
+    total = R * (2 * cfg.hidden_size * run.f + cfg.hidden_size * run.s + INT64)
+    return total + sum(_layer_graph(cfg, i, R, R, run, full=full, folded=folded)
+                       for i in range(cfg.num_hidden_layers))
+
+
+def walk_graph_bytes(cfg: Glm52Config, run: Run, block: int) -> int:
+    """Exact mode: one block's graph through every layer (`recompute_block`: a second sparse call over the
+    block's own keys, its pages written); with walk_checkpoint every layer's block input plus the largest layer."""
+    full, folded = run.lora_rank == 0, run.lora_rank > 0
+    C, H, L, R, K = _dims(cfg)
+    extra = block * (K * INT64 + H * L * run.s + H * run.f + (L + R) * run.s)
+    layers = [_layer_graph(cfg, i, block, 0, run, full=full, folded=folded) + extra
+              for i in range(cfg.num_hidden_layers)]
+    if run.walk_checkpoint:
+        return cfg.num_hidden_layers * block * C * run.s + max(layers)
+    return sum(layers)
+
+
+def _scores(queries: int, keys: int, run: Run) -> int:
+    """The index-score chunk: [rows, keys] with rows x keys bounded by the model's _SCORE_ELEMENTS."""
+    cap = _SCORE_ELEMENTS["cuda" if run.kernels == "gpu" else "cpu"]
+    return min(queries * keys, max(cap, keys)) * SCORE_BYTES
+
+
+def _gather(cfg: Glm52Config, queries: int, run: Run) -> int:
+    """The torch reference's gathered [entries, L + R] pages in the compute dtype (the Triton kernel gathers on
+    chip); kernels=gpu: none."""
+    if run.kernels == "gpu":
+        return 0
+    return min(queries * cfg.index_topk, REFERENCE_GATHER) * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * run.f
+
+
+def _block_activations(cfg: Glm52Config, block: int, keys: int, run: Run, *, sharded: bool) -> int:
+    """Live bytes of one block of queries through the heaviest layer, graph-free: what that layer would save,
+    the index scores, the reference kernel's gather; sharded (CP capture under EP): the all-to-all's send and
+    receive copies of the routed rows."""
+    layer = max(_layer_graph(cfg, i, block, 0, run, full=True, folded=False) for i in range(cfg.num_hidden_layers))
+    moe = sum(t == "sparse" for t in cfg.layer_mlp_types) > 0
+    alltoall = 2 * block * cfg.num_experts_per_tok * cfg.hidden_size * run.s if sharded and moe else 0
+    return layer + _scores(block, keys, run) + _gather(cfg, block, run) + alltoall
+
+
+def cp_capture_bytes(cfg: Glm52Config, run: Run) -> tuple[int, int]:
+    """(live bytes, of which the all-gather of one layer's pages) of `cp_capture_glm52` on the rank with the
+    most keys to see (the last): the largest of its steps, see the module docstring."""
+    s, f, C, K = run.s, run.f, cfg.hidden_size, cfg.index_topk
+    T, P = run.captured, run.prompt_tokens - 1
+    block = min(run.block_size, T)
+    span_C, span_K = T * C * s, T * K * INT64
+    # the layer's pages of every rank: the gathered shards and their concatenation (the largest, a full layer)
+    seen = max(layer_page_bytes(cfg, P, s))
+    gather = 2 * seen
+    carried = span_C + span_K  # the residual stream and the previous layer's selection
+    norm = carried + T * C * (2 * f + s)
+    gathering = carried + span_C + gather
+    blocks = carried + span_C + seen + span_C + span_K + max(
+        _block_activations(cfg, block, P, run, sharded=False), span_C + span_K)
+    mlp = carried + 2 * span_C + span_K + _block_activations(cfg, block, 0, run, sharded=True)
+    return max(norm, gathering, blocks, mlp), gather
+
+
+def plan(cfg: Glm52Config, run: Run) -> dict:
+    """Per-rank bytes of one transaction by component and phase (the module docstring); the hook that
+    `longstraw_cli.plan.plan` calls with the validated settings."""
+    if cfg.n_routed_experts % run.ep:
+        raise ValueError(f"ep={run.ep} does not divide the {cfg.n_routed_experts} routed experts; valid ep: "
+                         f"{[n for n in range(1, cfg.n_routed_experts + 1) if cfg.n_routed_experts % n == 0]}")
+    s, f, m = run.s, run.f, run.m
+    parts = weight_parts(cfg, run)
+    weights = parts["replicated"] + parts["experts"]
+    dequant = max(parts["largest_linear"], parts["layer_experts"]) * s if run.quantize == "nf4" else 0
+    grads, optimizer = parts["grads"], parts["optimizer"]
+
+    captured = run.captured
+    pages = page_bytes(cfg, captured, run.dtype)
+    per_layer = layer_page_bytes(cfg, captured, s)
+    host = pages["total"] if run.offload == "cpu" else 0
+    # offload: one layer staged, the next in flight
+    on_device = pages["total"] - host + (2 * max(per_layer) if host else 0)
+
+    block = min(run.block_size, captured)
+    if run.cp > 1:
+        capture_act, gathered = cp_capture_bytes(cfg, run)
+    else:
+        capture_act = block * cfg.hidden_size * s + _block_activations(cfg, block, captured, run, sharded=False)
+        gathered = 0
+
+    R, V, G = run.response_tokens, cfg.vocab_size, run.group_size
+    full, folded = run.lora_rank == 0, run.lora_rank > 0
+
+    def score_activations(batch: int) -> int:
+        layer = max(_layer_graph(cfg, i, R, R, run, full=True, folded=folded) for i in range(cfg.num_hidden_layers))
+        return max(batch * layer + _scores(batch * R, captured + R, run) + _gather(cfg, batch * R, run),
+                   batch * min(R, run.logprob_chunk) * V * LOGIT_BYTES_SCORE + batch * R * cfg.hidden_size * s)
+
+    score_act = score_activations(min(G, run.score_batch))
+    graph = response_graph_bytes(cfg, run)
+    largest_trainable = V * cfg.hidden_size * s if full else 0
+    replay_transient = min(R, run.logprob_chunk) * V * LOGIT_BYTES_REPLAY + largest_trainable
+    step_transient = parts["trainable_params"] * m
+
+    exact = run.gradient == "exact"
+    latent_rope = pages["latent_pages"] + pages["rope_pages"]
+    state_grad = latent_rope * f // s if exact else 0
+    page_grad = captured * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * f if exact else 0
+    block_graph = walk_graph_bytes(cfg, run, block) if exact else 0
+
+    # the decode: per layer and response latent, rope and index keys for R tokens; one step's logits (and their
+    # softmax) and index scores against the prompt
+    decode = G * sum(layer_page_bytes(cfg, R, s))
+    decode_step = 2 * G * V * f + _scores(G, captured + R, run)
+    # offloaded: the index keys of layers left on the host move to the GPU for the rollout
+    rollout_device = pages["index_pages"] if host else on_device
+
+    base = weights + optimizer + on_device + dequant
+    phases = {
+        "capture": base + capture_act,
+        "score": base + score_act,
+        "replay": base + grads + state_grad + graph + replay_transient + page_grad,
+        "step": base + grads + step_transient,
+    }
+    if exact:
+        phases["prompt"] = base + grads + state_grad + block_graph + page_grad
+    if run.reuse:
+        probed = min(block, run.probe_tokens, captured)
+        phases["drift"] = base + max(capture_act, score_activations(1)) + pages["total"] * probed // captured
+    rollout_base = weights + optimizer + dequant + rollout_device + decode + decode_step
+    phases["rollout"] = rollout_base
+    copies = rollout_copies(run, rollout_base, per_layer) if host else 0
+
+    notes = [f"weights: replicated {parts['replicated'] / GIB:.2f} GiB, routed experts {parts['experts'] / GIB:.2f} "
+             f"GiB ({cfg.n_routed_experts // run.ep} of {cfg.n_routed_experts} per layer on this rank, "
+             f"{'NF4' if run.quantize == 'nf4' else run.dtype})"
+             + (f"; routed experts and decoder linears quantised to NF4, one MoE layer's experts dequantised "
+                f"{dequant / GIB:.2f} GiB" if run.quantize == "nf4" else ""),
+             f"pages {pages['total'] / GIB:.2f} GiB ({captured} tokens per rank: latent "
+             f"{pages['latent_pages'] / GIB:.2f}, rope {pages['rope_pages'] / GIB:.2f}, index keys "
+             f"{pages['index_pages'] / GIB:.2f}); rollout decode buffers {decode / GIB:.2f} GiB"]
+    if gathered:
+        notes.append(f"cp capture: one layer's pages of every rank gathered {gathered / GIB:.2f} GiB (shards + "
+                     f"concatenation), in capture_act")
+    if exact:
+        notes.append(f"exact: state gradient {state_grad / GIB:.2f}, block graph {block_graph / GIB:.2f}, page "
+                     f"gradient {page_grad / GIB:.2f}")
+    if run.reuse:
+        notes.append(f"reuse: drift probe {phases['drift'] / GIB:.2f} GiB")
+    if host:
+        notes.append(f"offload=cpu: pages in host memory {host / GIB:.2f} GiB (of {run.host_mem_gib:g}), on the GPU "
+                     f"{on_device / GIB:.2f} GiB (two layers' pages); rollout copies {copies / GIB:.2f} GiB of them "
+                     f"(rollout.native.offload_copy_gib={run.offload_copy_gib})")
+    return {
+        "params": parts["params"], "trainable_params": parts["trainable_params"], "dequant_transient": dequant,
+        "weights": weights, "weights_replicated": parts["replicated"], "weights_experts": parts["experts"],
+        "grads": grads, "optimizer": optimizer,
+        "resident": pages["total"], "resident_detail": pages, "resident_device": on_device, "host": host,
+        "capture_activations": capture_act, "cp_gather": gathered, "score_activations": score_act,
+        "response_graph": graph, "replay_transient": replay_transient, "step_transient": step_transient,
+        "boundary_states": 0, "tail_states": 0, "state_grad": state_grad, "block_graph": block_graph,
+        "page_grad_transient": page_grad, "decode_buffers": decode,
+        "phases": phases, "rollout_copies": copies, "rollout": rollout_base + copies,
+        "bound": weights + grads + optimizer + on_device + state_grad + max(graph, block_graph),
+        "notes": notes,
+    }
