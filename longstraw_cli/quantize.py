@@ -9,7 +9,7 @@ for bit, 17x faster than its `get_original_weight`; the torch reference on CPU),
 dequantises again instead of keeping the bf16 weight in the replay's graph. The gradient flows to the input,
 never to the frozen weight. Adapters, norms, embeddings and lm_head stay in the model dtype.
 
-What is quantised: every nn.Linear a LoRA adapter may target (`lora._candidate_linears`: all of a decoder
+What is quantised: every nn.Linear a LoRA adapter may target (`base_weights.candidate_linears`: all of a decoder
 layer's linears but glm52's DSA indexer, which runs under no_grad; never embeddings or lm_head), targeted or not,
 whose size is a whole number of 64-weight blocks. Not: norms, glm52's router gate and its routed experts. The
 experts are 3-D parameters ([E, 2I, C], sliced by expert parallelism, read one expert at a time or densely by
@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import longstraw_kernels.nf4 as nf4_ops
+from longstraw_cli.base_weights import candidate_linears
 
 QUANTIZE_CHOICES = ("none", "nf4")
 # the compute dtypes nf4 runs in (tested: logits and gradients against the dequantised model in each; float64
@@ -166,11 +167,9 @@ def quantizable(linear: nn.Linear) -> bool:
 def quantize_linears(module: nn.Module) -> int:
     """Replace the weight of every quantisable LoRA-candidate nn.Linear under `module` by a frozen NF4 Parameter
     (the bf16/fp32 one is freed); -> how many. Run it on one decoder layer at a time."""
-    from longstraw_cli.lora import _candidate_linears
-
     nf4 = torchao_nf4()
     count = 0
-    for linear in _candidate_linears(module).values():
+    for linear in candidate_linears(module).values():
         w = linear.weight
         if is_nf4(w) or not quantizable(linear):
             continue
