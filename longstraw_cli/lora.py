@@ -25,16 +25,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from longstraw_cli.base_weights import NEVER_TARGETED, candidate_linears
 from longstraw_cli.checkpoint import atomic_directory
 from longstraw_cli.quantize import QUANTIZE_CHOICES, dense, linear
 
 # HF's names of a qwen3_5-style layer's linears: qwen36's targets, and a model without a family's
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj", "gate_proj",
                    "up_proj", "down_proj")
-# tied to the vocabulary (and possibly to each other): adapting them is a different method, not a target
-NEVER_TARGETED = ("lm_head", "embed_tokens")
-# modules that never receive a gradient from the loss (glm52's DSA indexer runs without autograd)
-NO_GRADIENT_SCOPES = ("indexer",)
 ADAPTER_NAMES = ("lora_A", "lora_B")
 
 
@@ -178,16 +175,6 @@ def _matches(name: str, target: str) -> bool:
     return name == target or name.endswith("." + target)
 
 
-def _candidate_linears(model: nn.Module) -> dict[str, nn.Linear]:
-    """Every nn.Linear that may carry an adapter: not lm_head, not one sharing an embedding's weight."""
-    embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    return {
-        name: m for name, m in model.named_modules()
-        if isinstance(m, nn.Linear) and name.split(".")[-1] not in NEVER_TARGETED
-        and id(m.weight) not in embedding_weights and not set(name.split(".")) & set(NO_GRADIENT_SCOPES)
-    }
-
-
 def apply_lora(model: nn.Module, cfg: LoraConfig, *, dtype: torch.dtype | None = None) -> list[nn.Parameter]:
     """Swap every targeted nn.Linear for a LoraLinear in place, freeze everything else; -> the parameters to train.
 
@@ -199,7 +186,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, *, dtype: torch.dtype | None =
         return [p for p in model.parameters() if p.requires_grad]
     if lora_layers(model):
         raise ValueError("model already has LoRA adapters; apply_lora once per model")
-    candidates = _candidate_linears(model)
+    candidates = candidate_linears(model)
     targets = cfg.target_modules
     if targets is None:
         targets = _default_targets(model)

@@ -1,4 +1,5 @@
-"""QLoRA's frozen base: `lora.quantize=nf4` stores the base linears of every decoder layer as torchao NF4 tensors.
+"""QLoRA's frozen base: `lora.quantize=nf4` stores the base linears and the routed experts of every decoder layer
+as torchao NF4 tensors.
 
 NF4 (Dettmers et al., QLoRA) with double quantisation, as torchtune's QLoRA stores it (torchao's `NF4Tensor`):
 each block of 64 weights keeps 4-bit codes of a normal-float table and one absmax scaler; the scalers
@@ -9,16 +10,19 @@ for bit, 17x faster than its `get_original_weight`; the torch reference on CPU),
 dequantises again instead of keeping the bf16 weight in the replay's graph. The gradient flows to the input,
 never to the frozen weight. Adapters, norms, embeddings and lm_head stay in the model dtype.
 
-What is quantised: every nn.Linear a LoRA adapter may target (`lora._candidate_linears`: all of a decoder
+What is quantised: every nn.Linear a LoRA adapter may target (`base_weights.candidate_linears`: all of a decoder
 layer's linears but glm52's DSA indexer, which runs under no_grad; never embeddings or lm_head), targeted or not,
-whose size is a whole number of 64-weight blocks. Not: norms, glm52's router gate and its routed experts. The
-experts are 3-D parameters ([E, 2I, C], sliced by expert parallelism, read one expert at a time or densely by
-decode) and torchao's NF4 takes 2-D tensors only; they stay in the model dtype (for the GLM-5 shape that is
-most of its weights: nf4 shrinks only its attention, shared-expert and dense-layer linears).
+whose size is a whole number of 64-weight blocks; and glm52's routed experts (`base_weights.routed_experts`, 3-D
+[E, out, in]), expert by expert: each expert's matrix is an NF4 tensor of its own, as a linear's weight is
+(`NF4Experts` holds them, in the 3-D parameter's place). The experts' compute (models/glm52/experts.py) takes
+them one at a time through `linear` (only the experts some token is routed to), or, in the static decode step,
+`experts_per_pass` at a time through `dense`: the whole expert tensor is never dequantised at once. LoRA adapts no
+expert, so they are frozen either way. Not quantised: norms, glm52's router gate.
 
-Simplification: where a linear's number of blocks is not a multiple of 256 (tiny test shapes only; every linear
-of qwen36 / qwen36_mini / glm52 has a multiple), the scalers are quantised in the largest power-of-two block that
-divides it instead. `nf4_bytes` is the storage this layout takes, tensor by tensor, as `longstraw plan` counts it.
+Simplification: where a weight's number of blocks is not a multiple of 256 (tiny test shapes only; every linear
+and expert of qwen36 / qwen36_mini / glm52 has a multiple), the scalers are quantised in the largest power-of-two
+block that divides it instead. `nf4_bytes` is the storage this layout takes, tensor by tensor (expert by expert),
+as `longstraw plan` counts it.
 
 torchao is an optional extra (`pip install longstraw[qlora]`), imported only when nf4 is asked for.
 """
@@ -33,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import longstraw_kernels.nf4 as nf4_ops
+from longstraw_cli.base_weights import candidate_linears, routed_experts
 
 QUANTIZE_CHOICES = ("none", "nf4")
 # the compute dtypes nf4 runs in (tested: logits and gradients against the dequantised model in each; float64
@@ -91,8 +96,109 @@ def nf4_parts(weight: torch.Tensor) -> nf4_ops.NF4Parts:
 
 
 def dense(weight: torch.Tensor) -> torch.Tensor:
-    """A weight as a plain tensor in its own dtype: an NF4 weight dequantised (a new tensor), else itself."""
-    return nf4_ops.dequantize(nf4_parts(weight)) if is_nf4(weight) else weight
+    """A weight as a plain tensor in its own dtype: an NF4 weight dequantised (a new tensor), NF4 experts every
+    expert dequantised and stacked (the whole tensor: for a slice of them, or to export), else itself."""
+    if is_nf4(weight):
+        return nf4_ops.dequantize(nf4_parts(weight))
+    if isinstance(weight, NF4Experts):
+        return torch.stack([dense(expert) for expert in weight.experts])
+    return weight
+
+
+def _map_inner(weight: torch.Tensor, fn) -> torch.Tensor:
+    """An NF4 weight with `fn` applied to each of its inner tensors (same device and dtype)."""
+    names, ctx = weight.__tensor_flatten__()
+    return type(weight).__tensor_unflatten__({n: fn(getattr(weight, n)) for n in names}, ctx, weight.shape,
+                                             weight.stride())
+
+
+class NF4Experts(torch.Tensor):
+    """Routed-expert weights [E, out, in] stored expert by expert: `experts[e]` is expert e's NF4 matrix, as
+    `to_nf4` quantises a linear's weight. It stands in the 3-D Parameter's place (same name, shape and dtype) and
+    supports what the code around the experts does with that Parameter: detach, clone, slicing experts
+    (`w[a:b]`, expert parallel's slice), one expert (`w[e]`) and `unbind(0)` (the experts' matrices, which
+    `linear` and `dense` take). Anything else (arithmetic on the whole tensor) is refused: read the experts
+    through those. Frozen: it never requires grad."""
+
+    experts: tuple[torch.Tensor, ...]
+
+    @staticmethod
+    def __new__(cls, experts):
+        if not experts:
+            raise ValueError("NF4Experts needs at least one expert")
+        first = experts[0]
+        return torch.Tensor._make_wrapper_subclass(cls, (len(experts), *first.shape), dtype=first.dtype,
+                                                   device=first.device, requires_grad=False)
+
+    def __init__(self, experts):
+        self.experts = tuple(experts)
+        # one attribute per expert: the inner tensors torch.compile flattens (`__tensor_flatten__`)
+        for e, expert in enumerate(self.experts):
+            setattr(self, f"expert_{e}", expert)
+
+    def __tensor_flatten__(self):
+        return [f"expert_{e}" for e in range(len(self.experts))], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+        return NF4Experts([inner[f"expert_{e}"] for e in range(len(inner))])
+
+    def __repr__(self) -> str:
+        return f"NF4Experts(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args, kwargs=None):
+        aten, w = torch.ops.aten, args[0]
+        if func is aten.detach.default:
+            return NF4Experts([expert.detach() for expert in w.experts])
+        if func is aten.clone.default:
+            # inner tensors copied: torchao's own clone quantises the dequantised weight again
+            return NF4Experts([_map_inner(expert, torch.clone) for expert in w.experts])
+        dim, *rest = _op_args(func, args[1:], kwargs)
+        if dim == 0 and func is aten.slice.Tensor:
+            start, end, step = rest
+            return NF4Experts(w.experts[start:end:step])
+        # views of existing tensors must be new tensors (autograd's view tracking): detached ones, no copy
+        if dim == 0 and func is aten.select.int:
+            return w.experts[rest[0]].detach()
+        if dim == 0 and func is aten.unbind.int:
+            return [expert.detach() for expert in w.experts]
+        where = "" if dim is None else f" along dim {dim}"
+        raise NotImplementedError(f"NF4Experts (lora.quantize=nf4's routed experts) supports detach, clone, "
+                                  f"w[a:b], w[e] and unbind(0); got {func}{where}")
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+
+# the indexing ops NF4Experts takes: their arguments after the tensor, with their defaults (aten's schemas)
+_OP_DEFAULTS = {"slice.Tensor": {"dim": 0, "start": None, "end": None, "step": 1},
+                "select.int": {"dim": 0, "index": 0}, "unbind.int": {"dim": 0}}
+
+
+def _op_args(func, args, kwargs) -> list:
+    """[dim, ...] of an indexing op's call (positional or keyword); [None] for any other op."""
+    defaults = _OP_DEFAULTS.get(f"{func._opname}.{func._overloadname}")
+    if defaults is None:
+        return [None]
+    values = dict(defaults)
+    values.update(zip(defaults, args))
+    values.update(kwargs or {})
+    return list(values.values())
+
+
+def is_nf4_experts(t: torch.Tensor | None) -> bool:
+    return isinstance(t, NF4Experts)
+
+
+# NF4 experts a dense pass (the static decode step's `dense_experts`) dequantises at once: bounds the model-dtype
+# copy to this many experts' weights (measured on CPU, BENCHMARKS.md: TODO)
+NF4_EXPERTS_PER_PASS = 8
+
+
+def experts_per_pass(weight: torch.Tensor) -> int:
+    """Experts of a 3-D expert weight that a dense pass reads at once: all of a plain tensor (one batched
+    matmul), NF4_EXPERTS_PER_PASS of NF4 experts."""
+    return min(weight.shape[0], NF4_EXPERTS_PER_PASS) if is_nf4_experts(weight) else weight.shape[0]
 
 
 class _NF4Product(torch.autograd.Function):
@@ -150,8 +256,19 @@ def nf4_bytes(numel: int, itemsize: int) -> int:
     return numel // 2 + blocks + (factor_storage + 1 + NF4_TABLE) * itemsize
 
 
+def storage_anchor(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor whose storage stands for `t`'s (memory telemetry's key): an NF4 weight, which wraps tensors
+    and has no storage of its own, by its codes (NF4 experts: the first expert's), else `t` itself."""
+    if is_nf4_experts(t):
+        t = t.experts[0]
+    return t.quantized_data if is_nf4(t) else t
+
+
 def storage_bytes(t: torch.Tensor) -> int:
-    """Bytes a tensor's storage holds: an NF4 tensor's inner tensors summed, else its own storage."""
+    """Bytes a tensor's storage holds: an NF4 tensor's inner tensors summed (NF4 experts: every expert's), else
+    its own storage."""
+    if is_nf4_experts(t):
+        return sum(storage_bytes(expert) for expert in t.experts)
     if is_nf4(t):
         names, _ = t.__tensor_flatten__()
         return sum(getattr(t, name).untyped_storage().nbytes() for name in names)
@@ -164,13 +281,13 @@ def quantizable(linear: nn.Linear) -> bool:
 
 @torch.no_grad()
 def quantize_linears(module: nn.Module) -> int:
-    """Replace the weight of every quantisable LoRA-candidate nn.Linear under `module` by a frozen NF4 Parameter
-    (the bf16/fp32 one is freed); -> how many. Run it on one decoder layer at a time."""
-    from longstraw_cli.lora import _candidate_linears
-
+    """The frozen base of `module` to NF4 (the bf16/fp32 tensors are freed): the weight of every quantisable
+    LoRA-candidate nn.Linear, and every routed-expert weight expert by expert (`NF4Experts`; where an expert's
+    matrix is a whole number of blocks). -> how many tensors were quantised. Run it on one decoder layer at a
+    time (models/__init__.py's `_by_parts`)."""
     nf4 = torchao_nf4()
     count = 0
-    for linear in _candidate_linears(module).values():
+    for linear in candidate_linears(module).values():
         w = linear.weight
         if is_nf4(w) or not quantizable(linear):
             continue
@@ -178,6 +295,14 @@ def quantize_linears(module: nn.Module) -> int:
         linear.weight = nn.Parameter(q, requires_grad=False)
         if type(linear) is nn.Linear:
             linear.__class__ = NF4Linear
+        count += 1
+    for owner, name in routed_experts(module):
+        w = getattr(owner, name)
+        scaler_block = scaler_block_size(w[0].numel())
+        if is_nf4_experts(w) or scaler_block is None:
+            continue
+        experts = [nf4.to_nf4(expert.contiguous(), BLOCK_SIZE, scaler_block) for expert in w.detach().unbind(0)]
+        setattr(owner, name, nn.Parameter(NF4Experts(experts), requires_grad=False))
         count += 1
     return count
 
@@ -235,6 +360,12 @@ def quantized_linears(model: nn.Module) -> int:
     return sum(is_nf4(p) for p in model.parameters())
 
 
-__all__ = ["NF4Linear", "NF4_DTYPES", "QUANTIZE_CHOICES", "dense", "dense_copies", "DenseCache", "dtype_refusal",
-           "is_nf4", "linear", "nf4_bytes", "nf4_modules", "nf4_parts", "quantize_linears", "quantized_linears",
-           "scaler_block_size", "storage_bytes", "torchao_nf4"]
+def quantized_experts(model: nn.Module) -> int:
+    """How many routed-expert weights of a model are NF4 experts."""
+    return sum(is_nf4_experts(p) for p in model.parameters())
+
+
+__all__ = ["NF4Experts", "NF4Linear", "NF4_DTYPES", "QUANTIZE_CHOICES", "dense", "dense_copies", "DenseCache",
+           "dtype_refusal", "experts_per_pass", "is_nf4", "is_nf4_experts", "linear", "nf4_bytes", "nf4_modules",
+           "nf4_parts", "quantize_linears", "quantized_experts", "quantized_linears", "scaler_block_size",
+           "storage_anchor", "storage_bytes", "torchao_nf4"]

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 import torch
 
-from longstraw_cli.quantize import is_nf4
+from longstraw_cli.quantize import storage_anchor
 
 
 def proc_bytes(path: str, field: str) -> int | None:
@@ -31,9 +31,8 @@ def proc_bytes(path: str, field: str) -> int | None:
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int]:
-    if is_nf4(t):
-        # an NF4 weight (lora.quantize=nf4) wraps tensors and has no storage of its own: its codes stand for it
-        t = t.quantized_data
+    # an NF4 weight (lora.quantize=nf4) wraps tensors and has no storage of its own: its codes stand for it
+    t = storage_anchor(t)
     return (str(t.device), t.untyped_storage().data_ptr())
 
 

@@ -20,7 +20,7 @@ import datetime
 import torch
 from rows import emit, time_ms
 
-from longstraw_cli.lora import _candidate_linears
+from longstraw_cli.base_weights import candidate_linears
 from longstraw_cli.models import build_model
 from longstraw_cli.quantize import linear, nf4_parts, quantizable, scaler_block_size, torchao_nf4
 from longstraw_kernels.nf4 import triton_nf4
@@ -43,7 +43,7 @@ def main() -> None:
     meta = build_model(args.model, dtype=torch.bfloat16, device="meta")
     layers = meta.model.layers
     shapes = [tuple(linear.weight.shape) for layer in layers[:args.unit]
-              for linear in _candidate_linears(layer).values() if quantizable(linear)]
+              for linear in candidate_linears(layer).values() if quantizable(linear)]
     g = torch.Generator(device="cuda").manual_seed(0)
     dense = [(torch.randn(shape, generator=g, device="cuda") * 0.02).to(torch.bfloat16) for shape in shapes]
     quantised = [nf4.to_nf4(w, 64, scaler_block_size(w.numel())) for w in dense]

@@ -15,8 +15,14 @@ are placed in [N, k] slots ordered by expert id and added slot by slot: the same
 without duplicate indices (so deterministic on GPU too), k adds instead of E index_add_ calls.
 Simplifications: the activation is silu (GLM's `hidden_act`); experts run one matmul each (no grouped GEMM).
 
-Legend: N tokens, k experts per token, C hidden, I expert intermediate, L experts held here, M (token, expert)
-pairs.
+NF4 experts (`lora.quantize=nf4`: `quantize.NF4Experts`, one NF4 matrix per expert) go through the same code:
+`expert_ffn` multiplies each expert that has rows through `quantize.linear` (that expert dequantised, in Triton on
+CUDA; its backward dequantises again and gives gradients to the rows, never to the frozen expert), so a call
+dequantises only the experts its tokens are routed to; `dense_experts` dequantises `quantize.experts_per_pass`
+experts at a time. Neither ever holds the whole expert tensor in the model dtype.
+
+Legend: N tokens, k experts per token, C hidden, I expert intermediate, X = 2I, L experts held here, G experts
+of one dense pass, M (token, expert) pairs.
 """
 
 from __future__ import annotations
@@ -24,26 +30,29 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from longstraw_cli.quantize import dense, experts_per_pass, linear
+
 __all__ = ["combine", "expert_ffn", "local_experts", "pairs_by_expert"]
 
 
 def expert_ffn(x_MC, counts_L: list[int], gate_up_L2IC, down_LCI):
-    """down[e] @ (silu(gate) * up) for rows grouped by expert: counts_L[e] consecutive rows for expert e."""
+    """down[e] @ (silu(gate) * up) for rows grouped by expert: counts_L[e] consecutive rows for expert e. Only
+    the experts with rows are read (NF4 ones dequantised)."""
     # unbind: the backward stacks the experts' gradients once (zeros for idle experts) instead of one
-    # full-size zero tensor per indexed expert.
+    # full-size zero tensor per indexed expert (NF4 experts: their matrices, never a gradient).
     gate_up_list, down_list = gate_up_L2IC.unbind(0), down_LCI.unbind(0)
     y_list_MC, row = [], 0
     for e, num_rows in enumerate(counts_L):
         if num_rows == 0:
             continue
-        gate, up = F.linear(x_MC[row:row + num_rows], gate_up_list[e]).chunk(2, dim=-1)
-        y_list_MC.append(F.linear(F.silu(gate) * up, down_list[e]))
+        gate, up = linear(x_MC[row:row + num_rows], gate_up_list[e]).chunk(2, dim=-1)
+        y_list_MC.append(linear(F.silu(gate) * up, down_list[e]))
         row += num_rows
     if not y_list_MC:
         # No rows at all: a zero-row pass keeps the parameters and x in the graph, so their gradients are zeros
         # (as the one-rank model's are) and this rank's backward reaches the collectives others wait in.
-        gate, up = F.linear(x_MC[:0], gate_up_list[0]).chunk(2, dim=-1)
-        y_list_MC.append(F.linear(F.silu(gate) * up, down_list[0]))
+        gate, up = linear(x_MC[:0], gate_up_list[0]).chunk(2, dim=-1)
+        y_list_MC.append(linear(F.silu(gate) * up, down_list[0]))
     return torch.cat(y_list_MC)
 
 
@@ -89,10 +98,17 @@ def local_experts(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_proj, down_proj, *, firs
 
 
 def dense_experts(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_proj_EXC, down_proj_ECI) -> torch.Tensor:
-    """`local_experts` computed over every expert at once: each expert's weights are read once and the
-    routing weights (fp32, zero for experts not chosen) combine the outputs. Static shapes."""
-    w_NE = torch.zeros(x_NC.shape[0], gate_up_proj_EXC.shape[0], dtype=topk_w_Nk.dtype, device=x_NC.device)
+    """`local_experts` computed over every expert: each expert's weights are read once and the routing weights
+    (fp32, zero for experts not chosen) combine the outputs. Static shapes. Plain weights in one batched pass;
+    NF4 experts in passes of `experts_per_pass` experts, each pass's experts dequantised, multiplied and freed."""
+    E = gate_up_proj_EXC.shape[0]
+    w_NE = torch.zeros(x_NC.shape[0], E, dtype=topk_w_Nk.dtype, device=x_NC.device)
     w_NE.scatter_(1, topk_idx_Nk, topk_w_Nk)
-    gate_ENI, up_ENI = torch.matmul(x_NC, gate_up_proj_EXC.transpose(1, 2)).chunk(2, dim=-1)
-    y_ENC = torch.matmul(F.silu(gate_ENI) * up_ENI, down_proj_ECI.transpose(1, 2))
-    return torch.einsum("enc,ne->nc", y_ENC.to(w_NE.dtype), w_NE).to(x_NC.dtype)
+    step, y_NC = experts_per_pass(gate_up_proj_EXC), None
+    for e0 in range(0, E, step):
+        gate_up_GXC, down_GCI = dense(gate_up_proj_EXC[e0:e0 + step]), dense(down_proj_ECI[e0:e0 + step])
+        gate_GNI, up_GNI = torch.matmul(x_NC, gate_up_GXC.transpose(1, 2)).chunk(2, dim=-1)
+        y_GNC = torch.matmul(F.silu(gate_GNI) * up_GNI, down_GCI.transpose(1, 2))
+        part_NC = torch.einsum("gnc,ng->nc", y_GNC.to(w_NE.dtype), w_NE[:, e0:e0 + step])
+        y_NC = part_NC if y_NC is None else y_NC + part_NC
+    return y_NC.to(x_NC.dtype)
