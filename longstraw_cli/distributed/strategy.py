@@ -17,7 +17,7 @@ The Transaction drives a strategy through one optimizer step of G replays:
   `logprobs`. Replays 0..G-2 run under `no_sync()`, so their gradients accumulate in `.grad`; the last one
   runs synced and its backward all-reduces the accumulated sums, bucket by bucket, once per step.
   `find_unused_parameters` only where a trainable parameter never gets a gradient (glm52's DSA indexer under full
-  fine-tuning, `lora.NO_GRADIENT_SCOPES`): DDP then marks it ready instead of stalling the reduction (the graph
+  fine-tuning, `base_weights.NO_GRADIENT_SCOPES`): DDP then marks it ready instead of stalling the reduction (the graph
   walk it costs runs in the synced replay only); elsewhere DDP would warn on every rank that it found none.
 - `fsdp2`: `fully_shard` per decoder layer and on the root, over a 1-D mesh of the dp group. The model's entry
   points (capture, logprobs, start_decode, decode_step; a layer's named paths) are registered as forward
@@ -60,7 +60,7 @@ from torch import nn
 
 from longstraw_cli.distributed.local_strategy import LocalStrategy, MakeOptimizer, Replay, _trainable
 from longstraw_cli.distributed.topology import SINGLE_PROCESS, ProcessGroups
-from longstraw_cli.lora import NO_GRADIENT_SCOPES
+from longstraw_cli.base_weights import NO_GRADIENT_SCOPES
 from longstraw_cli.models.core import LAYER_PATHS
 
 __all__ = ["DDPStrategy", "FSDP2Strategy", "LocalStrategy", "StrategyConfig", "STRATEGIES", "make_strategy"]
