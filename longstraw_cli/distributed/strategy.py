@@ -58,9 +58,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from longstraw_cli.base_weights import NO_GRADIENT_SCOPES
 from longstraw_cli.distributed.local_strategy import LocalStrategy, MakeOptimizer, Replay, _trainable
 from longstraw_cli.distributed.topology import SINGLE_PROCESS, ProcessGroups
-from longstraw_cli.base_weights import NO_GRADIENT_SCOPES
 from longstraw_cli.models.core import LAYER_PATHS
 
 __all__ = ["DDPStrategy", "FSDP2Strategy", "LocalStrategy", "StrategyConfig", "STRATEGIES", "make_strategy"]
