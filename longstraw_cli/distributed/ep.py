@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 
 import torch
 import torch.distributed as dist
@@ -77,11 +76,7 @@ def ep_slice(group):
     rank, world = rank_world(group)
     if world == 1:
         return None
-    return functools.partial(_bounds_of_rank, num_ranks=world, rank=rank)
-
-
-def _bounds_of_rank(num_experts: int, *, num_ranks: int, rank: int) -> tuple[int, int]:
-    return expert_bounds(num_experts, num_ranks, rank)
+    return lambda num_experts: expert_bounds(num_experts, world, rank)
 
 
 def ep_shard(full_E: torch.Tensor, group=None) -> torch.Tensor:
