@@ -155,13 +155,17 @@ def _layer_graph(cfg: Glm52Config, layer: int, T: int, new_keys: int, run: Run, 
         + H * cfg.qk_head_dim * s  # q_b's output, which the absorption's einsum saves (q_nope is a view)
         + H * A * s  # the absorbed query [q_nope W_uk | q_rope]
         + K * INT64 + H * L * s + H * f  # the sparse kernel: its copy of the selection, out, lse
-        + 2 * H * L * f  # the LSE merge's fp32 copies of both partial outputs
         + H * L * s + H * cfg.v_head_dim * s  # inputs of the output einsum and of o_proj
         + (run.lora_rank * 8 * s if run.lora_rank else 0)  # each adapter's A output
     )
+    if run.cp > 1:
+        # context parallel's page attention (cp_pages_attention): the query and the rank's partial output in the
+        # compute dtype, and the merged output MergeAcrossRanks saves (counted, not measured: no multi-rank meter)
+        attention += H * A * f + 2 * H * L * f
     if new_keys:
-        # the dense attention over the response's own keys: fp32 scores and probabilities [H, S], the mask
-        attention += H * new_keys * 2 * f + new_keys + H * A * upcast + A * upcast
+        # the dense attention over the response's own keys: fp32 scores and probabilities [H, S], the mask; the
+        # LSE merge with the pages' part: fp32 copies of both partial outputs
+        attention += H * new_keys * 2 * f + new_keys + H * A * upcast + A * upcast + 2 * H * L * f
     if cfg.layer_mlp_types[layer] == "dense":
         mlp = C * s + 4 * cfg.intermediate_size * s
     else:
@@ -191,7 +195,9 @@ def walk_graph_bytes(cfg: Glm52Config, run: Run, block: int) -> int:
     block's own keys, its pages written); with walk_checkpoint every layer's block input plus the largest layer."""
     full, folded = run.lora_rank == 0, run.lora_rank > 0
     C, H, L, R, K = _dims(cfg)
-    extra = block * (K * INT64 + H * L * run.s + H * run.f + (L + R) * run.s)
+    # the second sparse call (the block's own keys: its selection copy, out, lse), the LSE merge's fp32 copies,
+    # the block's pages
+    extra = block * (K * INT64 + H * L * run.s + H * run.f + 2 * H * L * run.f + (L + R) * run.s)
     layers = [_layer_graph(cfg, i, block, 0, run, full=full, folded=folded) + extra
               for i in range(cfg.num_hidden_layers)]
     if run.walk_checkpoint:
