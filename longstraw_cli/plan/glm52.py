@@ -21,7 +21,8 @@ config alone. The phases are longstraw_cli.plan's; what they hold for MLA + DSA 
   residual sum), the RMSNorm's fp32 copies of the span, the DSA selection [span, index_topk] int64 (carried to the
   next layer, its blocks and their concatenation), and the layer's pages of every rank all-gathered (the gathered
   shards and their concatenation coexist: twice the prompt's pages of one layer, `cp_gather`).
-- score: min(G, score_batch) responses without a graph: their layer activations, or the logits chunk, as qwen36.
+- score: min(G, score_batch) responses without a graph: their layer activations, or one logits chunk (token_logprobs
+  chunks the batch's tokens together, so the batch costs one chunk, not one a response).
 - replay: one response's graph, term by term from what autograd saves (`_layer_graph`): the norms' fp32 copies,
   the linears' inputs, the absorbed query, per layer its own copy of the DSA selection as the sparse kernel saves
   it ([R, index_topk] int64), the dense attention over the response's own keys ([R, heads, R] fp32 scores and
@@ -140,10 +141,12 @@ def layer_page_bytes(cfg: Glm52Config, num_tokens: int, s: int) -> list[int]:
 
 
 def _layer_graph(cfg: Glm52Config, layer: int, T: int, new_keys: int, run: Run, *, full: bool,
-                 folded: bool) -> int:
+                 folded: bool, across_ranks: bool = False) -> int:
     """Saved-for-backward bytes of one layer's replay over T tokens of one sequence whose own `new_keys` keys
     the dense part attends to (0: pages only, as capture). full: the base weights take gradients (their
-    inputs are saved); folded: kv_b is read as a computed weight (LoRA or NF4), saved by both of its einsums."""
+    inputs are saved); folded: kv_b is read as a computed weight (LoRA or NF4), saved by both of its einsums;
+    across_ranks: the pages' attention is context parallel's (replay, scoring, the exact walk under cp > 1; the
+    CP capture attends to its gathered pages locally)."""
     s, f = run.s, run.f
     C, H, L, R, K = _dims(cfg)
     Q, A = cfg.q_lora_rank, L + R
@@ -155,13 +158,17 @@ def _layer_graph(cfg: Glm52Config, layer: int, T: int, new_keys: int, run: Run, 
         + H * cfg.qk_head_dim * s  # q_b's output, which the absorption's einsum saves (q_nope is a view)
         + H * A * s  # the absorbed query [q_nope W_uk | q_rope]
         + K * INT64 + H * L * s + H * f  # the sparse kernel: its copy of the selection, out, lse
-        + 2 * H * L * f  # the LSE merge's fp32 copies of both partial outputs
         + H * L * s + H * cfg.v_head_dim * s  # inputs of the output einsum and of o_proj
         + (run.lora_rank * 8 * s if run.lora_rank else 0)  # each adapter's A output
     )
+    if across_ranks:
+        # context parallel's page attention (cp_pages_attention): the query and the rank's partial output in the
+        # compute dtype, and the merged output MergeAcrossRanks saves (counted, not measured: no multi-rank meter)
+        attention += H * A * f + 2 * H * L * f
     if new_keys:
-        # the dense attention over the response's own keys: fp32 scores and probabilities [H, S], the mask
-        attention += H * new_keys * 2 * f + new_keys + H * A * upcast + A * upcast
+        # the dense attention over the response's own keys: fp32 scores and probabilities [H, S], the mask; the
+        # LSE merge with the pages' part: fp32 copies of both partial outputs
+        attention += H * new_keys * 2 * f + new_keys + H * A * upcast + A * upcast + 2 * H * L * f
     if cfg.layer_mlp_types[layer] == "dense":
         mlp = C * s + 4 * cfg.intermediate_size * s
     else:
@@ -182,7 +189,7 @@ def response_graph_bytes(cfg: Glm52Config, run: Run, tokens: int | None = None) 
     full, folded = run.lora_rank == 0, run.lora_rank > 0
     # final norm, the checkpointed logits input, the token ids
     total = R * (2 * cfg.hidden_size * run.f + cfg.hidden_size * run.s + INT64)
-    return total + sum(_layer_graph(cfg, i, R, R, run, full=full, folded=folded)
+    return total + sum(_layer_graph(cfg, i, R, R, run, full=full, folded=folded, across_ranks=run.cp > 1)
                        for i in range(cfg.num_hidden_layers))
 
 
@@ -191,8 +198,10 @@ def walk_graph_bytes(cfg: Glm52Config, run: Run, block: int) -> int:
     block's own keys, its pages written); with walk_checkpoint every layer's block input plus the largest layer."""
     full, folded = run.lora_rank == 0, run.lora_rank > 0
     C, H, L, R, K = _dims(cfg)
-    extra = block * (K * INT64 + H * L * run.s + H * run.f + (L + R) * run.s)
-    layers = [_layer_graph(cfg, i, block, 0, run, full=full, folded=folded) + extra
+    # the second sparse call (the block's own keys: its selection copy, out, lse), the LSE merge's fp32 copies,
+    # the block's pages
+    extra = block * (K * INT64 + H * L * run.s + H * run.f + 2 * H * L * run.f + (L + R) * run.s)
+    layers = [_layer_graph(cfg, i, block, 0, run, full=full, folded=folded, across_ranks=run.cp > 1) + extra
               for i in range(cfg.num_hidden_layers)]
     if run.walk_checkpoint:
         return cfg.num_hidden_layers * block * C * run.s + max(layers)
@@ -272,9 +281,11 @@ def plan(cfg: Glm52Config, run: Run) -> dict:
     full, folded = run.lora_rank == 0, run.lora_rank > 0
 
     def score_activations(batch: int) -> int:
-        layer = max(_layer_graph(cfg, i, R, R, run, full=True, folded=folded) for i in range(cfg.num_hidden_layers))
+        layer = max(_layer_graph(cfg, i, R, R, run, full=True, folded=folded, across_ranks=run.cp > 1)
+                    for i in range(cfg.num_hidden_layers))
         return max(batch * layer + _scores(batch * R, captured + R, run) + _gather(cfg, batch * R, run),
-                   batch * min(R, run.logprob_chunk) * V * LOGIT_BYTES_SCORE + batch * R * cfg.hidden_size * s)
+                   # token_logprobs chunks the batch's tokens together: one chunk of logits for all of them
+                   min(batch * R, run.logprob_chunk) * V * LOGIT_BYTES_SCORE + batch * R * cfg.hidden_size * s)
 
     score_act = score_activations(min(G, run.score_batch))
     graph = response_graph_bytes(cfg, run)
