@@ -101,7 +101,8 @@ def dense(weight: torch.Tensor) -> torch.Tensor:
     if is_nf4(weight):
         return nf4_ops.dequantize(nf4_parts(weight))
     if isinstance(weight, NF4Experts):
-        return torch.stack([dense(expert) for expert in weight.experts])
+        # unbind, not the `experts` attribute: torch.compile traces it (the attribute would break its graph)
+        return torch.stack([dense(expert) for expert in weight.unbind(0)])
     return weight
 
 
