@@ -8,8 +8,9 @@ so checkpoints and HF names do not change) and adds `lora_A` [r, in] and `lora_B
 B starts at zero, so a fresh adapter is an exact no-op. The reference policy is the same module with its adapters
 switched off (`adapters_disabled`, `ReferencePolicy`): no second copy of the base weights is held.
 
-Simplifications (peft has them, we do not): no rsLoRA or DoRA, no adapters on biases, embeddings or lm_head,
-one rank and alpha for every target.
+Simplifications (peft has them, we do not): no rsLoRA or DoRA, no adapters on biases, embeddings, lm_head or
+glm52's routed experts (3-D parameters, not nn.Linear: always frozen under LoRA), one rank and alpha for every
+target.
 """
 
 from __future__ import annotations

@@ -101,7 +101,8 @@ def dense(weight: torch.Tensor) -> torch.Tensor:
     if is_nf4(weight):
         return nf4_ops.dequantize(nf4_parts(weight))
     if isinstance(weight, NF4Experts):
-        return torch.stack([dense(expert) for expert in weight.experts])
+        # unbind, not the `experts` attribute: torch.compile traces it (the attribute would break its graph)
+        return torch.stack([dense(expert) for expert in weight.unbind(0)])
     return weight
 
 
@@ -190,8 +191,10 @@ def is_nf4_experts(t: torch.Tensor | None) -> bool:
     return isinstance(t, NF4Experts)
 
 
-# NF4 experts a dense pass (the static decode step's `dense_experts`) dequantises at once: bounds the model-dtype
-# copy to this many experts' weights (measured on CPU, BENCHMARKS.md: TODO)
+# NF4 experts a dense pass (the static decode step's `dense_experts`) dequantises at once: the model-dtype copy is
+# this many experts' weights (604 MB for the GLM-5 shape in bf16). On CPU (32 experts of glm52_mini's at half
+# width, 8 tokens) passes of 1, 8 and 32 experts took the same time within the shared machine's noise (10-23 s a
+# call, dequantisation dominating); the pass size was not measured on a GPU
 NF4_EXPERTS_PER_PASS = 8
 
 

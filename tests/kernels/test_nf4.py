@@ -1,6 +1,8 @@
 """NF4 dequantisation (kernels/nf4) against torchao's NF4Tensor: the reference and the Triton kernel equal
 `get_original_weight` bit for bit; the op dispatches and traces under torch.compile; `quantize.linear` (NF4Linear)
-computes F.linear with the dequantised weight, and its gradient is that linear's.
+computes F.linear with the dequantised weight, and its gradient is that linear's; routed experts (`NF4Experts`) are
+torchao's NF4 expert by expert, slice and clone without requantising, and glm52's dense expert pass over them traces
+under torch.compile without graph breaks.
 
 Runs everywhere: on CPU the Triton kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1), on a GPU
 compiled (there also at the 27B shape's sizes).
@@ -13,7 +15,16 @@ from conftest import rel_err
 
 pytest.importorskip("torchao")
 
-from longstraw_cli.quantize import NF4Linear, linear, nf4_parts, quantize_linears, torchao_nf4  # noqa: E402
+from longstraw_cli.quantize import (  # noqa: E402
+    NF4Experts,
+    NF4Linear,
+    dense,
+    linear,
+    nf4_parts,
+    quantize_linears,
+    scaler_block_size,
+    torchao_nf4,
+)
 from longstraw_kernels import nf4 as nf4_ops  # noqa: E402
 from longstraw_kernels.nf4 import reference, triton_nf4  # noqa: E402
 
@@ -98,6 +109,67 @@ def test_the_ops_trace_under_torch_compile_without_breaks():
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
     with torch.no_grad():
         assert torch.equal(compiled(x), step(x))
+
+
+class Experts(torch.nn.Module):
+    """glm52's routed experts' parameters (models/glm52/model.py's `Experts`), E experts of [2I, C] and [C, I]."""
+
+    def __init__(self, E=5, C=64, I=48, dtype=torch.float32, seed=0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.gate_up_proj = torch.nn.Parameter((torch.randn(E, 2 * I, C, generator=g) * 0.02).to(dtype).to(DEVICE))
+        self.down_proj = torch.nn.Parameter((torch.randn(E, C, I, generator=g) * 0.02).to(dtype).to(DEVICE))
+
+
+def test_experts_are_torchaos_nf4_expert_by_expert():
+    experts = Experts()
+    plain = {n: p.detach().clone() for n, p in experts.named_parameters()}
+    assert quantize_linears(experts) == 2
+    for name, w in experts.named_parameters():
+        assert type(w.data) is NF4Experts and w.shape == plain[name].shape and not w.requires_grad
+        original = plain[name]
+        want = [torchao_nf4().to_nf4(e.contiguous(), 64, scaler_block_size(e.numel())).get_original_weight()
+                for e in original]
+        assert all(torch.equal(dense(w[e]), want[e]) for e in range(len(want)))
+        assert torch.equal(dense(w), torch.stack(want))
+        # expert parallel's slice (ep_shard: detach, [a:b], clone) keeps the bits: no requantisation
+        assert torch.equal(dense(w.detach()[1:4].clone()), torch.stack(want[1:4]))
+        assert [torch.equal(dense(e), x) for e, x in zip(w.unbind(0), want)] == [True] * len(want)
+    # a second call finds nothing left to quantise
+    assert quantize_linears(experts) == 0
+
+
+def test_experts_refuse_what_they_do_not_support():
+    experts = Experts()
+    quantize_linears(experts)
+    for bad in (lambda w: w + 1, lambda w: w[:, 3], lambda w: w.sum()):
+        with pytest.raises(NotImplementedError) as e:
+            bad(experts.gate_up_proj)
+        assert "supports detach, clone, w[a:b], w[e] and unbind(0)" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_dense_experts_trace_under_torch_compile_without_breaks(monkeypatch):
+    """glm52's static decode step reads NF4 experts through `dense_experts` (here in passes of 2, 2, 1): one
+    graph."""
+    from longstraw_cli import quantize
+    from longstraw_cli.models.glm52.experts import dense_experts
+
+    monkeypatch.setattr(quantize, "NF4_EXPERTS_PER_PASS", 2)
+    experts = Experts(E=5)
+    quantize_linears(experts)
+    g = torch.Generator().manual_seed(1)
+    x_NC = torch.randn(4, 64, generator=g).to(DEVICE)
+    topk_idx_Nk = torch.stack([torch.randperm(5, generator=g)[:2] for _ in range(4)]).to(DEVICE)
+    topk_w_Nk = torch.rand(4, 2, generator=g).to(DEVICE)
+
+    def step(x_NC):
+        return dense_experts(x_NC, topk_idx_Nk, topk_w_Nk, experts.gate_up_proj, experts.down_proj)
+
+    explained = torch._dynamo.explain(step)(x_NC)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        assert torch.equal(compiled(x_NC), step(x_NC))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

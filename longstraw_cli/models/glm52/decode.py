@@ -7,7 +7,8 @@ response slot, masks the slots not yet filled, and takes the top-k with the mode
 the lower position wins) without a host synchronisation (`topk_lowest_position_static`); sparse MLA then reads
 only the selected prompt pages (the Triton kernel on CUDA) and the selected response keys. Routed experts run
 densely over all experts with the routing weights (zero where not chosen): at decode's few tokens nearly every
-expert is chosen by some response, so this reads each expert's weights once, with static shapes.
+expert is chosen by some response, so this reads each expert's weights once, with static shapes (NF4 experts,
+lora.quantize=nf4: dequantised a few at a time, `experts.dense_experts`).
 
 A step is CUDA-graph safe when the pages are on the device and the experts are local (`graph_safe`); with
 pages left in host memory or expert parallelism (whose all-to-all sizes depend on the routing) it runs eagerly.
