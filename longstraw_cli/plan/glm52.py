@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from longstraw_cli.models.glm52.config import Glm52Config
 from longstraw_cli.models.glm52.model import _SCORE_ELEMENTS
-from longstraw_cli.plan.common import GIB, LOGIT_BYTES_REPLAY, LOGIT_BYTES_SCORE, Run, itemsize, rollout_copies
+from longstraw_cli.plan.common import GIB, LOGIT_BYTES_REPLAY, Run, itemsize, rollout_copies, score_logits_bytes
 from longstraw_cli.quantize import nf4_bytes
 
 # bytes per index-score element formed at once: the fp32 score and the top-k's temporaries (models/glm52/model.py)
@@ -301,8 +301,7 @@ def plan(cfg: Glm52Config, run: Run) -> dict:
         layer = max(_layer_graph(cfg, i, R, R, run, full=True, folded=folded, across_ranks=run.cp > 1)
                     for i in range(cfg.num_hidden_layers))
         return max(batch * layer + _scores(batch * R, captured + R, run) + _gather(cfg, batch * R, run),
-                   # token_logprobs chunks the batch's tokens together: one chunk of logits for all of them
-                   min(batch * R, run.logprob_chunk) * V * LOGIT_BYTES_SCORE + batch * R * cfg.hidden_size * s)
+                   score_logits_bytes(batch, R, run.logprob_chunk, V, cfg.hidden_size, s))
 
     score_act = score_activations(min(G, run.score_batch))
     graph = response_graph_bytes(cfg, run)
