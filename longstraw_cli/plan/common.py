@@ -81,6 +81,12 @@ class Run:
         return int(self.gpu_mem_gib * GIB)
 
 
+def score_logits_bytes(batch: int, tokens: int, chunk: int, vocab: int, hidden: int, s: int) -> int:
+    """The graph-free scoring's logits: token_logprobs chunks the batch's tokens together, so one chunk of fp32
+    logits (and the exp temporary) serves the whole batch; beside it the batch's final hidden states."""
+    return min(batch * tokens, chunk) * vocab * LOGIT_BYTES_SCORE + batch * tokens * hidden * s
+
+
 def rollout_copies(run: Run, rollout_base: int, layer_pages: list[int]) -> int:
     """offload="cpu": bytes of host pages the rollout copies to the device, whole layers, first layers first (a layer
     that does not fit is passed over), into what the GPU leaves free with 10% spare, at most

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from longstraw_cli.models.glm52.config import Glm52Config
 from longstraw_cli.models.glm52.model import _SCORE_ELEMENTS
-from longstraw_cli.plan.common import GIB, LOGIT_BYTES_REPLAY, LOGIT_BYTES_SCORE, Run, itemsize, rollout_copies
+from longstraw_cli.plan.common import GIB, LOGIT_BYTES_REPLAY, Run, itemsize, rollout_copies, score_logits_bytes
 from longstraw_cli.quantize import nf4_bytes
 
 # bytes per index-score element formed at once: the fp32 score and the top-k's temporaries (models/glm52/model.py)
@@ -140,20 +140,14 @@ def layer_page_bytes(cfg: Glm52Config, num_tokens: int, s: int) -> list[int]:
             for kind in cfg.layer_indexer_types]
 
 
-def _layer_graph(cfg: Glm52Config, layer: int, T: int, new_keys: int, run: Run, *, full: bool,
-                 folded: bool, across_ranks: bool = False) -> int:
-    """Saved-for-backward bytes of one layer's replay over T tokens of one sequence whose own `new_keys` keys
-    the dense part attends to (0: pages only, as capture). full: the base weights take gradients (their
-    inputs are saved); folded: kv_b is read as a computed weight (LoRA or NF4), saved by both of its einsums;
-    across_ranks: the pages' attention is context parallel's (replay, scoring, the exact walk under cp > 1; the
-    CP capture attends to its gathered pages locally)."""
+def _attention_per_token(cfg: Glm52Config, new_keys: int, run: Run, *, full: bool, across_ranks: bool) -> float:
+    """Saved bytes per token of a layer's input norm and attention (see `_layer_graph`)."""
     s, f = run.s, run.f
     C, H, L, R, K = _dims(cfg)
     Q, A = cfg.q_lora_rank, L + R
     upcast = f if f != s else 0
-    # two RMSNorms (fp32 input; the normalised value when the norm weight trains), q_a / kv_a norms likewise
-    norms = (2 * C + Q + L) * (f + (s if full else 0))
-    attention = (
+    # the input RMSNorm and the q_a / kv_a norms: fp32 input, and the normalised value when the norm weight trains
+    total = (C + Q + L) * (f + (s if full else 0)) + (
         C * s + Q * s  # inputs of q_a / kv_a (one tensor) and q_b
         + H * cfg.qk_head_dim * s  # q_b's output, which the absorption's einsum saves (q_nope is a view)
         + H * A * s  # the absorbed query [q_nope W_uk | q_rope]
@@ -164,22 +158,39 @@ def _layer_graph(cfg: Glm52Config, layer: int, T: int, new_keys: int, run: Run, 
     if across_ranks:
         # context parallel's page attention (cp_pages_attention): the query and the rank's partial output in the
         # compute dtype, and the merged output MergeAcrossRanks saves (counted, not measured: no multi-rank meter)
-        attention += H * A * f + 2 * H * L * f
+        total += H * A * f + 2 * H * L * f
     if new_keys:
         # the dense attention over the response's own keys: fp32 scores and probabilities [H, S], the mask; the
         # LSE merge with the pages' part: fp32 copies of both partial outputs
-        attention += H * new_keys * 2 * f + new_keys + H * A * upcast + A * upcast + 2 * H * L * f
+        total += H * new_keys * 2 * f + new_keys + H * A * upcast + A * upcast + 2 * H * L * f
+    return total
+
+
+def _mlp_per_token(cfg: Glm52Config, layer: int, run: Run, *, full: bool, pairs: float) -> float:
+    """Saved bytes per token of a layer's post-attention norm and MLP; `pairs`: routed (token, expert) pairs
+    computed on this rank per token (see `_layer_graph`)."""
+    s, f, C = run.s, run.f, cfg.hidden_size
+    norm = C * (f + (s if full else 0))
     if cfg.layer_mlp_types[layer] == "dense":
-        mlp = C * s + 4 * cfg.intermediate_size * s
-    else:
-        # routed pairs on this rank (the average share under expert parallel): the gathered rows, the experts'
-        # SwiGLU, the outputs the routing weights multiply; the shared experts' SwiGLU; the router's fp32 input
-        pairs = cfg.num_experts_per_tok / run.ep
-        mlp = (C * s + pairs * (2 * C * s + 4 * cfg.moe_intermediate_size * s + f + INT64)
-               + 4 * cfg.moe_intermediate_size * cfg.n_shared_experts * s + (C * upcast if full else 0)
-               + cfg.n_routed_experts * f)
-    per_token = norms + attention + mlp
-    weight = 2 * cfg.kv_lora_rank * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) * s
+        return norm + C * s + 4 * cfg.intermediate_size * s
+    # the gathered rows, the experts' SwiGLU, the outputs the routing weights multiply; the shared experts'
+    # SwiGLU; the router's fp32 input (when it trains) and scores
+    return (norm + C * s + pairs * (2 * C * s + 4 * cfg.moe_intermediate_size * s + f + INT64)
+            + 4 * cfg.moe_intermediate_size * cfg.n_shared_experts * s + (C * f if full and f != s else 0)
+            + cfg.n_routed_experts * f)
+
+
+def _layer_graph(cfg: Glm52Config, layer: int, T: int, new_keys: int, run: Run, *, full: bool,
+                 folded: bool, across_ranks: bool = False) -> int:
+    """Saved-for-backward bytes of one layer's replay over T tokens of one sequence whose own `new_keys` keys
+    the dense part attends to (0: pages only, as capture). full: the base weights take gradients (their
+    inputs are saved); folded: kv_b is read as a computed weight (LoRA or NF4), saved by both of its einsums;
+    across_ranks: the pages' attention is context parallel's (replay, scoring, the exact walk under cp > 1; the
+    CP capture attends to its gathered pages locally). Tokens are replicated over the EP group: each rank
+    computes its experts' share of the routed pairs, k / ep a token on average."""
+    per_token = (_attention_per_token(cfg, new_keys, run, full=full, across_ranks=across_ranks)
+                 + _mlp_per_token(cfg, layer, run, full=full, pairs=cfg.num_experts_per_tok / run.ep))
+    weight = 2 * cfg.kv_lora_rank * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) * run.s
     return int(T * per_token) + (weight if folded else 0)
 
 
@@ -222,19 +233,16 @@ def _gather(cfg: Glm52Config, queries: int, run: Run) -> int:
     return min(queries * cfg.index_topk, REFERENCE_GATHER) * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * run.f
 
 
-def _block_activations(cfg: Glm52Config, block: int, keys: int, run: Run, *, sharded: bool) -> int:
-    """Live bytes of one block of queries through the heaviest layer, graph-free: what that layer would save,
-    the index scores, the reference kernel's gather; sharded (CP capture under EP): the all-to-all's send and
-    receive copies of the routed rows."""
+def _block_activations(cfg: Glm52Config, block: int, keys: int, run: Run) -> int:
+    """Live bytes of one block of queries through the heaviest layer, graph-free (cp = 1's capture): what that
+    layer would save, the index scores, the reference kernel's gather."""
     layer = max(_layer_graph(cfg, i, block, 0, run, full=True, folded=False) for i in range(cfg.num_hidden_layers))
-    moe = sum(t == "sparse" for t in cfg.layer_mlp_types) > 0
-    alltoall = 2 * block * cfg.num_experts_per_tok * cfg.hidden_size * run.s if sharded and moe else 0
-    return layer + _scores(block, keys, run) + _gather(cfg, block, run) + alltoall
+    return layer + _scores(block, keys, run) + _gather(cfg, block, run)
 
 
 def cp_capture_bytes(cfg: Glm52Config, run: Run) -> tuple[int, int]:
     """(live bytes, of which the all-gather of one layer's pages) of `cp_capture_glm52` on the rank with the
-    most keys to see (the last): the largest of its steps, see the module docstring."""
+    most keys to see (the last): the largest of its steps (see the module docstring) through one layer."""
     s, f, C, K = run.s, run.f, cfg.hidden_size, cfg.index_topk
     T, P = run.captured, run.prompt_tokens - 1
     block = min(run.block_size, T)
@@ -245,9 +253,18 @@ def cp_capture_bytes(cfg: Glm52Config, run: Run) -> tuple[int, int]:
     carried = span_C + span_K  # the residual stream and the previous layer's selection
     norm = carried + T * C * (2 * f + s)
     gathering = carried + span_C + gather
-    blocks = carried + span_C + seen + span_C + span_K + max(
-        _block_activations(cfg, block, P, run, sharded=False), span_C + span_K)
-    mlp = carried + 2 * span_C + span_K + _block_activations(cfg, block, 0, run, sharded=True)
+    # the attention's blocks: the span's norm, the gathered pages, the outputs and selections so far, then their
+    # concatenation; one block's attention, index scores and reference gather
+    attention = int(block * _attention_per_token(cfg, 0, run, full=True, across_ranks=False)) + _scores(
+        block, P, run) + _gather(cfg, block, run)
+    blocks = carried + span_C + seen + span_C + span_K + max(attention, span_C + span_K)
+    # the MLP in blocks over the residual sum (the old residual, the attention output, the sum, both
+    # selections): tokens are sharded, so each rank's experts compute its tokens' share, k pairs a token, plus
+    # the all-to-all's received rows and their regrouped copy
+    moe = max(_mlp_per_token(cfg, i, run, full=True, pairs=cfg.num_experts_per_tok)
+              for i in range(cfg.num_hidden_layers))
+    routed = 2 * block * cfg.num_experts_per_tok * C * s if run.ep > 1 else 0
+    mlp = carried + 2 * span_C + span_K + int(block * moe) + routed
     return max(norm, gathering, blocks, mlp), gather
 
 
@@ -274,7 +291,7 @@ def plan(cfg: Glm52Config, run: Run) -> dict:
     if run.cp > 1:
         capture_act, gathered = cp_capture_bytes(cfg, run)
     else:
-        capture_act = block * cfg.hidden_size * s + _block_activations(cfg, block, captured, run, sharded=False)
+        capture_act = block * cfg.hidden_size * s + _block_activations(cfg, block, captured, run)
         gathered = 0
 
     R, V, G = run.response_tokens, cfg.vocab_size, run.group_size
@@ -284,8 +301,7 @@ def plan(cfg: Glm52Config, run: Run) -> dict:
         layer = max(_layer_graph(cfg, i, R, R, run, full=True, folded=folded, across_ranks=run.cp > 1)
                     for i in range(cfg.num_hidden_layers))
         return max(batch * layer + _scores(batch * R, captured + R, run) + _gather(cfg, batch * R, run),
-                   # token_logprobs chunks the batch's tokens together: one chunk of logits for all of them
-                   min(batch * R, run.logprob_chunk) * V * LOGIT_BYTES_SCORE + batch * R * cfg.hidden_size * s)
+                   score_logits_bytes(batch, R, run.logprob_chunk, V, cfg.hidden_size, s))
 
     score_act = score_activations(min(G, run.score_batch))
     graph = response_graph_bytes(cfg, run)

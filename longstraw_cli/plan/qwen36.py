@@ -47,9 +47,10 @@ Where the bytes come from (s: bytes per element of `dtype`, f: of the compute dt
   copies and one state per chunk. `kernels="reference"` (CPU, fp32): the block's queries against its own keys
   form [q heads, block, block] fp32 scores, SCORE_COPIES at once plus a bool mask; against the prompt, pages
   are read `attention_block` at a time, which bounds those scores.
-- score: min(G, score_batch) responses at once without a graph: [batch, chunk, vocab] logits in fp32 plus one
-  fp32 temporary (LOGIT_BYTES_SCORE per logit), or the layers' activations, whichever is larger. This is the
-  one term that grows with G (up to score_batch); with a 248K vocabulary it is 2 GiB per scored response.
+- score: min(G, score_batch) responses at once without a graph: one [chunk, vocab] chunk of fp32 logits plus
+  one fp32 temporary (LOGIT_BYTES_SCORE per logit) for the whole batch (token_logprobs chunks the batch's tokens
+  together: `common.score_logits_bytes`), or the layers' activations, whichever is larger. The activations are
+  the one term that grows with G (up to score_batch).
 - replay transient: the log-prob backward's one chunk of recomputed logits (fp32, turned into the gradient in
   place, plus a bf16 copy: LOGIT_BYTES_REPLAY per logit) plus one weight-sized gradient (the output layer's,
   accumulated over the chunks in one buffer before it is added into .grad).
@@ -65,7 +66,7 @@ import math
 
 from longstraw_cli.lora import DEFAULT_TARGETS
 from longstraw_cli.models.qwen36.config import Qwen36Config
-from longstraw_cli.plan.common import GIB, LOGIT_BYTES_REPLAY, LOGIT_BYTES_SCORE, Run, itemsize, rollout_copies
+from longstraw_cli.plan.common import GIB, LOGIT_BYTES_REPLAY, Run, itemsize, rollout_copies, score_logits_bytes
 from longstraw_cli.quantize import nf4_bytes
 
 # the chunk length of kernels/gdn's chunked form
@@ -275,7 +276,7 @@ def plan(cfg: Qwen36Config, run: Run) -> dict:
         return max(
             batch * _layer_activations(cfg, R, s, f, kernels)
             + max(_attention_scores(cfg, batch, R, R, kernels), _attention_scores(cfg, batch, R, pages, kernels)),
-            batch * min(R, run.logprob_chunk) * V * LOGIT_BYTES_SCORE + batch * R * cfg.hidden_size * s,
+            score_logits_bytes(batch, R, run.logprob_chunk, V, cfg.hidden_size, s),
         )
 
     score_act = score_activations(min(run.group_size, run.score_batch))
