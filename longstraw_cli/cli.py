@@ -322,26 +322,27 @@ examples: longstraw plan model=qwen36 cp=8 prompt_tokens=2M group_size=8 lora.ra
 
 def _plan_tokens(key: str, value: str) -> list[int]:
     """A token count or, for prompt_tokens, a comma list of them (K/M suffixes); one line on a bad value."""
-    from longstraw_cli import plan as planner
+    from longstraw_cli.config import ConfigError, parse_tokens
 
     texts = value.strip("[]").split(",") if key == "prompt_tokens" else [value]
     try:
-        return [planner._tokens(text.strip()) for text in texts]
-    except Exception as e:  # noqa: BLE001 - argparse's error type, shown as one line
-        _fail(f"{key}={value}: {e}")
+        return [parse_tokens(text.strip(), key) for text in texts]
+    except ConfigError as e:
+        _fail(str(e))
 
 
 def plan(argv: list[str]) -> int:
     from hydra import compose, initialize_config_dir
 
     from longstraw_cli import plan as planner
-    from longstraw_cli.config import ConfigError, ModelConfig
+    from longstraw_cli.config import ConfigError, ModelConfig, expand_paths
 
     if any(a in ("-h", "--help") for a in argv):
         print(PLAN_USAGE)
         return 0
     own, overrides, prompts = {"gpu_mem_gib": "139", "host_mem_gib": "128", "kernels": "auto"}, [], None
-    for arg in argv:
+    # a path key's ~ quoted for Hydra's grammar, as train does
+    for arg in map(hydra_quoted, argv):
         key, sep, value = arg.partition("=")
         if sep and key in PLAN_KEYS:
             own[key] = value
@@ -368,7 +369,7 @@ def plan(argv: list[str]) -> int:
         cfg = compose("config", overrides=overrides)
     # the training config's own checks of model.name / path / dtype
     try:
-        model = ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True))
+        model = ModelConfig(**expand_paths({"model": OmegaConf.to_container(cfg.model, resolve=True)})["model"])
         _, model_cfg = model.family_config()
     except (ConfigError, ValueError) as e:
         _fail(str(e))

@@ -79,7 +79,7 @@ def parse_tokens(value: Any, key: str) -> int:
     return int(match[1]) * TOKEN_SUFFIXES.get(match[2].upper(), 1)
 
 
-def _expand_paths(d: dict) -> dict:
+def expand_paths(d: dict) -> dict:
     """The composed config with every PATH_KEYS value expanded (nested dicts copied, not changed)."""
     d = dict(d)
     for key in PATH_KEYS:
@@ -315,7 +315,7 @@ def _check_exact(d: dict, strategy: str, world_size: int) -> None:
 def train_config(d: dict, world_size: int | None = None, set_keys: tuple[str, ...] = ()) -> TrainConfig:
     """TrainConfig from the resolved container of the composed config (hydra node removed); `set_keys`: the keys
     the user set."""
-    d = _expand_paths(d)
+    d = expand_paths(d)
     d.pop("hydra", None)
     top = {f.name for f in dataclasses.fields(TrainConfig)} - {"loss", "transaction", "reward", "reward_style",
                                                                 "reuse", "set_keys"}

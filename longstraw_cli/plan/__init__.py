@@ -19,7 +19,6 @@ defaults; `python -m longstraw_cli.plan` runs the same command.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 
@@ -138,15 +137,6 @@ def max_prompt_tokens(model_name_or_cfg, *, gpu_mem_gib: float = 139.0, limit: i
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
-
-
-def _tokens(text: str) -> int:
-    """'262144', '256K', '2M' -> tokens (K = 1024)."""
-    scale = {"K": 2**10, "M": 2**20}.get(text[-1:].upper(), 1)
-    try:
-        return int(text[:-1] if scale > 1 else text) * scale
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a token count: {text!r} (e.g. 65536, 64K, 2M)") from None
 
 
 COLUMNS = {"weights": "weights", "grads": "grads", "optimizer": "optim", "resident": "resident",

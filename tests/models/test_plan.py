@@ -220,11 +220,13 @@ def test_longstraw_plan_plans_the_shape_override_config_gives(capsys):
     (["cp=0"], "cp must be an int >= 1, got 0"),
     (["gpu_mem_gib=lots"], "gpu_mem_gib='lots' is not a number"),
     (["kernels=fast"], "kernels='fast'; valid: ['auto', 'gpu', 'reference']"),
-    (["prompt_tokens=3Q"], "not a token count: '3Q'"),
-    (["prompt_tokens=1M,x"], "not a token count: 'x'"),
+    (["prompt_tokens=3Q"], "prompt_tokens='3Q' is not a token count; e.g. 65536, 64K, 2M"),
+    (["prompt_tokens=1M,x"], "prompt_tokens='x' is not a token count"),
     (["model=glm52_tiny", "ep=3"], "ep=3 must divide cp=1"),
     (["ep=2", "cp=2"], "model family 'qwen36' has no routed experts"),
     (["modle=qwen36"], "unknown config key 'modle'"),
+    # a path takes ~ as train's does (expanded, then found missing)
+    (["model.path=~/no-such-model"], "model.path='/"),
 ])
 def test_longstraw_plan_command_rejects_bad_values_in_one_line(capsys, args, message):
     from longstraw_cli.__main__ import main as longstraw
