@@ -42,7 +42,9 @@ TX = TransactionConfig(block_size=16)
 EXACT_TX = TransactionConfig(block_size=16, gradient="exact")
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 NO_DEEPSPEED = "deepspeed is not installed (pip install deepspeed, or the `deepspeed` extra)"
-UNUSED = "indexer_weight"
+# in a module named as glm52's DSA indexer (base_weights.NO_GRADIENT_SCOPES): DDP searches for unused parameters
+# only where such a module is trainable
+UNUSED = "indexer.weight"
 
 # name -> (strategy config, dtype, options); deepspeed keeps fp32 master weights, so its cases are fp32
 CASES = {
@@ -71,7 +73,8 @@ def make_model(dtype, lora=False, unused=False):
         apply_lora(model, LoraConfig(rank=4, target_modules=("q_proj", "out_proj", "down_proj")))
     if unused:
         # a trainable parameter the loss never reaches, like glm52's DSA indexer
-        model.register_parameter(UNUSED, torch.nn.Parameter(torch.ones(4, dtype=dtype)))
+        model.add_module("indexer", torch.nn.Module())
+        model.indexer.register_parameter("weight", torch.nn.Parameter(torch.ones(4, dtype=dtype)))
     return model
 
 
