@@ -192,9 +192,3 @@ def report(cfg, title: str, prompts: list[int], **common) -> int:
         for o, n in per_placement.items()))
     return 0
 
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m longstraw_cli.plan [overrides]`: the `longstraw plan` command itself."""
-    from longstraw_cli.cli import plan as command
-
-    return command(sys.argv[1:] if argv is None else argv)
