@@ -148,6 +148,30 @@ def test_experts_refuse_what_they_do_not_support():
         assert "supports detach, clone, w[a:b], w[e] and unbind(0)" in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_routed_nf4_experts_compute_the_dequantised_experts(dtype):
+    """glm52's `local_experts` over NF4 experts (each routed expert dequantised, Triton on CUDA) against the same
+    function over their dequantised tensors: output, and gradients of the tokens and routing weights (the same
+    products of the same values)."""
+    from longstraw_cli.models.glm52.experts import local_experts
+
+    experts = Experts(E=6, dtype=dtype)
+    quantize_linears(experts)
+    plain = [dense(experts.gate_up_proj), dense(experts.down_proj)]
+    g = torch.Generator().manual_seed(2)
+    x_NC = torch.randn(7, 64, generator=g).to(dtype).to(DEVICE)
+    topk_idx_Nk = torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(7)]).to(DEVICE)
+    topk_w_Nk = torch.rand(7, 2, generator=g).to(DEVICE)
+    outs = []
+    for weights in ([experts.gate_up_proj, experts.down_proj], plain):
+        x, w = x_NC.clone().requires_grad_(), topk_w_Nk.clone().requires_grad_()
+        y = local_experts(x, topk_idx_Nk, w, *weights)
+        y.float().square().sum().backward()
+        outs.append((y.detach(), x.grad, w.grad))
+    for got, want in zip(*outs):
+        assert rel_err(got, want) <= 1e-6
+
+
 def test_dense_experts_trace_under_torch_compile_without_breaks(monkeypatch):
     """glm52's static decode step reads NF4 experts through `dense_experts` (here in passes of 2, 2, 1): one
     graph."""
