@@ -5,8 +5,9 @@ config alone. The phases are longstraw_cli.plan's; what they hold for MLA + DSA 
   weights_proj, the dense and shared-expert MLPs, the fp32 router weight and bias: every rank holds them whole)
   and `experts` (the routed experts, E / ep per rank: distributed/ep.py's `expert_bounds`). lora.quantize=nf4:
   every decoder linear but the indexer's (lora._candidate_linears) in torchao's NF4 layout (quantize.nf4_bytes),
-  and the routed experts likewise, each expert's [2I, C] and [C, I] matrix on its own; plus, in every phase, one
-  MoE layer's local experts dequantised at once (`dequant_transient`: the most a per-expert dequantisation holds).
+  and the routed experts likewise, each expert's [2I, C] and [C, I] matrix on its own; plus, in every phase, the
+  most one dequantisation holds at once (`dequant_transient`): the largest linear, or the experts the static decode
+  step dequantises in one pass (quantize.NF4_EXPERTS_PER_PASS; the routed path takes one expert at a time).
 - grads and optimizer: the trainable parameters in their own dtype (the router's fp32), two AdamW moments each.
   Full fine-tuning trains all but the DSA indexer, which never gets a gradient, so AdamW keeps no state for it.
 - pages (`resident`): per layer and captured token the MLA latent (kv_lora_rank) and rope key (qk_rope_head_dim),
@@ -45,7 +46,7 @@ from __future__ import annotations
 from longstraw_cli.models.glm52.config import Glm52Config
 from longstraw_cli.models.glm52.model import _SCORE_ELEMENTS
 from longstraw_cli.plan.common import GIB, LOGIT_BYTES_REPLAY, Run, itemsize, rollout_copies, score_logits_bytes
-from longstraw_cli.quantize import nf4_bytes
+from longstraw_cli.quantize import NF4_EXPERTS_PER_PASS, nf4_bytes
 
 # bytes per index-score element formed at once: the fp32 score and the top-k's temporaries (models/glm52/model.py)
 SCORE_BYTES = 12
@@ -74,7 +75,7 @@ def weight_parts(cfg: Glm52Config, run: Run) -> dict[str, int]:
     """One rank's weights: bytes `replicated` (the LoRA adapters included) and `experts` (its E / ep routed
     experts), `params` (its parameters, adapters included; buffers not), the adapters' count `lora`, the
     trainable set's `trainable_params`, `grads` and `optimizer` bytes, the largest decoder linear and the
-    routed-expert weights of one MoE layer on this rank (`layer_experts`)."""
+    routed-expert weights the static decode step dequantises in one pass on this rank (`pass_experts`)."""
     from longstraw_cli.models import get_family
 
     s, f, C = run.s, run.f, cfg.hidden_size
@@ -114,7 +115,7 @@ def weight_parts(cfg: Glm52Config, run: Run) -> dict[str, int]:
         trained.append((expert_params, s))
     out = {"replicated": replicated, "experts": experts, "lora": lora,
            "params": sum(n for n, _ in trained) + frozen_params + lora, "largest_linear": largest_linear,
-           "layer_experts": local * 3 * C * I_e}
+           "pass_experts": min(local, NF4_EXPERTS_PER_PASS) * 3 * C * I_e}
     if run.lora_rank:
         out.update(trainable_params=lora, grads=lora * s, optimizer=2 * lora * run.m)
     else:
@@ -277,7 +278,7 @@ def plan(cfg: Glm52Config, run: Run) -> dict:
     s, f, m = run.s, run.f, run.m
     parts = weight_parts(cfg, run)
     weights = parts["replicated"] + parts["experts"]
-    dequant = max(parts["largest_linear"], parts["layer_experts"]) * s if run.quantize == "nf4" else 0
+    dequant = max(parts["largest_linear"], parts["pass_experts"]) * s if run.quantize == "nf4" else 0
     grads, optimizer = parts["grads"], parts["optimizer"]
 
     captured = run.captured
@@ -341,8 +342,8 @@ def plan(cfg: Glm52Config, run: Run) -> dict:
     notes = [f"weights: replicated {parts['replicated'] / GIB:.2f} GiB, routed experts {parts['experts'] / GIB:.2f} "
              f"GiB ({cfg.n_routed_experts // run.ep} of {cfg.n_routed_experts} per layer on this rank, "
              f"{'NF4' if run.quantize == 'nf4' else run.dtype})"
-             + (f"; routed experts and decoder linears quantised to NF4, one MoE layer's experts dequantised "
-                f"{dequant / GIB:.2f} GiB" if run.quantize == "nf4" else ""),
+             + (f"; routed experts and decoder linears quantised to NF4, at most {dequant / GIB:.2f} GiB dequantised "
+                f"at once" if run.quantize == "nf4" else ""),
              f"pages {pages['total'] / GIB:.2f} GiB ({captured} tokens per rank: latent "
              f"{pages['latent_pages'] / GIB:.2f}, rope {pages['rope_pages'] / GIB:.2f}, index keys "
              f"{pages['index_pages'] / GIB:.2f}); rollout decode buffers {decode / GIB:.2f} GiB"]

@@ -49,18 +49,16 @@ def test_weights_equal_the_built_model_and_experts_split_by_ep(dtype, lora_rank)
 
 
 def test_nf4_counts_the_bytes_torchao_stores_experts_per_expert_matrix():
-    """lora.quantize=nf4: the replicated weights equal the NF4 model's storage; the routed experts equal torchao's
-    NF4 storage of each expert's [2I, C] and [C, I] matrix quantised on its own (the layout planned for them)."""
-    from longstraw_cli.quantize import BLOCK_SIZE, scaler_block_size, storage_bytes, torchao_nf4
+    """lora.quantize=nf4: the replicated weights and the routed experts equal what the NF4 model of an ep=2 rank
+    stores (quantize.NF4Experts: each expert's [2I, C] and [C, I] matrix quantised on its own, as planned)."""
+    from longstraw_cli.quantize import storage_bytes
 
-    model = build_model("glm52_tiny", dtype=torch.bfloat16, seed=0, quantize="nf4")
+    ep = 2
+    model = build_model("glm52_tiny", dtype=torch.bfloat16, seed=0, quantize="nf4",
+                        expert_slice=lambda num_experts: expert_bounds(num_experts, ep, 0))
     apply_lora(model, LoraConfig(rank=4, quantize="nf4"))
     named = [*model.named_parameters(), *model.named_buffers()]
-    nf4 = torchao_nf4()
-    ep = 2
-    start, end = expert_bounds(model.config.n_routed_experts, ep, 0)
-    experts = sum(storage_bytes(nf4.to_nf4(matrix.detach().contiguous(), BLOCK_SIZE, scaler_block_size(matrix.numel())))
-                  for n, t in named if is_expert_param(n) for matrix in t[start:end])
+    experts = sum(storage_bytes(t) for n, t in named if is_expert_param(n))
     p = plan("glm52_tiny", cp=2, ep=ep, prompt_tokens=100, dtype="bfloat16", lora_rank=4, quantize="nf4", **SMALL)
     assert p["weights_replicated"] == sum(storage_bytes(t) for n, t in named if not is_expert_param(n))
     assert p["weights_experts"] == experts
