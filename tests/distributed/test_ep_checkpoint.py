@@ -104,6 +104,8 @@ def _worker(rank, world, port, out_dir):
     out["ep2_loaded"] = whole_state(strategy)
     out["ep2_norm"] = train_step(strategy, 1)
     out["ep2_after"] = whole_state(strategy)
+    # and saved under ep=2: each expert is held by two ranks, one writes it
+    sharded_checkpoint.save(CheckpointManager(os.path.join(out_dir, "run_ep2"), rank=rank), 2, strategy, {})
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -129,17 +131,16 @@ def test_each_rank_hands_dcp_only_its_own_experts_and_allocates_no_whole_one(sav
         assert got["largest_saved"] <= got["largest_held"] < whole_expert
 
 
-def test_each_rank_writes_its_share_and_replicated_tensors_once(saved):
+def bytes_by_file(path, ep: int) -> tuple[dict, dict, dict]:
+    """Per DCP file of checkpoint `path`: (bytes written, tensor bytes of experts, of everything else). Checks
+    that the files hold what the metadata lists, and that expert rows were written by a rank holding them (EP
+    groups of `ep` consecutive ranks)."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    out_dir, results = saved
-    [path] = CheckpointManager(out_dir / "run").complete()
     metadata = FileSystemReader(str(path / "dcp")).read_metadata()
     files = sorted(p.name for p in (path / "dcp").glob("*.distcp"))
     assert files == [f"__{r}_0.distcp" for r in range(WORLD)]
-    # per file: bytes written (tensor bytes and torch.save's framing), and the tensor bytes of the experts and of
-    # the rest
     written, experts, replicated = ({f: 0 for f in files} for _ in range(3))
     for index, info in metadata.storage_data.items():
         written[info.relative_path] += info.length
@@ -149,23 +150,34 @@ def test_each_rank_writes_its_share_and_replicated_tensors_once(saved):
         [chunk] = [c for c in entry.chunks if tuple(c.offsets) == tuple(index.offset)]
         tensor_bytes = chunk.sizes.numel() * entry.properties.dtype.itemsize
         if is_expert_entry(index.fqn):
-            # the rows at global offset `start` were written by the rank that holds them
-            start, _ = expert_bounds(8, WORLD, int(info.relative_path[2]))
-            assert index.offset[0] == start, (index.fqn, index.offset, info.relative_path)
+            writer = int(info.relative_path[2])
+            assert index.offset[0] == expert_bounds(8, ep, writer % ep)[0], (index, info.relative_path)
             experts[info.relative_path] += tensor_bytes
         else:
             replicated[info.relative_path] += tensor_bytes
-    sizes = {f: (path / "dcp" / f).stat().st_size for f in files}
+    # what a file holds beyond tensor bytes is torch.save's framing
+    assert written == {f: (path / "dcp" / f).stat().st_size for f in files}
+    return written, experts, replicated
+
+
+def test_each_rank_writes_its_share_and_replicated_tensors_once(saved):
+    out_dir, results = saved
+    [path] = CheckpointManager(out_dir / "run").complete()
+    written, experts, replicated = bytes_by_file(path, ep=WORLD)
     want = results[0]["saved"]
     want_experts = sum(t.nbytes for n, t in want.items() if is_expert_entry(n))
     want_replicated = sum(t.nbytes for n, t in want.items() if not is_expert_entry(n))
-    print(f"bytes per rank file {sizes}: experts {experts}, replicated {replicated}; one copy of everything: "
-          f"{want_experts} expert and {want_replicated} replicated bytes")
-    # the files hold what the metadata lists and nothing more
-    assert written == sizes
+    print(f"ep={WORLD}: bytes per rank file {written}: experts {experts}, replicated {replicated}; one copy of "
+          f"everything: {want_experts} expert and {want_replicated} replicated bytes")
     # each rank its share of the experts; every replicated tensor once, over all files
     assert all(b == want_experts // WORLD for b in experts.values())
     assert sum(replicated.values()) == want_replicated
+    # under ep=2 every expert is on two ranks: written once too, by one of them
+    [path] = CheckpointManager(out_dir / "run_ep2").complete()
+    written, experts, replicated = bytes_by_file(path, ep=2)
+    print(f"ep=2: bytes per rank file {written}: experts {experts}, replicated {replicated}")
+    assert sum(experts.values()) == want_experts and sum(replicated.values()) == want_replicated
+    assert all(b <= want_experts // 2 for b in experts.values())
 
 
 def test_ep4_checkpoint_resumes_bit_exactly_under_ep2_and_one_process(saved):
@@ -186,3 +198,8 @@ def test_ep4_checkpoint_resumes_bit_exactly_under_ep2_and_one_process(saved):
         for norm, after in ((got["ep2_norm"], got["ep2_after"]), (one_norm, one_after)):
             assert norm == pytest.approx(got["norm"], rel=1e-12)
             assert max(rel_err(after[n], got["after"][n]) for n in want) < 1e-12
+    # the ep=2 checkpoint of that step, in one process: what the ep=2 ranks held
+    strategy = build(None, seed=5)
+    sharded_checkpoint.load(CheckpointManager(out_dir / "run_ep2").latest(), strategy)
+    one = whole_state(strategy)
+    assert all(torch.equal(one[n], results[0]["ep2_after"][n]) for n in want)
