@@ -2,7 +2,8 @@
 moments, at their global expert index, through torch.distributed.checkpoint (distributed/sharded_checkpoint.py);
 the replicated tensors are written once; a checkpoint saved under ep=4 loads bit-exactly under ep=2 and under one
 process, and the step after it equals the uninterrupted ep=4 run's. No tensor larger than a rank's own is made
-while saving. The trainer's path (ep=2 -> ep=2 / ep=1 under torchrun) is tests/e2e/test_cli.py's."""
+while saving; a NaN in one rank's experts is found by every rank (so all refuse the save alike). The trainer's
+path (ep=2 -> ep=2 / ep=1 under torchrun) is tests/e2e/test_cli.py's."""
 
 import math
 import os
@@ -17,10 +18,12 @@ from longstraw_cli.checkpoint import CheckpointManager
 from longstraw_cli.distributed import sharded_checkpoint
 from longstraw_cli.distributed.ep import apply_expert_parallel, expert_bounds, is_expert_param
 from longstraw_cli.distributed.local_strategy import LocalStrategy
+from longstraw_cli.guard import first_nonfinite
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 WORLD, BLOCK = 4, 16
+NAN_IN = "model.layers.3.mlp.experts.down_proj"
 
 
 def build(ep_group, seed):
@@ -106,6 +109,11 @@ def _worker(rank, world, port, out_dir):
     out["ep2_after"] = whole_state(strategy)
     # and saved under ep=2: each expert is held by two ranks, one writes it
     sharded_checkpoint.save(CheckpointManager(os.path.join(out_dir, "run_ep2"), rank=rank), 2, strategy, {})
+    # a NaN in one rank's experts: every rank finds it (the trainer's check before a save), so all stop alike
+    if rank == WORLD - 1:
+        with torch.no_grad():
+            dict(strategy.model.named_parameters())[NAN_IN][0, 0, 0] = float("nan")
+    out["nonfinite"] = first_nonfinite(strategy.sharded_model_state())
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -203,3 +211,8 @@ def test_ep4_checkpoint_resumes_bit_exactly_under_ep2_and_one_process(saved):
     sharded_checkpoint.load(CheckpointManager(out_dir / "run_ep2").latest(), strategy)
     one = whole_state(strategy)
     assert all(torch.equal(one[n], results[0]["ep2_after"][n]) for n in want)
+
+
+def test_a_nonfinite_expert_on_one_rank_is_found_on_every_rank(saved):
+    _, results = saved
+    assert [got["nonfinite"] for got in results] == [NAN_IN] * WORLD
