@@ -14,9 +14,10 @@ directory is renamed to its final name with os.replace, so a kill leaves either 
 `.tmp-` directory that `latest()` never returns and the next `CheckpointManager` deletes. Old checkpoints are
 renamed to a `.tmp-` name before they are deleted, for the same reason.
 
-Simplifications: one writer per run_dir (rank 0); state is saved whole, not sharded: with FSDP/CP/EP the caller
-gathers the full model and optimizer state on every rank (a collective) before calling `save`, and puts a
-barrier after it if other ranks read the checkpoint. Files are loaded with `torch.load(weights_only=True)`, so
+Simplifications: one writer per run_dir (rank 0); state is saved whole, not sharded: with CP or DeepSpeed the
+caller gathers the full model and optimizer state on every rank (a collective) before calling `save`, and puts a
+barrier after it if other ranks read the checkpoint (fsdp2 and expert parallel write sharded checkpoints instead:
+distributed/sharded_checkpoint.py). Files are loaded with `torch.load(weights_only=True)`, so
 trainer_state may hold only tensors, numbers, strings, None and lists/tuples/dicts of them.
 """
 

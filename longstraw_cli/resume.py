@@ -10,7 +10,7 @@
   one line.
 - `newest_intact`: a checkpoint whose files are missing, truncated or unreadable, or whose weights are not finite,
   is skipped with a warning naming it; the newest intact one is loaded.
-- Both formats, whole tensors (checkpoint.py) and fsdp2's shards (distributed/sharded_checkpoint.py), hold the
+- Both formats, whole tensors (checkpoint.py) and shards (fsdp2, ep > 1: distributed/sharded_checkpoint.py), hold the
   same trainer_state and go through `load_checkpoint`. The sharded format's one difference: DCP reads into the
   live weights, so a checkpoint whose shards fail to read or hold non-finite weights is found bad only once part
   of it is loaded (`PartlyLoaded`); an older intact one then overwrites all of it, and with none left resume stops
@@ -155,12 +155,12 @@ def load_checkpoint(path: Path, checkpoints: CheckpointManager, strategy, config
     it); ResumeError: `config` cannot continue it; CheckpointMismatch: another model's trainable parameters."""
     if sharded_checkpoint.is_sharded(path):
         if strategy.name == "deepspeed":
-            raise ResumeError(f"{path} is a sharded (fsdp2) checkpoint: it resumes under fsdp2, ddp or one "
+            raise ResumeError(f"{path} is a sharded (fsdp2 or ep) checkpoint: it resumes under fsdp2, ddp or one "
                               f"process, not deepspeed")
         check_config(path, sharded_checkpoint.read_trainer_state(path).get("config"), config)
         trainer_state = sharded_checkpoint.load(path, strategy)
-        # a collective under fsdp2: the ranks agree on their shards
-        bad = first_nonfinite(sharded_checkpoint.model_state(strategy))
+        # a collective under fsdp2 and ep: the ranks agree on their shards
+        bad = first_nonfinite(strategy.sharded_model_state())
         if bad is not None:
             raise PartlyLoaded(f"parameter {bad} is not finite")
         return trainer_state

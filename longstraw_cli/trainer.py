@@ -237,10 +237,10 @@ class Trainer:
                          "config": resume.config_json(self.cfg.as_dict()), "guard": self.guard.state_dict()}
         if self.strategy.sharded_checkpoints:
             # each rank checks and writes its shards (collectives)
-            check_finite(sharded_checkpoint.model_state(self.strategy), step)
+            check_finite(self.strategy.sharded_model_state(), step)
             path = sharded_checkpoint.save(self.checkpoints, step, self.strategy, trainer_state)
         else:
-            # whole tensors, whatever the strategy and ep (a collective under deepspeed / ep: every rank is here)
+            # whole tensors (a collective under deepspeed: every rank is here)
             model_state, optimizer_state = self.strategy.state_dict()
             # every rank holds the same whole tensors: every rank stops here alike
             check_finite(model_state, step)

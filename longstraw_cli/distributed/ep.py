@@ -23,7 +23,8 @@ whole) and its `experts_fn` becomes an `EPExperts`, which picks the mode per cal
 its own prompt shard) all-to-all, everywhere else (replay, scoring, decode, and any capture
 without CP) replicated. The EP group must lie within the CP group (ep divides cp), so that EP ranks share the
 prompt and responses and call the same collectives. `gather_expert_params` / `load_expert_params` convert
-between the slices and full [E, ...] tensors (checkpoints).
+between the slices and full [E, ...] tensors (one process's view; checkpoints under EP are sharded instead, each rank
+writing its own slices: `LocalStrategy.sharded_state_dict`).
 
 Both give y equal to `local_experts` with all E experts (up to rounding: an expert's rows are batched with
 other ranks' rows), and gradients equal to one rank's: dx and dw on the ranks that hold those tokens, and each

@@ -3,9 +3,13 @@ in strategy.py, deepspeed in deepspeed_zero.py; `make_strategy` there picks one 
 
 A strategy owns what happens to gradients and weights across ranks: the replay's forward/backward, gradient
 finalization (the one reduction per step, clipping to `max_grad_norm`, the global norm), the optimizer step, and
-whole-tensor state dicts. Expert parallelism is part of it: given the EP group, the grad norm counts each expert
-slice once, `state_dict()` gathers the slices into whole [E, ...] tensors (weights and optimizer moments) and
-`load_state_dict()` takes whole tensors and keeps this rank's slice, so a checkpoint resumes under any ep.
+the state dicts checkpoints are made of. Expert parallelism is part of it: given the EP group, the grad norm counts
+each expert slice once, and checkpoints are sharded (`sharded_state_dict`, written by
+distributed/sharded_checkpoint.py through torch.distributed.checkpoint): each expert parameter and its AdamW moments
+are this rank's rows of the whole [E, ...] tensor (a DTensor over the EP group, at the rows' global offset), so a
+rank writes and reads only its own experts, the replicated tensors are written once, and a checkpoint resumes
+under any ep. `state_dict()` (whole tensors, the expert slices gathered on every rank) is what one process holds;
+`load_state_dict()` takes it, e.g. from a whole-tensor checkpoint written at ep=1, and keeps this rank's slice.
 """
 
 from __future__ import annotations
@@ -32,8 +36,6 @@ class LocalStrategy:
     cuda_graphs = True
     # exact mode's prompt walk may follow the replays: gradients stay local until `sync_gradients`
     exact_gradients = True
-    # checkpoints of whole tensors (checkpoint.py); True: sharded through DCP (distributed/sharded_checkpoint.py)
-    sharded_checkpoints = False
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None, *,
                  ep_group=None):
@@ -43,6 +45,13 @@ class LocalStrategy:
         # expert parallel: parameters of which this rank holds one slice; ep_group holds the others
         self.ep_group = ep_group
         self.sliced = set() if ep_group is None else {id(p) for n, p in model.named_parameters() if is_expert_param(n)}
+        self._ep_mesh = None
+
+    @property
+    def sharded_checkpoints(self) -> bool:
+        """Whether checkpoints are sharded through DCP (distributed/sharded_checkpoint.py) rather than whole tensors
+        (checkpoint.py): under ep, so that no rank gathers the experts it does not hold."""
+        return self.ep_group is not None
 
     def weights(self) -> list[torch.Tensor]:
         """This rank's weight tensors: memory accounted as weights, not as graph."""
@@ -103,6 +112,61 @@ class LocalStrategy:
                                                                  lambda t: ep_shard(t, self.ep_group))
         self._load_local_state_dict(model_state, optimizer_state)
 
+    def sharded_model_state(self) -> dict:
+        """This rank's trainable weights by name as DCP writes them: as it holds them (DTensor shards under fsdp2),
+        each expert parameter under ep a DTensor of this rank's rows of the whole [E, ...] tensor."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        model_state, sliced = get_model_state_dict(self.model, options=_trainable_only()), self._sliced_names()
+        return {n: self._rows_of_whole(t) if n in sliced else t for n, t in model_state.items()}
+
+    def sharded_state_dict(self) -> dict:
+        """{"model": weights by name, "optim": optimizer state by parameter name}, for DCP to write or to read into
+        in place (`load_sharded_state_dict` then puts it back): the tensors this rank holds, the expert parameters
+        and their AdamW moments as in `sharded_model_state` (wrapped, not copied)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=_trainable_only())
+        sliced = self._sliced_names()
+        model_state = {n: self._rows_of_whole(t) if n in sliced else t for n, t in model_state.items()}
+        # AdamW's moments have the parameter's shape; its step counter is a scalar, the same on every rank
+        optim_state["state"] = {n: {k: self._rows_of_whole(v) if torch.is_tensor(v) and v.dim() > 0 else v
+                                    for k, v in s.items()} if n in sliced else s
+                                for n, s in optim_state["state"].items()}
+        return {"model": model_state, "optim": optim_state}
+
+    def load_sharded_state_dict(self, state: dict) -> None:
+        """Takes a `sharded_state_dict()` DCP has read into: the model and optimizer get its values."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+        from torch.distributed.tensor import DTensor
+
+        # the expert DTensors wrap this rank's rows; fsdp2's own DTensors stay as they are
+        def local(t):
+            return t.to_local() if self.ep_group is not None and isinstance(t, DTensor) else t
+
+        # not strict: a parameter that never had a gradient (glm52's DSA indexer) has no optimizer state to load;
+        # the weights were checked against the checkpoint's (sharded_checkpoint.load)
+        set_state_dict(self.model, self.optimizer, model_state_dict={n: local(t) for n, t in state["model"].items()},
+                       optim_state_dict={**state["optim"], "state": {
+                           n: {k: local(v) for k, v in s.items()} for n, s in state["optim"]["state"].items()}},
+                       options=StateDictOptions(ignore_frozen_params=True, strict=False))
+
+    def _sliced_names(self) -> set[str]:
+        return {n for n, p in self.model.named_parameters() if id(p) in self.sliced and p.requires_grad}
+
+    def _rows_of_whole(self, rows_L: torch.Tensor) -> torch.Tensor:
+        """This rank's expert rows as a DTensor of the whole [E, ...] tensor, sharded by rows over the EP group:
+        DCP then stores them at their global offset (expert index), and reads a rank under another ep the rows it
+        holds. Wraps the tensor itself: no copy."""
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import DTensor, Shard
+
+        if self._ep_mesh is None:
+            self._ep_mesh = DeviceMesh.from_group(self.ep_group, rows_L.device.type)
+        # the mesh orders ranks as the group does, so Shard(0) puts this rank's rows where `expert_bounds` says
+        assert self._ep_mesh.get_local_rank() == dist.get_rank(self.ep_group)
+        return DTensor.from_local(rows_L, self._ep_mesh, [Shard(0)], run_check=False)
+
     def _local_state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
         """Whole tensors over the data-parallel ranks; expert parameters still this rank's slice."""
         return _trainable(self.model), self.optimizer.state_dict()
@@ -126,6 +190,12 @@ class LocalStrategy:
         state = {i: ({k: convert(v) if torch.is_tensor(v) and v.dim() > 0 else v for k, v in s.items()}
                      if int(i) in sliced_positions else s) for i, s in optimizer_state["state"].items()}
         return model_state, {**optimizer_state, "state": state}
+
+
+def _trainable_only():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=True)
 
 
 def _trainable(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -1,12 +1,17 @@
 """Sharded checkpoints through torch.distributed.checkpoint (DCP): every rank writes its own shards, and a
-checkpoint loads under any world size (DCP reshards on load), into fsdp2, ddp or one process.
+checkpoint loads under any world size and ep (DCP reshards on load), into fsdp2, ddp or one process.
 
-Used for `strategy=fsdp2` (FSDP2Strategy.sharded_checkpoints): no rank ever holds a whole tensor, which the
-whole-tensor format (checkpoint.py: gathered on every rank, written by rank 0) cannot avoid at the 27B shape.
+Used for `strategy=fsdp2` and for expert parallel (the strategy's `sharded_checkpoints`): no rank ever holds a
+whole tensor, which the whole-tensor format (checkpoint.py: gathered on every rank, written by rank 0) cannot
+avoid at the 27B shape, nor at GLM-5's 256 experts. The strategy supplies the state (`sharded_state_dict`): fsdp2's
+DTensor shards; under ep each expert parameter and its AdamW moments as this rank's rows of the whole [E, ...]
+tensor, so the checkpoint keys them by global expert index; every other tensor whole, written once (DCP gives each
+tensor that several ranks hold to one of them). On load each rank asks for what it holds and reads only that.
 Layout, beside the whole-tensor checkpoints and found by the same `CheckpointManager.latest()`:
 
     step_00000040/
-        dcp/          DCP's files: {"model": trainable weights by name, "optim": optimizer state by name}
+        dcp/          DCP's files: {"model": trainable weights (and saved buffers) by name, "optim": optimizer
+                      state by name}
         trainer.pt    torch.save({"step": step, **trainer_state}), rank 0's, as in the whole-tensor format (every
                       rank's RNG, gathered before the save, the config and the guard's counts: resume.py)
         COMPLETE      written last: JSON with the step and every file's byte size (paths under the directory)
@@ -54,23 +59,6 @@ def is_sharded(path: Path) -> bool:
     return (Path(path) / DCP_DIR).is_dir()
 
 
-def model_state(strategy) -> dict:
-    """This rank's trainable weights by name as it holds them (DTensor shards under fsdp2): a checkpoint's model."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(strategy.model, options=StateDictOptions(ignore_frozen_params=True))
-
-
-def _state(strategy) -> dict:
-    """The strategy's trainable weights and optimizer state by parameter name, as this rank holds them (DTensor
-    shards under fsdp2, whole tensors elsewhere)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    model_state, optim_state = get_state_dict(strategy.model, strategy.optimizer,
-                                              options=StateDictOptions(ignore_frozen_params=True))
-    return {"model": model_state, "optim": optim_state}
-
-
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -87,7 +75,7 @@ def save(manager: CheckpointManager, step: int, strategy, trainer_state: dict) -
             _remove(tmp)
         tmp.mkdir(parents=True)
     _barrier()
-    dcp.save(_state(strategy), storage_writer=dcp.FileSystemWriter(str(tmp / DCP_DIR), sync_files=True))
+    dcp.save(strategy.sharded_state_dict(), storage_writer=dcp.FileSystemWriter(str(tmp / DCP_DIR), sync_files=True))
     _barrier()
     if manager.rank == 0:
         _torch_save({**trainer_state, "step": step}, tmp / TRAINER_FILE)
@@ -132,7 +120,6 @@ def load(path: Path, strategy) -> dict:
     anything is read into the model; PartlyLoaded: a shard failed to read (on every rank: DCP gathers the
     failures); CheckpointMismatch: another model's parameters."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     path = Path(path)
     trainer_state = read_trainer_state(path)
@@ -142,15 +129,19 @@ def load(path: Path, strategy) -> dict:
     except Exception as e:
         raise CheckpointError(f"{path / DCP_DIR}: unreadable metadata ({type(e).__name__}: {e})") from e
     saved = {k.partition(".")[2] for k in metadata.state_dict_metadata if k.startswith("model.")}
-    state = _state(strategy)
+    state = strategy.sharded_state_dict()
     check_parameters(path, saved, set(state["model"]))
+    # a parameter that never had a gradient (glm52's DSA indexer) has no optimizer state in the checkpoint, while
+    # the fresh optimizer here was given one for every parameter: DCP is asked only for the saved ones
+    with_state = {k.removeprefix("optim.state.").rpartition(".")[0] for k in metadata.state_dict_metadata
+                  if k.startswith("optim.state.")}
+    state["optim"]["state"] = {n: s for n, s in state["optim"]["state"].items() if n in with_state}
     try:
         dcp.load(state, storage_reader=reader)
     except (Exception, dcp.CheckpointException) as e:
         # DCP reads into the live weights and optimizer state: an older checkpoint loaded next overwrites them all
         raise PartlyLoaded(f"{path / DCP_DIR}: cannot load ({_cause(e)})") from e
-    set_state_dict(strategy.model, strategy.optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"], options=StateDictOptions(ignore_frozen_params=True))
+    strategy.load_sharded_state_dict(state)
     return trainer_state
 
 

@@ -450,8 +450,9 @@ def torchrun(args, cwd, nproc=2):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_expert_parallel_checkpoint_resumes_exactly_under_any_ep(tmp_path):
-    """ep=2 checkpoints hold whole experts and whole AdamW moments: a run stopped after step 2 and resumed with
-    ep=2 (slices taken again) or ep=1 logs the steps of an uninterrupted ep=2 run. The KL term (against a frozen
+    """ep=2 checkpoints are sharded (each rank writes its experts and their AdamW moments at their global rows): a
+    run stopped after step 2 and resumed with ep=2 or ep=1 (every expert read into one rank) logs the steps of an
+    uninterrupted ep=2 run. The KL term (against a frozen
     reference, itself expert parallel) and a reward that varies within each group make every step's gradient
     large enough that restoring the experts' AdamW moments wrongly shows (checked by hand: zeroing them moves
     the resumed steps' grad norms by far more than the tolerance)."""
@@ -466,6 +467,8 @@ def test_expert_parallel_checkpoint_resumes_exactly_under_any_ep(tmp_path):
 
     train("steps=4", "ep=2", f"run_dir={tmp_path / 'whole'}")
     train("steps=2", "ep=2", f"run_dir={tmp_path / 'ep2'}")
+    saved = tmp_path / "ep2" / "checkpoints" / "step_00000002" / "dcp"
+    assert sorted(f.name for f in saved.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     shutil.copytree(tmp_path / "ep2", tmp_path / "ep1")
     train("steps=4", "ep=2", "resume=true", f"run_dir={tmp_path / 'ep2'}")
     train("steps=4", "ep=1", "resume=true", f"run_dir={tmp_path / 'ep1'}")
