@@ -1,6 +1,8 @@
 """The memory plan against the model's own accounting, and the shape of its curves."""
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -8,7 +10,7 @@ import torch
 from longstraw_cli.lora import LoraConfig, apply_lora
 from longstraw_cli.models import build_model
 from longstraw_cli.models.qwen36.config import named_config
-from longstraw_cli.plan import GIB, main, max_prompt_tokens, plan
+from longstraw_cli.plan import GIB, max_prompt_tokens, plan
 from longstraw_cli.plan.qwen36 import param_counts, resident_bytes
 from longstraw_cli.resident.gradient import StateGrad
 from longstraw_cli.telemetry.memory import GraphMemory
@@ -175,10 +177,12 @@ def test_python_m_plan_is_the_longstraw_plan_command(capsys):
     from longstraw_cli.__main__ import main as longstraw
 
     args = ["model=qwen36_mini", "prompt_tokens=64K,1M", "group_size=4"]
-    assert main(args) == 0
-    out = capsys.readouterr().out
+    module = subprocess.run([sys.executable, "-m", "longstraw_cli.plan", *args], capture_output=True, text=True,
+                            timeout=300)
+    assert module.returncode == 0, module.stderr
     assert longstraw(["plan", *args]) == 0
-    assert capsys.readouterr().out == out
+    out = capsys.readouterr().out
+    assert out == module.stdout
     # the training config's defaults: response_tokens 16, capture.block_size 4096, logprob_chunk 512
     for n in (65536, 1048576):
         want = plan("qwen36_mini", prompt_tokens=n, group_size=4, response_tokens=16, block_size=4096,
