@@ -288,8 +288,11 @@ def test_one_reduction_per_step_and_none_during_replays(dp2, name):
     for step in counts:
         assert all(step.get(f"replay {i}", 0) == 0 for i in range(G - 1)), step
         assert step.get(f"replay {G - 1}", 0) + step.get("finalize", 0) > 0, step
-    # once per step: the same number (one per bucket / layer group) whatever the step
-    assert counts[0] == counts[1]
+    # once per step, one per bucket / layer group: the same number each step; DDP alone may differ between step 0
+    # and step 1, since it rebuilds its buckets once after step 0 in the order the gradients arrived (it skips
+    # that only when searching for unused parameters, which it no longer does here)
+    if name != "ddp":
+        assert counts[0] == counts[1], counts
     # the counter sees DDP's reductions inside a replay's backward when they are there
     control = dp2("ddp_synced_every_replay", 0)["reductions"]
     assert all(control[0].get(f"replay {i}", 0) > 0 for i in range(G)), control
