@@ -109,9 +109,8 @@ class Trainer:
                       self.max_positions, cfg.response_tokens)
         # the reward binds to a file task's first row's columns; a synthetic task's first prompt is built here
         # (under a second at 1M tokens) so that fixed text longer than prompt_tokens is one line now, not at step 0
-        probe = self.task.example(0)
-        if self.task.uses_prompt_tokens:
-            probe = Example("", "")
+        first = self.task.example(0)
+        probe = Example("", "") if self.task.uses_prompt_tokens else first
         self.reward_fn = GroupReward(cfg.reward or self.task.default_reward, cfg.reward_style, probe)
         self._notices()
         self.model = self._build_model()
