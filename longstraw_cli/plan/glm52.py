@@ -328,7 +328,8 @@ def plan(cfg: Glm52Config, run: Run) -> dict:
         "capture": base + capture_act,
         "score": base + score_act,
         "replay": base + grads + state_grad + graph + replay_transient + page_grad,
-        "step": base + grads + step_transient,
+        # the prompt's pages are released before the optimizer step unless capture.reuse_steps keeps them
+        "step": base - (0 if run.reuse else on_device) + grads + step_transient,
     }
     if exact:
         phases["prompt"] = base + grads + state_grad + block_graph + page_grad

@@ -307,7 +307,8 @@ def plan(cfg: Qwen36Config, run: Run) -> dict:
         "capture": base + capture_act,
         "score": base + score_act,
         "replay": base + grads + state_grad + graph + replay_transient + page_grad_transient,
-        "step": base + grads + step_transient,
+        # the prompt's pages and boundary states are released before the optimizer step unless reuse keeps them
+        "step": base - (0 if run.reuse else on_device + boundaries) + grads + step_transient,
     }
     if exact:
         phases["prompt"] = base + grads + state_grad + block_graph + page_grad_transient
