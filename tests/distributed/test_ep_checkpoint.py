@@ -1,5 +1,5 @@
 """Checkpoints under expert parallel (gloo, 4 CPU ranks): each rank writes only its experts and their AdamW
-moments, at their global expert index, through torch.distributed.checkpoint (distributed/sharded_checkpoint.py);
+moments, at their global expert index, through torch.distributed.checkpoint (checkpoint/format_sharded.py);
 the replicated tensors are written once; a checkpoint saved under ep=4 loads bit-exactly under ep=2 and under one
 process, and the step after it equals the uninterrupted ep=4 run's. No tensor larger than a rank's own is made
 while saving; a NaN in one rank's experts is found by every rank (so all refuse the save alike). The trainer's
@@ -14,11 +14,10 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import join_gloo, random_model, rel_err, run_ranks
-from longstraw_cli.checkpoint import CheckpointManager
-from longstraw_cli.distributed import sharded_checkpoint
+from longstraw_cli.checkpoint import CheckpointManager, format_sharded
+from longstraw_cli.checkpoint.integrity import first_nonfinite
 from longstraw_cli.distributed.ep import apply_expert_parallel, expert_bounds, is_expert_param
 from longstraw_cli.distributed.local_strategy import LocalStrategy
-from longstraw_cli.guard import first_nonfinite
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -94,7 +93,7 @@ def _worker(rank, world, port, out_dir):
         for n, t in state["model"].items() if n in own}
     out["own_shapes"] = {n: tuple(p.shape) for n, p in own.items()}
     with LargestAllocation() as largest:
-        path = sharded_checkpoint.save(checkpoints, 1, strategy, {})
+        path = format_sharded.save(checkpoints, 1, strategy, {})
     out["largest_saved"] = largest.numel
     out["largest_held"] = max(p.numel() for p in strategy.model.parameters())
     out["saved"] = whole_state(strategy)
@@ -103,12 +102,12 @@ def _worker(rank, world, port, out_dir):
 
     # resumed under ep=2 (two EP groups of two ranks: each expert held twice) from another start
     strategy = build(pair, seed=4)
-    sharded_checkpoint.load(path, strategy)
+    format_sharded.load(path, strategy)
     out["ep2_loaded"] = whole_state(strategy)
     out["ep2_norm"] = train_step(strategy, 1)
     out["ep2_after"] = whole_state(strategy)
     # and saved under ep=2: each expert is held by two ranks, one writes it
-    sharded_checkpoint.save(CheckpointManager(os.path.join(out_dir, "run_ep2"), rank=rank), 2, strategy, {})
+    format_sharded.save(CheckpointManager(os.path.join(out_dir, "run_ep2"), rank=rank), 2, strategy, {})
     # a NaN in one rank's experts: every rank finds it (the trainer's check before a save), so all stop alike
     if rank == WORLD - 1:
         with torch.no_grad():
@@ -194,7 +193,7 @@ def test_ep4_checkpoint_resumes_bit_exactly_under_ep2_and_one_process(saved):
     want = results[0]["saved"]
     # one process, no process group: every expert whole, read from the four ranks' files
     strategy = build(None, seed=5)
-    sharded_checkpoint.load(path, strategy)
+    format_sharded.load(path, strategy)
     one = whole_state(strategy)
     one_norm = train_step(strategy, 1)
     one_after = whole_state(strategy)
@@ -208,7 +207,7 @@ def test_ep4_checkpoint_resumes_bit_exactly_under_ep2_and_one_process(saved):
             assert max(rel_err(after[n], got["after"][n]) for n in want) < 1e-12
     # the ep=2 checkpoint of that step, in one process: what the ep=2 ranks held
     strategy = build(None, seed=5)
-    sharded_checkpoint.load(CheckpointManager(out_dir / "run_ep2").latest(), strategy)
+    format_sharded.load(CheckpointManager(out_dir / "run_ep2").latest(), strategy)
     one = whole_state(strategy)
     assert all(torch.equal(one[n], results[0]["ep2_after"][n]) for n in want)
 
