@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from longstraw_cli.checkpoint import atomic_directory
+from longstraw_cli.checkpoint.atomic import atomic_directory
 from longstraw_cli.lora import LoraConfig, _default_targets, export_hf, lora_layers
 from longstraw_cli.rollout.native import SamplingConfig
 from longstraw_cli.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer

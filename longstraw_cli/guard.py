@@ -11,8 +11,8 @@ the strategy's calls:
   norm is not finite itself (ZeRO's overflow check); the guard then only counts it.
 
 The trainer calls `after_step` once per step, which logs and counts a skipped step, and `stop_if_due` after the
-step's metrics row, which stops the run with one line after `max_in_row` skipped steps in a row. `check_finite`
-keeps a non-finite parameter out of every checkpoint, whole-tensor or sharded.
+step's metrics row, which stops the run with one line after `max_in_row` skipped steps in a row. A non-finite
+parameter never reaches a checkpoint, of either format (`checkpoint.integrity.check_finite` raises NonFiniteStop).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import logging
 import math
 
 import torch
-import torch.distributed as dist
 
 from longstraw_cli.errors import RunError
 
@@ -99,31 +98,3 @@ class NonFiniteGuard:
     def load_state_dict(self, state: dict) -> None:
         self.in_row, self.total = int(state["in_row"]), int(state["total"])
 
-
-def first_nonfinite(model_state: dict[str, torch.Tensor]) -> str | None:
-    """The name of the first floating-point tensor holding a NaN or an infinity, or None. Sharded weights
-    (DTensors, fsdp2) are checked by this rank's shards, then the ranks agree on the answer: a collective, every
-    rank calls it."""
-    from torch.distributed.tensor import DTensor
-
-    sharded = any(isinstance(t, DTensor) for t in model_state.values())
-    found = None
-    for name, tensor in model_state.items():
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        if local.is_floating_point() and not bool(torch.isfinite(local).all()):
-            found = name
-            break
-    if not (sharded and dist.is_initialized() and dist.get_world_size() > 1):
-        return found
-    every_rank = [None] * dist.get_world_size()
-    dist.all_gather_object(every_rank, found)
-    return next((name for name in every_rank if name is not None), None)
-
-
-def check_finite(model_state: dict[str, torch.Tensor], step: int) -> None:
-    """Raises NonFiniteStop naming a parameter with a NaN or infinite value: such a model is never saved. Every
-    rank stops alike: whole tensors are the same on every rank, and sharded ones are agreed on."""
-    name = first_nonfinite(model_state)
-    if name is not None:
-        raise NonFiniteStop(f"step {step}: parameter {name} holds a NaN or infinite value; not checkpointed, the "
-                            f"newest checkpoint is the last good one (resume=true continues from it)")

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from longstraw_cli.base_weights import NEVER_TARGETED, candidate_linears
-from longstraw_cli.checkpoint import atomic_directory
+from longstraw_cli.checkpoint.atomic import atomic_directory
 from longstraw_cli.quantize import QUANTIZE_CHOICES, dense, linear
 
 # HF's names of a qwen3_5-style layer's linears: qwen36's targets, and a model without a family's
@@ -304,7 +304,7 @@ def export_hf(model: nn.Module, out_dir: str | Path, *, merge: bool = True,
     model.safetensors) of its family's model type; a family whose spec refuses export (glm52) raises. `extra`
     writes more files into the directory before it appears (export.py: tokenizer, generation config).
 
-    The directory appears whole or not at all (`checkpoint.atomic_directory`); an existing out_dir is replaced."""
+    The directory appears whole or not at all (`checkpoint/atomic.py`); an existing out_dir is replaced."""
     from safetensors.torch import save_file
 
     from longstraw_cli.models.spec import family_of

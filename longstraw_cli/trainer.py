@@ -13,7 +13,7 @@ the checkpoint's whole tensors. Every process group comes from `ParallelDims.new
 
 Under faults (README, "What is guaranteed"):
 - a step whose loss or gradient norm is not finite is not applied (guard.py);
-- a checkpoint holds every rank's RNG and the config; resume passes over a corrupt one (resume.py);
+- a checkpoint holds every rank's RNG and the config; resume passes over a corrupt one (checkpoint/);
 - SIGTERM / SIGUSR1 end the run after the current step, with a checkpoint (preemption.py);
 - every collective waits at most dist_timeout_s, then the run stops with one line naming it (watchdog.py);
 - prompts and reward values are checked (inputs.py); a run that stops early says why in one line (errors.py).
@@ -32,15 +32,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from longstraw_cli import resume, watchdog
-from longstraw_cli.checkpoint import CheckpointManager
+from longstraw_cli import checkpoint, watchdog
+from longstraw_cli.checkpoint import CheckpointManager, trainer_state
 from longstraw_cli.config import TrainConfig
-from longstraw_cli.distributed import sharded_checkpoint
 from longstraw_cli.distributed.ep import ep_slice
 from longstraw_cli.distributed.strategy import make_strategy
 from longstraw_cli.distributed.topology import ParallelDims, env_rank_world
 from longstraw_cli.errors import RunError, first_line
-from longstraw_cli.guard import NonFiniteGuard, check_finite
+from longstraw_cli.guard import NonFiniteGuard
 from longstraw_cli.inputs import InputError, check_prompt, check_prompts
 from longstraw_cli.lora import adapters_disabled, apply_lora
 from longstraw_cli.models import build_model, from_pretrained
@@ -231,39 +230,29 @@ class Trainer:
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     def _save(self, step: int) -> None:
-        trainer_state = {"step": step, "rng_by_rank": resume.gather_rng({"sampling": self.generator}),
-                         "dims": {"world_size": self.dims.world_size, "cp": self.dims.cp},
-                         "config": resume.config_json(self.cfg.as_dict()), "guard": self.guard.state_dict()}
-        if self.strategy.sharded_checkpoints:
-            # each rank checks and writes its shards (collectives)
-            check_finite(self.strategy.sharded_model_state(), step)
-            path = sharded_checkpoint.save(self.checkpoints, step, self.strategy, trainer_state)
-        else:
-            # whole tensors (a collective under deepspeed: every rank is here)
-            model_state, optimizer_state = self.strategy.state_dict()
-            # every rank holds the same whole tensors: every rank stops here alike
-            check_finite(model_state, step)
-            path = self.checkpoints.save(step, model_state=model_state, optimizer_state=optimizer_state,
-                                         trainer_state=trainer_state)
+        state = {"step": step, "rng_by_rank": trainer_state.gather_rng({"sampling": self.generator}),
+                 "dims": {"world_size": self.dims.world_size, "cp": self.dims.cp},
+                 "config": trainer_state.config_json(self.cfg.as_dict()), "guard": self.guard.state_dict()}
+        # the strategy's format: whole tensors written by rank 0, or every rank's shards (collectives)
+        path = checkpoint.save(self.checkpoints, step, self.strategy, state)
         self.last_checkpoint = path
         notice(f"checkpoint {path.resolve() if path else self.checkpoints.dir / f'step_{step:08d}'} written "
                f"(after step {step - 1})", self.rank)
 
     def _resume(self) -> int:
-        """The newest intact checkpoint of either format into the strategy (resume.py) -> the step to start at."""
-        found = resume.newest_intact(self.checkpoints, lambda path: resume.load_checkpoint(
-            path, self.checkpoints, self.strategy, self.cfg.as_dict(), map_location=self.device))
+        """The newest intact checkpoint of either format into the strategy (checkpoint/) -> the step to start at."""
+        found = checkpoint.resume(self.checkpoints, self.strategy, self.cfg.as_dict(), map_location=self.device)
         if found is None:
             # a requeued job whose first launch saved nothing yet lands here: said at the start of train
             self.resumed = f"resume=true: {self.checkpoints.dir.resolve()} holds no checkpoint yet; starting at step 0"
             return 0
-        path, trainer_state = found
-        self.resumed = f"resumed from {Path(path).resolve()} at step {int(trainer_state['step'])} of {self.cfg.steps}"
-        resume.optimizer_hyperparameters(self.strategy.optimizer, self._hyperparameters())
-        resume.restore_own_rng(trainer_state, self.rank, self.dims, {"sampling": self.generator})
-        if "guard" in trainer_state:
-            self.guard.load_state_dict(trainer_state["guard"])
-        return int(trainer_state["step"])
+        path, state = found
+        self.resumed = f"resumed from {Path(path).resolve()} at step {int(state['step'])} of {self.cfg.steps}"
+        trainer_state.optimizer_hyperparameters(self.strategy.optimizer, self._hyperparameters())
+        trainer_state.restore_own_rng(state, self.rank, self.dims, {"sampling": self.generator})
+        if "guard" in state:
+            self.guard.load_state_dict(state["guard"])
+        return int(state["step"])
 
     # -- one iteration ----------------------------------------------------------------------------------------
     def example(self, step: int, prompt: int = 0):

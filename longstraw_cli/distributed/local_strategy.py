@@ -5,7 +5,7 @@ A strategy owns what happens to gradients and weights across ranks: the replay's
 finalization (the one reduction per step, clipping to `max_grad_norm`, the global norm), the optimizer step, and
 the state dicts checkpoints are made of. Expert parallelism is part of it: given the EP group, the grad norm counts
 each expert slice once, and checkpoints are sharded (`sharded_state_dict`, written by
-distributed/sharded_checkpoint.py through torch.distributed.checkpoint): each expert parameter and its AdamW moments
+checkpoint/format_sharded.py through torch.distributed.checkpoint): each expert parameter and its AdamW moments
 are this rank's rows of the whole [E, ...] tensor (a DTensor over the EP group, at the rows' global offset), so a
 rank writes and reads only its own experts, the replicated tensors are written once, and a checkpoint resumes
 under any ep. `state_dict()` (whole tensors, the expert slices gathered on every rank) is what one process holds;
@@ -49,8 +49,8 @@ class LocalStrategy:
 
     @property
     def sharded_checkpoints(self) -> bool:
-        """Whether checkpoints are sharded through DCP (distributed/sharded_checkpoint.py) rather than whole tensors
-        (checkpoint.py): under ep, so that no rank gathers the experts it does not hold."""
+        """Whether this strategy's checkpoints are sharded through DCP (checkpoint/format_sharded.py) rather than
+        whole tensors (checkpoint/format_whole.py): under ep, so that no rank gathers the experts it does not hold."""
         return self.ep_group is not None
 
     def weights(self) -> list[torch.Tensor]:
@@ -145,7 +145,7 @@ class LocalStrategy:
             return t.to_local() if self.ep_group is not None and isinstance(t, DTensor) else t
 
         # not strict: a parameter that never had a gradient (glm52's DSA indexer) has no optimizer state to load;
-        # the weights were checked against the checkpoint's (sharded_checkpoint.load)
+        # the weights were checked against the checkpoint's (checkpoint/format_sharded.py)
         set_state_dict(self.model, self.optimizer, model_state_dict={n: local(t) for n, t in state["model"].items()},
                        optim_state_dict={**state["optim"], "state": {
                            n: {k: local(v) for k, v in s.items()} for n, s in state["optim"]["state"].items()}},

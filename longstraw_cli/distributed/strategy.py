@@ -35,10 +35,11 @@ Context parallel: the ranks of one CP group hold identical gradients already (re
 attention), so strategies reduce over the dp group only; world = dp x cp, cp-fastest (ParallelDims). The CP
 group is DeepSpeed's model-parallel group, so its norm counts each parameter once.
 
-Checkpoints: `state_dict()` gives the trainable weights by name and the optimizer state in torch's layout with
+Checkpoints (the checkpoint/ package writes, checks and selects them; a strategy only supplies state dicts):
+`state_dict()` gives the trainable weights by name and the optimizer state in torch's layout with
 whole tensors, as one process holds them (expert slices gathered over the EP group); `load_state_dict` takes
 the same. fsdp2 and ep > 1 checkpoints are sharded instead (`sharded_checkpoints`, `sharded_state_dict`:
-distributed/sharded_checkpoint.py, torch.distributed.checkpoint), and load under any world size and ep into fsdp2,
+checkpoint/format_sharded.py, torch.distributed.checkpoint), and load under any world size and ep into fsdp2,
 ddp or one process. Under fsdp2,
 deepspeed and ep both are collectives: every rank calls them. The contract and the one-rank strategy live in
 local_strategy.py; `make_strategy` picks a registered builder by name (deepspeed_zero.py is imported only when

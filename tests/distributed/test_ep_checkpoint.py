@@ -1,12 +1,15 @@
 """Checkpoints under expert parallel (gloo, 4 CPU ranks): each rank writes only its experts and their AdamW
-moments, at their global expert index, through torch.distributed.checkpoint (distributed/sharded_checkpoint.py);
-the replicated tensors are written once; a checkpoint saved under ep=4 loads bit-exactly under ep=2 and under one
-process, and the step after it equals the uninterrupted ep=4 run's. No tensor larger than a rank's own is made
-while saving; a NaN in one rank's experts is found by every rank (so all refuse the save alike). The trainer's
-path (ep=2 -> ep=2 / ep=1 under torchrun) is tests/e2e/test_cli.py's."""
+moments, at their global expert index, through torch.distributed.checkpoint (checkpoint/format_sharded.py);
+the replicated tensors are written once. A run trained 2 steps under ep=4, checkpointed, and resumed for 2 more
+under ep=4 (bit-exactly), ep=2 and one process (the checkpoint reads back bit-exactly; the steps after it are the
+uninterrupted run's up to the order of the experts' all-reduce) ends where the uninterrupted ep=4 run ends. While
+saving, a rank allocates at most one tensor beyond the state it holds (its share). A whole-tensor checkpoint of
+every expert (ep=1) still loads under ep=4. A NaN in one rank's experts is found by every rank (so all refuse the
+save alike). The trainer's path (ep=2 -> ep=2 / ep=1 under torchrun) is tests/e2e/test_cli.py's."""
 
 import math
 import os
+import weakref
 
 import pytest
 import torch
@@ -14,15 +17,17 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import join_gloo, random_model, rel_err, run_ranks
-from longstraw_cli.checkpoint import CheckpointManager
-from longstraw_cli.distributed import sharded_checkpoint
+from longstraw_cli import checkpoint
+from longstraw_cli.checkpoint import CheckpointManager, format_whole
+from longstraw_cli.checkpoint.integrity import first_nonfinite
 from longstraw_cli.distributed.ep import apply_expert_parallel, expert_bounds, is_expert_param
 from longstraw_cli.distributed.local_strategy import LocalStrategy
-from longstraw_cli.guard import first_nonfinite
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 WORLD, BLOCK = 4, 16
+# trained before the checkpoint, and in all
+SAVED_AT, STEPS = 2, 4
 NAN_IN = "model.layers.3.mlp.experts.down_proj"
 
 
@@ -47,6 +52,15 @@ def train_step(strategy, step):
     return norm
 
 
+def train(strategy, steps) -> list[float]:
+    return [train_step(strategy, step) for step in steps]
+
+
+def resume(path, strategy) -> None:
+    """The checkpoint at `path` into `strategy` through the package's one entry point, as the trainer resumes."""
+    checkpoint.load(path, strategy, config={}, map_location="cpu")
+
+
 def is_expert_entry(key: str) -> bool:
     """Whether a checkpoint key (a weight, or its AdamW moment) is of a routed-expert parameter."""
     return is_expert_param(key.removesuffix(".exp_avg").removesuffix(".exp_avg_sq"))
@@ -63,29 +77,72 @@ def whole_state(strategy):
     return {n: t.clone() for n, t in {**model_state, **moments, **buffers}.items()}
 
 
-class LargestAllocation(TorchDispatchMode):
-    """The most elements of any floating-point tensor an op makes while active (DCP's pickled plans, bytes,
-    are not counted)."""
+def local_tensors(state) -> list[torch.Tensor]:
+    """The tensors of a (nested) sharded state dict as this rank holds them: DTensors by their local part."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, dict):
+        return [t for v in state.values() for t in local_tensors(v)]
+    if isinstance(state, DTensor):
+        return [state.to_local()]
+    return [state] if isinstance(state, torch.Tensor) else []
+
+
+class Allocations(TorchDispatchMode):
+    """The tensors ops make while active: the largest one (elements of a floating-point tensor), and the peak of
+    the bytes of those alive at once. A storage counts from the op that makes it until the last tensor on it that
+    an op returned is freed; views and in-place results, on a storage already there, count nothing. Not counted:
+    uint8 tensors, which here are pickled Python objects on their way through gloo (DCP's plans and metadata,
+    whose size grows with the number of tensors, not with their bytes: ~40 KB a rank here), and file buffers."""
 
     def __init__(self):
         super().__init__()
-        self.numel = 0
+        self.numel, self.live, self.peak = 0, 0, 0
+        # storage address -> [bytes, tensors on it alive]
+        self._storages = {}
+
+    def _freed(self, ptr):
+        entry = self._storages[ptr]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.live -= entry[0]
+            del self._storages[ptr]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        def storages(xs):
+            return {x.untyped_storage().data_ptr() for x in xs if isinstance(x, torch.Tensor)
+                    and not isinstance(x, DTensor) and x.untyped_storage().nbytes()}
+
+        inputs = storages(torch.utils._pytree.tree_leaves((args, kwargs)))
         out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor) and t.is_floating_point():
-                self.numel = max(self.numel, t.numel())
+        for t in torch.utils._pytree.tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            t_local = t._local_tensor if isinstance(t, DTensor) else t
+            if t_local.dtype == torch.uint8:
+                continue
+            if t_local.is_floating_point():
+                self.numel = max(self.numel, t_local.numel())
+            ptr = t_local.untyped_storage().data_ptr()
+            if not t_local.untyped_storage().nbytes() or (ptr in inputs and ptr not in self._storages):
+                continue
+            if ptr not in self._storages:
+                self._storages[ptr] = [t_local.untyped_storage().nbytes(), 0]
+                self.live += self._storages[ptr][0]
+                self.peak = max(self.peak, self.live)
+            self._storages[ptr][1] += 1
+            weakref.finalize(t_local, self._freed, ptr)
         return out
 
 
 def _worker(rank, world, port, out_dir):
     pair = join_gloo(rank, world, port)[2]
-    checkpoints = CheckpointManager(os.path.join(out_dir, "run"), rank=rank)
     out = {}
 
     strategy = build(dist.group.WORLD, seed=3)
-    train_step(strategy, 0)
+    out["norms"] = train(strategy, range(SAVED_AT))
     state = strategy.sharded_state_dict()
     own = {n: p for n, p in strategy.model.named_parameters() if is_expert_param(n)}
     # the state DCP writes holds this rank's rows of each expert tensor, the live ones (no copy), at global rows
@@ -93,23 +150,52 @@ def _worker(rank, world, port, out_dir):
         n: (tuple(t.to_local().shape), tuple(t.shape), t.to_local().data_ptr() == own[n].data_ptr())
         for n, t in state["model"].items() if n in own}
     out["own_shapes"] = {n: tuple(p.shape) for n, p in own.items()}
-    with LargestAllocation() as largest:
-        path = sharded_checkpoint.save(checkpoints, 1, strategy, {})
-    out["largest_saved"] = largest.numel
+    # the rank's share: every tensor of the state it holds (weights, buffers, AdamW state); the state dict copies
+    # none of them
+    held = [*strategy.model.parameters(), *strategy.model.buffers(),
+            *(v for s in strategy.optimizer.state.values() for v in s.values() if torch.is_tensor(v))]
+    held_storages = {t.untyped_storage().data_ptr() for t in held}
+    out["share_bytes"] = sum(t.nbytes for t in held)
+    out["state_copies"] = [tuple(t.shape) for t in local_tensors(state)
+                           if t.untyped_storage().data_ptr() not in held_storages]
     out["largest_held"] = max(p.numel() for p in strategy.model.parameters())
+    out["largest_held_bytes"] = max(t.nbytes for t in held)
+    del state
+    # what the trainer calls: the finite check, then the format the strategy's state dicts take
+    with Allocations() as made:
+        path = checkpoint.save(CheckpointManager(os.path.join(out_dir, "run"), rank=rank), SAVED_AT, strategy, {})
+    out["largest_saved"], out["peak_saved_bytes"] = made.numel, made.peak
     out["saved"] = whole_state(strategy)
-    out["norm"] = train_step(strategy, 1)
+    out["norms"] += train(strategy, range(SAVED_AT, STEPS))
     out["after"] = whole_state(strategy)
 
-    # resumed under ep=2 (two EP groups of two ranks: each expert held twice) from another start
+    # resumed under the same ep=4 from another start: bit for bit the uninterrupted run
+    strategy = build(dist.group.WORLD, seed=4)
+    resume(path, strategy)
+    out["ep4_norms"], out["ep4_after"] = train(strategy, range(SAVED_AT, STEPS)), whole_state(strategy)
+    # resumed under ep=2 (two EP groups of two ranks: each expert held twice)
     strategy = build(pair, seed=4)
-    sharded_checkpoint.load(path, strategy)
+    resume(path, strategy)
     out["ep2_loaded"] = whole_state(strategy)
-    out["ep2_norm"] = train_step(strategy, 1)
-    out["ep2_after"] = whole_state(strategy)
+    out["ep2_norms"], out["ep2_after"] = train(strategy, range(SAVED_AT, STEPS)), whole_state(strategy)
     # and saved under ep=2: each expert is held by two ranks, one writes it
-    sharded_checkpoint.save(CheckpointManager(os.path.join(out_dir, "run_ep2"), rank=rank), 2, strategy, {})
-    # a NaN in one rank's experts: every rank finds it (the trainer's check before a save), so all stop alike
+    checkpoint.save(CheckpointManager(os.path.join(out_dir, "run_ep2"), rank=rank), STEPS, strategy, {})
+
+    # a whole-tensor checkpoint of every expert (as ep=1 writes it) still loads under ep=4: each rank its rows
+    whole = build(None, seed=3)
+    train(whole, range(SAVED_AT))
+    model_state, optimizer_state = whole.state_dict()
+    format_whole.save(CheckpointManager(os.path.join(out_dir, "run_whole"), rank=rank), SAVED_AT,
+                      model_state=model_state, optimizer_state=optimizer_state, trainer_state={})
+    dist.barrier()
+    out["whole_saved"] = whole_state(whole)
+    # the whole format holds the trainable weights, not the buffers (the router's bias): built as the run built them
+    strategy = build(dist.group.WORLD, seed=3)
+    resume(CheckpointManager(os.path.join(out_dir, "run_whole")).latest(), strategy)
+    out["whole_loaded"] = whole_state(strategy)
+    out["whole_own_rows"] = {n: tuple(p.shape) for n, p in strategy.model.named_parameters() if is_expert_param(n)}
+
+    # a NaN in one rank's experts: every rank finds it (the check before a save), so all stop alike
     if rank == WORLD - 1:
         with torch.no_grad():
             dict(strategy.model.named_parameters())[NAN_IN][0, 0, 0] = float("nan")
@@ -121,7 +207,7 @@ def _worker(rank, world, port, out_dir):
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("ep_checkpoint")
-    run_ranks(_worker, WORLD, str(out_dir), timeout_s=300)
+    run_ranks(_worker, WORLD, str(out_dir), timeout_s=400)
     return out_dir, [torch.load(out_dir / f"rank{r}.pt") for r in range(WORLD)]
 
 
@@ -137,6 +223,17 @@ def test_each_rank_hands_dcp_only_its_own_experts_and_allocates_no_whole_one(sav
               f"{got['largest_held']}, a whole expert tensor {whole_expert}")
         # a gather of any expert tensor would make one of all E rows; nothing made is larger than a tensor held
         assert got["largest_saved"] <= got["largest_held"] < whole_expert
+
+
+def test_a_rank_saving_allocates_at_most_its_share_plus_one_tensor(saved):
+    """The sharded state dict wraps the live tensors (no copy), and the save (finite check, DCP's write) never
+    holds more than one tensor's bytes beyond them at once."""
+    _, results = saved
+    for rank, got in enumerate(results):
+        print(f"rank {rank}: share {got['share_bytes']} B; while saving at most {got['peak_saved_bytes']} B more "
+              f"alive at once (largest tensor held {got['largest_held_bytes']} B)")
+        assert got["state_copies"] == [], (rank, got["state_copies"])
+        assert 0 < got["peak_saved_bytes"] <= got["largest_held_bytes"] < got["share_bytes"]
 
 
 def bytes_by_file(path, ep: int) -> tuple[dict, dict, dict]:
@@ -188,29 +285,46 @@ def test_each_rank_writes_its_share_and_replicated_tensors_once(saved):
     assert all(b <= want_experts // 2 for b in experts.values())
 
 
-def test_ep4_checkpoint_resumes_bit_exactly_under_ep2_and_one_process(saved):
+def test_ep4_run_resumed_under_ep4_ep2_and_one_process_ends_as_the_uninterrupted_run(saved):
     out_dir, results = saved
     [path] = CheckpointManager(out_dir / "run").complete()
     want = results[0]["saved"]
     # one process, no process group: every expert whole, read from the four ranks' files
     strategy = build(None, seed=5)
-    sharded_checkpoint.load(path, strategy)
+    resume(path, strategy)
     one = whole_state(strategy)
-    one_norm = train_step(strategy, 1)
-    one_after = whole_state(strategy)
+    one_norms, one_after = train(strategy, range(SAVED_AT, STEPS)), whole_state(strategy)
     assert set(one) == set(want) and any(n.endswith("exp_avg_sq") and is_expert_entry(n) for n in want)
     for rank, got in enumerate(results):
+        assert len(got["norms"]) == STEPS and all(n > 0 for n in got["norms"])
+        # the same ep: the same arithmetic, bit for bit
+        assert got["ep4_norms"] == got["norms"][SAVED_AT:], rank
+        assert all(torch.equal(got["ep4_after"][n], got["after"][n]) for n in want), rank
+        # another ep reads the checkpoint back bit for bit
         for loaded in (got["ep2_loaded"], one):
             assert all(torch.equal(loaded[n], want[n]) for n in want), rank
-        # the step after: the uninterrupted ep=4 run's, up to the rounding of a different all-reduce
-        for norm, after in ((got["ep2_norm"], got["ep2_after"]), (one_norm, one_after)):
-            assert norm == pytest.approx(got["norm"], rel=1e-12)
-            assert max(rel_err(after[n], got["after"][n]) for n in want) < 1e-12
-    # the ep=2 checkpoint of that step, in one process: what the ep=2 ranks held
+        # the steps after it: the uninterrupted run's, up to the rounding of a different all-reduce of the experts'
+        # partial sums (ep=4 adds four, ep=2 two, one process none)
+        for norms, after in ((got["ep2_norms"], got["ep2_after"]), (one_norms, one_after)):
+            assert norms == pytest.approx(got["norms"][SAVED_AT:], rel=1e-12)
+            err = max(rel_err(after[n], got["after"][n]) for n in want)
+            print(f"rank {rank}: resumed under another ep, parameters and moments after step {STEPS - 1} within "
+                  f"{err:.1e} of the uninterrupted ep=4 run")
+            assert err < 1e-12
+    # the ep=2 checkpoint of the last step, in one process: what the ep=2 ranks held
     strategy = build(None, seed=5)
-    sharded_checkpoint.load(CheckpointManager(out_dir / "run_ep2").latest(), strategy)
+    resume(CheckpointManager(out_dir / "run_ep2").latest(), strategy)
     one = whole_state(strategy)
     assert all(torch.equal(one[n], results[0]["ep2_after"][n]) for n in want)
+
+
+def test_a_whole_tensor_checkpoint_of_every_expert_loads_under_ep(saved):
+    _, results = saved
+    for rank, got in enumerate(results):
+        want = got["whole_saved"]
+        assert set(got["whole_loaded"]) == set(want)
+        assert all(torch.equal(got["whole_loaded"][n], want[n]) for n in want), rank
+        assert all(rows[0] == 8 // WORLD for rows in got["whole_own_rows"].values())
 
 
 def test_a_nonfinite_expert_on_one_rank_is_found_on_every_rank(saved):

@@ -22,8 +22,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import randomize_, rel_err, run_ranks
-from longstraw_cli.checkpoint import CheckpointManager
-from longstraw_cli.distributed import sharded_checkpoint
+from longstraw_cli.checkpoint import CheckpointManager, format_sharded, format_whole
 from longstraw_cli.distributed.cp import apply_context_parallel
 from longstraw_cli.distributed.strategy import DDPStrategy, LocalStrategy, StrategyConfig, make_strategy
 from longstraw_cli.distributed.topology import ParallelDims
@@ -161,20 +160,21 @@ def run_case(name, dims, rank, groups, out_dir):
             checkpoints = CheckpointManager(out_dir / f"{name}_checkpoints", rank=rank)
             model_state, optimizer_state = strategy.state_dict()
             if options.get("sharded"):
-                sharded_checkpoint.save(checkpoints, 1, strategy, {})
+                format_sharded.save(checkpoints, 1, strategy, {})
                 # copies: AdamW's step counter is a live tensor the next step increments in place
                 out["checkpointed"] = copy.deepcopy((model_state, optimizer_state))
             else:
-                checkpoints.save(1, model_state=model_state, optimizer_state=optimizer_state, trainer_state={})
+                format_whole.save(checkpoints, 1, model_state=model_state, optimizer_state=optimizer_state,
+                                  trainer_state={})
             dist.barrier()
     out["params"], _ = strategy.state_dict()
     if options.get("resume"):
         # a fresh model and strategy from the step-1 checkpoint, then step 2: as if the run had been killed
         strategy, tx = build()
         if options.get("sharded"):
-            sharded_checkpoint.load(checkpoints.latest(), strategy)
+            format_sharded.load(checkpoints.latest(), strategy)
         else:
-            model_state, optimizer_state, _ = checkpoints.load(checkpoints.latest())
+            model_state, optimizer_state, _ = format_whole.load(checkpoints.latest())
             strategy.load_state_dict(model_state, optimizer_state)
         out["resumed_norm"] = run(tx, 1, dp_rank).stats["grad_norm"]
         out["resumed_params"], _ = strategy.state_dict()
@@ -329,7 +329,7 @@ def test_sharded_fsdp2_checkpoint_loads_in_one_process(dp2, tmp_path_factory):
     assert not (path / "model.safetensors").exists()
     model = make_model(torch.float64)
     strategy = LocalStrategy(model, adamw([p for p in model.parameters() if p.requires_grad]), MAX_GRAD_NORM)
-    sharded_checkpoint.load(path, strategy)
+    format_sharded.load(path, strategy)
     want_model, want_optimizer = dp2("fsdp2_sharded", 0)["checkpointed"]
     got_model, got_optimizer = strategy.state_dict()
     assert set(got_model) == set(want_model)

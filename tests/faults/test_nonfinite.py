@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import rows
-from longstraw_cli.checkpoint import CheckpointManager
+from longstraw_cli.checkpoint import CheckpointManager, format_whole
 from longstraw_cli.distributed.strategy import LocalStrategy
 from longstraw_cli.models import build_model
 from longstraw_cli.rl.losses import LossConfig
@@ -78,7 +78,8 @@ def test_an_applied_step_ends_the_streak_and_max_in_row_stop_the_run():
 
 
 def test_a_nonfinite_parameter_is_never_checkpointed():
-    from longstraw_cli.guard import NonFiniteStop, check_finite
+    from longstraw_cli.checkpoint.integrity import check_finite
+    from longstraw_cli.guard import NonFiniteStop
 
     with pytest.raises(NonFiniteStop, match="parameter b holds a NaN or infinite value; not checkpointed"):
         check_finite({"a": torch.ones(2), "b": torch.tensor([1.0, math.inf])}, step=3)
@@ -100,7 +101,7 @@ def test_overflowing_reward_stops_the_run_and_the_last_checkpoint_stays_good(tra
     assert all(math.isfinite(r["grad_norm"]) for r in logged[:2]) and math.isnan(logged[2]["loss"])
     checkpoints = CheckpointManager(run)
     [newest] = checkpoints.complete()
-    model_state, optimizer_state, _ = checkpoints.load(newest)
+    model_state, optimizer_state, _ = format_whole.load(newest)
     # written after step 3 (not applied): the weights of step 1, the last one applied
     assert newest.name == "step_00000004"
     assert all(torch.isfinite(t).all() for t in model_state.values())

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from conftest import composed, free_ports, rows, run_ranks
-from longstraw_cli.checkpoint import OPTIMIZER_FILE, CheckpointError, CheckpointManager
-from longstraw_cli.distributed import sharded_checkpoint
+from longstraw_cli.checkpoint import CheckpointError, CheckpointManager, format_sharded, format_whole
+from longstraw_cli.checkpoint.format_whole import OPTIMIZER_FILE
 
 E2E = Path(__file__).parent.parent / "e2e"
 SMALL = ["prompt_tokens=64", "response_tokens=4", "group_size=3", "logger.backends=[jsonl]",
@@ -44,11 +44,11 @@ def _weights(checkpoint: Path) -> dict:
     from longstraw_cli.distributed.local_strategy import LocalStrategy
     from longstraw_cli.models import build_model
 
-    if not sharded_checkpoint.is_sharded(checkpoint):
-        return CheckpointManager(checkpoint.parent.parent).load(checkpoint)[0]
+    if not format_sharded.is_sharded(checkpoint):
+        return format_whole.load(checkpoint)[0]
     model = build_model("qwen36_tiny")
     strategy = LocalStrategy(model, torch.optim.AdamW(model.parameters()), max_grad_norm=None)
-    sharded_checkpoint.load(checkpoint, strategy)
+    format_sharded.load(checkpoint, strategy)
     return strategy.state_dict()[0]
 
 
@@ -140,8 +140,8 @@ def test_corrupt_newest_checkpoint_is_skipped_for_the_newest_intact_one(train_he
 def test_a_partly_loaded_sharded_checkpoint_needs_an_intact_older_one(tmp_path):
     """A sharded checkpoint found damaged only once part of it was read into the weights is passed over for an
     older intact one; with none left resume stops rather than train from step 0 on those weights."""
-    from longstraw_cli import resume
-    from longstraw_cli.distributed.sharded_checkpoint import PartlyLoaded
+    from longstraw_cli.checkpoint import PartlyLoaded, ResumeError
+    from longstraw_cli.checkpoint.select import newest_intact
 
     checkpoints = CheckpointManager(tmp_path)
     for step in (1, 2):
@@ -153,10 +153,10 @@ def test_a_partly_loaded_sharded_checkpoint_needs_an_intact_older_one(tmp_path):
             raise PartlyLoaded("a shard did not read")
         return {"step": 1}
 
-    assert resume.newest_intact(checkpoints, newest_partly) == (checkpoints.dir / "step_00000001", {"step": 1})
+    assert newest_intact(checkpoints, newest_partly) == (checkpoints.dir / "step_00000001", {"step": 1})
 
     def all_damaged(path):
         raise PartlyLoaded("a shard did not read") if path.name == "step_00000002" else CheckpointError("truncated")
 
-    with pytest.raises(resume.ResumeError, match="step_00000002 was partly read into the weights"):
-        resume.newest_intact(checkpoints, all_damaged)
+    with pytest.raises(ResumeError, match="step_00000002 was partly read into the weights"):
+        newest_intact(checkpoints, all_damaged)

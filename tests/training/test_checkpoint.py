@@ -6,15 +6,9 @@ import random
 import pytest
 import torch
 
-from longstraw_cli.checkpoint import (
-    COMPLETE_FILE,
-    MODEL_FILE,
-    OPTIMIZER_FILE,
-    CheckpointError,
-    CheckpointManager,
-    capture_rng,
-    restore_rng,
-)
+from longstraw_cli.checkpoint import COMPLETE_FILE, CheckpointError, CheckpointManager, format_whole
+from longstraw_cli.checkpoint.format_whole import MODEL_FILE, OPTIMIZER_FILE
+from longstraw_cli.checkpoint.trainer_state import capture_rng, restore_rng
 
 
 class Tiny(torch.nn.Module):
@@ -48,7 +42,7 @@ def make(seed=0):
 
 def save_one(mgr, step, model=None, opt=None):
     model, opt = (model, opt) if model is not None else make()
-    return mgr.save(step, model_state=model.state_dict(), optimizer_state=opt.state_dict(),
+    return format_whole.save(mgr, step, model_state=model.state_dict(), optimizer_state=opt.state_dict(),
                     trainer_state={"data_position": step * 10})
 
 
@@ -63,14 +57,14 @@ def test_round_trip_model_optimizer_and_rng(tmp_path):
     sampler = torch.Generator().manual_seed(123)
     torch.rand(7, generator=sampler)  # move it off its seed
     mgr = CheckpointManager(tmp_path)
-    path = mgr.save(3, model_state=model.state_dict(), optimizer_state=opt.state_dict(),
+    path = format_whole.save(mgr, 3, model_state=model.state_dict(), optimizer_state=opt.state_dict(),
                     trainer_state={"data_position": 42, "rng": capture_rng({"sampler": sampler})})
     expected = draws(sampler)
     train_step(model, opt, 3)
     expected_params = {n: p.detach().clone() for n, p in model.named_parameters()}
 
     assert mgr.latest() == path and path.name == "step_00000003"
-    model_state, opt_state, trainer_state = mgr.load(path)
+    model_state, opt_state, trainer_state = format_whole.load(path)
     assert trainer_state["step"] == 3 and trainer_state["data_position"] == 42
     fresh, fresh_opt = make(seed=99)
     fresh.load_state_dict(model_state)
@@ -127,7 +121,7 @@ def test_half_written_checkpoints_are_ignored_and_temp_dirs_cleaned(tmp_path):
 
     assert mgr.latest() == good
     with pytest.raises(CheckpointError, match="COMPLETE"):
-        mgr.load(unmarked)
+        format_whole.load(unmarked)
     assert CheckpointManager(tmp_path).latest() == good
     assert not tmp.exists(), "stale temp dirs are removed when a manager starts"
     assert unmarked.exists(), "only .tmp- directories are deleted"
@@ -167,18 +161,18 @@ def test_corrupt_file_error_names_the_file(tmp_path, name):
     # truncated: caught by the sizes recorded in COMPLETE
     f.write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match=name):
-        mgr.load(path)
+        format_whole.load(path)
     # same size, garbage bytes: caught by the loader
     f.write_bytes(b"\xff" * len(data))
     with pytest.raises(CheckpointError, match=name):
-        mgr.load(path)
+        format_whole.load(path)
 
 
 def test_views_and_noncontiguous_tensors_save(tmp_path):
     base = torch.arange(24.0).reshape(4, 6)
     state = {"a": base, "rows": base[1:3], "t": base.t(), "b": torch.ones(3)}
     mgr = CheckpointManager(tmp_path)
-    path = mgr.save(0, model_state=state, optimizer_state={}, trainer_state={})
-    loaded, _, _ = mgr.load(path)
+    path = format_whole.save(mgr, 0, model_state=state, optimizer_state={}, trainer_state={})
+    loaded, _, _ = format_whole.load(path)
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
     assert (path / COMPLETE_FILE).is_file()

@@ -1,8 +1,8 @@
-"""Sharded checkpoints through torch.distributed.checkpoint (DCP): every rank writes its own shards, and a
+"""The sharded format, through torch.distributed.checkpoint (DCP): every rank writes its own shards, and a
 checkpoint loads under any world size and ep (DCP reshards on load), into fsdp2, ddp or one process.
 
 Used for `strategy=fsdp2` and for expert parallel (the strategy's `sharded_checkpoints`): no rank ever holds a
-whole tensor, which the whole-tensor format (checkpoint.py: gathered on every rank, written by rank 0) cannot
+whole tensor, which the whole-tensor format (format_whole.py: gathered on every rank, written by rank 0) cannot
 avoid at the 27B shape, nor at GLM-5's 256 experts. The strategy supplies the state (`sharded_state_dict`): fsdp2's
 DTensor shards; under ep each expert parameter and its AdamW moments as this rank's rows of the whole [E, ...]
 tensor, so the checkpoint keys them by global expert index; every other tensor whole, written once (DCP gives each
@@ -13,46 +13,32 @@ Layout, beside the whole-tensor checkpoints and found by the same `CheckpointMan
         dcp/          DCP's files: {"model": trainable weights (and saved buffers) by name, "optim": optimizer
                       state by name}
         trainer.pt    torch.save({"step": step, **trainer_state}), rank 0's, as in the whole-tensor format (every
-                      rank's RNG, gathered before the save, the config and the guard's counts: resume.py)
+                      rank's RNG, gathered before the save, the config and the guard's counts: trainer_state.py)
         COMPLETE      written last: JSON with the step and every file's byte size (paths under the directory)
 
 Atomic as the whole-tensor format: all ranks write into `step_XXXXXXXX.tmp-dcp/` (one name every rank knows;
 the next CheckpointManager deletes it after a kill), DCP fsyncs its files, rank 0 writes trainer.pt and COMPLETE,
 renames the directory, and prunes to `keep`; barriers order the ranks. One shared filesystem for all ranks.
 
-On resume (resume.load_checkpoint) a checkpoint whose files are missing or not at their written size is passed
-over before anything is read. DCP reads into the live weights, so one whose shards fail to read, or whose weights
-are not finite, is found only after part of it is in the model (`PartlyLoaded`): resume then needs an older
-intact one, which overwrites all of it.
+A checkpoint whose files are missing or not at their written size is refused before anything is read. DCP reads
+into the live weights, so one whose shards fail to read is found only after part of it is in the model
+(`PartlyLoaded`): resume then needs an older intact one, which overwrites all of it.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
-from longstraw_cli.checkpoint import (
-    COMPLETE_FILE,
-    TRAINER_FILE,
-    CheckpointError,
-    CheckpointManager,
-    _fsync_dir,
-    _remove,
-    _torch_save,
-    check_parameters,
-)
+from longstraw_cli.checkpoint.atomic import TMP_TAG, fsync_dir, remove, replace_dir
+from longstraw_cli.checkpoint.integrity import CheckpointError, PartlyLoaded, check_parameters, write_marker
+from longstraw_cli.checkpoint.select import CheckpointManager
+from longstraw_cli.checkpoint.trainer_state import read_trainer_state, save_trainer_state
 from longstraw_cli.errors import first_line
 
 DCP_DIR = "dcp"
-_TMP_NAME = ".tmp-dcp"
-
-
-class PartlyLoaded(CheckpointError):
-    """A damaged sharded checkpoint whose damage showed only once part of it was in the live weights."""
+_TMP_NAME = f"{TMP_TAG}dcp"
 
 
 def is_sharded(path: Path) -> bool:
@@ -64,54 +50,27 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save(manager: CheckpointManager, step: int, strategy, trainer_state: dict) -> Path:
+def save(checkpoints: CheckpointManager, step: int, strategy, trainer_state: dict) -> Path:
     """A collective: every rank calls it. -> the checkpoint's final path."""
     import torch.distributed.checkpoint as dcp
 
-    final = manager.dir / f"step_{step:08d}"
+    final = checkpoints.step_dir(step)
     tmp = final.with_name(final.name + _TMP_NAME)
-    if manager.rank == 0:
+    if checkpoints.rank == 0:
         if tmp.exists():
-            _remove(tmp)
+            remove(tmp)
         tmp.mkdir(parents=True)
     _barrier()
     dcp.save(strategy.sharded_state_dict(), storage_writer=dcp.FileSystemWriter(str(tmp / DCP_DIR), sync_files=True))
     _barrier()
-    if manager.rank == 0:
-        _torch_save({**trainer_state, "step": step}, tmp / TRAINER_FILE)
-        sizes = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
-        with open(tmp / COMPLETE_FILE, "w") as f:
-            json.dump({"step": step, "sizes": sizes}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp / DCP_DIR)
-        _fsync_dir(tmp)
-        if final.exists():
-            _remove(final)
-        os.replace(tmp, final)
-        _fsync_dir(manager.dir)
-        for old in manager.complete()[: -manager.keep]:
-            _remove(old)
+    if checkpoints.rank == 0:
+        save_trainer_state(tmp, step, trainer_state)
+        write_marker(tmp, step)
+        fsync_dir(tmp / DCP_DIR)
+        replace_dir(tmp, final)
+        checkpoints.prune()
     _barrier()
     return final
-
-
-def read_trainer_state(path: Path) -> dict:
-    """The trainer_state of a sharded checkpoint, once every file is there at the size written; CheckpointError
-    (naming the file) if not."""
-    path = Path(path)
-    try:
-        sizes = json.loads((path / COMPLETE_FILE).read_text())["sizes"]
-    except (OSError, ValueError, KeyError) as e:
-        raise CheckpointError(f"{path / COMPLETE_FILE}: unreadable marker ({e})") from e
-    for name, size in sizes.items():
-        f = path / name
-        if not f.is_file() or f.stat().st_size != size:
-            raise CheckpointError(f"{f}: missing, or not the {size} bytes written (truncated or replaced)")
-    try:
-        return torch.load(path / TRAINER_FILE, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise CheckpointError(f"{path / TRAINER_FILE}: cannot load ({type(e).__name__}: {e})") from e
 
 
 def load(path: Path, strategy) -> dict:
