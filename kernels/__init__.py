@@ -3,11 +3,13 @@
 `compute_dtype` is the one precision rule of every op and of the model code: fp32 at least, wider when an input is
 (fp64 tests then test the algorithm, not fp32 rounding). The other helpers serve every op that has a Triton kernel:
 an environment variable picks auto (the kernel where it applies) or torch (the reference everywhere), and the
-kernel's module is imported on first use only.
+kernel's module is imported on first use only. `missing_fast_paths` says what a GPU run without an optional
+package (fla, Triton) runs instead, and what that costs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import logging
@@ -52,3 +54,43 @@ def optional_module(name: str):
     except Exception as exc:  # noqa: BLE001 - any failure means: use the torch reference
         log.warning("%s unavailable, using the torch reference: %s", name, exc)
         return None
+
+
+@dataclasses.dataclass(frozen=True)
+class FastPath:
+    """An optional package whose kernels a GPU run uses, and the line a run without it gets."""
+
+    module: str
+    # what runs instead, what that costs, how to install it
+    missing: str
+
+
+# a family names the ones its GPU path runs (FamilySpec.fast_paths); the costs are docs/BENCHMARKS.md's
+FAST_PATHS = {
+    "fla": FastPath("fla.ops.gated_delta_rule", (
+        "fla (flash-linear-attention) is not installed: Gated DeltaNet capture, scoring and decode run on the torch "
+        "references (gdn_chunked, gdn_recurrent: many small kernels; the torch chunked GDN measured 27x slower than "
+        "a Triton GDN kernel at 64K tokens, forward + backward); pip install flash-linear-attention")),
+    "triton": FastPath("triton", (
+        "Triton does not import: LongStraw's Triton kernels (GDN replay backward, prompt-page dq, sparse MLA, DSA "
+        "scores, NF4) run on their torch references (the GDN backward measured 27x slower at 64K tokens) and the "
+        "decode step is not compiled; install the Triton build that matches this torch")),
+}
+
+
+def is_gpu(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def missing_fast_paths(names, device: torch.device) -> list[str]:
+    """The line of each fast path in `names` (FAST_PATHS keys) whose package does not import, for a run on
+    `device`; none off the GPU, where the torch references are the path."""
+    if not is_gpu(device):
+        return []
+    lines = []
+    for name in names:
+        try:
+            importlib.import_module(FAST_PATHS[name].module)
+        except Exception:  # noqa: BLE001 - not installed, or a build that does not match: the fallback runs
+            lines.append(FAST_PATHS[name].missing)
+    return lines

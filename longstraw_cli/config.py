@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from longstraw_cli.compile_cache import check_setting as compile_cache_refusal
 from longstraw_cli.distributed.strategy import StrategyConfig
 from longstraw_cli.distributed.topology import ParallelDims
 from longstraw_cli.lora import LoraConfig
@@ -45,8 +46,8 @@ class ConfigError(ValueError):
 
 # keys that name a file or directory: `~` and environment variables expanded once, here (task.reward when it is
 # path/to/file.py:function; model.chat_template when it is a file, not the template's text)
-PATH_KEYS = ("run_dir", "model.path", "model.tokenizer", "model.chat_template", "task.path", "task.val_path",
-             "task.reward", "logger.wandb.dir")
+PATH_KEYS = ("run_dir", "compile_cache_dir", "model.path", "model.tokenizer", "model.chat_template", "task.path",
+             "task.val_path", "task.reward", "logger.wandb.dir")
 _VARIABLE = re.compile(r"\$(\w+)|\$\{([^}]*)\}")
 # a token count's suffixes, as `longstraw plan` has always read them
 TOKEN_SUFFIXES = {"K": 2**10, "M": 2**20}
@@ -259,6 +260,9 @@ class TrainConfig:
     max_nonfinite_steps: int = 3
     # how long a collective may wait for the other ranks before the run stops with one line (watchdog.py)
     dist_timeout_s: float = 1800.0
+    # Triton's and torch.compile's caches, kept across launches (compile_cache.py): None: $XDG_CACHE_HOME/longstraw
+    # (~/.cache/longstraw); a directory; False: left as Triton and torch set them
+    compile_cache_dir: str | bool | None = None
     # the keys the user set (cli.py: Hydra's overrides), so that a notice names only what was asked for; not part
     # of the run's config (as_dict leaves it out: a resumed run sets other keys)
     set_keys: tuple[str, ...] = ()
@@ -354,6 +358,9 @@ def train_config(d: dict, world_size: int | None = None, set_keys: tuple[str, ..
     _check_device(device)
     if d["run_dir"] is not None and Path(d["run_dir"]).exists() and not Path(d["run_dir"]).is_dir():
         raise ConfigError(f"run_dir={d['run_dir']!r} is a file, not a directory")
+    refused = compile_cache_refusal(d.get("compile_cache_dir"))
+    if refused:
+        raise ConfigError(refused)
 
     model = _build(ModelConfig, d["model"], "model")
     if d["prompt_tokens"] + d["response_tokens"] > model.max_positions():
@@ -429,7 +436,8 @@ def train_config(d: dict, world_size: int | None = None, set_keys: tuple[str, ..
         response_tokens=d["response_tokens"], seed=d["seed"], device=device, run_dir=str(d["run_dir"]),
         resume=d["resume"], export_hf=d["export_hf"], reward_style=reward_style,
         prompts_per_step=d["prompts_per_step"], max_nonfinite_steps=d["max_nonfinite_steps"],
-        dist_timeout_s=float(d["dist_timeout_s"]), set_keys=tuple(set_keys),
+        dist_timeout_s=float(d["dist_timeout_s"]), compile_cache_dir=d.get("compile_cache_dir"),
+        set_keys=tuple(set_keys),
     )
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from longstraw_cli import checkpoint, watchdog
+from longstraw_cli import checkpoint, compile_cache, watchdog
 from longstraw_cli.checkpoint import CheckpointManager, trainer_state
 from longstraw_cli.config import TrainConfig
 from longstraw_cli.distributed.ep import ep_slice
@@ -57,6 +57,7 @@ from longstraw_cli.telemetry.metrics import MetricsLogger
 from longstraw_cli.telemetry.progress import StepProgress, notice
 from longstraw_cli.tokenizer import load_tokenizer, read_chat_template, stop_token_ids
 from longstraw_cli.transaction import Reference, Transaction
+from longstraw_kernels import missing_fast_paths
 
 log = logging.getLogger("longstraw")
 
@@ -77,6 +78,8 @@ class Trainer:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         self.rank, local_rank, world_size = env_rank_world()
+        # before anything compiles: Triton's and torch.compile's caches where the next launch finds them
+        self.compile_caches = compile_cache.setup(cfg.compile_cache_dir)
         # validated against the launch's world size when the config was built (config.train_config)
         self.dims = ParallelDims(world_size, cp=cfg.cp, ep=cfg.ep)
         self.dp_rank, _ = self.dims.coords(self.rank)
@@ -113,6 +116,7 @@ class Trainer:
         self.reward_fn = GroupReward(cfg.reward or self.task.default_reward, cfg.reward_style, probe)
         self._notices()
         self.model = self._build_model()
+        self._speed_notices()
         self._parallelize(self.model)
         if cfg.lora.rank > 0:
             apply_lora(self.model, cfg.lora)
@@ -168,6 +172,13 @@ class Trainer:
         if cfg.model.path is not None and cfg.model.tokenizer == "byte":
             notice(f"model.path={cfg.model.path} has no tokenizer files: using the byte tokenizer "
                    f"(model.tokenizer=DIR to choose one)", self.rank)
+
+    def _speed_notices(self) -> None:
+        """Where the compile caches are, and each fast path a GPU run goes without, with its cost (rank 0)."""
+        if self.compile_caches is not None:
+            notice(self.compile_caches.describe(), self.rank)
+        for line in missing_fast_paths(family_of(self.model).fast_paths, self.device):
+            notice(line, self.rank)
 
     # -- set-up -----------------------------------------------------------------------------------------------
     def _build_model(self) -> torch.nn.Module:

@@ -125,11 +125,14 @@ class StaticDecoder:
         self.device = model.lm_head.weight.device
         self.tokens_B = torch.full((batch,), resident.last_token, dtype=torch.long, device=self.device)
         self.step_1 = torch.zeros(1, dtype=torch.long, device=self.device)
+        # the prompt's length as a tensor, not a Python int: a compiled step would specialise on the int (one graph
+        # per prompt length, each a miss in the on-disk compile cache)
+        self.start_1 = torch.full((1,), resident.num_tokens, dtype=torch.long, device=self.device)
         self.slots_S = torch.arange(capacity, device=self.device)
 
     def embed(self):
         """-> (embedded tokens [B, 1, C], their positions [1], the filled response slots [S] bool)."""
-        positions_1 = self.step_1 + self.resident.num_tokens
+        positions_1 = self.step_1 + self.start_1
         return self.model.model.embed_tokens(self.tokens_B[:, None]), positions_1, self.slots_S <= self.step_1
 
     def logits(self, x_BTC: torch.Tensor) -> torch.Tensor:

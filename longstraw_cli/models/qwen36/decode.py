@@ -65,10 +65,14 @@ class Qwen36Decoder(StaticDecoder):
         self.compile_safe = all(layer.self_attn.decode_pages_fn is decode_pages_attention
                                 for layer in model.model.layers if layer.is_attention)
         self.layers = []
-        for layer, state in zip(model.model.layers, resident.layers):
+        for layer, state, pages in zip(model.model.layers, resident.layers, self.pages):
             if layer.is_attention:
                 self.layers.append(ResponseKV(batch, capacity, cfg.num_key_value_heads, cfg.head_dim,
                                               state.k_PKD.dtype, self.device))
+                # the page count is a dynamic size of the compiled step, so that one graph (and its on-disk cache
+                # entry) serves every prompt length instead of one per length
+                torch._dynamo.maybe_mark_dynamic(pages.k_PKD, 0)
+                torch._dynamo.maybe_mark_dynamic(pages.v_PKD, 0)
             else:
                 self.layers.append(ResponseRecurrent(state.conv_CW, state.ssm_GKV, batch))
 

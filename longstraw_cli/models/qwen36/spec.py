@@ -15,4 +15,5 @@ SPEC = register_family(FamilySpec(
     lora_targets=DEFAULT_TARGETS,
     context_parallel="longstraw_cli.distributed.cp:apply_context_parallel_qwen36",
     plan="longstraw_cli.plan.qwen36:plan",
+    fast_paths=("fla", "triton"),
 ))

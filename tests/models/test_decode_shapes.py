@@ -1,0 +1,41 @@
+"""The compiled decode step does not depend on the prompt's length (issue #32, warm-up paid once): one dynamo graph
+serves every prompt length of a regime, so a run whose prompts change length compiles the step once, and a second
+launch with another prompt length finds that graph in the on-disk compile cache. Traced on CPU with a counting
+backend (dynamo's graphs, no inductor): the page count is a dynamic size, the position offset a tensor."""
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter
+
+from conftest import ids
+from longstraw_cli.models import build_model
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+# P = prompt - 1 pages. With 2 kv heads, P >= 1024 cuts the pages into P // 1024 splits and a tail of 2 or 3 pages here
+# (a tail of 1 page is a graph of its own: dynamo specialises sizes of 1); P < 1024 is one piece
+@pytest.mark.slow
+@pytest.mark.parametrize("lengths", [(3300, 4500, 5000), (300, 700)])
+@torch.no_grad()
+def test_one_graph_for_every_prompt_length(fresh_dynamo, lengths):
+    model = build_model("qwen36_tiny", seed=0, num_hidden_layers=4)
+    counter, graphs = CompileCounter(), []
+    for n, length in enumerate(lengths):
+        resident = model.capture(ids(length, n), block_size=1024)
+        eager, compiled = model.decoder(resident, 2, 4), model.decoder(resident, 2, 4)
+        step = torch.compile(compiled.step, backend=counter)
+        for _ in range(2):
+            expected = eager.step()
+            assert torch.equal(step(), expected)
+            eager.tokens_B.copy_(expected.argmax(-1))
+            compiled.tokens_B.copy_(expected.argmax(-1))
+        graphs.append(counter.frame_count)
+    # the first prompt compiles the step's graphs (several: dynamo cuts the step at gdn_step, which it does not
+    # trace); later prompt lengths compile nothing
+    assert graphs == graphs[:1] * len(lengths), f"graphs compiled after each prompt of {lengths} tokens: {graphs}"
