@@ -100,13 +100,13 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.08)
 
 
-def random_model(name: str, dtype=torch.float64, seed: int = 0) -> torch.nn.Module:
-    """A named tiny model with every parameter random. qwen36: randomize_. glm52: the router bias random too,
-    large enough to change which experts are chosen."""
+def random_model(name: str, dtype=torch.float64, seed: int = 0, **overrides) -> torch.nn.Module:
+    """A named tiny model with every parameter random; keyword overrides replace config fields (build_model's).
+    qwen36: randomize_. glm52: the router bias random too, large enough to change which experts are chosen."""
     # imported here: the environment above must be set before any kernel module is imported
     from longstraw_cli.models import build_model
 
-    model = build_model(name, dtype=dtype)
+    model = build_model(name, dtype=dtype, **overrides)
     if not name.startswith("glm52"):
         randomize_(model, seed)
         return model

@@ -1,11 +1,16 @@
-"""Checkpoints under expert parallel (gloo, 4 CPU ranks): each rank writes only its experts and their AdamW
-moments, at their global expert index, through torch.distributed.checkpoint (checkpoint/format_sharded.py);
-the replicated tensors are written once. A run trained 2 steps under ep=4, checkpointed, and resumed for 2 more
-under ep=4 (bit-exactly), ep=2 and one process (the checkpoint reads back bit-exactly; the steps after it are the
-uninterrupted run's up to the order of the experts' all-reduce) ends where the uninterrupted ep=4 run ends. While
-saving, a rank allocates at most one tensor beyond the state it holds (its share). A whole-tensor checkpoint of
-every expert (ep=1) still loads under ep=4. A NaN in one rank's experts is found by every rank (so all refuse the
-save alike). The trainer's path (ep=2 -> ep=2 / ep=1 under torchrun) is tests/e2e/test_cli.py's."""
+"""Checkpoints under expert parallel (gloo, 8 CPU ranks; glm52_tiny with 16 experts, 2 a rank): each rank writes
+only its experts and their AdamW moments, at their global expert index, through torch.distributed.checkpoint
+(checkpoint/format_sharded.py); the replicated tensors are written once. A run trained 2 steps under ep=8,
+checkpointed, and resumed for 2 more under ep=8 (bit-exactly), ep=4 and one process (the checkpoint reads back
+bit-exactly; the steps after it are the uninterrupted run's up to the order in which the grad norm adds the
+experts' slices) ends where the uninterrupted ep=8 run ends. While saving, a rank allocates at most one tensor
+beyond the state it holds (its share). A whole-tensor checkpoint of every expert, written by one process (ep=1),
+still loads under ep=8. A NaN in one rank's experts is found by every rank (so all refuse the save alike). The
+trainer's path (ep=2 -> ep=2 / ep=1 under torchrun) is tests/e2e/test_cli.py's.
+
+The 8 ranks are forked once (the module's fixture), one intra-op thread each, and every resume under ep > 1 runs
+in them; the one-process parts (the ep=1 checkpoint, the resume in one process) run in the test process, once:
+on a 2-core machine the ranks make every replicated step eight times."""
 
 import math
 import os
@@ -25,15 +30,18 @@ from longstraw_cli.distributed.local_strategy import LocalStrategy
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-WORLD, BLOCK = 4, 16
+WORLD, BLOCK = 8, 16
+# glm52_tiny's 8 experts made 16: two a rank under ep=8, four under ep=4
+EXPERTS = 16
 # trained before the checkpoint, and in all
 SAVED_AT, STEPS = 2, 4
 NAN_IN = "model.layers.3.mlp.experts.down_proj"
 
 
 def build(ep_group, seed):
-    """glm52_tiny (8 experts) with every weight random, its experts split over `ep_group` (None: all here)."""
-    model = random_model("glm52_tiny", torch.float64, seed=seed)
+    """glm52_tiny with EXPERTS experts and every weight random, its experts split over `ep_group` (None: all
+    here)."""
+    model = random_model("glm52_tiny", torch.float64, seed=seed, n_routed_experts=EXPERTS)
     if ep_group is not None:
         apply_expert_parallel(model, ep_group, cp_group=dist.group.WORLD)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
@@ -138,7 +146,9 @@ class Allocations(TorchDispatchMode):
 
 
 def _worker(rank, world, port, out_dir):
-    pair = join_gloo(rank, world, port)[2]
+    join_gloo(rank, world, port)
+    # ep=4: two EP groups of four ranks, each expert held twice (every rank creates both: a collective)
+    quad = dist.new_subgroups(group_size=4)[0]
     out = {}
 
     strategy = build(dist.group.WORLD, seed=3)
@@ -169,27 +179,21 @@ def _worker(rank, world, port, out_dir):
     out["norms"] += train(strategy, range(SAVED_AT, STEPS))
     out["after"] = whole_state(strategy)
 
-    # resumed under the same ep=4 from another start: bit for bit the uninterrupted run
+    # resumed under the same ep=8 from another start: bit for bit the uninterrupted run
     strategy = build(dist.group.WORLD, seed=4)
     resume(path, strategy)
-    out["ep4_norms"], out["ep4_after"] = train(strategy, range(SAVED_AT, STEPS)), whole_state(strategy)
-    # resumed under ep=2 (two EP groups of two ranks: each expert held twice)
-    strategy = build(pair, seed=4)
+    out["ep8_norms"], out["ep8_after"] = train(strategy, range(SAVED_AT, STEPS)), whole_state(strategy)
+    # resumed under ep=4
+    strategy = build(quad, seed=4)
     resume(path, strategy)
-    out["ep2_loaded"] = whole_state(strategy)
-    out["ep2_norms"], out["ep2_after"] = train(strategy, range(SAVED_AT, STEPS)), whole_state(strategy)
-    # and saved under ep=2: each expert is held by two ranks, one writes it
-    checkpoint.save(CheckpointManager(os.path.join(out_dir, "run_ep2"), rank=rank), STEPS, strategy, {})
+    out["ep4_loaded"] = whole_state(strategy)
+    out["ep4_norms"], out["ep4_after"] = train(strategy, range(SAVED_AT, STEPS)), whole_state(strategy)
+    # and saved under ep=4: each expert is held by two ranks, one writes it
+    checkpoint.save(CheckpointManager(os.path.join(out_dir, "run_ep4"), rank=rank), STEPS, strategy, {})
 
-    # a whole-tensor checkpoint of every expert (as ep=1 writes it) still loads under ep=4: each rank its rows
-    whole = build(None, seed=3)
-    train(whole, range(SAVED_AT))
-    model_state, optimizer_state = whole.state_dict()
-    format_whole.save(CheckpointManager(os.path.join(out_dir, "run_whole"), rank=rank), SAVED_AT,
-                      model_state=model_state, optimizer_state=optimizer_state, trainer_state={})
-    dist.barrier()
-    out["whole_saved"] = whole_state(whole)
-    # the whole format holds the trainable weights, not the buffers (the router's bias): built as the run built them
+    # the whole-tensor checkpoint of every expert the test process wrote (ep=1) loads under ep=8: each rank its
+    # rows. The whole format holds the trainable weights, not the buffers (the router's bias): built as the run
+    # built them
     strategy = build(dist.group.WORLD, seed=3)
     resume(CheckpointManager(os.path.join(out_dir, "run_whole")).latest(), strategy)
     out["whole_loaded"] = whole_state(strategy)
@@ -205,19 +209,28 @@ def _worker(rank, world, port, out_dir):
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
+def saved(tmp_path_factory, one_thread):
+    """(out_dir, each rank's results, the whole-tensor checkpoint's state). The test process writes the ep=1
+    checkpoint (2 steps, every expert whole) first; the 8 ranks then run `_worker` once."""
     out_dir = tmp_path_factory.mktemp("ep_checkpoint")
-    run_ranks(_worker, WORLD, str(out_dir), timeout_s=400)
-    return out_dir, [torch.load(out_dir / f"rank{r}.pt") for r in range(WORLD)]
+    whole = build(None, seed=3)
+    train(whole, range(SAVED_AT))
+    model_state, optimizer_state = whole.state_dict()
+    format_whole.save(CheckpointManager(out_dir / "run_whole", rank=0), SAVED_AT, model_state=model_state,
+                      optimizer_state=optimizer_state, trainer_state={})
+    whole_saved = whole_state(whole)
+    del whole, model_state, optimizer_state
+    run_ranks(_worker, WORLD, str(out_dir), timeout_s=600)
+    return out_dir, [torch.load(out_dir / f"rank{r}.pt") for r in range(WORLD)], whole_saved
 
 
 def test_each_rank_hands_dcp_only_its_own_experts_and_allocates_no_whole_one(saved):
-    _, results = saved
+    _, results, _ = saved
     for rank, got in enumerate(results):
         assert got["expert_entries"], "no expert parameter in the sharded state dict"
         for name, (local, whole, shares) in got["expert_entries"].items():
             assert local == got["own_shapes"][name] and shares, (rank, name)
-            assert whole == (WORLD * local[0], *local[1:]) and local[0] == 8 // WORLD
+            assert whole == (WORLD * local[0], *local[1:]) and local[0] == EXPERTS // WORLD
         whole_expert = max(math.prod(whole) for _, whole, _ in got["expert_entries"].values())
         print(f"rank {rank}: largest tensor made while saving {got['largest_saved']} elements, largest held "
               f"{got['largest_held']}, a whole expert tensor {whole_expert}")
@@ -228,7 +241,7 @@ def test_each_rank_hands_dcp_only_its_own_experts_and_allocates_no_whole_one(sav
 def test_a_rank_saving_allocates_at_most_its_share_plus_one_tensor(saved):
     """The sharded state dict wraps the live tensors (no copy), and the save (finite check, DCP's write) never
     holds more than one tensor's bytes beyond them at once."""
-    _, results = saved
+    _, results, _ = saved
     for rank, got in enumerate(results):
         print(f"rank {rank}: share {got['share_bytes']} B; while saving at most {got['peak_saved_bytes']} B more "
               f"alive at once (largest tensor held {got['largest_held_bytes']} B)")
@@ -256,7 +269,7 @@ def bytes_by_file(path, ep: int) -> tuple[dict, dict, dict]:
         tensor_bytes = chunk.sizes.numel() * entry.properties.dtype.itemsize
         if is_expert_entry(index.fqn):
             writer = int(info.relative_path[2])
-            assert index.offset[0] == expert_bounds(8, ep, writer % ep)[0], (index, info.relative_path)
+            assert index.offset[0] == expert_bounds(EXPERTS, ep, writer % ep)[0], (index, info.relative_path)
             experts[info.relative_path] += tensor_bytes
         else:
             replicated[info.relative_path] += tensor_bytes
@@ -266,7 +279,7 @@ def bytes_by_file(path, ep: int) -> tuple[dict, dict, dict]:
 
 
 def test_each_rank_writes_its_share_and_replicated_tensors_once(saved):
-    out_dir, results = saved
+    out_dir, results, _ = saved
     [path] = CheckpointManager(out_dir / "run").complete()
     written, experts, replicated = bytes_by_file(path, ep=WORLD)
     want = results[0]["saved"]
@@ -277,19 +290,19 @@ def test_each_rank_writes_its_share_and_replicated_tensors_once(saved):
     # each rank its share of the experts; every replicated tensor once, over all files
     assert all(b == want_experts // WORLD for b in experts.values())
     assert sum(replicated.values()) == want_replicated
-    # under ep=2 every expert is on two ranks: written once too, by one of them
-    [path] = CheckpointManager(out_dir / "run_ep2").complete()
-    written, experts, replicated = bytes_by_file(path, ep=2)
-    print(f"ep=2: bytes per rank file {written}: experts {experts}, replicated {replicated}")
+    # under ep=4 every expert is on two ranks: written once too, by one of them
+    [path] = CheckpointManager(out_dir / "run_ep4").complete()
+    written, experts, replicated = bytes_by_file(path, ep=4)
+    print(f"ep=4: bytes per rank file {written}: experts {experts}, replicated {replicated}")
     assert sum(experts.values()) == want_experts and sum(replicated.values()) == want_replicated
-    assert all(b <= want_experts // 2 for b in experts.values())
+    assert all(b <= want_experts // 4 for b in experts.values())
 
 
-def test_ep4_run_resumed_under_ep4_ep2_and_one_process_ends_as_the_uninterrupted_run(saved):
-    out_dir, results = saved
+def test_ep8_run_resumed_under_ep8_ep4_and_one_process_ends_as_the_uninterrupted_run(saved, one_thread):
+    out_dir, results, _ = saved
     [path] = CheckpointManager(out_dir / "run").complete()
     want = results[0]["saved"]
-    # one process, no process group: every expert whole, read from the four ranks' files
+    # one process, no process group: every expert whole, read from the eight ranks' files
     strategy = build(None, seed=5)
     resume(path, strategy)
     one = whole_state(strategy)
@@ -298,35 +311,36 @@ def test_ep4_run_resumed_under_ep4_ep2_and_one_process_ends_as_the_uninterrupted
     for rank, got in enumerate(results):
         assert len(got["norms"]) == STEPS and all(n > 0 for n in got["norms"])
         # the same ep: the same arithmetic, bit for bit
-        assert got["ep4_norms"] == got["norms"][SAVED_AT:], rank
-        assert all(torch.equal(got["ep4_after"][n], got["after"][n]) for n in want), rank
+        assert got["ep8_norms"] == got["norms"][SAVED_AT:], rank
+        assert all(torch.equal(got["ep8_after"][n], got["after"][n]) for n in want), rank
         # another ep reads the checkpoint back bit for bit
-        for loaded in (got["ep2_loaded"], one):
+        for loaded in (got["ep4_loaded"], one):
             assert all(torch.equal(loaded[n], want[n]) for n in want), rank
-        # the steps after it: the uninterrupted run's, up to the rounding of a different all-reduce of the experts'
-        # partial sums (ep=4 adds four, ep=2 two, one process none)
-        for norms, after in ((got["ep2_norms"], got["ep2_after"]), (one_norms, one_after)):
+        # the steps after it: the uninterrupted run's, up to the rounding of a different all-reduce over the experts
+        # (the grad norm's squared partial sums: ep=8 adds eight, ep=4 four, one process none)
+        for where, norms, after in (("ep=4", got["ep4_norms"], got["ep4_after"]),
+                                    ("one process", one_norms, one_after)):
             assert norms == pytest.approx(got["norms"][SAVED_AT:], rel=1e-12)
+            norm_err = max(abs(a / b - 1) for a, b in zip(norms, got["norms"][SAVED_AT:]))
             err = max(rel_err(after[n], got["after"][n]) for n in want)
-            print(f"rank {rank}: resumed under another ep, parameters and moments after step {STEPS - 1} within "
-                  f"{err:.1e} of the uninterrupted ep=4 run")
+            print(f"rank {rank}: resumed under {where}, grad norms within {norm_err:.1e}, parameters and moments "
+                  f"after step {STEPS - 1} within {err:.1e} of the uninterrupted ep=8 run")
             assert err < 1e-12
-    # the ep=2 checkpoint of the last step, in one process: what the ep=2 ranks held
+    # the ep=4 checkpoint of the last step, in one process: what the ep=4 ranks held
     strategy = build(None, seed=5)
-    resume(CheckpointManager(out_dir / "run_ep2").latest(), strategy)
+    resume(CheckpointManager(out_dir / "run_ep4").latest(), strategy)
     one = whole_state(strategy)
-    assert all(torch.equal(one[n], results[0]["ep2_after"][n]) for n in want)
+    assert all(torch.equal(one[n], results[0]["ep4_after"][n]) for n in want)
 
 
 def test_a_whole_tensor_checkpoint_of_every_expert_loads_under_ep(saved):
-    _, results = saved
+    _, results, want = saved
     for rank, got in enumerate(results):
-        want = got["whole_saved"]
         assert set(got["whole_loaded"]) == set(want)
         assert all(torch.equal(got["whole_loaded"][n], want[n]) for n in want), rank
-        assert all(rows[0] == 8 // WORLD for rows in got["whole_own_rows"].values())
+        assert all(rows[0] == EXPERTS // WORLD for rows in got["whole_own_rows"].values())
 
 
 def test_a_nonfinite_expert_on_one_rank_is_found_on_every_rank(saved):
-    _, results = saved
+    _, results, _ = saved
     assert [got["nonfinite"] for got in results] == [NAN_IN] * WORLD
