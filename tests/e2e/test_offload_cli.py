@@ -51,15 +51,27 @@ def test_offload_refusals(train, args, message):
     assert len([line for line in err.splitlines() if line.startswith("longstraw: error")]) <= 1
 
 
-def test_offload_with_context_parallel_is_refused():
-    """The one refusal the trainer's config and `longstraw plan` share (cp > 1 needs torchrun, so asked here)."""
+def test_offload_under_context_parallel_is_accepted():
+    """cp > 1 takes capture.offload=cpu (each rank's shard in its host memory; tests/distributed/test_cp_offload.py
+    compares it with on-device CP) in the trainer's config and in `longstraw plan`; exact gradients with offloaded
+    pages stay refused at every cp, in one line naming the valid choices (cp > 1 needs torchrun, so asked here)."""
+    from longstraw_cli.config import ConfigError, train_config
     from longstraw_cli.plan import plan
     from longstraw_cli.resident.offload import offload_refusal
 
-    assert "capture.offload=cpu with cp=2" in offload_refusal("cpu", gradient="response_only", cp=2)
-    assert offload_refusal("none", gradient="response_only", cp=2) is None
-    with pytest.raises(ValueError, match="capture.offload=cpu with cp=2"):
-        plan("qwen36_tiny", cp=2, prompt_tokens=1024, group_size=2, response_tokens=8, offload="cpu")
+    assert offload_refusal("cpu", gradient="response_only") is None
+    assert offload_refusal("none", gradient="exact") is None
+    refused = offload_refusal("cpu", gradient="exact")
+    assert "capture.offload=cpu with capture.gradient=exact" in refused and "valid:" in refused
+    for model in ("qwen36_tiny", "glm52_tiny"):
+        cfg = composed([f"model={model}", "cp=2", "capture.offload=cpu", "run_dir=x"])
+        assert train_config(cfg, world_size=2).transaction.placement == {"offload": "cpu"}
+        with pytest.raises(ConfigError, match="capture.offload=cpu with capture.gradient=exact"):
+            train_config(composed([f"model={model}", "cp=2", "capture.offload=cpu", "capture.gradient=exact",
+                                   "strategy=ddp", "run_dir=x"]), world_size=2)
+        assert plan(model, cp=2, prompt_tokens=1024, group_size=2, response_tokens=8, offload="cpu")["host"] > 0
+        with pytest.raises(ValueError, match="capture.offload=cpu with capture.gradient=exact"):
+            plan(model, cp=2, prompt_tokens=1024, group_size=2, response_tokens=8, offload="cpu", gradient="exact")
 
 
 def test_not_enough_host_memory_stops_before_any_work(train, monkeypatch, tmp_path):
@@ -69,6 +81,10 @@ def test_not_enough_host_memory_stops_before_any_work(train, monkeypatch, tmp_pa
     code, err, _ = train("small_host", "capture.offload=cpu")
     assert code == 2 and "pages need" in err and "GiB of host memory" in err and "capture.offload=none" in err
     assert not (tmp_path / "small_host" / "metrics.jsonl").exists()
+    # every rank on the host keeps its (context-parallel shard of the) pages in the same memory: counted all
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    code, err, _ = train("two_local", "capture.offload=cpu")
+    assert code == 2 and "(2 ranks' shards of 47 tokens on this host)" in err
     # offload=none never asks
     code, err, _ = train("no_offload", "capture.offload=none", "steps=1")
     assert code == 0, err
