@@ -392,7 +392,7 @@ def train_config(d: dict, world_size: int | None = None, set_keys: tuple[str, ..
                       prompts_per_step=d["prompts_per_step"])
     if refused:
         raise ConfigError(refused)
-    refused = offload_refusal(transaction.offload, gradient=transaction.gradient, cp=d["cp"])
+    refused = offload_refusal(transaction.offload, gradient=transaction.gradient)
     if refused:
         raise ConfigError(refused)
 

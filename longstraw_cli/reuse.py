@@ -58,6 +58,7 @@ from dataclasses import dataclass
 import torch
 
 from longstraw_cli.resident.gradient import WholePrompt
+from longstraw_cli.resident.offload import stage_layers
 from longstraw_cli.resident.state import prefix, snapshot
 
 log = logging.getLogger("longstraw")
@@ -117,7 +118,8 @@ def tail_recaptured(model, prompt_ids: torch.Tensor, resident):
     """`resident` with its tail (positions tail_start.. of its captured prompt) re-captured by the model's current
     weights from the carried states kept there; the tail's pages and the carried states are put back on exit.
     On one device through the capture's own block path (offloaded pages too); under context parallel (the model's
-    `prompt_placement_fn` is cp_walk.py's) through the exact walk's (`_recompute_tail`)."""
+    `prompt_placement_fn` is cp_walk.py's) through the exact walk's (`_recompute_tail`, offloaded pages staged a
+    layer at a time)."""
     start = resident.tail_start
     placement = model.prompt_placement_fn(resident)
     one_device = isinstance(placement, WholePrompt)
@@ -156,17 +158,20 @@ def _recompute_tail(model, prompt_ids: torch.Tensor, resident, placement, start:
     device = model.lm_head.weight.device
     positions_T = torch.arange(start, num_tokens, device=device)
     x_BTC, carry = model.model.embed_tokens(prompt_ids[start:num_tokens].to(device))[None], None
-    for layer, state, carried in zip(model.model.layers, resident.layers, boundary):
-        read = carried if state.CARRIED else prefix(state, before)
-        x_BTC, carry, written = layer.recompute_block(x_BTC, positions_T, read, carry)
-        for f in dataclasses.fields(state):
-            new, target = getattr(written, f.name), getattr(state, f.name)
-            if new is None:
-                continue
-            if state.CARRIED:
-                target.copy_(new)
-            elif held > before:
-                target[before:held].copy_(new[rows])
+    # offloaded pages (capture.offload=cpu): each layer read from a staged device copy, its rows written back to
+    # the host pages
+    with stage_layers(resident, device, grad=False) as stage:
+        for i, (layer, state, carried) in enumerate(zip(model.model.layers, resident.layers, boundary)):
+            read = carried if state.CARRIED else prefix(stage(i), before)
+            x_BTC, carry, written = layer.recompute_block(x_BTC, positions_T, read, carry)
+            for f in dataclasses.fields(state):
+                new, target = getattr(written, f.name), getattr(state, f.name)
+                if new is None:
+                    continue
+                if state.CARRIED:
+                    target.copy_(new)
+                elif held > before:
+                    target[before:held].copy_(new[rows])
 
 
 def _copy_carried(layers: list, source: list) -> None:

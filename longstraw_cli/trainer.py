@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import resource
 import sys
 from pathlib import Path
@@ -298,18 +299,24 @@ class Trainer:
         """capture.offload=cpu: a prompt whose pages (twice with a KL reference, whose capture lives beside the
         policy's) do not fit in the host's available memory stops the run with one line, before its capture. Pinned
         pages freed by an earlier capture stay in torch's host cache (not available to the OS, reused by the next
-        capture), so only the growth over the largest prompt checked so far is checked again."""
+        capture), so only the growth over the largest prompt checked so far is checked again. Every rank on this
+        host (torchrun's LOCAL_WORLD_SIZE) keeps its pages in the same memory: its context-parallel shard of the
+        prompt (the first ranks' shards are the largest, one token more), so the need is that shard's pages times
+        the local ranks."""
         if self.cfg.transaction.offload == "none":
             return
         copies = 2 if self.cfg.loss.kl_coef > 0 else 1
-        need = copies * host_bytes(self.model.resident_bytes(prompt_tokens - 1))
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        shard = -(-(prompt_tokens - 1) // self.cfg.cp)
+        need = copies * local * host_bytes(self.model.resident_bytes(shard))
         if need <= self.host_checked:
             return
         available = host_available_bytes()
         if available is not None and need - self.host_checked > available:
             both = " (policy and KL reference)" if copies > 1 else ""
+            ranks = f" ({local} ranks' shards of {shard} tokens on this host)" if local > 1 or self.cfg.cp > 1 else ""
             raise TrainerError(f"capture.offload=cpu: a {prompt_tokens}-token prompt's pages need "
-                               f"{need / 2**30:.2f} GiB of host memory{both}, "
+                               f"{need / 2**30:.2f} GiB of host memory{both}{ranks}, "
                                f"{(available + self.host_checked) / 2**30:.2f} GiB available; use a shorter prompt "
                                f"or capture.offload=none")
         self.host_checked = need

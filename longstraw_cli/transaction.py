@@ -73,7 +73,7 @@ class TransactionConfig:
     @property
     def placement(self) -> dict:
         """The model's `capture` keywords for `offload`: none with pages on the device (context parallel's capture,
-        swapped in from outside, takes none; config.py refuses offload under it)."""
+        swapped in from outside, takes the same keyword: each rank's shard in host memory)."""
         return {} if self.offload == "none" else {"offload": self.offload}
 
 

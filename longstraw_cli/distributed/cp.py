@@ -13,6 +13,10 @@ What changes, through the model's swappable hooks:
 - replay, scoring and decode: the response is replicated; each rank attends to its pages and the partials are
   merged across ranks inside the attention Function, whose backward all-reduces dq, so every rank holds the
   same parameter gradients as one rank would. GDN layers replay from the replicated final state.
+- host-resident pages (`capture.offload=cpu`): each rank's K/V shard lives in its pinned host memory, written
+  layer by layer in capture and staged one layer at a time for replay, scoring and decode (resident/offload.py),
+  the hooks above reading the staged copy; values equal the on-device CP run's (tests/distributed/
+  test_cp_offload.py). Exact mode refuses it (its walk differentiates the pages on the device).
 - exact mode (`capture.gradient=exact`): the capture also keeps the GDN states at the starts of the capture
   blocks in the rank's shard (the span hooks keep them while they scan), and the prompt's reverse walk runs on
   every rank over every block with the pages where they are (cp_walk.py).
@@ -37,9 +41,11 @@ from longstraw_kernels.gdn import gdn_forward
 __all__ = ["apply_context_parallel", "apply_context_parallel_qwen36", "cp_capture", "shard_bounds"]
 
 
-def cp_capture(model, prompt_ids: torch.Tensor, block_size: int = 4096, page_dtype=None, boundaries: bool = False,
-               tail: int = 0, *, group=None):
-    """This rank's resident state of a 1-D prompt that every rank of the CP group holds. boundaries=True (exact
+def cp_capture(model, prompt_ids: torch.Tensor, block_size: int = 4096, page_dtype=None, offload: str | None = None,
+               boundaries: bool = False, tail: int = 0, *, group=None):
+    """This rank's resident state of a 1-D prompt that every rank of the CP group holds. offload="cpu": this
+    rank's K/V pages in (pinned) host memory, each layer's written on the device and copied there while the next
+    layer computes (`capture_span`'s `PageWriter`); the GDN states stay on the device. boundaries=True (exact
     mode): also the GDN states at the start of each capture block that starts in this rank's shard
     (`Resident.boundaries`, None for the other blocks), kept by the GDN span hooks while they scan. tail=n > 0
     (capture reuse): `Resident.tail_start` where one device's capture would start its tail (`capture_blocks`),
@@ -48,10 +54,14 @@ def cp_capture(model, prompt_ids: torch.Tensor, block_size: int = 4096, page_dty
         raise ValueError(f"capture takes a non-empty 1-D prompt, got shape {tuple(prompt_ids.shape)}")
     if boundaries and tail:
         raise ValueError("a capture keeps either the exact walk's boundaries or reuse's tail, not both")
+    if boundaries and offload is not None:
+        raise ValueError(f"exact gradients (boundaries=True) need the resident state on the device; got "
+                         f"offload={offload!r}")
     num_tokens = prompt_ids.numel() - 1
     start, end = shard_bounds(num_tokens, dist.get_world_size(group), dist.get_rank(group))
     capture = functools.partial(model.capture_span, prompt_ids[start:end], start=start, num_tokens=num_tokens,
-                                last_token=int(prompt_ids[-1]), block_size=block_size, page_dtype=page_dtype)
+                                last_token=int(prompt_ids[-1]), block_size=block_size, page_dtype=page_dtype,
+                                offload=offload)
     if not (boundaries or tail):
         return capture()
     first_tail = tail_start(num_tokens, block_size, tail) if tail else None

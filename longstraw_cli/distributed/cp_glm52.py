@@ -34,8 +34,14 @@ What it simplifies: capture holds, transiently, ONE LAYER's whole-prompt pages o
 index keys; ~1.4 KB per token in bf16 for GLM-5, 2.8 GB at 2M tokens, about twice that while the gathered
 shards and their concatenation coexist), dropped after the layer: no ring passes. Shards are contiguous, so
 capture attention is imbalanced (rank N-1's queries see the whole prompt, though DSA caps each query at
-index_topk keys, so the imbalance is in the indexer's scoring). Replay's collectives block. No CPU offload of
-pages under CP. `span_pages_fn` all-gathers the shard sizes once per layer besides the pages.
+index_topk keys, so the imbalance is in the indexer's scoring). Replay's collectives block. `span_pages_fn`
+all-gathers the shard sizes once per layer besides the pages.
+
+Host-resident pages (`capture.offload=cpu`, the paper's GLM layout): each rank's shard of latent, rope and index
+pages lives in its pinned host memory. Capture writes a layer's shard into a device buffer (all-gathered from
+there as above) and copies it to the host while the next layer computes (`PageWriter`); replay, scoring and the
+eager decode stage the shard one layer at a time (`stage_layers`), and the hooks above read the staged copy, so
+values equal the on-device CP run's (tests/distributed/test_cp_offload.py). Exact mode refuses it.
 
 Legend: B batch, T queries, S keys, C hidden, H heads, L latent, R rope, I index head dim, J index heads,
 K = index_topk, W ranks in the CP group, X = L + R (+ I) numbers gathered per token.
@@ -55,6 +61,7 @@ from longstraw_cli.distributed.cp_walk import ShardedPrompt, owned_blocks
 from longstraw_cli.distributed.ep import tokens_sharded
 from longstraw_cli.models.core import StepDecoder, check_prompt, tail_start
 from longstraw_cli.resident import MLAPages
+from longstraw_cli.resident.offload import PageWriter
 from longstraw_kernels import compute_dtype
 
 __all__ = ["apply_context_parallel_glm52", "cp_block_range", "cp_capture_glm52"]
@@ -141,28 +148,36 @@ def cp_span_pages(pages: MLAPages, *, group) -> MLAPages:
 
 @torch.no_grad()
 def cp_capture_glm52(model, prompt_ids: torch.Tensor, block_size: int = 4096, page_dtype=None,
-                     boundaries: bool = False, tail: int = 0, *, group):
+                     offload: str | None = None, boundaries: bool = False, tail: int = 0, *, group):
     """This rank's resident state of a 1-D prompt that every rank of the CP group holds: the pages of its shard,
     num_tokens the global count. MoE layers see SHARDED tokens here (`tokens_sharded`: expert parallel uses
     all-to-all), and every rank runs the same number of MLP blocks (the largest shard's), so that collective
-    calls match across ranks. boundaries=True (exact mode): `Resident.boundaries` as cp_walk.py lays them out,
-    with no carried state in them. tail=n > 0 (capture reuse): `Resident.tail_start` where one device's capture
-    would start its tail (`capture_blocks`), no carried state kept (glm52 has none)."""
+    calls match across ranks. offload="cpu": the shard's pages in (pinned) host memory, each layer's written in a
+    device buffer (which `cp_span_pages` all-gathers from) and copied to the host while the next layer computes
+    (`PageWriter`). boundaries=True (exact mode): `Resident.boundaries` as cp_walk.py lays them out, with no
+    carried state in them. tail=n > 0 (capture reuse): `Resident.tail_start` where one device's capture would
+    start its tail (`capture_blocks`), no carried state kept (glm52 has none)."""
     check_prompt(prompt_ids, block_size)
+    if boundaries and offload is not None:
+        raise ValueError(f"exact gradients (boundaries=True) need the resident state on the device; got "
+                         f"offload={offload!r}")
     num_tokens = prompt_ids.numel() - 1
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     bounds = [shard_bounds(num_tokens, world, r) for r in range(world)]
     start, end = bounds[rank]
     sizes = [e - s for s, e in bounds]
-    resident = model.empty_resident(end - start, page_dtype)
+    resident = model.empty_resident(end - start, page_dtype, offload)
     resident.num_tokens, resident.last_token = num_tokens, int(prompt_ids[-1])
     device = model.lm_head.weight.device
     positions_T = torch.arange(start, end, device=device)
     x_BTC, idx = model.model.embed_tokens(prompt_ids[start:end].to(device))[None], None
     num_blocks = -(-max(sizes) // block_size)
+    pages = PageWriter(resident, device)
     with tokens_sharded():
-        for layer, pages in zip(model.model.layers, resident.layers):
-            x_BTC, idx = layer.capture_span(x_BTC, positions_T, pages, block_size, idx, num_blocks)
+        for i, layer in enumerate(model.model.layers):
+            x_BTC, idx = layer.capture_span(x_BTC, positions_T, pages.get(i), block_size, idx, num_blocks)
+            pages.done(i)
+    pages.finish()
     if boundaries:
         resident.boundaries = [None] * -(-num_tokens // block_size)
         for b in owned_blocks(num_tokens, block_size, start, end):

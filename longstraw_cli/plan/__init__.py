@@ -73,7 +73,7 @@ def plan(model_name_or_cfg, *, cp: int = 1, ep: int = 1, prompt_tokens: int, gro
     only memory that is free, so they never decide whether a prompt fits."""
     spec, cfg = _family(model_name_or_cfg)
     check_gradient_mode(gradient)
-    refused = offload_refusal(offload, gradient=gradient, cp=cp)
+    refused = offload_refusal(offload, gradient=gradient)
     if refused:
         raise ValueError(refused)
     if kernels not in KERNELS:
@@ -153,9 +153,9 @@ def report(cfg, title: str, prompts: list[int], **common) -> int:
         positions = cfg.max_position_embeddings
         cap = positions - common["response_tokens"]
         longest = max_prompt_tokens(cfg, limit=cap, **common)
-        # the placements this run may take (offload is refused with exact gradients and under context parallel)
+        # the placements this run may take (offload is refused with exact gradients)
         placements = [o for o in OFFLOAD_NAMES if not offload_refusal(
-            o, gradient=common.get("gradient", "response_only"), cp=common.get("cp", 1))]
+            o, gradient=common.get("gradient", "response_only"))]
         per_placement = {o: max_prompt_tokens(cfg, limit=cap, **{**common, "offload": o}) for o in placements}
     except ValueError as e:
         print(f"plan: error: {e}", file=sys.stderr)

@@ -35,8 +35,11 @@ config alone. The phases are longstraw_cli.plan's; what they hold for MLA + DSA 
   walk_checkpoint, every layer's block input plus the largest layer's graph).
 - rollout: weights + optimizer + pages + the decode buffers (G responses' latent, rope and index keys per layer,
   `ResponseMLA`) + one step's logits and index scores.
-- offload=cpu (cp = 1): the pages in host memory, two layers' pages staged on the GPU; the rollout copies whole
-  layers into free memory, and the index keys of the others move to the GPU (glm52/decode.py).
+- offload=cpu: the rank's pages (its CP shard) in host memory, `host` bytes per rank; on the GPU two layers' pages
+  of the shard (one staged, the next in flight; in capture one layer's written, the one before on its way to the
+  host). cp = 1: the rollout copies whole layers into free memory, and the index keys of the others move to the
+  GPU (glm52/decode.py). cp > 1 decodes by the eager `StepDecoder` (distributed/cp_glm52.py): every paged layer
+  is staged at every token, two layers on the GPU, nothing copied for the rollout.
 Left out, as for qwen36: the CUDA context, fragmentation, the collectives' buffers (besides capture's all-gather),
 expert imbalance (every rank is planned with the average share of routed pairs), a KL reference's second model.
 """
@@ -320,8 +323,9 @@ def plan(cfg: Glm52Config, run: Run) -> dict:
     # softmax) and index scores against the prompt
     decode = G * sum(layer_page_bytes(cfg, R, s))
     decode_step = 2 * G * V * f + _scores(G, captured + R, run)
-    # offloaded: the index keys of layers left on the host move to the GPU for the rollout
-    rollout_device = pages["index_pages"] if host else on_device
+    # offloaded: the index keys of layers left on the host move to the GPU for the rollout (cp = 1); under cp > 1 the
+    # eager decode stages whole layers at every token, as the replay does
+    rollout_device = (on_device if run.cp > 1 else pages["index_pages"]) if host else on_device
 
     base = weights + optimizer + on_device + dequant
     phases = {
@@ -338,7 +342,7 @@ def plan(cfg: Glm52Config, run: Run) -> dict:
         phases["drift"] = base + max(capture_act, score_activations(1)) + pages["total"] * probed // captured
     rollout_base = weights + optimizer + dequant + rollout_device + decode + decode_step
     phases["rollout"] = rollout_base
-    copies = rollout_copies(run, rollout_base, per_layer) if host else 0
+    copies = rollout_copies(run, rollout_base, per_layer) if host and run.cp == 1 else 0
 
     notes = [f"weights: replicated {parts['replicated'] / GIB:.2f} GiB, routed experts {parts['experts'] / GIB:.2f} "
              f"GiB ({cfg.n_routed_experts // run.ep} of {cfg.n_routed_experts} per layer on this rank, "
@@ -356,7 +360,11 @@ def plan(cfg: Glm52Config, run: Run) -> dict:
                      f"gradient {page_grad / GIB:.2f}")
     if run.reuse:
         notes.append(f"reuse: drift probe {phases['drift'] / GIB:.2f} GiB")
-    if host:
+    if host and run.cp > 1:
+        notes.append(f"offload=cpu: this rank's shard ({captured} tokens) in host memory {host / GIB:.2f} GiB per rank "
+                     f"(of {run.host_mem_gib:g}), on the GPU {on_device / GIB:.2f} GiB (two layers' pages); the "
+                     f"eager CP decode stages every layer at every token (nothing copied for the rollout)")
+    elif host:
         notes.append(f"offload=cpu: pages in host memory {host / GIB:.2f} GiB (of {run.host_mem_gib:g}), on the GPU "
                      f"{on_device / GIB:.2f} GiB (two layers' pages); rollout copies {copies / GIB:.2f} GiB of them "
                      f"(rollout.native.offload_copy_gib={run.offload_copy_gib})")

@@ -259,9 +259,10 @@ def plan(cfg: Qwen36Config, run: Run) -> dict:
     num_attn = sum(t == "full_attention" for t in cfg.layer_types)
     # one attention layer's K/V pages (what offload stages, the exact walk's page gradient, a rollout copy)
     layer_pages = resident["kv_pages"] // max(num_attn, 1)
-    # offload="cpu": the K/V pages in host memory; on the device the GDN states plus one attention layer's pages
-    # staged (capture: its window [0, block end); replay: the forward's layer, or the layer whose backward runs)
-    # and the next layer's in flight
+    # offload="cpu": the K/V pages (under cp > 1 this rank's shard) in host memory; on the device the GDN states
+    # plus one attention layer's pages staged (capture: its window [0, block end), or under cp > 1 the layer's shard
+    # being written while the one before goes to the host; replay: the forward's layer, or the layer whose backward
+    # runs) and the next layer's in flight
     host = resident["kv_pages"] if run.offload == "cpu" else 0
     on_device = resident["total"] - host + (2 * layer_pages if host else 0)
 
@@ -325,8 +326,10 @@ def plan(cfg: Qwen36Config, run: Run) -> dict:
         notes.append(f"exact: boundary states {boundaries / GIB:.2f}, state gradient {state_grad / GIB:.2f}, block "
                      f"graph {block_graph / GIB:.2f}, page gradient {page_grad_transient / GIB:.2f}")
     if host:
-        notes.append(f"offload=cpu: pages in host memory {host / GIB:.2f} GiB (of {run.host_mem_gib:g}), on the GPU "
-                     f"{on_device / GIB:.2f} GiB (GDN states + two attention layers' pages)")
+        shard = f"this rank's shard ({captured} tokens) " if run.cp > 1 else ""
+        notes.append(f"offload=cpu: {shard}pages in host memory {host / GIB:.2f} GiB per rank (of "
+                     f"{run.host_mem_gib:g}), on the GPU {on_device / GIB:.2f} GiB (GDN states + two attention "
+                     f"layers' pages)")
         rest = host - copies
         notes.append(f"offload=cpu rollout: {copies / GIB:.2f} GiB of pages copied to the GPU for it "
                      f"(rollout.native.offload_copy_gib={run.offload_copy_gib}), its peak ~"

@@ -14,6 +14,11 @@ device: `stage_layers` (replay, scoring, decode: read layer l on the device), `B
 capture, `capture(offload="cpu")`: for a block [start, end), layer l's pages [0, start) staged to the device, the
 block's [start, end) written there and copied back to the host) and `PageWriter` (layer-by-layer capture,
 `capture_span(offload="cpu")`: layer l's pages of the whole span written on the device, copied to the host).
+
+Context parallel uses the same three: each rank captures its shard layer by layer (`PageWriter`; the CP hooks see
+the layer's device buffer, exactly what they see without offload, and ring / all-gather it from there), and its
+replay, scoring and decode stage its own shard's pages one layer at a time (`stage_layers`) before the CP
+attention hooks merge the ranks' partials. Nothing here communicates: every rank moves only its own pages.
 """
 
 from __future__ import annotations
@@ -35,19 +40,17 @@ OFFLOAD_CHOICES = (None, "cpu")
 OFFLOAD_NAMES = ("none", "cpu")
 
 
-def offload_refusal(offload: str, *, gradient: str, cp: int) -> str | None:
+def offload_refusal(offload: str, *, gradient: str) -> str | None:
     """One line when capture.offload does not run with the rest of the run (the trainer's config and
-    `longstraw plan` refuse the same), else None."""
+    `longstraw plan` refuse the same), else None. Any cp: under context parallel each rank keeps its own shard's
+    pages on the host (distributed/cp.py, cp_glm52.py). Exact gradients are refused at every cp: the prompt's
+    reverse walk reads and differentiates the pages (and, under cp, broadcasts their gradients) on the device."""
     if offload not in OFFLOAD_NAMES:
         return f"capture.offload={offload!r}; valid: {list(OFFLOAD_NAMES)}"
-    if offload == "none":
-        return None
-    if gradient == "exact":
+    if offload == "cpu" and gradient == "exact":
         return ("capture.offload=cpu with capture.gradient=exact: the prompt's walk differentiates the pages, "
-                "which it needs on the device; use capture.offload=none or gradient=response_only")
-    if cp > 1:
-        return (f"capture.offload=cpu with cp={cp}: context parallel captures and decodes with pages on the device "
-                f"(not built); use capture.offload=none or cp=1")
+                "which it needs on the device; valid: capture.offload=none with gradient=exact, or "
+                "capture.offload=cpu with gradient=response_only")
     return None
 
 

@@ -2,6 +2,9 @@
 both families (with a KL reference, LoRA and capture reuse too); what offload cannot run with is refused in one line
 before any work, and so is a prompt whose pages do not fit in the host's available memory."""
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -51,15 +54,55 @@ def test_offload_refusals(train, args, message):
     assert len([line for line in err.splitlines() if line.startswith("longstraw: error")]) <= 1
 
 
-def test_offload_with_context_parallel_is_refused():
-    """The one refusal the trainer's config and `longstraw plan` share (cp > 1 needs torchrun, so asked here)."""
+def test_offload_under_context_parallel_is_accepted():
+    """cp > 1 takes capture.offload=cpu (each rank's shard in its host memory; tests/distributed/test_cp_offload.py
+    compares it with on-device CP) in the trainer's config and in `longstraw plan`; exact gradients with offloaded
+    pages stay refused at every cp, in one line naming the valid choices (cp > 1 needs torchrun, so asked here)."""
+    from longstraw_cli.config import ConfigError, train_config
     from longstraw_cli.plan import plan
     from longstraw_cli.resident.offload import offload_refusal
 
-    assert "capture.offload=cpu with cp=2" in offload_refusal("cpu", gradient="response_only", cp=2)
-    assert offload_refusal("none", gradient="response_only", cp=2) is None
-    with pytest.raises(ValueError, match="capture.offload=cpu with cp=2"):
-        plan("qwen36_tiny", cp=2, prompt_tokens=1024, group_size=2, response_tokens=8, offload="cpu")
+    assert offload_refusal("cpu", gradient="response_only") is None
+    assert offload_refusal("none", gradient="exact") is None
+    refused = offload_refusal("cpu", gradient="exact")
+    assert "capture.offload=cpu with capture.gradient=exact" in refused and "valid:" in refused
+    for model in ("qwen36_tiny", "glm52_tiny"):
+        cfg = composed([f"model={model}", "cp=2", "capture.offload=cpu", "run_dir=x"])
+        assert train_config(cfg, world_size=2).transaction.placement == {"offload": "cpu"}
+        with pytest.raises(ConfigError, match="capture.offload=cpu with capture.gradient=exact"):
+            train_config(composed([f"model={model}", "cp=2", "capture.offload=cpu", "capture.gradient=exact",
+                                   "strategy=ddp", "run_dir=x"]), world_size=2)
+        assert plan(model, cp=2, prompt_tokens=1024, group_size=2, response_tokens=8, offload="cpu")["host"] > 0
+        with pytest.raises(ValueError, match="capture.offload=cpu with capture.gradient=exact"):
+            plan(model, cp=2, prompt_tokens=1024, group_size=2, response_tokens=8, offload="cpu", gradient="exact")
+
+
+def _torchrun_train(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    """`longstraw train` on 2 gloo ranks under torchrun (fp64, this test folder on the path for its reward)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(E2E), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "longstraw_cli",
+         "train", *SMALL, "model.dtype=float64", "checkpoint.every=0", *args, f"run_dir={run_dir}"],
+        cwd=run_dir.parent, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("args", [("model=qwen36_tiny", "cp=2"),
+                                  ("model=glm52_tiny", "cp=2", "ep=2", "algo.kl_coef=0.1", "capture.reuse_steps=2",
+                                   "steps=3")])
+def test_offloaded_context_parallel_run_equals_on_device_run(tmp_path, args):
+    """`torchrun --nproc-per-node 2 -m longstraw_cli train cp=2 capture.offload=cpu` logs the on-device CP run's
+    metrics exactly (glm52 with expert parallel, a KL reference and capture reuse's drift probe too)."""
+    runs = {}
+    for offload in ("none", "cpu"):
+        done = _torchrun_train(tmp_path / offload, *args, f"capture.offload={offload}")
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[offload] = rows(tmp_path / offload)
+    keys = DETERMINISTIC + (("drift",) if "capture.reuse_steps=2" in args else ())
+    assert [{k: r[k] for k in keys} for r in runs["none"]] == [{k: r[k] for k in keys} for r in runs["cpu"]]
+    assert len(runs["cpu"]) == (3 if "steps=3" in args else 2)
 
 
 def test_not_enough_host_memory_stops_before_any_work(train, monkeypatch, tmp_path):
@@ -69,6 +112,10 @@ def test_not_enough_host_memory_stops_before_any_work(train, monkeypatch, tmp_pa
     code, err, _ = train("small_host", "capture.offload=cpu")
     assert code == 2 and "pages need" in err and "GiB of host memory" in err and "capture.offload=none" in err
     assert not (tmp_path / "small_host" / "metrics.jsonl").exists()
+    # every rank on the host keeps its (context-parallel shard of the) pages in the same memory: counted all
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    code, err, _ = train("two_local", "capture.offload=cpu")
+    assert code == 2 and "(2 ranks' shards of 47 tokens on this host)" in err
     # offload=none never asks
     code, err, _ = train("no_offload", "capture.offload=none", "steps=1")
     assert code == 0, err

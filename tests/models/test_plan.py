@@ -271,6 +271,35 @@ def test_offload_moves_all_but_two_layers_pages_to_the_host():
     assert max_prompt_tokens("qwen36_mini", offload="cpu", **MINI) > max_prompt_tokens("qwen36_mini", **MINI)
 
 
+def test_offload_under_context_parallel_keeps_each_ranks_shard_on_the_host(capsys):
+    """cp > 1 with capture.offload=cpu: each rank's host holds its shard of the K/V pages (`host`, per rank: the
+    one-rank pages / cp, rounded up to whole tokens); its GPU the GDN states and two attention layers' pages of the
+    shard, so every phase drops by the shard's pages less those two layers; offload then admits a longer prompt
+    per rank's GPU, and the command reports both placements and the host bytes per rank."""
+    from longstraw_cli.__main__ import main as longstraw
+
+    common = dict(cp=4, prompt_tokens=4 * 2**20 + 1, **MINI)
+    on, off = (plan("qwen36_mini", offload=o, **common) for o in ("none", "cpu"))
+    one = plan("qwen36_mini", prompt_tokens=4 * 2**20 + 1, offload="cpu", **MINI)
+    layers = sum(t == "full_attention" for t in named_config("qwen36_mini").layer_types)
+    pages = on["resident_detail"]["kv_pages"]
+    assert off["host"] == pages == one["host"] // 4 and on["host"] == 0
+    assert off["resident_device"] == on["resident"] - pages + 2 * (pages // layers)
+    for phase, nbytes in on["phases"].items():
+        assert off["phases"][phase] == nbytes - pages + 2 * (pages // layers), phase
+    assert off["fits"] and plan("qwen36_mini", offload="cpu", host_mem_gib=off["host"] / GIB * 0.99,
+                                **common)["fits"] is False
+    limits = {o: max_prompt_tokens("qwen36_mini", cp=4, offload=o, **MINI) for o in ("none", "cpu")}
+    assert limits["cpu"] > limits["none"]
+    assert longstraw(["plan", "model=qwen36", "lora.rank=16", "cp=4", "prompt_tokens=4M", "capture.offload=cpu"]) == 0
+    out = capsys.readouterr().out
+    big = plan("qwen36", cp=4, prompt_tokens=4 * 2**20, group_size=8, response_tokens=16, lora_rank=16,
+               offload="cpu", block_size=4096)
+    assert f"offload=cpu: this rank's shard ({2**20} tokens) pages in host memory {big['host'] / GIB:.2f} GiB per " \
+           f"rank" in out
+    assert "longest prompt per placement: offload=none: " in out and ", offload=cpu: " in out
+
+
 def test_offloaded_rollout_copies_whole_layers_into_free_memory():
     """The rollout's copies of host pages (rollout.native.offload_copy_gib): all where the GPU has room, whole
     layers under a cap or in a smaller GPU, none at 0; the rollout's figure is what it holds besides."""

@@ -161,3 +161,32 @@ def test_longstraw_plan_glm52_prints_every_phase_and_the_split(capsys):
     assert f"longest prompt that fits in 131.3 GiB: {longest} tokens" in out
     assert longstraw([*args, "lora.quantize=nf4"]) == 0
     assert "routed experts and decoder linears quantised to NF4" in capsys.readouterr().out
+
+
+def test_offload_under_context_parallel_keeps_each_ranks_shard_on_the_host(capsys):
+    """The paper's GLM layout: CP32/EP32 with capture.offload=cpu. Each rank's host holds its shard of the latent,
+    rope and index pages (`host`, per rank); its GPU two layers' pages of the shard (one staged, the next in
+    flight), so every training phase drops by the shard's pages less those two layers. The CP decode is eager
+    (`StepDecoder`): it stages whole layers at every token and copies nothing for the rollout."""
+    from longstraw_cli.__main__ import main as longstraw
+    from longstraw_cli.plan.glm52 import layer_page_bytes
+
+    on, off = (plan("glm52", offload=o, **TARGET) for o in ("none", "cpu"))
+    cfg = named_config("glm52")
+    shard = -(-(TARGET["prompt_tokens"] - 1) // 32)
+    pages = page_bytes(cfg, shard)["total"]
+    two_layers = 2 * max(layer_page_bytes(cfg, shard, 2))
+    assert off["host"] == pages == on["resident"] and on["host"] == 0
+    assert off["resident_device"] == two_layers
+    for phase, nbytes in on["phases"].items():
+        assert off["phases"][phase] == nbytes - pages + two_layers, phase
+    assert off["rollout_copies"] == 0 and off["rollout"] == off["phases"]["rollout"]
+    # one rank (cp = 1) copies whole layers for its rollout where the GPU has room; cp > 1 none
+    mini = dict(prompt_tokens=65536, group_size=8, response_tokens=16, lora_rank=16, offload="cpu")
+    assert plan("glm52_mini", **mini)["rollout_copies"] > 0 == plan("glm52_mini", cp=2, **mini)["rollout_copies"]
+    assert plan("glm52", offload="cpu", host_mem_gib=pages / GIB * 0.99, **TARGET)["fits"] is False
+    assert longstraw(["plan", "model=glm52", "cp=32", "ep=32", "prompt_tokens=2M", "group_size=8", "lora.rank=16",
+                      "capture.offload=cpu"]) == 0
+    out = capsys.readouterr().out
+    assert f"offload=cpu: this rank's shard ({shard} tokens) in host memory {pages / GIB:.2f} GiB per rank" in out
+    assert "longest prompt per placement: offload=none: " in out and ", offload=cpu: " in out
