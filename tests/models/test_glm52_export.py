@@ -109,3 +109,19 @@ def test_lora_is_merged_into_the_export(tmp_path):
             layer.lora_B.zero_()
         bare = model(ids[None])[0]
     assert (hf_logits(base, ids) - bare).abs().max().item() <= 1e-4
+
+
+def test_nf4_experts_are_written_dequantised_expert_by_expert(tmp_path):
+    """A QLoRA model (lora.quantize=nf4: every routed expert an NF4 matrix) exports its weights as it computes
+    with them: dequantised, in the model dtype, each expert from its own NF4 matrix."""
+    from longstraw_cli.quantize import dense
+
+    plain = export_hf(glm_model(), tmp_path / "plain")
+    quantized = from_pretrained(plain, quantize="nf4")
+    path = export_hf(quantized, tmp_path / "hf", max_shard_bytes=SHARD_BYTES)
+    back = from_pretrained(path)
+    experts = quantized.model.layers[2].mlp.experts
+    assert torch.equal(back.model.layers[2].mlp.experts.gate_up_proj, torch.stack([dense(w) for w in
+                                                                                  experts.gate_up_proj.unbind(0)]))
+    for name, tensor in quantized.state_dict().items():
+        assert torch.equal(back.state_dict()[name], dense(tensor)), name
