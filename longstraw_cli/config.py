@@ -345,9 +345,10 @@ def train_config(d: dict, world_size: int | None = None, set_keys: tuple[str, ..
         raise ConfigError(f"ep={d['ep']} splits routed experts, but model {model_name!r} has none; use ep=1, or a "
                           f"{' / '.join(s.name for s in with_experts)} model "
                           f"({', '.join(name for s in with_experts for name in s.configs)})")
-    if family is not None and family.hf.export_refusal is not None and (
-            d["export_hf"] or d["rollout"].get("engine") == "vllm"):
-        raise ConfigError(f"model {model_name!r}: {family.hf.export_refusal}")
+    if d["ep"] > 1 and d["rollout"].get("engine") == "vllm":
+        # each rank's engine is pushed every weight (rollout/vllm_engine.py), and a rank holds only its experts
+        raise ConfigError(f"rollout=vllm loads every routed expert into each rank's engine, but ep={d['ep']} leaves "
+                          f"a rank only its share; use rollout=native (expert parallel decode) or ep=1")
     strategy = d.get("strategy", {}).get("name", "ddp") if isinstance(d.get("strategy"), dict) else "ddp"
     if d["ep"] > 1 and strategy != "ddp":
         raise ConfigError(f"ep={d['ep']} runs with strategy=ddp only (fsdp2 and deepspeed do not know the expert "

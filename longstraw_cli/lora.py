@@ -16,18 +16,15 @@ target.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from longstraw_cli.base_weights import NEVER_TARGETED, candidate_linears
-from longstraw_cli.checkpoint.atomic import atomic_directory
 from longstraw_cli.quantize import QUANTIZE_CHOICES, dense, linear
 
 # HF's names of a qwen3_5-style layer's linears: qwen36's targets, and a model without a family's
@@ -298,42 +295,7 @@ def merged_state_dict(model: nn.Module, device: str | torch.device | None = None
     return out
 
 
-def export_hf(model: nn.Module, out_dir: str | Path, *, merge: bool = True,
-              extra: Callable[[Path], None] | None = None) -> Path:
-    """Write a model, adapters merged (merge=False: its base weights), as an HF directory (config.json +
-    model.safetensors) of its family's model type; a family whose spec refuses export (glm52) raises. `extra`
-    writes more files into the directory before it appears (export.py: tokenizer, generation config).
-
-    The directory appears whole or not at all (`checkpoint/atomic.py`); an existing out_dir is replaced."""
-    from safetensors.torch import save_file
-
-    from longstraw_cli.models.spec import family_of
-
-    spec = family_of(model)
-    if spec.hf.export_refusal is not None:
-        raise ValueError(f"model family {spec.name!r}: {spec.hf.export_refusal}")
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"export target {out} exists and is not a directory")
-    if any(p.is_meta for p in model.parameters()):
-        raise ValueError("export_hf needs materialised weights; the model has meta parameters")
-    tensors = merged_state_dict(model, device="cpu", merge=merge)
-    if model.config.tie_word_embeddings:
-        # HF re-ties lm_head to embed_tokens on load; safetensors refuses two names for one storage anyway
-        tensors.pop("lm_head.weight", None)
-    tensors = {k: v.contiguous() for k, v in tensors.items()}
-    hf_config = spec.hf.config_to_hf(model.config)
-    hf_config["dtype"] = str(tensors["model.embed_tokens.weight"].dtype).removeprefix("torch.")
-
-    with atomic_directory(out) as tmp:
-        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        if extra is not None:
-            extra(tmp)
-    return out
-
-
 __all__ = [
     "DEFAULT_TARGETS", "LoraConfig", "LoraLinear", "ReferencePolicy", "adapters_disabled", "apply_lora",
-    "export_hf", "load_lora_state_dict", "lora_layers", "lora_state_dict", "merge_lora", "merged_state_dict",
+    "load_lora_state_dict", "lora_layers", "lora_state_dict", "merge_lora", "merged_state_dict",
 ]

@@ -230,7 +230,7 @@ class Trainer:
             family.apply_expert_parallel(model, self.groups.ep, cp_group=self.groups.cp)
 
     def _vllm_engine(self):
-        from longstraw_cli.lora import export_hf
+        from longstraw_cli.export import export_hf
         from longstraw_cli.rollout.vllm_engine import VllmEngine
 
         export_dir = self.run_dir / "vllm_init"
@@ -604,12 +604,13 @@ class Trainer:
         if self.cfg.export_hf:
             from longstraw_cli.export import export_run
 
+            # under expert parallel the EP group holding rank 0 writes, each rank its own experts
             with self.strategy.full_weights():
-                if self.rank == 0:
-                    written = export_run(self.model, self.run_dir, tokenizer=self.tokenizer,
-                                         stop_token_ids=self.sampling.stop_token_ids, sampling=self.sampling,
-                                         lora=self.cfg.lora, model_path=self.cfg.model.path)
-                    notice(f"exported {', '.join(str(Path(w).resolve()) for w in written)}", self.rank)
+                written = export_run(self.model, self.run_dir, tokenizer=self.tokenizer,
+                                     stop_token_ids=self.sampling.stop_token_ids, sampling=self.sampling,
+                                     lora=self.cfg.lora, model_path=self.cfg.model.path, group=self.groups.ep)
+            if written:
+                notice(f"exported {', '.join(str(Path(w).resolve()) for w in written)}", self.rank)
         if self.rank == 0 and "jsonl" in self.cfg.logger.backends:
             with contextlib.suppress(ImportError):
                 from longstraw_cli.telemetry.plot import plot_memory

@@ -254,8 +254,7 @@ def chat_model_dir(path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from longstraw_cli.export import _bytes_to_unicode
-    from longstraw_cli.lora import export_hf
+    from longstraw_cli.export import _bytes_to_unicode, export_hf
     from longstraw_cli.models import build_model
 
     export_hf(build_model("qwen36_tiny", seed=0), path)
@@ -322,3 +321,24 @@ def composed(overrides: list[str]) -> dict:
 
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         return OmegaConf.to_container(compose("config", overrides=overrides), resolve=True)
+
+
+def tie_free_glm(dtype=torch.float32, seed: int = 0) -> torch.nn.Module:
+    """glm52_tiny with 8 index heads (its 4 leave exact ties at the top-k boundary on long prompts, where HF's tie
+    order is unspecified), every weight random and the indexer's head weights positive, as
+    tests/models/test_glm52_hf_parity.py draws them: what our logits are compared with transformers' on."""
+    from longstraw_cli.models import build_model
+
+    model = build_model("glm52_tiny", dtype=dtype, index_n_heads=8)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(0.5 * torch.rand(p.shape, generator=g) + 0.75)
+            elif "weights_proj" in name:
+                p.copy_(torch.rand(p.shape, generator=g) * 0.3 + 0.05)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.08)
+        for b in model.buffers():
+            b.copy_(torch.randn(b.shape, generator=g) * 0.3)
+    return model.eval()

@@ -96,7 +96,7 @@ def _open(path: Path, file: str):
         raise ValueError(f"{path / file}: not a readable safetensors file ({e})") from None
 
 
-def _expert_rows(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
+def expert_rows_by_param(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
     """{parameter name: (lo, hi)} of every parameter of a module that holds a slice of experts."""
     rows = {}
     for module_name, module in model.named_modules():
@@ -116,7 +116,7 @@ class CheckpointReader:
         self.sizes = {name: t.numel() for name, t in targets.items()}
         self.filled = dict.fromkeys(targets, 0)
         files = weight_map(self.path)
-        rows = _expert_rows(model)
+        rows = expert_rows_by_param(model)
         self.plan: dict[str, list[Planned]] = {part: [] for part in parts}
         self.fp8 = any(key.endswith(SCALE_SUFFIX) for key in files)
         self.block = fp8_block_size(self.path) if self.fp8 else None

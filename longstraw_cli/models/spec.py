@@ -32,8 +32,9 @@ class HFAdapter:
     config_to_hf: Callable[[Any], dict]
     # (checkpoint key, config) -> (our parameter/buffer name, index of the part the key fills; () = all), or None
     key_map: Callable[[str, Any], tuple[str, tuple] | None]
-    # None: export_hf and rollout=vllm write this family's directories; else why they do not
-    export_refusal: str | None = None
+    # its inverse, for export_hf and rollout=vllm: (our name, config, (lo, hi) global expert rows the tensor holds,
+    # None for a tensor that is not split by experts) -> [(checkpoint key, index of the part of the tensor it takes)]
+    local_to_hf: Callable[[str, Any, tuple[int, int] | None], list[tuple[str, tuple]]]
 
 
 @dataclass(frozen=True, eq=False)

@@ -35,7 +35,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from longstraw_cli.export import take
 from longstraw_cli.lora import merge_lora
+from longstraw_cli.models.loading import expert_rows_by_param
+from longstraw_cli.models.spec import family_of
 from longstraw_cli.quantize import dense
 from longstraw_cli.rollout.native import Rollout, SamplingConfig
 
@@ -97,10 +100,14 @@ def _matrix(x) -> torch.Tensor:
     return x.weight if isinstance(x, nn.Module) else x
 
 
+def _gathered(t: torch.Tensor) -> torch.Tensor:
+    # a sharded (FSDP2) parameter is gathered: a collective, so every rank must iterate together
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
-    # a sharded (FSDP2) parameter is gathered: a collective, so every rank must iterate together; an NF4 base
-    # weight (lora.quantize=nf4) is dequantised
-    return dense(t.full_tensor() if hasattr(t, "full_tensor") else t)
+    # an NF4 base weight (lora.quantize=nf4) is dequantised
+    return dense(_gathered(t))
 
 
 def _base_owner(module: nn.Module) -> nn.Module:
@@ -129,18 +136,27 @@ def merged_lora_weight(module: nn.Module) -> torch.Tensor:
 
 
 def hf_weights(model: nn.Module, *, merge_lora: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """The trainer's weights as (HF checkpoint name, tensor), one at a time, what vLLM's Qwen3.5 loader reads.
+    """The trainer's weights as (HF checkpoint name, tensor), one at a time, what vLLM's loader for the family's
+    architecture reads (Qwen3.5 for qwen36, DeepseekV2's GlmMoeDsaForCausalLM for glm52).
 
-    Our module tree mirrors HF `qwen3_5_text`, so names are ours with wrapper components removed (a DDP or
-    DeepSpeed wrapper is looked through). A LoRA-wrapped linear (a module with `lora_A`/`lora_B`) yields one
-    tensor under its base name `<prefix>.weight`: the merged W + scale * B @ A, or with merge_lora=False the base
-    W; no `lora_*` name is ever yielded. A tied lm_head is skipped (vLLM ties it to embed_tokens itself).
-    Tensors are detached views on the model's device, except merged ones, which are computed one at a time.
+    Names are the family's checkpoint keys (`HFAdapter.local_to_hf`) of ours with wrapper components removed (a
+    DDP or DeepSpeed wrapper is looked through): qwen36's map one to one; glm52's 3-D expert tensors are cut into
+    per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight`, which vLLM's expert mapping stacks into its fused
+    w13 / w2 (it also fuses q_a_proj + kv_a_proj_with_mqa, the MLPs' gate + up and the indexer's wk +
+    weights_proj itself, from these names). Persistent buffers the checkpoint holds (glm52's router
+    e_score_correction_bias, a vLLM parameter) are yielded too. A LoRA-wrapped linear (a module with
+    `lora_A`/`lora_B`) yields one tensor under its base name `<prefix>.weight`: the merged W + scale * B @ A, or
+    with merge_lora=False the base W; no `lora_*` name is ever yielded. A tied lm_head is skipped (vLLM ties it to
+    embed_tokens itself). Tensors are detached views on the model's device, except merged ones and NF4 ones
+    (dequantised; an expert tensor one expert at a time), which are computed one at a time.
     """
     # DDP and DeepSpeed engines hold the model as `.module`
     while isinstance(getattr(model, "module", None), nn.Module):
         model = model.module
-    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    spec = family_of(model)
+    config = model.config
+    rows = {_clean(name): r for name, r in expert_rows_by_param(model).items()}
+    tied = bool(getattr(config, "tie_word_embeddings", False))
     lora = {prefix: m for prefix, m in model.named_modules() if prefix and _is_lora(m)}
     done: set[str] = set()
     for raw_name, param in model.named_parameters():
@@ -149,7 +165,8 @@ def hf_weights(model: nn.Module, *, merge_lora: bool = True) -> Iterator[tuple[s
             name = _clean(raw_name)
             if tied and name == "lm_head.weight":
                 continue
-            yield name, _full(param).detach()
+            for key, index in spec.hf.local_to_hf(name, config, rows.get(name)):
+                yield key, take(_gathered(param), index).detach()
             continue
         if owner in done:
             continue
@@ -159,6 +176,10 @@ def hf_weights(model: nn.Module, *, merge_lora: bool = True) -> Iterator[tuple[s
         yield _clean(owner) + ".weight", weight
         if isinstance(getattr(base, "bias", None), torch.Tensor):
             yield _clean(owner) + ".bias", _full(base.bias).detach()
+    persistent = set(model.state_dict())
+    for raw_name, buffer in model.named_buffers():
+        if raw_name in persistent:
+            yield _clean(raw_name), buffer.detach()
 
 
 def _clean(name: str) -> str:

@@ -45,7 +45,6 @@ def test_bad_keys_and_group_options_are_caught_before_hydra(override, expected):
     (["group_size=1"], "group_size must be an integer >= 2, got 1"),
     (["cp=2"], "cp=2 does not divide the world size 1; valid: [1]"),
     (["ep=2"], "ep=2 does not divide the world size 1; valid: [1]"),
-    (["model=glm52_tiny", "export_hf=true"], "export_hf and rollout=vllm write HF qwen3_5_text directories"),
     (["prompt_tokens=70000"], "exceeds the model's 65536 positions"),
     (["model=qwen36_tiny", "foo=1"], "unknown config key 'foo'"),
     (["task=jsonl"], "missing value(s) for ['task.path']"),
@@ -159,6 +158,17 @@ def test_train_config_is_typed_and_frozen():
         tc.group_size = 3
     with pytest.raises(ConfigError, match="cp=3 does not divide the world size 4; valid: \\[1, 2, 4\\]"):
         train_config({**cfg, "cp": 3}, world_size=4)
+
+
+def test_glm52_exports_and_takes_vllm_but_not_vllm_under_expert_parallel():
+    from longstraw_cli.config import train_config
+
+    assert train_config(composed(["model=glm52_tiny", "export_hf=true", "run_dir=x"])).export_hf
+    cfg = composed(["model=glm52_tiny", "rollout=vllm", "run_dir=x"])
+    assert train_config(cfg).rollout.engine == "vllm"
+    assert train_config({**cfg, "cp": 2, "export_hf": True}, world_size=2).export_hf
+    with pytest.raises(ConfigError, match="rollout=vllm loads every routed expert into each rank's engine, but ep=2"):
+        train_config({**cfg, "cp": 2, "ep": 2}, world_size=2)
 
 
 @pytest.mark.parametrize("model", ["qwen36", "glm52"])

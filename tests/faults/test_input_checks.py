@@ -55,7 +55,7 @@ def test_a_run_dir_that_is_a_file_is_one_line(train_here, tmp_path):
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    from longstraw_cli.lora import export_hf
+    from longstraw_cli.export import export_hf
     from longstraw_cli.models import build_model
 
     path = tmp_path_factory.mktemp("hf")

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import randomize_, rel_err
+from longstraw_cli.export import export_hf
 from longstraw_cli.lora import (
     DEFAULT_TARGETS,
     LoraConfig,
@@ -16,7 +17,6 @@ from longstraw_cli.lora import (
     ReferencePolicy,
     adapters_disabled,
     apply_lora,
-    export_hf,
     load_lora_state_dict,
     lora_layers,
     lora_state_dict,

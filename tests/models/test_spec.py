@@ -103,8 +103,18 @@ def test_parallel_hooks_resolve_and_missing_ones_are_refused():
 
 def test_plan_and_export_are_declared_per_family():
     assert [spec.name for spec in families() if spec.plan] == ["glm52", "qwen36"]
-    assert get_family("qwen36").hf.export_refusal is None
-    assert "glm52 is not (yet)" in get_family("glm52").hf.export_refusal
+    # both write their HF directories (export_hf, rollout=vllm): a tensor of ours to its checkpoint keys
+    assert get_family("qwen36").hf.local_to_hf("lm_head.weight", None, None) == [("lm_head.weight", ())]
+    glm = get_family("glm52")
+    cfg = glm.named_config("glm52_tiny")
+    keys = glm.hf.local_to_hf("model.layers.1.mlp.experts.gate_up_proj", cfg, (2, 4))
+    assert [k for k, _ in keys] == [f"model.layers.1.mlp.experts.{e}.{p}_proj.weight" for e in (2, 3)
+                                    for p in ("gate", "up")]
+    # the inverse of the reader's key map, rows shifted by the slice's first expert
+    for key, index in keys:
+        name, global_index = glm.hf.key_map(key, cfg)
+        assert name == "model.layers.1.mlp.experts.gate_up_proj"
+        assert (global_index[0] - 2, *global_index[1:]) == index
 
 
 def test_config_json_is_read_once_until_it_changes(tmp_path):

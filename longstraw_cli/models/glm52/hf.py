@@ -6,6 +6,8 @@ Module names mirror HF's, with one difference of layout: in memory the routed ex
 `hf_to_local` maps each key to a parameter and the slice of it that the key fills, by global expert index; a
 model holding only some experts (`Experts.expert_rows`, expert parallel) reads only their keys, shifted to its
 rows (models/loading.py). Layers past num_hidden_layers (GLM-5's MTP layer 78) are skipped, as HF does.
+`local_to_hf` is its inverse (export_hf, rollout=vllm): a slice of experts is written as per-expert keys at their
+global index, so each expert-parallel rank writes its own experts and no rank forms another's.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from longstraw_cli.models.spec import HFAdapter
 MODEL_TYPES = ("glm_moe_dsa",)
 
 _EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_EXPERT_PARAM = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -123,11 +126,36 @@ def config_to_hf(cfg: Glm52Config) -> dict:
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "hidden_act": "silu",
         "attention_bias": False,
+        # what vLLM's DeepseekV2 code (which serves glm_moe_dsa) reads in place of HF's fields: its router scores
+        # with softmax and builds no e_score_correction_bias unless told; it places indexers by
+        # index_topk_pattern, not indexer_types; and it rotates indexer keys in NeoX halves unless
+        # indexer_rope_interleave (HF's GLM indexer rotates interleaved pairs). transformers ignores them.
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "index_topk_pattern": "".join("F" if t == "full" else "S" for t in cfg.layer_indexer_types),
+        "indexer_rope_interleave": True,
     }
 
 
-ADAPTER = HFAdapter(
-    MODEL_TYPES, config_from_hf, config_to_hf, hf_to_local,
-    export_refusal="export_hf and rollout=vllm write HF qwen3_5_text directories, which glm52 is not (yet); use "
-                   "export_hf=false and rollout=native",
-)
+def local_to_hf(name: str, cfg: Glm52Config, rows: tuple[int, int] | None) -> list[tuple[str, tuple]]:
+    """The inverse of `hf_to_local`: the checkpoint keys a tensor of ours is written as, each with the part of the
+    tensor it takes. A 3-D expert tensor holding global experts [lo, hi) (`rows`; None: all of them) becomes
+    per-expert keys at their global index: gate_up_proj[e - lo] splits into gate (its first I rows) and up (the
+    rest), down_proj[e - lo] is down. Every other tensor is one key of its own name."""
+    expert = _EXPERT_PARAM.match(name)
+    if expert is None:
+        return [(name, ())]
+    prefix, param = expert.groups()
+    lo, hi = (0, cfg.n_routed_experts) if rows is None else rows
+    size = cfg.moe_intermediate_size
+    keys = []
+    for e in range(lo, hi):
+        if param == "down_proj":
+            keys.append((f"{prefix}.{e}.down_proj.weight", (e - lo,)))
+        else:
+            keys += [(f"{prefix}.{e}.gate_proj.weight", (e - lo, slice(0, size))),
+                     (f"{prefix}.{e}.up_proj.weight", (e - lo, slice(size, 2 * size)))]
+    return keys
+
+
+ADAPTER = HFAdapter(MODEL_TYPES, config_from_hf, config_to_hf, hf_to_local, local_to_hf)

@@ -90,4 +90,9 @@ def config_to_hf(cfg: Qwen36Config) -> dict:
     }
 
 
-ADAPTER = HFAdapter(MODEL_TYPES, config_from_hf, config_to_hf, hf_to_local)
+def local_to_hf(name: str, cfg: Qwen36Config, rows: tuple[int, int] | None) -> list[tuple[str, tuple]]:
+    """The inverse of `hf_to_local` for export: names map one to one, every tensor whole."""
+    return [(name, ())]
+
+
+ADAPTER = HFAdapter(MODEL_TYPES, config_from_hf, config_to_hf, hf_to_local, local_to_hf)
