@@ -17,4 +17,5 @@ SPEC = register_family(FamilySpec(
     context_parallel="longstraw_cli.distributed.cp_glm52:apply_context_parallel_glm52",
     expert_parallel="longstraw_cli.distributed.ep:apply_expert_parallel",
     plan="longstraw_cli.plan.glm52:plan",
+    routing="longstraw_cli.models.glm52.routing:RoutingReplay",
 ))
