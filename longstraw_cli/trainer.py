@@ -439,6 +439,8 @@ class Trainer:
         part = self.transaction.accumulate(prompt_ids, rollout.responses, rewards, resident, old_logprobs=old,
                                            clock=clock, prompt=prompt, num_prompts=self.cfg.prompts_per_step,
                                            routing=rollout.routing)
+        # the routing records served scoring and the replays: freed before the step (longstraw plan counts them so)
+        rollout.routing = None
         return prompt_ids, rollout, part
 
     def prompt_reused(self, step: int, prompt: int, clock: PhaseClock):
@@ -462,6 +464,7 @@ class Trainer:
         part = self.transaction.accumulate(prompt_ids, rollout.responses, rewards, resident,
                                            old_logprobs=rollout.logprobs, clock=clock, prompt=prompt,
                                            num_prompts=self.cfg.prompts_per_step, routing=rollout.routing)
+        rollout.routing = None
         self.reuse.advance(captured)
         return prompt_ids, rollout, part
 

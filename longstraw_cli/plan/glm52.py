@@ -35,6 +35,9 @@ config alone. The phases are longstraw_cli.plan's; what they hold for MLA + DSA 
   walk_checkpoint, every layer's block input plus the largest layer's graph).
 - rollout: weights + optimizer + pages + the decode buffers (G responses' latent, rope and index keys per layer,
   `ResponseMLA`) + one step's logits and index scores.
+- routing replay (rollout.replay_routing, on by default): the rollout's routing records (models/glm52/routing.py
+  `record_bytes`: per response token the top-k expert ids of every MoE layer and the DSA selection of every full
+  indexer layer, G x R tokens, on every rank) held from the rollout through scoring, replay and the walk.
 - offload=cpu (cp = 1): the pages in host memory, two layers' pages staged on the GPU; the rollout copies whole
   layers into free memory, and the index keys of the others move to the GPU (glm52/decode.py).
 Left out, as for qwen36: the CUDA context, fragmentation, the collectives' buffers (besides capture's all-gather),
@@ -45,6 +48,7 @@ from __future__ import annotations
 
 from longstraw_cli.models.glm52.config import Glm52Config
 from longstraw_cli.models.glm52.model import _SCORE_ELEMENTS
+from longstraw_cli.models.glm52.routing import record_bytes
 from longstraw_cli.plan.common import GIB, LOGIT_BYTES_REPLAY, Run, itemsize, rollout_copies, score_logits_bytes
 from longstraw_cli.quantize import NF4_EXPERTS_PER_PASS, nf4_bytes
 
@@ -323,19 +327,22 @@ def plan(cfg: Glm52Config, run: Run) -> dict:
     # offloaded: the index keys of layers left on the host move to the GPU for the rollout
     rollout_device = pages["index_pages"] if host else on_device
 
+    # routing replay: the records, written by the decode, read by scoring and the replays (and alive in the walk)
+    records = record_bytes(cfg, G, R) if run.replay_routing in ("auto", True, "measure") else 0
+
     base = weights + optimizer + on_device + dequant
     phases = {
         "capture": base + capture_act,
-        "score": base + score_act,
-        "replay": base + grads + state_grad + graph + replay_transient + page_grad,
+        "score": base + score_act + records,
+        "replay": base + grads + state_grad + graph + replay_transient + page_grad + records,
         "step": base + grads + step_transient,
     }
     if exact:
-        phases["prompt"] = base + grads + state_grad + block_graph + page_grad
+        phases["prompt"] = base + grads + state_grad + block_graph + page_grad + records
     if run.reuse:
         probed = min(block, run.probe_tokens, captured)
         phases["drift"] = base + max(capture_act, score_activations(1)) + pages["total"] * probed // captured
-    rollout_base = weights + optimizer + dequant + rollout_device + decode + decode_step
+    rollout_base = weights + optimizer + dequant + rollout_device + decode + decode_step + records
     phases["rollout"] = rollout_base
     copies = rollout_copies(run, rollout_base, per_layer) if host else 0
 
@@ -346,7 +353,8 @@ def plan(cfg: Glm52Config, run: Run) -> dict:
                 f"at once" if run.quantize == "nf4" else ""),
              f"pages {pages['total'] / GIB:.2f} GiB ({captured} tokens per rank: latent "
              f"{pages['latent_pages'] / GIB:.2f}, rope {pages['rope_pages'] / GIB:.2f}, index keys "
-             f"{pages['index_pages'] / GIB:.2f}); rollout decode buffers {decode / GIB:.2f} GiB"]
+             f"{pages['index_pages'] / GIB:.2f}); rollout decode buffers {decode / GIB:.2f} GiB"
+             + (f"; routing records {records / GIB:.3f} GiB" if records else "")]
     if gathered:
         notes.append(f"cp capture: one layer's pages of every rank gathered {gathered / GIB:.2f} GiB (shards + "
                      f"concatenation), in capture_act")
@@ -367,7 +375,7 @@ def plan(cfg: Glm52Config, run: Run) -> dict:
         "capture_activations": capture_act, "cp_gather": gathered, "score_activations": score_act,
         "response_graph": graph, "replay_transient": replay_transient, "step_transient": step_transient,
         "boundary_states": 0, "tail_states": 0, "state_grad": state_grad, "block_graph": block_graph,
-        "page_grad_transient": page_grad, "decode_buffers": decode,
+        "page_grad_transient": page_grad, "decode_buffers": decode, "routing_records": records,
         "phases": phases, "rollout_copies": copies, "rollout": rollout_base + copies,
         "bound": weights + grads + optimizer + on_device + state_grad + max(graph, block_graph),
         "notes": notes,
