@@ -201,3 +201,13 @@ def test_record_bytes_match_the_records():
     model = random_model("glm52_tiny", torch.float64, seed=1)
     record = RoutingRecord.empty(model, G, RESPONSE, first=PROMPT - 1)
     assert record.nbytes() == record_bytes(model.config, G, RESPONSE) > 0
+
+
+def test_replay_routing_setting_is_checked():
+    from longstraw_cli.config import ConfigError, RolloutConfig
+
+    for good in ("auto", True, False, "measure"):
+        assert RolloutConfig("native", SamplingConfig(), replay_routing=good).replay_routing == good
+    for bad in ("on", 1, None):
+        with pytest.raises(ConfigError, match="replay_routing"):
+            RolloutConfig("native", SamplingConfig(), replay_routing=bad)

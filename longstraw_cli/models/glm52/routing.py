@@ -91,20 +91,19 @@ def record_bytes(cfg, batch: int, capacity: int) -> int:
 
 
 class FlipCount:
-    """Per layer, tokens whose live choice differs from the record, and tokens compared. Counts stay on the
-    device until `metrics()` (one host synchronisation)."""
+    """Per layer, tokens whose live choice differs from the record (a device tensor until `metrics()`, which
+    synchronises once) and tokens compared (a host count)."""
 
     def __init__(self):
-        # (kind, layer) -> tensor [flipped, compared]
-        self.counts: dict[tuple[str, int], torch.Tensor] = {}
+        # (kind, layer) -> [flipped (device tensor), compared (int)]
+        self.counts: dict[tuple[str, int], list] = {}
 
     def add(self, kind: str, layer: int, live_NX: torch.Tensor, recorded_NX: torch.Tensor) -> None:
         """Compare two choices per token as SETS (rows of ids in any order)."""
         live_NX, recorded_NX = live_NX.reshape(-1, live_NX.shape[-1]), recorded_NX.reshape(live_NX.shape)
         differs_N = (live_NX.long().sort(-1).values != recorded_NX.long().sort(-1).values).any(-1)
-        count = torch.stack([differs_N.sum(), torch.tensor(differs_N.numel(), device=differs_N.device)])
-        key = (kind, layer)
-        self.counts[key] = count if key not in self.counts else self.counts[key] + count
+        count = self.counts.setdefault((kind, layer), [0, 0])
+        count[0], count[1] = count[0] + differs_N.sum(), count[1] + differs_N.numel()
 
     def metrics(self) -> dict[str, float]:
         """{rollout/<kind>_flip_frac: mean over layers, rollout/<kind>_flip_frac_max: worst layer}; counts reset."""
@@ -113,8 +112,8 @@ class FlipCount:
             keys = sorted(key for key in self.counts if key[0] == kind)
             if not keys:
                 continue
-            counts = torch.stack([self.counts[key] for key in keys]).double().cpu()
-            fracs = counts[:, 0] / counts[:, 1].clamp_min(1)
+            flipped = torch.stack([torch.as_tensor(self.counts[key][0]) for key in keys]).double().cpu()
+            fracs = flipped / torch.tensor([max(1, self.counts[key][1]) for key in keys], dtype=torch.float64)
             out[f"rollout/{kind}_flip_frac"] = float(fracs.mean())
             out[f"rollout/{kind}_flip_frac_max"] = float(fracs.max())
         self.counts = {}
