@@ -25,7 +25,8 @@ def setup():
 
 
 def sample(model, resident, routing, cuda_graph=True):
-    return generate(model, resident, G, SamplingConfig(max_new_tokens=RESPONSE),
+    # greedy: the graphed and the eager decode must meet the same tokens (test_gpu_decode.py checks they do)
+    return generate(model, resident, G, SamplingConfig(temperature=0, max_new_tokens=RESPONSE),
                     torch.Generator("cuda").manual_seed(1), native=NativeConfig(cuda_graph=cuda_graph, compile=False),
                     routing=routing)
 
