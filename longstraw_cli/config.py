@@ -210,12 +210,24 @@ class CheckpointConfig:
             raise ConfigError(f"checkpoint.every must be >= 0 and keep >= 1, got every={self.every} keep={self.keep}")
 
 
+REPLAY_ROUTING = ("auto", True, False, "measure")
+
+
 @dataclass(frozen=True)
 class RolloutConfig:
     engine: str
     sampling: SamplingConfig
     vllm: VllmConfig | None = None
     native: NativeConfig = NativeConfig()
+    # routing replay (models/glm52/routing.py): each response token's experts and DSA selection recorded at
+    # rollout and forced in scoring and replay. auto: on for families that route (MoE, DSA); measure: recorded and
+    # the flips counted, nothing forced; false: neither (today's numbers bit for bit)
+    replay_routing: bool | str = "auto"
+
+    def __post_init__(self):
+        if self.replay_routing not in REPLAY_ROUTING or (self.replay_routing in (0, 1)
+                                                         and not isinstance(self.replay_routing, bool)):
+            raise ConfigError(f"rollout.replay_routing={self.replay_routing!r}; valid: [auto, true, false, measure]")
 
 
 @dataclass(frozen=True)
@@ -403,6 +415,7 @@ def train_config(d: dict, world_size: int | None = None, set_keys: tuple[str, ..
         raise ConfigError(f"rollout.engine={engine!r}; valid: {list(ENGINES)}")
     vllm_node = rollout_node.pop("vllm", None)
     native_node = rollout_node.pop("native", None)
+    replay_routing = rollout_node.pop("replay_routing", "auto")
     native = _build(NativeConfig, native_node, "rollout.native") if native_node is not None else NativeConfig()
     sampling = _build(SamplingConfig, rollout_node, "rollout", max_new_tokens=d["response_tokens"])
     if native.offload_copy_gib != "auto" and transaction.offload == "none":
@@ -429,7 +442,8 @@ def train_config(d: dict, world_size: int | None = None, set_keys: tuple[str, ..
 
     return TrainConfig(
         model=model, task=task, reward=reward, loss=loss, transaction=transaction,
-        rollout=RolloutConfig(engine, sampling, vllm, native), logger=LoggerConfig(backends, wandb, progress),
+        rollout=RolloutConfig(engine, sampling, vllm, native, replay_routing),
+        logger=LoggerConfig(backends, wandb, progress),
         optim=optim,
         lora=lora, checkpoint=_build(CheckpointConfig, d["checkpoint"], "checkpoint"),
         strategy=_build(StrategyConfig, d["strategy"], "strategy"), reuse=reuse,

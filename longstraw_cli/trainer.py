@@ -127,8 +127,13 @@ class Trainer:
                                       max_grad_norm=cfg.optim.max_grad_norm,
                                       num_replays=cfg.group_size * cfg.prompts_per_step)
         self.guard = NonFiniteGuard(cfg.max_nonfinite_steps)
+        # rollout.replay_routing: the family's routing replay (models/glm52/routing.py), None when off
+        try:
+            self.routing_replay = family_of(self.model).routing_replay(cfg.rollout.replay_routing)
+        except ValueError as e:
+            raise TrainerError(str(e)) from None
         self.transaction = Transaction(self.model, self.guard.around(self.strategy), cfg.loss, cfg.transaction,
-                                       reference=reference)
+                                       reference=reference, routing_replay=self.routing_replay)
         self.sampling = dataclasses.replace(cfg.rollout.sampling,
                                             stop_token_ids=stop_token_ids(self.tokenizer, cfg.model.path))
         # the ranks of one CP group sample the same responses: they share the generator's seed
@@ -329,7 +334,7 @@ class Trainer:
         with dense_copies(self.model, self._nf4_cache_count()):
             self.nf4_cache_bytes = torch.cuda.memory_allocated(self.device) - start if cuda else 0
             rollout = generate(self.model, resident, self.cfg.group_size, self.sampling, self.generator,
-                               native=self._native_decode())
+                               native=self._native_decode(), routing=self.routing_replay)
         if cuda:
             # the phase clock reset the peak as the rollout phase began: what decoding itself took
             peak = torch.cuda.max_memory_allocated(self.device)
@@ -439,7 +444,10 @@ class Trainer:
         # from its own kernels and precision, so the transaction re-scores them from our resident state
         old = rollout.logprobs if self.engine is None else None
         part = self.transaction.accumulate(prompt_ids, rollout.responses, rewards, resident, old_logprobs=old,
-                                           clock=clock, prompt=prompt, num_prompts=self.cfg.prompts_per_step)
+                                           clock=clock, prompt=prompt, num_prompts=self.cfg.prompts_per_step,
+                                           routing=rollout.routing)
+        # the routing records served scoring and the replays: freed before the step (longstraw plan counts them so)
+        rollout.routing = None
         return prompt_ids, rollout, part
 
     def prompt_reused(self, step: int, prompt: int, clock: PhaseClock):
@@ -462,7 +470,8 @@ class Trainer:
             rewards = self.reward(example, rollout)
         part = self.transaction.accumulate(prompt_ids, rollout.responses, rewards, resident,
                                            old_logprobs=rollout.logprobs, clock=clock, prompt=prompt,
-                                           num_prompts=self.cfg.prompts_per_step)
+                                           num_prompts=self.cfg.prompts_per_step, routing=rollout.routing)
+        rollout.routing = None
         self.reuse.advance(captured)
         return prompt_ids, rollout, part
 

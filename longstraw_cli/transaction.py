@@ -22,12 +22,19 @@ the one-prompt case): each prompt is still one capture and G replays (and, exact
 by 1 / prompts, and the strategy sees the B x G replays as one sequence (no reduction before the last; exact
 mode reduces after the last prompt's walk).
 
+Routing replay (`rollout.replay_routing`, models/glm52/routing.py): `routing` is the rollout's record of what each
+response token was routed to; scoring (old and reference log-probs) and every replay run inside the family's
+routing context for their responses' rows, which forces it (or, `measure`, only counts the flips). Without a record
+(a vLLM rollout) the responses' routing is recorded at scoring and the replays force that.
+
 Simplifications: data parallelism across prompts sits above, in the strategy.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -39,6 +46,8 @@ from longstraw_cli.resident.offload import OFFLOAD_NAMES
 from longstraw_cli.rl.advantages import get_advantage
 from longstraw_cli.rl.losses import GroupShape, LossConfig, response_loss, sum_stats, summarize_stats
 from longstraw_cli.telemetry.memory import GraphMemory, PhaseClock
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -119,23 +128,30 @@ class Reference:
         self.model, self.cfg, self.context = model, cfg, context
 
     @torch.no_grad()
-    def __call__(self, prompt_ids: torch.Tensor, responses: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def __call__(self, prompt_ids: torch.Tensor, responses: Sequence[torch.Tensor],
+                 routed: Callable | None = None) -> list[torch.Tensor]:
         with self.context():
             resident = self.model.capture(prompt_ids, block_size=self.cfg.block_size, **self.cfg.placement)
-            return score(self.model, resident, responses, self.cfg)
+            return score(self.model, resident, responses, self.cfg, routed)
 
 
 @torch.no_grad()
 def score(model: torch.nn.Module, resident, responses: Sequence[torch.Tensor],
-          cfg: TransactionConfig) -> list[torch.Tensor]:
-    """Graph-free log-probs of each response, batched with right padding (causal: padding is harmless)."""
+          cfg: TransactionConfig, routed: Callable | None = None) -> list[torch.Tensor]:
+    """Graph-free log-probs of each response, batched with right padding (causal: padding is harmless).
+    routed(model, rows): the routing context of responses `rows` (routing replay), or None."""
     out = []
     for start in range(0, len(responses), cfg.score_batch):
         batch = responses[start : start + cfg.score_batch]
         padded = torch.nn.utils.rnn.pad_sequence(list(batch), batch_first=True, padding_value=0)
-        logp = model.logprobs(resident, padded, grad=False, chunk_size=cfg.logprob_chunk)
+        with _routed(routed, model, slice(start, start + len(batch))):
+            logp = model.logprobs(resident, padded, grad=False, chunk_size=cfg.logprob_chunk)
         out += [logp[i, : len(r)] for i, r in enumerate(batch)]
     return out
+
+
+def _routed(routed: Callable | None, model, rows: slice):
+    return contextlib.nullcontext() if routed is None else routed(model, rows)
 
 
 class Transaction:
@@ -143,7 +159,8 @@ class Transaction:
     `LocalStrategy(model, optimizer, max_grad_norm)`."""
 
     def __init__(self, model: torch.nn.Module, strategy: LocalStrategy, loss_cfg: LossConfig,
-                 cfg: TransactionConfig = TransactionConfig(), *, reference: Reference | None = None):
+                 cfg: TransactionConfig = TransactionConfig(), *, reference: Reference | None = None,
+                 routing_replay=None):
         if loss_cfg.kl_coef > 0 and reference is None:
             raise ValueError(f"kl_coef={loss_cfg.kl_coef} needs a reference policy (kl_coef=0 skips it)")
         if cfg.exact and not strategy.exact_gradients:
@@ -152,6 +169,8 @@ class Transaction:
         self.model, self.strategy, self.loss_cfg, self.cfg = model, strategy, loss_cfg, cfg
         # kl_coef 0 skips the reference entirely: no capture, no scoring
         self.reference = reference if loss_cfg.kl_coef > 0 else None
+        # the family's routing replay (rollout.replay_routing), None when off
+        self.routing_replay, self._said_recorded_at_scoring = routing_replay, False
 
     # -- phases -----------------------------------------------------------------------------------------------
     def capture(self, prompt_ids: torch.Tensor, *, tail: int = 0):
@@ -167,13 +186,27 @@ class Transaction:
     def score(self, resident, responses: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return score(self.model, resident, responses, self.cfg)
 
+    def score_recording(self, resident, responses: Sequence[torch.Tensor], old_logprobs=None):
+        """Routing replay without a record from the rollout (vLLM's, which gives none): the responses scored
+        with their routing recorded, which the replays then force. -> (old log-probs: `old_logprobs` where
+        given, else these scores; the record)."""
+        if not self._said_recorded_at_scoring:
+            log.info("rollout.replay_routing: the rollout recorded no routing (vLLM); the responses' routing is "
+                     "recorded at scoring from the resident state and forced in the replays")
+            self._said_recorded_at_scoring = True
+        record = self.routing_replay.new_record(self.model, resident, len(responses), max(map(len, responses)))
+        scored = score(self.model, resident, responses, self.cfg, functools.partial(self.routing_replay.recording,
+                                                                                     record))
+        return (scored if old_logprobs is None else old_logprobs), record
+
     def replay(self, resident, responses, old_logprobs, ref_logprobs, advantages,
                state_grad: StateGrad | None = None, *, first: int = 0, total: int | None = None,
-               scale: float = 1.0) -> tuple[list[dict], GraphMemory]:
+               scale: float = 1.0, routing=None) -> tuple[list[dict], GraphMemory]:
         """One response at a time: forward with autograd, loss (times `scale`), backward, graph freed. These are
         replays first .. first + G - 1 of the step's `total` (default G). With `state_grad` (exact mode) the
         replays read the resident state as leaves whose gradients collect there, and none of them reduces
-        gradients across ranks (the prompt's walk comes after them)."""
+        gradients across ranks (the prompt's walk comes after them). `routing`: the responses' routing record,
+        forced in each replay's forward and backward (routing replay), or None."""
         group = GroupShape.from_lengths([len(r) for r in responses])
         meter = GraphMemory(exclude=[*self.strategy.weights(), *resident.tensors()])
         view = resident if state_grad is None else state_grad.replay_view(resident)
@@ -181,8 +214,10 @@ class Transaction:
         stats = []
         with meter:
             for i, response in enumerate(responses):
+                routed = (contextlib.nullcontext() if routing is None
+                          else self.routing_replay.replaying(routing, self.model, slice(i, i + 1)))
                 # the strategy's replay context: no gradient reduction before the step's last replay
-                with self.strategy.replay(first + i, count) as logprobs:
+                with routed, self.strategy.replay(first + i, count) as logprobs:
                     logp = logprobs(view, response, chunk_size=self.cfg.logprob_chunk)
                     ref = None if ref_logprobs is None else ref_logprobs[i]
                     loss, s = response_loss(self.loss_cfg, logp, old_logprobs[i], advantages[i], group, ref)
@@ -201,13 +236,16 @@ class Transaction:
 
     # -- the transaction ---------------------------------------------------------------------------------------
     def run(self, prompt_ids: torch.Tensor, responses: Sequence[torch.Tensor], rewards: torch.Tensor, resident, *,
-            old_logprobs: Sequence[torch.Tensor] | None = None, clock: PhaseClock | None = None) -> TransactionResult:
+            old_logprobs: Sequence[torch.Tensor] | None = None, clock: PhaseClock | None = None,
+            routing=None) -> TransactionResult:
         """score -> replay x G -> finalize -> step for `responses` to the prompt whose capture is `resident`.
         `old_logprobs` may come from the rollout that sampled the responses from the same state (else scored
-        here); `clock` is the caller's (the iteration's), a fresh one if None."""
+        here), and so may `routing` (its routing record); `clock` is the caller's (the iteration's), a fresh one
+        if None."""
         clock = PhaseClock(prompt_ids.device) if clock is None else clock
         self.begin()
-        part = self.accumulate(prompt_ids, responses, rewards, resident, old_logprobs=old_logprobs, clock=clock)
+        part = self.accumulate(prompt_ids, responses, rewards, resident, old_logprobs=old_logprobs, clock=clock,
+                               routing=routing)
         return self.finish([part], clock)
 
     def begin(self) -> None:
@@ -216,17 +254,20 @@ class Transaction:
 
     def accumulate(self, prompt_ids: torch.Tensor, responses: Sequence[torch.Tensor], rewards: torch.Tensor,
                    resident, *, old_logprobs: Sequence[torch.Tensor] | None = None, clock: PhaseClock,
-                   prompt: int = 0, num_prompts: int = 1) -> PromptPart:
+                   prompt: int = 0, num_prompts: int = 1, routing=None) -> PromptPart:
         """score -> replay x G (-> the prompt's walk, exact) for prompt `prompt` of the step's `num_prompts`:
-        gradients accumulate in .grad."""
+        gradients accumulate in .grad. `routing`: the rollout's routing record (routing replay on), or None."""
         if len(responses) < 2:
             raise ValueError(f"a GRPO group needs >= 2 responses, got {len(responses)}")
         if any(len(r) == 0 for r in responses):
             raise ValueError("every response needs at least one token")
         with clock.phase("score"), self.strategy.full_weights():
-            if old_logprobs is None:
+            if self.routing_replay is not None and routing is None:
+                old_logprobs, routing = self.score_recording(resident, responses, old_logprobs)
+            elif old_logprobs is None:
                 old_logprobs = self.score(resident, responses)
-            ref_logprobs = None if self.reference is None else self.reference(prompt_ids, responses)
+            routed = None if routing is None else functools.partial(self.routing_replay.scoring, routing)
+            ref_logprobs = None if self.reference is None else self.reference(prompt_ids, responses, routed)
         advantages = get_advantage(self.cfg.advantage)(rewards.double()).tolist()
         state_grad = StateGrad(resident) if self.cfg.exact else None
         state_grad_bytes = 0 if state_grad is None else state_grad.nbytes()
@@ -234,7 +275,7 @@ class Transaction:
         with clock.phase("replay"):
             per_response, meter = self.replay(resident, responses, old_logprobs, ref_logprobs, advantages,
                                               state_grad, first=prompt * g, total=num_prompts * g,
-                                              scale=1.0 / num_prompts)
+                                              scale=1.0 / num_prompts, routing=routing)
         if state_grad is not None:
             with clock.phase("prompt"), meter:
                 self.model.prompt_backward(prompt_ids, resident, state_grad, self.cfg.block_size,
@@ -257,6 +298,8 @@ class Transaction:
         rewards = torch.cat([part.rewards for part in parts])
         stats.update(grad_norm=grad_norm, reward_mean=float(rewards.float().mean()),
                      reward_std=float(rewards.float().std()))
+        if self.routing_replay is not None:
+            stats.update(self.routing_replay.metrics())
         # one prompt's state is alive at a time: the peak is the largest prompt's
         largest = max(parts, key=lambda part: part.resident_bytes["total"])
         return TransactionResult(

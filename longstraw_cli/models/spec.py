@@ -55,6 +55,19 @@ class FamilySpec:
     # the optional packages whose kernels this family's GPU fast path runs (longstraw_kernels.FAST_PATHS): a GPU
     # run without one says once what it costs
     fast_paths: tuple[str, ...] = ()
+    # "module:Class" of its routing replay (routed experts or DSA selections recorded at rollout and forced in
+    # scoring and replay: `rollout.replay_routing`, models/glm52/routing.py); None: nothing is routed
+    routing: str | None = None
+
+    def routing_replay(self, setting):
+        """The family's routing replay for `rollout.replay_routing` (auto | true | false | measure), or None (off;
+        auto where the family routes nothing). measure: records and counts flips, forces nothing."""
+        if setting is False or (setting == "auto" and self.routing is None):
+            return None
+        if self.routing is None:
+            raise ValueError(f"rollout.replay_routing={str(setting).lower()}: model family {self.name!r} routes no "
+                             f"token (no MoE, no DSA); valid families: {[s.name for s in families() if s.routing]}")
+        return _resolve(self.routing)(force=setting != "measure")
 
     def apply_context_parallel(self, model, group) -> None:
         if self.context_parallel is None:

@@ -62,7 +62,8 @@ def plan(model_name_or_cfg, *, cp: int = 1, ep: int = 1, prompt_tokens: int, gro
          score_batch: int = 8, logprob_chunk: int = 1024, attention_block: int = 1024,
          moment_dtype: str | None = None, kernels: str = "auto", gradient: str = "response_only",
          walk_checkpoint: bool = False, reuse: bool = False, probe_tokens: int = 1024, quantize: str = "none",
-         offload: str = "none", host_mem_gib: float = 128.0, offload_copy_gib: float | str = "auto") -> dict:
+         offload: str = "none", host_mem_gib: float = 128.0, offload_copy_gib: float | str = "auto",
+         replay_routing: bool | str = "auto") -> dict:
     """Per-rank bytes of one transaction by component and by phase, with `peak`, `budget` and `fits`.
     kernels: "gpu" (the CUDA kernels), "reference" (the torch kernels), "auto": gpu for bf16/fp16, where the
     models dispatch to them on CUDA, reference otherwise. gradient: response_only | exact. reuse: capture reuse
@@ -70,7 +71,8 @@ def plan(model_name_or_cfg, *, cp: int = 1, ep: int = 1, prompt_tokens: int, gro
     offload_copy_gib (rollout.native.offload_copy_gib, offload="cpu"): the rollout's copies of host pages, whole
     layers, into the GPU memory the other phases leave free ("auto": what gpu_mem_gib holds with 10% spare). The
     offloaded rollout's figure (`rollout`) is not a phase of `peak` where a family plans it apart: its copies take
-    only memory that is free, so they never decide whether a prompt fits."""
+    only memory that is free, so they never decide whether a prompt fits. replay_routing (rollout.replay_routing):
+    whether the family's routing records are held (auto: where the family routes)."""
     spec, cfg = _family(model_name_or_cfg)
     check_gradient_mode(gradient)
     refused = offload_refusal(offload, gradient=gradient)
@@ -103,7 +105,7 @@ def plan(model_name_or_cfg, *, cp: int = 1, ep: int = 1, prompt_tokens: int, gro
               logprob_chunk=logprob_chunk, attention_block=attention_block, moment_dtype=moment_dtype,
               kernels=kernels, gradient=gradient, walk_checkpoint=walk_checkpoint, reuse=reuse,
               probe_tokens=probe_tokens, quantize=quantize, offload=offload, gpu_mem_gib=gpu_mem_gib,
-              host_mem_gib=host_mem_gib, offload_copy_gib=offload_copy_gib)
+              host_mem_gib=host_mem_gib, offload_copy_gib=offload_copy_gib, replay_routing=replay_routing)
     for value in (dtype, moment_dtype or dtype):
         itemsize(value)
     out = _hook(spec)(cfg, run)

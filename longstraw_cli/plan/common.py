@@ -54,6 +54,8 @@ class Run:
     gpu_mem_gib: float
     host_mem_gib: float
     offload_copy_gib: float | str
+    # rollout.replay_routing (auto | true | false | measure): routing records held from rollout to replay
+    replay_routing: bool | str = "auto"
 
     @property
     def s(self) -> int:

@@ -40,6 +40,9 @@ config alone. The phases are longstraw_cli.plan's; what they hold for MLA + DSA 
   host). cp = 1: the rollout copies whole layers into free memory, and the index keys of the others move to the
   GPU (glm52/decode.py). cp > 1 decodes by the eager `StepDecoder` (distributed/cp_glm52.py): every paged layer
   is staged at every token, two layers on the GPU, nothing copied for the rollout.
+- routing replay (rollout.replay_routing, on by default): the rollout's routing records (models/glm52/routing.py
+  `record_bytes`: per response token the top-k expert ids of every MoE layer and the DSA selection of every full
+  indexer layer, G x R tokens, on every rank) held from the rollout through scoring, replay and the walk.
 Left out, as for qwen36: the CUDA context, fragmentation, the collectives' buffers (besides capture's all-gather),
 expert imbalance (every rank is planned with the average share of routed pairs), a KL reference's second model.
 """
@@ -48,6 +51,7 @@ from __future__ import annotations
 
 from longstraw_cli.models.glm52.config import Glm52Config
 from longstraw_cli.models.glm52.model import _SCORE_ELEMENTS
+from longstraw_cli.models.glm52.routing import record_bytes
 from longstraw_cli.plan.common import GIB, LOGIT_BYTES_REPLAY, Run, itemsize, rollout_copies, score_logits_bytes
 from longstraw_cli.quantize import NF4_EXPERTS_PER_PASS, nf4_bytes
 
@@ -327,20 +331,23 @@ def plan(cfg: Glm52Config, run: Run) -> dict:
     # eager decode stages whole layers at every token, as the replay does
     rollout_device = (on_device if run.cp > 1 else pages["index_pages"]) if host else on_device
 
+    # routing replay: the records, written by the decode, read by scoring and the replays (and alive in the walk)
+    records = record_bytes(cfg, G, R) if run.replay_routing in ("auto", True, "measure") else 0
+
     base = weights + optimizer + on_device + dequant
     phases = {
         "capture": base + capture_act,
-        "score": base + score_act,
-        "replay": base + grads + state_grad + graph + replay_transient + page_grad,
+        "score": base + score_act + records,
+        "replay": base + grads + state_grad + graph + replay_transient + page_grad + records,
         # the prompt's pages are released before the optimizer step unless capture.reuse_steps keeps them
         "step": base - (0 if run.reuse else on_device) + grads + step_transient,
     }
     if exact:
-        phases["prompt"] = base + grads + state_grad + block_graph + page_grad
+        phases["prompt"] = base + grads + state_grad + block_graph + page_grad + records
     if run.reuse:
         probed = min(block, run.probe_tokens, captured)
         phases["drift"] = base + max(capture_act, score_activations(1)) + pages["total"] * probed // captured
-    rollout_base = weights + optimizer + dequant + rollout_device + decode + decode_step
+    rollout_base = weights + optimizer + dequant + rollout_device + decode + decode_step + records
     phases["rollout"] = rollout_base
     copies = rollout_copies(run, rollout_base, per_layer) if host and run.cp == 1 else 0
 
@@ -351,7 +358,8 @@ def plan(cfg: Glm52Config, run: Run) -> dict:
                 f"at once" if run.quantize == "nf4" else ""),
              f"pages {pages['total'] / GIB:.2f} GiB ({captured} tokens per rank: latent "
              f"{pages['latent_pages'] / GIB:.2f}, rope {pages['rope_pages'] / GIB:.2f}, index keys "
-             f"{pages['index_pages'] / GIB:.2f}); rollout decode buffers {decode / GIB:.2f} GiB"]
+             f"{pages['index_pages'] / GIB:.2f}); rollout decode buffers {decode / GIB:.2f} GiB"
+             + (f"; routing records {records / GIB:.3f} GiB" if records else "")]
     if gathered:
         notes.append(f"cp capture: one layer's pages of every rank gathered {gathered / GIB:.2f} GiB (shards + "
                      f"concatenation), in capture_act")
@@ -376,7 +384,7 @@ def plan(cfg: Glm52Config, run: Run) -> dict:
         "capture_activations": capture_act, "cp_gather": gathered, "score_activations": score_act,
         "response_graph": graph, "replay_transient": replay_transient, "step_transient": step_transient,
         "boundary_states": 0, "tail_states": 0, "state_grad": state_grad, "block_graph": block_graph,
-        "page_grad_transient": page_grad, "decode_buffers": decode,
+        "page_grad_transient": page_grad, "decode_buffers": decode, "routing_records": records,
         "phases": phases, "rollout_copies": copies, "rollout": rollout_base + copies,
         "bound": weights + grads + optimizer + on_device + state_grad + max(graph, block_graph),
         "notes": notes,

@@ -9,6 +9,7 @@ policy (temperature 1, no top-p) come out of the same forward, graph-free: they 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Literal
@@ -45,6 +46,9 @@ class Rollout:
     entropies: list[torch.Tensor] | None = None
     # decode steps run (the longest response, or up to stop_check_every - 1 more)
     decode_steps: int = 0
+    # routing replay (rollout.replay_routing): what each response token was routed to, recorded by the decode
+    # step (the family's record, opaque here: models/glm52/routing.py); None where not recorded
+    routing: object | None = None
 
 
 def sample_tokens(logits_BV: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
@@ -145,10 +149,22 @@ class GraphedStep:
 
 @torch.no_grad()
 def generate(model, resident, num_responses: int, cfg: SamplingConfig, generator: torch.Generator | None = None,
-             native: NativeConfig = NativeConfig()) -> Rollout:
+             native: NativeConfig = NativeConfig(), routing=None) -> Rollout:
     """Sample `num_responses` continuations of the captured prompt; each ends at its first stop token
     (included, it is a trained token) or at max_new_tokens. No host synchronisation per token: sampled tokens
-    go straight back into the decoder's input buffer; stops are looked at every `stop_check_every` tokens."""
+    go straight back into the decoder's input buffer; stops are looked at every `stop_check_every` tokens.
+    routing: a routing replay (models/glm52/routing.py `RoutingReplay`): the decode steps record each token's
+    routing into preallocated device buffers (`Rollout.routing`)."""
+    record = None if routing is None else routing.new_record(model, resident, num_responses, cfg.max_new_tokens)
+    recording = contextlib.nullcontext() if record is None else routing.recording(record, model)
+    with recording:
+        rollout = _generate(model, resident, num_responses, cfg, generator, native)
+    rollout.routing = record
+    return rollout
+
+
+def _generate(model, resident, num_responses: int, cfg: SamplingConfig, generator: torch.Generator | None,
+              native: NativeConfig) -> Rollout:
     decoder = model.decoder(resident, num_responses, cfg.max_new_tokens, page_budget=native.page_budget())
     device = decoder.device
     use_graph = native.cuda_graph and device.type == "cuda" and decoder.graph_safe

@@ -131,7 +131,12 @@ def test_glm5_target_lists_every_phase_and_parts_that_scale_as_they_should():
     p, q = plan("glm52", **TARGET), plan("glm52", quantize="nf4", **TARGET)
     assert set(p["phases"]) == {"capture", "score", "replay", "step", "rollout"}
     assert p["phases"]["replay"] == (p["weights"] + p["optimizer"] + p["resident"] + p["grads"] + p["response_graph"]
-                                     + p["replay_transient"])
+                                     + p["replay_transient"] + p["routing_records"])
+    # routing replay (on by default): per response token 8 expert ids (int16) in each of 75 MoE layers and a
+    # 2,048-key selection (int32) in each of the 78 full indexer layers; replay_routing=false holds none
+    assert p["routing_records"] == TARGET["group_size"] * TARGET["response_tokens"] * (75 * 8 * 2 + 78 * 2048 * 4)
+    off = plan("glm52", replay_routing=False, **TARGET)
+    assert off["routing_records"] == 0 and off["phases"]["replay"] == p["phases"]["replay"] - p["routing_records"]
     # 256 / 32 = 8 experts per MoE layer: 75 MoE layers x 8 x 3 x 6144 x 2048 bf16
     assert p["weights_experts"] == 75 * 8 * 3 * 6144 * 2048 * 2
     assert q["weights_experts"] < p["weights_experts"] / 3.5 and q["peak"] < p["peak"]

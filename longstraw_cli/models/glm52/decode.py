@@ -8,7 +8,8 @@ the lower position wins) without a host synchronisation (`topk_lowest_position_s
 only the selected prompt pages (the Triton kernel on CUDA) and the selected response keys. Routed experts run
 densely over all experts with the routing weights (zero where not chosen): at decode's few tokens nearly every
 expert is chosen by some response, so this reads each expert's weights once, with static shapes (NF4 experts,
-lora.quantize=nf4: dequantised a few at a time, `experts.dense_experts`).
+lora.quantize=nf4: dequantised a few at a time, `experts.dense_experts`). The routing and the DSA selection go
+through the layers' `route_fn` / `select_fn` hooks, by which routing replay (routing.py) records them.
 
 A step is CUDA-graph safe when the pages are on the device and the experts are local (`graph_safe`); with
 pages left in host memory or expert parallelism (whose all-to-all sizes depend on the routing) it runs eagerly.
@@ -70,12 +71,12 @@ class Glm52Decoder(StaticDecoder):
         cos, sin = rope_cos_sin(positions_1, cfg.qk_rope_head_dim, cfg.rope_theta, x_BTC.dtype)
         for layer, pages, buf in zip(model.model.layers, self.pages, self.layers):
             h_BTC, idx_BTK = self._attention(layer.self_attn, layer.input_layernorm(x_BTC), cos, sin, pages, buf,
-                                             valid_S, idx_BTK)
+                                             valid_S, idx_BTK, positions_1)
             x_BTC = x_BTC + h_BTC
-            x_BTC = x_BTC + self._mlp(layer.mlp, layer.post_attention_layernorm(x_BTC))
+            x_BTC = x_BTC + self._mlp(layer.mlp, layer.post_attention_layernorm(x_BTC), positions_1)
         return self.logits(x_BTC)
 
-    def _attention(self, attn, x_BTC, cos, sin, pages, buf: ResponseMLA, valid_S, prev_idx_BTK):
+    def _attention(self, attn, x_BTC, cos, sin, pages, buf: ResponseMLA, valid_S, prev_idx_BTK, positions_1):
         q_resid_BTQ, q_nope, q_rope = attn.project_q(x_BTC, cos, sin)
         latent_BTL, rope_BTR = attn.project_kv(x_BTC, cos, sin)
         buf.latent_BSL.index_copy_(1, self.step_1, latent_BTL.to(buf.latent_BSL.dtype))
@@ -84,7 +85,9 @@ class Glm52Decoder(StaticDecoder):
         if attn.indexer is not None:
             index_BTI = attn.indexer.keys(x_BTC, cos, sin)
             buf.index_BSI.index_copy_(1, self.step_1, index_BTI.to(buf.index_BSI.dtype))
-            idx_BTK = self._select(attn, x_BTC, q_resid_BTQ, cos, sin, pages, buf, valid_S, P, S)
+            # `select_fn`: routing replay records the selection (in place, at the step: graph safe)
+            idx_BTK = attn.select_fn(positions_1, lambda: self._select(attn, x_BTC, q_resid_BTQ, cos, sin, pages, buf,
+                                                                       valid_S, P, S))
         else:
             idx_BTK = prev_idx_BTK
         out_BTHL = attn.attend(attn.absorb(q_nope, q_rope), pages, idx_BTK, KeyAxis(P, S, 1),
@@ -108,11 +111,11 @@ class Glm52Decoder(StaticDecoder):
             chosen_BTk = F.pad(chosen_BTk, (0, topk - k), value=-1)
         return chosen_BTk
 
-    def _mlp(self, mlp, x_BTC):
+    def _mlp(self, mlp, x_BTC, positions_1):
         if not hasattr(mlp, "experts_fn"):
             return mlp(x_BTC)
         x_NC = x_BTC.reshape(-1, x_BTC.shape[-1])
-        topk_idx_Nk, topk_w_Nk = mlp.gate(x_NC)
+        topk_idx_Nk, topk_w_Nk = mlp.route_fn(mlp.gate, x_NC, positions_1)
         experts_fn = dense_experts if mlp.experts_fn is local_experts else mlp.experts_fn
         y_NC = experts_fn(x_NC, topk_idx_Nk, topk_w_Nk, mlp.experts.gate_up_proj, mlp.experts.down_proj)
         return y_NC.view_as(x_BTC) + mlp.shared_experts(x_BTC)

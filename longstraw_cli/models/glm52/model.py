@@ -44,6 +44,12 @@ Hooks (swapped from outside: GPU kernels, context parallel, expert parallel; the
   the span's end (context parallel: the lower ranks' gathered before the own). Default `own_pages`.
 - `MoE.experts_fn(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_proj, down_proj) -> y_NC`: sum over the k chosen
   experts of w * down(silu(gate) * up); gate_up_proj [E, 2I, C], down_proj [E, C, I]. Default `local_experts`.
+- `MoE.route_fn(gate, x_NC, positions_T) -> (topk_idx_Nk, topk_w_Nk)`: the routing of tokens after the prompt
+  (replay, scoring, decode; N = B x T rows, positions_T their positions); the prompt's tokens are always routed
+  live. Default `live_route` (the router's own choice); routing replay (glm52/routing.py) records or forces it.
+- `MLAttention.select_fn(positions_T, live) -> idx_BTK`: the DSA selection of tokens after the prompt on "full"
+  indexer layers, `live()` computing the indexer's own. Default `live_selection`; routing replay records or
+  forces it.
 
 Legend: B batch, T tokens (queries), S keys on the key axis, C hidden, H heads, N nope dim, R rope dim,
 V v_head dim, L kv latent (kv_lora_rank), A = L + R, Q q_lora_rank, I indexer head dim, J indexer heads,
@@ -182,6 +188,11 @@ def linear_weight(linear: nn.Linear) -> torch.Tensor:
     return dense(linear.weight) if folded is None else folded()
 
 
+def live_selection(positions_T: torch.Tensor, live) -> torch.Tensor:
+    """`select_fn` without routing replay: the indexer's own selection."""
+    return live()
+
+
 def pages_topk(scores_BTS: torch.Tensor, k: int, first: int) -> torch.Tensor:
     """`pages_topk_fn` on one device: the scores are of every key (first is 0)."""
     return topk_lowest_position(scores_BTS, k)
@@ -236,6 +247,7 @@ class MLAttention(nn.Module):
         self.pages_topk_fn = pages_topk
         self.pages_attention_fn = local_pages_attention
         self.span_pages_fn = own_pages
+        self.select_fn = live_selection
 
     # -- projections ------------------------------------------------------------------------------------------
     def project_q(self, x_BTC, cos_TF, sin_TF):
@@ -407,8 +419,9 @@ class MLAttention(nn.Module):
         if self.indexer is not None:
             # the new keys continue the prompt's last pages (positions num_pages, ...)
             keys = [pages.index_PI] + ([new[2]] if scores_new else [])
-            idx_BTK = self.select(x_BTC, q_resid, cos, sin, keys, axis, first,
-                                  lambda scores_BTS, k: self.pages_topk_fn(scores_BTS, k, first))
+            idx_BTK = self.select_fn(positions_T, lambda: self.select(
+                x_BTC, q_resid, cos, sin, keys, axis, first,
+                lambda scores_BTS, k: self.pages_topk_fn(scores_BTS, k, first)))
         else:
             idx_BTK = prev_idx
         out_BTHL = self.attend(self.absorb(q_nope, q_rope), pages, idx_BTK, axis, new, first, self.pages_attention_fn)
@@ -473,22 +486,39 @@ class TopkRouter(nn.Module):
         self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size, dtype=dtype))
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=dtype))
 
-    def forward(self, x_NC: torch.Tensor):
+    def scores(self, x_NC: torch.Tensor) -> torch.Tensor:
+        """sigmoid(router logits) [N, E] in fp32 (or wider): differentiable."""
+        return F.linear(x_NC.to(self.weight.dtype), self.weight).sigmoid()
+
+    @torch.no_grad()
+    def choose(self, scores_NE: torch.Tensor) -> torch.Tensor:
+        """The top-k experts [N, k] by score + e_score_correction_bias within the best groups."""
         cfg = self.cfg
-        N, E, G = x_NC.shape[0], cfg.n_routed_experts, cfg.n_group
-        logits_NE = F.linear(x_NC.to(self.weight.dtype), self.weight)
-        scores_NE = logits_NE.sigmoid()
-        with torch.no_grad():
-            choice_NE = scores_NE + self.e_score_correction_bias
-            group_NG = choice_NE.view(N, G, E // G).topk(min(2, E // G), dim=-1).values.sum(-1)
-            group_idx = group_NG.topk(cfg.topk_group, dim=-1).indices
-            keep_NG = torch.zeros_like(group_NG, dtype=torch.bool).scatter_(1, group_idx, True)
-            keep_NE = keep_NG[:, :, None].expand(N, G, E // G).reshape(N, E)
-            topk_idx_Nk = choice_NE.masked_fill(~keep_NE, float("-inf")).topk(cfg.num_experts_per_tok, dim=-1).indices
+        N, E, G = scores_NE.shape[0], cfg.n_routed_experts, cfg.n_group
+        choice_NE = scores_NE + self.e_score_correction_bias
+        group_NG = choice_NE.view(N, G, E // G).topk(min(2, E // G), dim=-1).values.sum(-1)
+        group_idx = group_NG.topk(cfg.topk_group, dim=-1).indices
+        keep_NG = torch.zeros_like(group_NG, dtype=torch.bool).scatter_(1, group_idx, True)
+        keep_NE = keep_NG[:, :, None].expand(N, G, E // G).reshape(N, E)
+        return choice_NE.masked_fill(~keep_NE, float("-inf")).topk(cfg.num_experts_per_tok, dim=-1).indices
+
+    def weights(self, scores_NE: torch.Tensor, topk_idx_Nk: torch.Tensor) -> torch.Tensor:
+        """The routing weights [N, k] of the chosen experts: their unbiased scores, renormalised, scaled
+        (differentiable: routing replay recomputes them for recorded ids so the router keeps its gradient)."""
         w_Nk = scores_NE.gather(1, topk_idx_Nk)
-        if cfg.norm_topk_prob:
+        if self.cfg.norm_topk_prob:
             w_Nk = w_Nk / (w_Nk.sum(-1, keepdim=True) + 1e-20)
-        return topk_idx_Nk, w_Nk * cfg.routed_scaling_factor
+        return w_Nk * self.cfg.routed_scaling_factor
+
+    def forward(self, x_NC: torch.Tensor):
+        scores_NE = self.scores(x_NC)
+        topk_idx_Nk = self.choose(scores_NE)
+        return topk_idx_Nk, self.weights(scores_NE, topk_idx_Nk)
+
+
+def live_route(gate: TopkRouter, x_NC: torch.Tensor, positions_T: torch.Tensor):
+    """`MoE.route_fn` without routing replay: the router's own choice."""
+    return gate(x_NC)
 
 
 class Experts(nn.Module):
@@ -530,10 +560,16 @@ class MoE(nn.Module):
         self.gate = TopkRouter(cfg)
         self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
         self.experts_fn = local_experts
+        self.route_fn = live_route
 
-    def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BTC: torch.Tensor, positions_T: torch.Tensor | None = None) -> torch.Tensor:
+        """positions_T: given for tokens after the prompt (replay, scoring, decode), routed by `route_fn`; the
+        prompt's tokens (None) by the router itself."""
         x_NC = x_BTC.reshape(-1, x_BTC.shape[-1])
-        topk_idx_Nk, topk_w_Nk = self.gate(x_NC)
+        if positions_T is None:
+            topk_idx_Nk, topk_w_Nk = self.gate(x_NC)
+        else:
+            topk_idx_Nk, topk_w_Nk = self.route_fn(self.gate, x_NC, positions_T)
         y_NC = self.experts_fn(x_NC, topk_idx_Nk, topk_w_Nk, self.experts.gate_up_proj, self.experts.down_proj)
         return y_NC.view_as(x_BTC) + self.shared_experts(x_BTC)
 
@@ -568,11 +604,18 @@ class DecoderLayer(core.DecoderLayer):
 
     def replay(self, x_BTC, positions_T, pages, carry=None):
         h, idx = self.self_attn.replay(self.input_layernorm(x_BTC), positions_T, pages, carry)
-        return self.mlp_residual(x_BTC, h), idx
+        return self.continued_residual(x_BTC, h, positions_T), idx
 
     def decode_step(self, x_BTC, positions_T, pages, cache, carry=None):
         h, idx = self.self_attn.decode_step(self.input_layernorm(x_BTC), positions_T, pages, carry, cache)
-        return self.mlp_residual(x_BTC, h), idx
+        return self.continued_residual(x_BTC, h, positions_T), idx
+
+    def continued_residual(self, x_BTC, mixed_BTC, positions_T):
+        """`mlp_residual` for tokens after the prompt: a MoE routes them by their positions (`MoE.route_fn`)."""
+        if not isinstance(self.mlp, MoE):
+            return self.mlp_residual(x_BTC, mixed_BTC)
+        x_BTC = x_BTC + mixed_BTC
+        return x_BTC + self.mlp(self.post_attention_layernorm(x_BTC), positions_T)
 
 
 class Glm52ForCausalLM(CausalLM):

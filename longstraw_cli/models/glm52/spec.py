@@ -18,4 +18,5 @@ SPEC = register_family(FamilySpec(
     expert_parallel="longstraw_cli.distributed.ep:apply_expert_parallel",
     plan="longstraw_cli.plan.glm52:plan",
     fast_paths=("triton",),
+    routing="longstraw_cli.models.glm52.routing:RoutingReplay",
 ))

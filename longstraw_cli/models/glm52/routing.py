@@ -1,0 +1,244 @@
+"""Routing replay (R3, "Rollout Routing Replay", arXiv 2510.11370; Megatron-LM's `moe_enable_routing_replay`):
+the experts each response token was routed to, and its DSA selection, recorded where the response was sampled
+and forced wherever it is scored or replayed, so that a token near a top-k boundary cannot take other experts
+(or other prompt keys) at replay than it took at sampling.
+
+A `RoutingRecord` holds, for B responses of up to S tokens, per MoE layer the top-k expert ids of every response
+token ([B, S, k]) and per "full" indexer layer its DSA selection ([B, S, index_topk], key positions, -1 none;
+"shared" layers reuse the full layer's, as they always do). Slot s is the token at position `first` + s, the
+input of replay row s (`first` is the resident prompt's length: slot 0 is the prompt's last token).
+
+The layers route tokens after the prompt through two hooks (model.py's `MoE.route_fn`, `MLAttention.select_fn`),
+which the context managers here swap for the duration of a block and put back:
+- `recording`: the live choice, also written into the record at the tokens' slots (`index_copy_` at positions
+  held on the device: no host synchronisation, safe inside the decode step's CUDA graph);
+- `forcing`: the recorded choice. The routing WEIGHTS are recomputed from the live router at the recorded ids
+  (`TopkRouter.weights`), so the router keeps its gradient; the DSA selection carries none either way. Expert
+  parallel dispatches by the ids it is given and context parallel attends to the global positions it is given,
+  so forcing is exact under both (every rank of a CP group holds the same record: it decodes the same tokens);
+- `measuring`: the live choice, unchanged (the numbers of no replay at all, bit for bit).
+With a `FlipCount`, forcing and measuring also compare the live choice with the record: per layer the fraction
+of tokens whose expert SET (or selected key set) differs, logged as `rollout/expert_flip_frac`,
+`rollout/dsa_flip_frac` (mean over layers) and `..._max` (the worst layer). Under forcing the DSA comparison
+runs the indexer that forcing would skip.
+
+`RoutingReplay` is what the family registers (models/spec.py `routing`) and the rollout and the transaction call;
+they see records as opaque objects. Model code only: no torch.distributed here.
+
+Legend: B responses (rows of a record), S response slots, T tokens of a call, N = B x T, k experts per token,
+K selected keys (index_topk).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from longstraw_cli.models.glm52.model import MoE, live_route, live_selection
+
+__all__ = ["FlipCount", "RoutingRecord", "RoutingReplay", "forcing", "measuring", "record_bytes", "recording"]
+
+
+def expert_id_dtype(num_experts: int) -> torch.dtype:
+    """The narrowest integer type the records keep expert ids in."""
+    return torch.int16 if num_experts <= torch.iinfo(torch.int16).max else torch.int32
+
+
+# DSA selections are key positions (prompt + response): int32 holds 2^31 - 1 of them
+SELECTION_DTYPE = torch.int32
+
+
+@dataclass
+class RoutingRecord:
+    """Recorded routing of B responses of up to S tokens (see the module doc)."""
+
+    # prompt position of slot 0
+    first: int
+    # MoE layer index -> expert ids [B, S, k]
+    experts: dict[int, torch.Tensor]
+    # full indexer layer index -> selected key positions [B, S, K]
+    selections: dict[int, torch.Tensor]
+
+    def rows(self, rows: slice) -> RoutingRecord:
+        """The records of responses `rows` (views)."""
+        return RoutingRecord(self.first, {i: t[rows] for i, t in self.experts.items()},
+                             {i: t[rows] for i, t in self.selections.items()})
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.itemsize for t in (*self.experts.values(), *self.selections.values()))
+
+    @classmethod
+    def empty(cls, model, batch: int, capacity: int, first: int) -> RoutingRecord:
+        """Zeroed records for `batch` responses of up to `capacity` tokens after a prompt of `first` positions."""
+        cfg, device = model.config, model.lm_head.weight.device
+        experts = {i: torch.zeros(batch, capacity, cfg.num_experts_per_tok, device=device,
+                                  dtype=expert_id_dtype(cfg.n_routed_experts)) for i, _ in _moe_layers(model)}
+        selections = {i: torch.zeros(batch, capacity, cfg.index_topk, dtype=SELECTION_DTYPE, device=device)
+                      for i, _ in _indexer_layers(model)}
+        return cls(first, experts, selections)
+
+
+def record_bytes(cfg, batch: int, capacity: int) -> int:
+    """Bytes of one `RoutingRecord` of a model config (`longstraw plan`)."""
+    num_moe = sum(t == "sparse" for t in cfg.layer_mlp_types)
+    num_full = sum(t == "full" for t in cfg.layer_indexer_types)
+    per_token = (num_moe * cfg.num_experts_per_tok * expert_id_dtype(cfg.n_routed_experts).itemsize
+                 + num_full * cfg.index_topk * SELECTION_DTYPE.itemsize)
+    return batch * capacity * per_token
+
+
+class FlipCount:
+    """Per layer, tokens whose live choice differs from the record (a device tensor until `metrics()`, which
+    synchronises once) and tokens compared (a host count)."""
+
+    def __init__(self):
+        # (kind, layer) -> [flipped (device tensor), compared (int)]
+        self.counts: dict[tuple[str, int], list] = {}
+
+    def add(self, kind: str, layer: int, live_NX: torch.Tensor, recorded_NX: torch.Tensor) -> None:
+        """Compare two choices per token as SETS (rows of ids in any order)."""
+        live_NX, recorded_NX = live_NX.reshape(-1, live_NX.shape[-1]), recorded_NX.reshape(live_NX.shape)
+        differs_N = (live_NX.long().sort(-1).values != recorded_NX.long().sort(-1).values).any(-1)
+        count = self.counts.setdefault((kind, layer), [0, 0])
+        count[0], count[1] = count[0] + differs_N.sum(), count[1] + differs_N.numel()
+
+    def metrics(self) -> dict[str, float]:
+        """{rollout/<kind>_flip_frac: mean over layers, rollout/<kind>_flip_frac_max: worst layer}; counts reset."""
+        out = {}
+        for kind in ("expert", "dsa"):
+            keys = sorted(key for key in self.counts if key[0] == kind)
+            if not keys:
+                continue
+            flipped = torch.stack([torch.as_tensor(self.counts[key][0]) for key in keys]).double().cpu()
+            fracs = flipped / torch.tensor([max(1, self.counts[key][1]) for key in keys], dtype=torch.float64)
+            out[f"rollout/{kind}_flip_frac"] = float(fracs.mean())
+            out[f"rollout/{kind}_flip_frac_max"] = float(fracs.max())
+        self.counts = {}
+        return out
+
+
+def _moe_layers(model) -> list[tuple[int, MoE]]:
+    return [(i, layer.mlp) for i, layer in enumerate(model.model.layers) if isinstance(layer.mlp, MoE)]
+
+
+def _indexer_layers(model) -> list:
+    return [(i, layer.self_attn) for i, layer in enumerate(model.model.layers) if layer.self_attn.indexer is not None]
+
+
+def _slots(record: RoutingRecord, positions_T: torch.Tensor) -> torch.Tensor:
+    return positions_T - record.first
+
+
+# -- the hooks --------------------------------------------------------------------------------------------------
+def recorded_route(record: RoutingRecord, layer: int, gate, x_NC, positions_T):
+    """`route_fn` that records: the live choice, written into the record at the tokens' slots."""
+    topk_idx_Nk, topk_w_Nk = gate(x_NC)
+    ids_BSk = record.experts[layer]
+    ids_BSk.index_copy_(1, _slots(record, positions_T), topk_idx_Nk.view(ids_BSk.shape[0], -1, ids_BSk.shape[2])
+                        .to(ids_BSk.dtype))
+    return topk_idx_Nk, topk_w_Nk
+
+
+def forced_route(record: RoutingRecord, flips: FlipCount | None, layer: int, gate, x_NC, positions_T):
+    """`route_fn` that forces the recorded experts, weighted by the live router's scores at them."""
+    ids_BSk = record.experts[layer]
+    forced_Nk = ids_BSk.index_select(1, _slots(record, positions_T)).reshape(-1, ids_BSk.shape[2]).long()
+    scores_NE = gate.scores(x_NC)
+    if flips is not None:
+        flips.add("expert", layer, gate.choose(scores_NE), forced_Nk)
+    return forced_Nk, gate.weights(scores_NE, forced_Nk)
+
+
+def measured_route(record: RoutingRecord, flips: FlipCount, layer: int, gate, x_NC, positions_T):
+    """`route_fn` that routes live and counts where the live choice differs from the record."""
+    topk_idx_Nk, topk_w_Nk = gate(x_NC)
+    ids_BSk = record.experts[layer]
+    flips.add("expert", layer, topk_idx_Nk, ids_BSk.index_select(1, _slots(record, positions_T)))
+    return topk_idx_Nk, topk_w_Nk
+
+
+def recorded_selection(record: RoutingRecord, layer: int, positions_T, live):
+    """`select_fn` that records the live selection at the tokens' slots."""
+    idx_BTK = live()
+    record.selections[layer].index_copy_(1, _slots(record, positions_T), idx_BTK.to(SELECTION_DTYPE))
+    return idx_BTK
+
+
+def forced_selection(record: RoutingRecord, flips: FlipCount | None, layer: int, positions_T, live):
+    """`select_fn` that forces the recorded selection (the indexer runs only to count flips)."""
+    forced_BTK = record.selections[layer].index_select(1, _slots(record, positions_T)).long()
+    if flips is not None:
+        flips.add("dsa", layer, live(), forced_BTK)
+    return forced_BTK
+
+
+def measured_selection(record: RoutingRecord, flips: FlipCount, layer: int, positions_T, live):
+    """`select_fn` that selects live and counts where the selection differs from the record."""
+    idx_BTK = live()
+    flips.add("dsa", layer, idx_BTK, record.selections[layer].index_select(1, _slots(record, positions_T)))
+    return idx_BTK
+
+
+@contextlib.contextmanager
+def _hooks(model, route, select, *args):
+    """Every MoE layer i's `route_fn` = route(*args, i, ...), every full indexer layer i's `select_fn` =
+    select(*args, i, ...) inside the block; the live hooks after it."""
+    moe, indexer = _moe_layers(model), _indexer_layers(model)
+    try:
+        for i, mlp in moe:
+            mlp.route_fn = functools.partial(route, *args, i)
+        for i, attn in indexer:
+            attn.select_fn = functools.partial(select, *args, i)
+        yield
+    finally:
+        for _, mlp in moe:
+            mlp.route_fn = live_route
+        for _, attn in indexer:
+            attn.select_fn = live_selection
+
+
+def recording(model, record: RoutingRecord, rows: slice = slice(None)):
+    """Within the block, tokens after the prompt route live and their choices go into `record` rows `rows` (the
+    call's batch rows, in order)."""
+    return _hooks(model, recorded_route, recorded_selection, record.rows(rows))
+
+
+def forcing(model, record: RoutingRecord, flips: FlipCount | None = None):
+    """Within the block, tokens after the prompt take the choices of `record` (its rows are the call's batch
+    rows); with `flips`, the live choices are compared with it."""
+    return _hooks(model, forced_route, forced_selection, record, flips)
+
+
+def measuring(model, record: RoutingRecord, flips: FlipCount):
+    """Within the block, tokens after the prompt route live (unchanged numbers) and are compared with `record`."""
+    return _hooks(model, measured_route, measured_selection, record, flips)
+
+
+class RoutingReplay:
+    """`rollout.replay_routing` for glm52 (models/spec.py `routing`): force=True forces the records in scoring
+    and replay (`true`, `auto`), False only measures the flips (`measure`). Flips are counted in the replays."""
+
+    def __init__(self, force: bool = True):
+        self.force, self.flips = force, FlipCount()
+
+    def new_record(self, model, resident, batch: int, capacity: int) -> RoutingRecord:
+        return RoutingRecord.empty(model, batch, capacity, resident.num_tokens)
+
+    def recording(self, record: RoutingRecord, model, rows: slice = slice(None)):
+        """Calls in the block record their routing into `record` rows `rows` (decode, or scoring)."""
+        return recording(model, record, rows)
+
+    def scoring(self, record: RoutingRecord, model, rows: slice):
+        """Graph-free scoring of responses `rows` (old and reference log-probs): forced, no flips counted."""
+        return forcing(model, record.rows(rows)) if self.force else contextlib.nullcontext()
+
+    def replaying(self, record: RoutingRecord, model, rows: slice):
+        """The replay of responses `rows`: forced (or live) with the flips counted."""
+        part = record.rows(rows)
+        return forcing(model, part, self.flips) if self.force else measuring(model, part, self.flips)
+
+    def metrics(self) -> dict[str, float]:
+        return self.flips.metrics()
