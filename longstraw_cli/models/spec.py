@@ -52,6 +52,9 @@ class FamilySpec:
     # "module:function" hook of `longstraw plan`: plan(model config, plan.common.Run) -> bytes by component and
     # phase (longstraw_cli/plan/); None: the family's memory is not planned
     plan: str | None = None
+    # "module:function" hook: flops(model config, captured tokens, **pair counts) -> FLOPs of the prompt capture by
+    # term (longstraw_cli/plan/flops.py); None: not counted
+    flops: str | None = None
     # the optional packages whose kernels this family's GPU fast path runs (longstraw_kernels.FAST_PATHS): a GPU
     # run without one says once what it costs
     fast_paths: tuple[str, ...] = ()

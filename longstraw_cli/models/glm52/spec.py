@@ -17,6 +17,7 @@ SPEC = register_family(FamilySpec(
     context_parallel="longstraw_cli.distributed.cp_glm52:apply_context_parallel_glm52",
     expert_parallel="longstraw_cli.distributed.ep:apply_expert_parallel",
     plan="longstraw_cli.plan.glm52:plan",
+    flops="longstraw_cli.plan.flops:glm52_capture_flops",
     fast_paths=("triton",),
     routing="longstraw_cli.models.glm52.routing:RoutingReplay",
 ))

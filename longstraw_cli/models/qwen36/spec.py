@@ -15,5 +15,6 @@ SPEC = register_family(FamilySpec(
     lora_targets=DEFAULT_TARGETS,
     context_parallel="longstraw_cli.distributed.cp:apply_context_parallel_qwen36",
     plan="longstraw_cli.plan.qwen36:plan",
+    flops="longstraw_cli.plan.flops:qwen36_capture_flops",
     fast_paths=("fla", "triton"),
 ))

@@ -1,0 +1,65 @@
+"""The analytic capture FLOP count (longstraw_cli/plan/flops.py) against torch's FlopCounterMode on CPU.
+
+On CPU the capture runs the torch references (no Triton), whose matrix products FlopCounterMode counts: mm, bmm
+(einsum lowers to them) and the depthwise convolution. Neither side counts elementwise work, and FlopCounterMode
+does not count torch.linalg.solve_triangular (the chunked delta rule's solve), which the analytic count leaves out
+too. The references do more products than the model needs, and the count is told how many:
+- attention (qwen36) and index scores (glm52): each capture block scores its queries against every key up to the
+  block's end, a rectangle, and masks the block's future keys afterwards: sum over blocks of T_b x end_b pairs
+  instead of the causal ones;
+- glm52's sparse attention: the torch reference computes all index_topk slots of every query (-1 slots masked),
+  index_topk pairs a query instead of min(index_topk, t + 1);
+- the chunked delta rule pads each block to whole chunks of 64 tokens.
+With those counts substituted the analytic count must equal FlopCounterMode's exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from longstraw_cli.models import build_model
+from longstraw_cli.models.core import capture_blocks
+from longstraw_cli.plan.flops import GDN_CHUNK, capture_flops, causal_pairs, selected_pairs
+
+
+def counted(model, num_tokens: int, block_size: int) -> int:
+    ids = torch.randint(0, model.config.vocab_size, (num_tokens + 1,), generator=torch.Generator().manual_seed(0))
+    with FlopCounterMode(display=False) as counter:
+        model.capture(ids, block_size=block_size)
+    return counter.get_total_flops()
+
+
+def rectangle_pairs(num_tokens: int, block_size: int) -> int:
+    return sum((end - start) * end for start, end in capture_blocks(num_tokens, block_size))
+
+
+@pytest.mark.parametrize("num_tokens,block_size,dtype", [(62, 16, torch.float32), (200, 37, torch.float64)])
+def test_qwen36_count_equals_flop_counter(num_tokens, block_size, dtype):
+    model = build_model("qwen36_tiny", dtype=dtype, seed=0)
+    padded = sum(-(-(end - start) // GDN_CHUNK) * GDN_CHUNK for start, end in capture_blocks(num_tokens, block_size))
+    analytic = capture_flops(model, num_tokens, attention_pairs=rectangle_pairs(num_tokens, block_size),
+                             gdn_tokens=padded)
+    assert analytic["total"] == counted(model, num_tokens, block_size)
+
+
+@pytest.mark.parametrize("num_tokens,block_size,dtype", [(62, 16, torch.float32), (200, 37, torch.float64)])
+def test_glm52_count_equals_flop_counter(num_tokens, block_size, dtype):
+    model = build_model("glm52_tiny", dtype=dtype, seed=0)
+    analytic = capture_flops(model, num_tokens, index_pairs=rectangle_pairs(num_tokens, block_size),
+                             attended_pairs=num_tokens * model.config.index_topk)
+    assert analytic["total"] == counted(model, num_tokens, block_size)
+
+
+def test_causal_counts_and_named_configs():
+    # the model's own work: causal pairs, the ramp of DSA selections, by name or config alike
+    assert causal_pairs(4) == 10 and selected_pairs(5, 3) == 1 + 2 + 3 + 3 + 3 and selected_pairs(2, 8) == 3
+    glm = capture_flops("glm52_tiny", 200)
+    assert glm["index_scores"] == 2 * 2 * 4 * 16 * causal_pairs(200)  # two full layers, J=4, I=16
+    assert glm["attention"] == 4 * 2 * 4 * (2 * 32 + 8) * selected_pairs(200, 16)
+    # the qwen36 count's linear and attention terms are bench_capture's earlier ones (the 63% at 256K)
+    qwen = capture_flops("qwen36_mini", 262144)
+    assert qwen["linear"] == 719699079856128
+    assert qwen["attention"] == pytest.approx(3377699720527872.0, rel=1e-5)
+    assert sum(v for k, v in qwen.items() if k != "total") == qwen["total"]
