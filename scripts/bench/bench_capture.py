@@ -5,10 +5,11 @@ For each prompt length P, on the same model (random weights), one process:
   capture_span   `model.capture_span` over the whole prompt: layer by layer (what context parallel runs per rank);
   forward        the plain full-sequence forward under no_grad (causal SDPA over the whole prompt, GDN from a
                  zero state, MLP unchunked), final norm included, no logits: the same work minus the paging.
-FLOPs counted: linear layers (2 x tokens x weights of every decoder-layer matmul) + causal attention
-(4 x heads x head_dim x P^2 / 2 per attention layer); GDN's own chunk math and the convolution are not counted,
-so the utilisation is a lower bound. The ceiling is a measured large bf16 matmul on this GPU (and the H200's
-dense bf16 spec, 989 TFLOP/s, for reference). One JSON row per P to --out.
+FLOPs: the analytic capture count of longstraw_cli/plan/flops.py (`capture_flops`: linear layers, causal attention,
+GDN's chunked products and conv for qwen36; MLA, the DSA indexer and the experts for glm52), by term. Rows before
+2026-12 counted linear + attention only (GDN's chunks and conv are 0.3% of qwen36_mini's at 256K). The ceiling is a
+measured large bf16 matmul on this GPU (and the H200's dense bf16 spec, 989 TFLOP/s, for reference). One JSON row
+per P to --out.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch  # noqa: E402
 
 from longstraw_cli.models import MODEL_NAMES, build_model  # noqa: E402
+from longstraw_cli.plan.flops import capture_flops  # noqa: E402
 from longstraw_kernels.attention.flash import forward_backend  # noqa: E402
 
 SPEC_BF16_FLOPS = 989e12  # H200 SXM dense bf16
@@ -43,15 +45,6 @@ def matmul_ceiling(n: int = 8192, repeats: int = 20) -> float:
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     timed(lambda: a @ b, 3)
     return 2 * n**3 / timed(lambda: a @ b, repeats)
-
-
-def capture_flops(model, P: int) -> dict[str, float]:
-    cfg = model.config
-    linear = sum(m.weight.numel() for layer in model.model.layers for m in layer.modules()
-                 if isinstance(m, torch.nn.Linear))
-    num_attn = sum(layer.is_attention for layer in model.model.layers)
-    attention = num_attn * 4 * cfg.num_attention_heads * cfg.head_dim * P * P / 2
-    return {"linear": 2 * P * linear, "attention": attention}
 
 
 @torch.no_grad()
@@ -103,7 +96,7 @@ def main(argv=None):
             except torch.cuda.OutOfMemoryError:
                 row[name] = {"status": "OOM"}
                 continue
-            total = flops["linear"] + flops["attention"]
+            total = flops["total"]
             row[name] = {"seconds": seconds, "peak_extra_bytes": torch.cuda.max_memory_allocated() - base,
                          "tflops": total / seconds / 1e12, "of_ceiling": total / seconds / ceiling,
                          "of_spec": total / seconds / SPEC_BF16_FLOPS}

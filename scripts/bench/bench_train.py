@@ -10,6 +10,11 @@ steps are averaged into `steady`; `first_step_extra_s` is step 0's time minus th
 is the step without rollout and reward, what `scripts/bench/bench_step.py` times in isolation. One JSON row per
 run to --out.
 
+`capture_tflops` is the capture's analytic FLOPs (longstraw_cli/plan/flops.py: the model named by `model=`, with
+`model.override_config`, over prompt_tokens - 1 captured tokens) over the steady capture seconds, for the whole job;
+`capture_utilisation` divides it by the ranks' measured bf16 matmul ceiling (rows.H200_BF16_CEILING each).
+`--annotate FILE` adds both to the rows of an earlier run's jsonl and prints them (nothing is run).
+
     python scripts/bench/bench_train.py --prompt 65536 262144 -- model=qwen36_mini model.dtype=bfloat16 \\
         device=cuda task=passkey group_size=8 response_tokens=1024
 
@@ -30,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rows import emit
+from rows import H200_BF16_CEILING, emit
 
 PHASES = ("rollout", "drift", "reward", "capture", "score", "replay", "prompt", "finalize", "step")
 TRANSACTION = ("capture", "drift", "score", "replay", "prompt", "finalize", "step")
@@ -85,9 +90,41 @@ def scaling(prompt: int, runs: dict[int, dict]) -> dict:
     return row
 
 
+def capture_rate(command: str, prompt: int, seconds: float, ranks: int = 1) -> dict:
+    """capture_flops (the analytic count by term), capture_tflops and capture_utilisation of a run's steady capture
+    from its `longstraw train` overrides; {} when they name no model (a model.path checkpoint, the default model)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from longstraw_cli.models import family_of
+    from longstraw_cli.plan.flops import capture_flops
+
+    words = command.split()
+    overrides = {o.key_or_group: o.value() for o in OverridesParser.create().parse_overrides(
+        [w for w in words if "=" in w and not w.startswith("-")])}
+    if "model" not in overrides or seconds <= 0:
+        return {}
+    name, shape = overrides["model"], overrides.get("model.override_config") or {}
+    cfg = family_of(name).named_config(name, **shape)
+    flops = capture_flops(cfg, prompt - 1)
+    return {"capture_flops": flops, "capture_tflops": flops["total"] / seconds / 1e12,
+            "capture_utilisation": flops["total"] / seconds / (ranks * H200_BF16_CEILING)}
+
+
+def annotate(path: str) -> None:
+    """Each row of an earlier bench_train jsonl with capture_rate added, printed."""
+    for line in Path(path).read_text().splitlines():
+        row = json.loads(line)
+        if "steady" in row:
+            words = row["command"].split()
+            ranks = int(words[words.index("--nproc-per-node") + 1]) if "--nproc-per-node" in words else 1
+            row.update(capture_rate(row["command"], row["prompt"], row["steady"]["capture"], ranks))
+        emit(row, None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompt", type=int, nargs="+", required=True)
+    parser.add_argument("--prompt", type=int, nargs="+")
+    parser.add_argument("--annotate", metavar="FILE", help="add capture_tflops / capture_utilisation to a jsonl's rows")
     parser.add_argument("--steps", type=int, default=3, help="steps per run (step 0 is the warm-up)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--run-root", default=None,
@@ -101,6 +138,10 @@ def main() -> None:
                              "replaces --nproc), then a `scaling` row of efficiency against linear")
     parser.add_argument("overrides", nargs="*", help="longstraw train overrides (after --)")
     args = parser.parse_args()
+    if args.annotate:
+        return annotate(args.annotate)
+    if not args.prompt:
+        parser.error("--prompt is required (or --annotate FILE)")
     if args.cp and args.nproc != 1:
         parser.error("--cp sets the ranks of each run (cp=N on N ranks); leave out --nproc")
     for prompt in args.prompt:
@@ -128,6 +169,7 @@ def run(prompt: int, nproc: int, overrides: list[str], args) -> dict:
     metrics = run_dir / "metrics.jsonl"
     if done.returncode == 0 and metrics.exists():
         row.update(summarize([json.loads(line) for line in metrics.read_text().splitlines()]))
+        row.update(capture_rate(row["command"], prompt, row["steady"]["capture"], nproc))
     emit(row, args.out)
     return row
 

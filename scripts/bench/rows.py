@@ -6,6 +6,11 @@ from __future__ import annotations
 import json
 import statistics
 
+# the bf16 matmul ceiling measured on one H200 (an 8192^3 matmul, scripts/bench/bench_capture.py's
+# `matmul_ceiling`): 798.3 TFLOP/s, docs/bench/h200-capture-2026-11-29.jsonl `ceiling_flops`, docs/BENCHMARKS.md
+# "Capture against an unchunked forward"; the dense bf16 spec is 989
+H200_BF16_CEILING = 798.3e12
+
 
 def emit(row: dict, out: str | None) -> None:
     print(json.dumps(row), flush=True)

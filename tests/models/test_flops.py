@@ -15,12 +15,15 @@ With those counts substituted the analytic count must equal FlopCounterMode's ex
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from longstraw_cli.models import build_model
 from longstraw_cli.models.core import capture_blocks
+from longstraw_cli.models.glm52.config import named_config
 from longstraw_cli.plan.flops import GDN_CHUNK, capture_flops, causal_pairs, selected_pairs
 
 
@@ -63,3 +66,20 @@ def test_causal_counts_and_named_configs():
     assert qwen["linear"] == 719699079856128
     assert qwen["attention"] == pytest.approx(3377699720527872.0, rel=1e-5)
     assert sum(v for k, v in qwen.items() if k != "total") == qwen["total"]
+
+
+def test_bench_train_capture_rate(monkeypatch):
+    # bench_train's rows: the recorded GLM-5 shape at 9 layers, 256K, steady capture 37.42 s on one H200
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "scripts" / "bench"))
+    from bench_train import capture_rate
+
+    command = ("-m longstraw_cli train model=glm52 model.dtype=bfloat16 lora.rank=16 "
+               "model.override_config={num_hidden_layers:9} prompt_tokens=262144 steps=2")
+    rate = capture_rate(command, 262144, 37.42)
+    expected = capture_flops(named_config("glm52", num_hidden_layers=9), 262143)
+    assert rate["capture_flops"] == expected
+    assert rate["capture_tflops"] == pytest.approx(expected["total"] / 37.42e12)
+    assert rate["capture_utilisation"] == pytest.approx(rate["capture_tflops"] / 798.3)
+    assert capture_rate(command, 262144, 37.42, ranks=2)["capture_utilisation"] == pytest.approx(
+        rate["capture_utilisation"] / 2)
+    assert capture_rate("-m longstraw_cli train model.path=/ckpt", 262144, 1.0) == {}
