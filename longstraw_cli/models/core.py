@@ -15,6 +15,11 @@ what a layer hands the next one (glm52: the DSA selection that IndexShare "share
   (scoring and replay; autograd when enabled).
 - `decode_step(x, positions, state, cache, carry)`: one token per sequence, `cache` the per-sequence state of
   the tokens generated so far (native rollout).
+- `replay_block(x, positions, state, before, carry) -> (x, carry, written)`: one block of the response's tokens
+  (blockwise replay and scoring, `capture.replay_block`): like `replay` against the prompt's `state`, and also
+  against `before`, what the response's earlier blocks left (a paged layer: their pages, batched [B, S, ...], or
+  None for the first block; a carried one: the state at the block's start, batched [B, ...]); `written` is the
+  block's own pages (batched) or the state at its end, returned, never written.
 - `recompute_block(x, positions, state, carry) -> (x, carry, written)`: exact mode's reverse walk: capture_block's
   function of one prompt block with autograd. `state` is what the block reads (a paged layer: the pages BEFORE the
   block; a carried one: the state at the block's start); `written` is what capture_block writes, in the state's
@@ -42,7 +47,7 @@ from longstraw_cli.resident.state import prefix, snapshot
 from longstraw_kernels import at_least_fp32
 
 # a decoder layer's entry points besides forward (FSDP gathers a layer's weights around each)
-LAYER_PATHS = ("capture_block", "capture_span", "replay", "decode_step", "recompute_block")
+LAYER_PATHS = ("capture_block", "capture_span", "replay", "decode_step", "recompute_block", "replay_block")
 
 
 def check_prompt(prompt_ids: torch.Tensor, block_size: int) -> None:
