@@ -76,10 +76,17 @@ class ResponseState:
     boundaries: list[list]
 
     def tensors(self) -> list[torch.Tensor]:
+        """The pages and the carried states kept at blocks 1.. (block 0 starts from the prompt's own state)."""
         out = [getattr(p, f.name) for p in self.pages if p is not None for f in dataclasses.fields(p)]
         out = [t for t in out if t is not None]
         return out + [getattr(s, f.name) for block in self.boundaries[1:] for s in block if s is not None
                       for f in dataclasses.fields(s)]
+
+    def nbytes(self) -> int:
+        """What the walk holds beside its graph: these tensors and the pages' gradient (in the compute dtype)."""
+        grads = sum(getattr(p, n).numel() * compute_dtype(getattr(p, n)).itemsize
+                    for p in self.pages if p is not None for n in p.GRAD_FIELDS)
+        return sum(t.numel() * t.element_size() for t in self.tensors()) + grads
 
 
 @torch.no_grad()

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from longstraw_cli.models import blockwise
 from longstraw_cli.models.embedding import Embedding
 from longstraw_cli.models.logprobs import token_logprobs
 from longstraw_cli.resident import Resident
@@ -315,6 +316,19 @@ class CausalLM(nn.Module):
             h_BRC = self.replay_hidden(resident, inputs_BR)
             # [R] for a 1-D response: shaped by token_logprobs itself, not a view of row 0 (FSDP2 warns on views)
             return token_logprobs(h_BRC, self.lm_head.weight, response_ids, chunk_size)
+
+    # -- blockwise response replay (models/blockwise.py) -------------------------------------------------------
+    def replay_blocks(self, resident: Resident, response_ids: torch.Tensor, loss_grad, block_size: int,
+                      chunk_size: int = 1024, on_state=None) -> torch.Tensor:
+        """One response (1-D) replayed in blocks of `block_size` tokens, its loss's gradient added into .grad:
+        `loss_grad(logp_R)` -> dL/dlogp_R. The graph alive is one block's. -> logp_R, detached."""
+        return blockwise.replay_blocks(self, resident, response_ids, loss_grad, block_size, chunk_size, on_state)
+
+    @torch.no_grad()
+    def score_blocks(self, resident: Resident, response_ids: torch.Tensor, block_size: int,
+                     chunk_size: int = 1024) -> torch.Tensor:
+        """`logprobs(grad=False)` of a batch [B, R] computed a block of `block_size` tokens at a time."""
+        return blockwise.score_blocks(self, resident, response_ids, block_size, chunk_size)
 
     # -- exact mode ---------------------------------------------------------------------------------------------
     def prompt_backward(self, prompt_ids: torch.Tensor, resident: Resident, grad: StateGrad, block_size: int,

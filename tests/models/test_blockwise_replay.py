@@ -171,3 +171,44 @@ def test_walk_graph_does_not_grow_with_the_response(name):
     block_growth = (peak(long, True) - peak(short, True)) / (long - short)
     print(f"{name}: graph growth per response token: whole {whole_growth:.0f} B, blockwise {block_growth:.0f} B")
     assert block_growth <= 0.25 * whole_growth
+
+
+def transaction_step(name, replay_block, loss_name, gradient="response_only", kl=0.0):
+    """One fp64 transaction (G=3 responses of different lengths, KL to a reference) -> (the update, result)."""
+    from longstraw_cli.distributed.local_strategy import LocalStrategy
+    from longstraw_cli.rl.losses import LossConfig
+    from longstraw_cli.transaction import Reference, Transaction, TransactionConfig
+
+    model = random_model(name)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    g = torch.Generator().manual_seed(4)
+    prompt = torch.randint(0, 259, (50,), generator=g)
+    responses = [torch.randint(0, 259, (n,), generator=g) for n in (21, 9, 16)]
+    rewards = torch.tensor([0.2, 0.9, 0.5])
+    cfg = TransactionConfig(block_size=16, replay_block=replay_block, gradient=gradient, score_batch=2)
+    strategy = LocalStrategy(model, torch.optim.SGD(model.parameters(), lr=1.0), max_grad_norm=None)
+    reference = Reference(random_model(name, seed=1), cfg) if kl else None
+    tx = Transaction(model, strategy, LossConfig(name=loss_name, kl_coef=kl), cfg, reference=reference)
+    # old log-probs scored by the transaction itself (blockwise scoring when replay_block > 0)
+    result = tx.run(prompt, responses, rewards, tx.capture(prompt))
+    return {n: p.detach() - before[n] for n, p in model.named_parameters() if p.grad is not None or
+            not torch.equal(p.detach(), before[n])}, result
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("loss_name, gradient", [("grpo", "response_only"), ("gspo", "response_only"),
+                                                 ("dapo", "exact")])
+def test_transaction_with_replay_block_equals_whole_replay(name, loss_name, gradient):
+    """The transaction's update and stats with replay_block (7: it divides none of the responses) equal the
+    whole-response replay's: the loss normalised over each whole response (GSPO's sequence ratio too), the KL to a
+    reference scored in blocks, exact mode's walk after the blockwise replays."""
+    whole, whole_result = transaction_step(name, 0, loss_name, gradient, kl=0.1)
+    blocks, block_result = transaction_step(name, 7, loss_name, gradient, kl=0.1)
+    assert blocks.keys() == whole.keys() and whole
+    err = max(rel_err(blocks[n], whole[n]) for n in whole if whole[n].norm() > 0)
+    print(f"{name} {loss_name} {gradient}: the step's update, max rel err {err:.2e}")
+    assert err <= TOL
+    for key in ("loss", "pg_loss", "kl_loss", "grad_norm"):
+        assert block_result.stats[key] == pytest.approx(whole_result.stats[key], rel=1e-12, abs=1e-15)
+    assert block_result.graph_live_bytes_after == 0
+    assert block_result.response_state_bytes > 0 and whole_result.response_state_bytes == 0
