@@ -212,3 +212,33 @@ def test_transaction_with_replay_block_equals_whole_replay(name, loss_name, grad
         assert block_result.stats[key] == pytest.approx(whole_result.stats[key], rel=1e-12, abs=1e-15)
     assert block_result.graph_live_bytes_after == 0
     assert block_result.response_state_bytes > 0 and whole_result.response_state_bytes == 0
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_offloaded_pages_give_the_same_blockwise_gradient(name):
+    """capture.offload=cpu: each block stages the pages (graph-free forward and walk alike); the gradient is the
+    on-device one, bit for bit."""
+    model, prompt, response, loss = setup(name, lora=True)
+    on_device = block_grads(model, model.capture(prompt, block_size=16), response, loss, 6)
+    offloaded = block_grads(model, model.capture(prompt, block_size=16, offload="cpu"), response, loss, 6)
+    assert all(torch.equal(offloaded[n], on_device[n]) for n in on_device)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_qlora_blockwise_gradient_equals_whole_replay(name):
+    """QLoRA (NF4 base, fp64 adapters): blockwise equals the whole replay on the same NF4 model."""
+    pytest.importorskip("torchao")
+    from longstraw_cli.lora import LoraConfig, apply_lora, lora_layers
+    from longstraw_cli.models import build_model
+
+    model = build_model(name, dtype=torch.float64, seed=3, quantize="nf4")
+    apply_lora(model, LoraConfig(rank=2, alpha=4.0, quantize="nf4"))
+    with torch.no_grad():
+        for layer in lora_layers(model).values():
+            layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=torch.Generator().manual_seed(7)) * 0.05)
+    prompt, response = ids(PROMPT, 0), ids(RESPONSE, 1)
+    loss = loss_of(torch.randn(RESPONSE, generator=torch.Generator().manual_seed(2), dtype=torch.float64))
+    resident = model.capture(prompt, block_size=16)
+    err = worst(block_grads(model, resident, response, loss, 8), whole_grads(model, resident, response, loss))
+    print(f"{name} QLoRA block 8: max rel err {err:.2e}")
+    assert err <= TOL
