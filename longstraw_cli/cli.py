@@ -390,4 +390,5 @@ def plan(argv: list[str]) -> int:
         walk_checkpoint=bool(OmegaConf.select(cfg, "capture.walk_checkpoint")),
         reuse=integer("capture.reuse_steps") > 1, probe_tokens=integer("capture.probe_tokens"),
         offload=str(OmegaConf.select(cfg, "capture.offload")),
-        host_mem_gib=gib["host_mem_gib"], offload_copy_gib=OmegaConf.select(cfg, "rollout.native.offload_copy_gib"))
+        host_mem_gib=gib["host_mem_gib"], offload_copy_gib=OmegaConf.select(cfg, "rollout.native.offload_copy_gib"),
+        replay_block=integer("capture.replay_block"))

@@ -57,8 +57,8 @@ def replay_inputs(resident: Resident, response_ids_BR: torch.Tensor) -> torch.Te
 
 def batched(state, batch: int):
     """A carried layer state of the prompt ([...] per field) as a batch of `batch` equal states (views)."""
-    return dataclasses.replace(state, **{f.name: getattr(state, f.name)[None].expand(batch, *getattr(state, f.name).shape)
-                                        for f in dataclasses.fields(state)})
+    fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
+    return dataclasses.replace(state, **{name: t[None].expand(batch, *t.shape) for name, t in fields.items()})
 
 
 def head(state, num: int):
@@ -162,8 +162,8 @@ def replay_blocks(model, resident: Resident, response_ids: torch.Tensor,
     inputs_BR = replay_inputs(resident, ids_BR)
     layers = model.model.layers
     # the gradient of the loss w.r.t. the response's pages, completed back to front (what later blocks send)
-    page_grads = [None if p is None else {name: torch.zeros_like(getattr(p, name), dtype=compute_dtype(getattr(p, name)))
-                                          for name in p.GRAD_FIELDS} for p in state.pages]
+    page_grads = [None if p is None else {n: torch.zeros_like(getattr(p, n), dtype=compute_dtype(getattr(p, n)))
+                                          for n in p.GRAD_FIELDS} for p in state.pages]
     # per carried layer, the gradient w.r.t. the state at the end of the block being walked (none after the last)
     carried_grads = [None] * len(layers)
     blocks = response_blocks(R, block_size)

@@ -54,6 +54,13 @@ class Run:
     gpu_mem_gib: float
     host_mem_gib: float
     offload_copy_gib: float | str
+    # capture.replay_block: response tokens per replay (and scoring) block; 0 replays each response whole
+    replay_block: int = 0
+
+    @property
+    def response_block(self) -> int:
+        """Tokens a replay or scoring graph / activation covers at once: the block, or the whole response."""
+        return min(self.replay_block, self.response_tokens) if self.replay_block else self.response_tokens
 
     @property
     def s(self) -> int:

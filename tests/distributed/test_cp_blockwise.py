@@ -21,7 +21,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 PROMPT, RESPONSE, BLOCK, CAPTURE_BLOCK = 61, 17, 6, 16
 EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
 # (name, model, LoRA targets, ep)
-CASES = [("qwen36_lora_kv", "qwen36_tiny", ("k_proj", "v_proj", "in_proj_qkv"), 1), ("glm52_ep2", "glm52_tiny", None, 2)]
+CASES = [("qwen36_lora_kv", "qwen36_tiny", ("k_proj", "v_proj", "in_proj_qkv"), 1),
+         ("glm52_ep2", "glm52_tiny", None, 2)]
 TOL = 1e-12
 
 
