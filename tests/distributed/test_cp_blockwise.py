@@ -3,7 +3,8 @@ ranks): every rank's gradient equals one rank's whole-response replay (fp64, <= 
 exact (the prompt's walk after the blockwise replays), qwen36 with LoRA on k/v and glm52 with ep=2 inside the CP
 group; blockwise scoring of a right-padded batch equals one rank's log-probs. The response is replicated on every
 rank: the response's own keys are attended on every rank (the new-key part of the CP attention), never merged
-across ranks as if they were pages."""
+across ranks as if they were pages. Under ddp with two data-parallel ranks the blockwise transaction gives the
+one-process average of whole replays."""
 
 import os
 
@@ -111,3 +112,61 @@ def test_blockwise_replay_under_context_parallel_equals_one_rank_whole_replay(tm
             for i, n in enumerate(lengths):
                 ref = model.logprobs(resident, ids(n, 30 + n))
                 assert rel_err(got[i, :n], ref) <= TOL
+
+
+def ddp_problem(dp_rank):
+    g = torch.Generator().manual_seed(100 + dp_rank)
+    prompt = torch.randint(0, 259, (33,), generator=g)
+    responses = [torch.randint(0, 259, (n,), generator=g) for n in (13, 8)]
+    return prompt, responses, torch.tensor([0.1, 0.7])
+
+
+def ddp_update(model, transactions):
+    """The parameters' change made by `transactions()` (which ends with the optimizer's step)."""
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    transactions()
+    return {n: p.detach() - before[n] for n, p in model.named_parameters()}
+
+
+def _ddp_worker(rank, world, port, out_dir):
+    from longstraw_cli.distributed.strategy import DDPStrategy
+    from longstraw_cli.rl.losses import LossConfig
+    from longstraw_cli.transaction import Transaction, TransactionConfig
+
+    join_gloo(rank, world, port)
+    model = make_model("qwen36_tiny", None)
+    strategy = DDPStrategy(model, lambda params: torch.optim.SGD(params, lr=1.0), None, dist.group.WORLD)
+    tx = Transaction(model, strategy, LossConfig(name="grpo"), TransactionConfig(block_size=16, replay_block=5))
+    prompt, responses, rewards = ddp_problem(rank)
+    update = ddp_update(model, lambda: tx.run(prompt, responses, rewards, tx.capture(prompt)))
+    torch.save(update, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_blockwise_replay_under_ddp_equals_one_process_average(tmp_path):
+    """ddp with two data-parallel ranks: the blockwise replays run outside DDP's forward, and the one reduction
+    after the last response (`sync_gradients`) gives each rank the one-process average of whole replays."""
+    from longstraw_cli.distributed.local_strategy import LocalStrategy
+    from longstraw_cli.rl.advantages import get_advantage
+    from longstraw_cli.rl.losses import LossConfig
+    from longstraw_cli.transaction import Transaction, TransactionConfig
+
+    results = rank_results(_ddp_worker, 2, tmp_path, timeout_s=300)
+    torch.set_num_threads(1)
+    model = make_model("qwen36_tiny", None)
+    tx = Transaction(model, LocalStrategy(model, torch.optim.SGD(model.parameters(), lr=1.0), None),
+                     LossConfig(name="grpo"), TransactionConfig(block_size=16))
+
+    def both():
+        for d in range(2):
+            prompt, responses, rewards = ddp_problem(d)
+            resident = tx.capture(prompt)
+            tx.replay(resident, responses, tx.score(resident, responses), None,
+                      get_advantage("grpo")(rewards.double()).tolist(), scale=0.5)
+        tx.step()
+
+    want = ddp_update(model, both)
+    for rank in range(2):
+        err = max(rel_err(results[rank][n], w) for n, w in want.items() if w.norm() > 0)
+        print(f"ddp rank {rank}: blockwise update vs one-process whole replays, max rel err {err:.2e}")
+        assert err <= TOL
