@@ -218,8 +218,8 @@ class Transaction:
                       meter: GraphMemory, scale: float) -> tuple[list[dict], GraphMemory]:
         """`replay` with each response in blocks of `replay_block` tokens (models/blockwise.py): its loss is
         differentiated w.r.t. its graph-free log-probs, then the model walks its blocks back. No reduction here
-        (`accumulate` syncs after the step's last prompt). The meter holds the largest
-        response's pages, their gradient and its carried states at block starts (`GraphMemory.hold`)."""
+        (`accumulate` syncs after the step's last prompt). The meter holds the largest response's pages, their
+        gradient and its carried states at block starts (`GraphMemory.hold`)."""
         stats = []
         with meter:
             for i, response in enumerate(responses):
