@@ -391,4 +391,5 @@ def plan(argv: list[str]) -> int:
         reuse=integer("capture.reuse_steps") > 1, probe_tokens=integer("capture.probe_tokens"),
         offload=str(OmegaConf.select(cfg, "capture.offload")),
         host_mem_gib=gib["host_mem_gib"], offload_copy_gib=OmegaConf.select(cfg, "rollout.native.offload_copy_gib"),
-        replay_routing=OmegaConf.select(cfg, "rollout.replay_routing", default="auto"))
+        replay_routing=OmegaConf.select(cfg, "rollout.replay_routing", default="auto"),
+        replay_block=integer("capture.replay_block"))

@@ -328,6 +328,18 @@ def _check_exact(d: dict, strategy: str, world_size: int) -> None:
                           f"lora.dropout=0, got lora.dropout={dropout!r}")
 
 
+def _check_replay_block(d: dict, strategy: str, world_size: int) -> None:
+    """capture.replay_block > 0: its block backwards run outside the strategy's replay, and each block is computed
+    twice (graph-free, then with autograd), which dropout would make two different functions."""
+    if world_size // d["cp"] > 1 and strategy != "ddp":
+        raise ConfigError(f"capture.replay_block reduces gradients after the blockwise replays: strategy=ddp only "
+                          f"with data parallelism; got strategy={strategy!r}")
+    dropout = d.get("lora", {}).get("dropout", 0.0)
+    if dropout:
+        raise ConfigError(f"capture.replay_block computes each response block twice, which dropout would change: "
+                          f"needs lora.dropout=0, got lora.dropout={dropout!r}")
+
+
 def train_config(d: dict, world_size: int | None = None, set_keys: tuple[str, ...] = ()) -> TrainConfig:
     """TrainConfig from the resolved container of the composed config (hydra node removed); `set_keys`: the keys
     the user set."""
@@ -394,13 +406,15 @@ def train_config(d: dict, world_size: int | None = None, set_keys: tuple[str, ..
     loss = _build(LossConfig, algo, "algo", max_response_tokens=d["response_tokens"])
     capture = _take(dict(d["capture"]), "capture", {"block_size", "score_batch", "logprob_chunk", "gradient",
                                                    "walk_checkpoint", "reuse_steps", "max_drift", "probe_responses",
-                                                   "probe_tokens", "offload"})
+                                                   "probe_tokens", "offload", "replay_block"})
     reuse = _build(ReuseConfig, {k: capture.pop(k) for k in ("reuse_steps", "max_drift", "probe_responses",
                                                              "probe_tokens") if k in capture}, "capture")
     optim = _build(OptimConfig, d["optim"], "optim")
     transaction = _build(TransactionConfig, capture, "capture", advantage=advantage)
     if transaction.exact:
         _check_exact(d, strategy, world_size)
+    if transaction.replay_block:
+        _check_replay_block(d, strategy, world_size)
     refused = refusal(reuse, gradient=transaction.gradient, engine=d["rollout"].get("engine"),
                       prompts_per_step=d["prompts_per_step"])
     if refused:

@@ -518,6 +518,8 @@ class Trainer:
         if self.cfg.transaction.exact:
             # every rank logs the same keys (the metrics all-reduce reduces them in order), 0 or not
             metrics["mem/state_grad"] = result.state_grad_bytes
+        if self.cfg.transaction.replay_block:
+            metrics["mem/response_state"] = result.response_state_bytes
         metrics["mem/accounted_peak"] = result.accounted_peak_bytes
         metrics.update(clock.memory_metrics())
         metrics["mem/rss_peak"] = _rss_peak_bytes()

@@ -17,6 +17,12 @@ at its block boundaries, the replays read the resident state as leaves whose gra
 after the last replay the model walks the prompt in reverse (`prompt_backward`, its own phase "prompt"); the
 gradient reduction the strategy does at the last replay then follows the walk instead (`sync_gradients`).
 
+Long responses (`TransactionConfig.replay_block` = n > 0): each response replays in blocks of n tokens
+(models/blockwise.py): a graph-free forward in blocks gives its log-probs, the loss (`response_loss`, normalised
+over the whole response) is differentiated w.r.t. them alone, and the blocks are walked back with autograd, one
+block's graph at a time; scoring runs in blocks too. These backward passes run outside the strategy's replay, so
+the strategy reduces once after the step's last response (`sync_gradients`), as after exact mode's walk.
+
 Several prompts may share one optimizer step (`begin`, then `accumulate` once per prompt, then `finish`; `run` is
 the one-prompt case): each prompt is still one capture and G replays (and, exact, one walk), its loss is scaled
 by 1 / prompts, and the strategy sees the B x G replays as one sequence (no reduction before the last; exact
@@ -63,11 +69,15 @@ class TransactionConfig:
     walk_checkpoint: bool = False
     # where capture keeps the pages: none (the compute device) | cpu (pinned host memory, staged a layer at a time)
     offload: str = "none"
+    # response tokens per replay block (and per scoring block): 0 replays each response whole, in one graph
+    replay_block: int = 0
 
     def __post_init__(self):
         for name in ("block_size", "score_batch", "logprob_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if isinstance(self.replay_block, bool) or not isinstance(self.replay_block, int) or self.replay_block < 0:
+            raise ValueError(f"replay_block must be an integer >= 0 (0: whole responses), got {self.replay_block!r}")
         get_advantage(self.advantage)
         check_gradient_mode(self.gradient)
         if not isinstance(self.walk_checkpoint, bool):
@@ -102,10 +112,13 @@ class TransactionResult:
     cuda_peak_bytes: dict[str, int] = field(default_factory=dict)
     # exact mode: the resident state's gradient buffer
     state_grad_bytes: int = 0
+    # blockwise replay: the largest response's pages, their gradient and its carried states at block starts
+    response_state_bytes: int = 0
 
     @property
     def accounted_peak_bytes(self) -> int:
-        return self.resident_bytes["total"] + self.state_grad_bytes + self.graph_peak_bytes
+        return (self.resident_bytes["total"] + self.state_grad_bytes + self.response_state_bytes
+                + self.graph_peak_bytes)
 
 
 @dataclass
@@ -118,6 +131,7 @@ class PromptPart:
     advantages: list[float]
     resident_bytes: dict[str, int]
     state_grad_bytes: int
+    response_state_bytes: int = 0
 
 
 class Reference:
@@ -138,14 +152,18 @@ class Reference:
 @torch.no_grad()
 def score(model: torch.nn.Module, resident, responses: Sequence[torch.Tensor],
           cfg: TransactionConfig, routed: Callable | None = None) -> list[torch.Tensor]:
-    """Graph-free log-probs of each response, batched with right padding (causal: padding is harmless).
+    """Graph-free log-probs of each response, batched with right padding (causal: padding is harmless); with
+    `replay_block` a block of the batch's tokens at a time, so activations are bounded by a block, not by R.
     routed(model, rows): the routing context of responses `rows` (routing replay), or None."""
     out = []
     for start in range(0, len(responses), cfg.score_batch):
         batch = responses[start : start + cfg.score_batch]
         padded = torch.nn.utils.rnn.pad_sequence(list(batch), batch_first=True, padding_value=0)
         with _routed(routed, model, slice(start, start + len(batch))):
-            logp = model.logprobs(resident, padded, grad=False, chunk_size=cfg.logprob_chunk)
+            if cfg.replay_block:
+                logp = model.score_blocks(resident, padded, cfg.replay_block, chunk_size=cfg.logprob_chunk)
+            else:
+                logp = model.logprobs(resident, padded, grad=False, chunk_size=cfg.logprob_chunk)
         out += [logp[i, : len(r)] for i, r in enumerate(batch)]
     return out
 
@@ -166,6 +184,9 @@ class Transaction:
         if cfg.exact and not strategy.exact_gradients:
             raise ValueError(f"gradient='exact' needs a strategy that reduces after the prompt's walk; "
                              f"strategy {strategy.name!r} cannot (valid: local, ddp)")
+        if cfg.replay_block and not strategy.exact_gradients:
+            raise ValueError(f"replay_block={cfg.replay_block} needs a strategy that reduces after the blockwise "
+                             f"replays; strategy {strategy.name!r} cannot (valid: local, ddp)")
         self.model, self.strategy, self.loss_cfg, self.cfg = model, strategy, loss_cfg, cfg
         # kl_coef 0 skips the reference entirely: no capture, no scoring
         self.reference = reference if loss_cfg.kl_coef > 0 else None
@@ -210,14 +231,15 @@ class Transaction:
         group = GroupShape.from_lengths([len(r) for r in responses])
         meter = GraphMemory(exclude=[*self.strategy.weights(), *resident.tensors()])
         view = resident if state_grad is None else state_grad.replay_view(resident)
+        if self.cfg.replay_block:
+            return self.replay_blocks(view, responses, old_logprobs, ref_logprobs, advantages, group, meter, scale,
+                                      routing)
         count = (len(responses) if total is None else total) + (state_grad is not None)
         stats = []
         with meter:
             for i, response in enumerate(responses):
-                routed = (contextlib.nullcontext() if routing is None
-                          else self.routing_replay.replaying(routing, self.model, slice(i, i + 1)))
                 # the strategy's replay context: no gradient reduction before the step's last replay
-                with routed, self.strategy.replay(first + i, count) as logprobs:
+                with self._routed_replay(routing, i), self.strategy.replay(first + i, count) as logprobs:
                     logp = logprobs(view, response, chunk_size=self.cfg.logprob_chunk)
                     ref = None if ref_logprobs is None else ref_logprobs[i]
                     loss, s = response_loss(self.loss_cfg, logp, old_logprobs[i], advantages[i], group, ref)
@@ -225,6 +247,37 @@ class Transaction:
                     del logp, loss
                 stats.append(s)
         return stats, meter
+
+    def replay_blocks(self, view, responses, old_logprobs, ref_logprobs, advantages, group: GroupShape,
+                      meter: GraphMemory, scale: float, routing=None) -> tuple[list[dict], GraphMemory]:
+        """`replay` with each response in blocks of `replay_block` tokens (models/blockwise.py): its loss is
+        differentiated w.r.t. its graph-free log-probs, then the model walks its blocks back. No reduction here
+        (`accumulate` syncs after the step's last prompt). The meter holds the largest response's pages, their
+        gradient and its carried states at block starts (`GraphMemory.hold`)."""
+        stats = []
+        with meter:
+            for i, response in enumerate(responses):
+                ref = None if ref_logprobs is None else ref_logprobs[i]
+
+                def loss_grad(logp_R: torch.Tensor, i=i, ref=ref) -> torch.Tensor:
+                    leaf = logp_R.detach().requires_grad_()
+                    loss, s = response_loss(self.loss_cfg, leaf, old_logprobs[i], advantages[i], group, ref)
+                    (loss if scale == 1.0 else loss * scale).backward()
+                    stats.append(s)
+                    return leaf.grad
+
+                # routing replay: the record's row i forced in the graph-free pass and in every block's recompute
+                with self._routed_replay(routing, i):
+                    self.model.replay_blocks(view, response, loss_grad, self.cfg.replay_block,
+                                             chunk_size=self.cfg.logprob_chunk,
+                                             on_state=lambda state: meter.hold(state.nbytes()))
+        return stats, meter
+
+    def _routed_replay(self, routing, i: int):
+        """The routing context of response i's replay: its record forced (routing replay), or nothing."""
+        if routing is None:
+            return contextlib.nullcontext()
+        return self.routing_replay.replaying(routing, self.model, slice(i, i + 1))
 
     def finalize(self) -> float:
         """The one reduction per optimizer step (where the last backward has not done it) and clipping; returns
@@ -283,7 +336,11 @@ class Transaction:
                 del state_grad
                 if prompt == num_prompts - 1:
                     self.strategy.sync_gradients()
-        return PromptPart(per_response, meter, rewards, advantages, resident.nbytes(), state_grad_bytes)
+        elif self.cfg.replay_block and prompt == num_prompts - 1:
+            with clock.phase("replay"):
+                self.strategy.sync_gradients()
+        return PromptPart(per_response, meter, rewards, advantages, resident.nbytes(), state_grad_bytes,
+                          meter.held_peak_bytes)
 
     def finish(self, parts: Sequence[PromptPart], clock: PhaseClock) -> TransactionResult:
         """finalize -> step after the step's last prompt; stats over every prompt (losses: the mean group loss)."""
@@ -307,4 +364,5 @@ class Transaction:
             resident_bytes=largest.resident_bytes, graph_peak_bytes=max(part.meter.peak_bytes for part in parts),
             graph_live_bytes_after=sum(part.meter.live_bytes for part in parts),
             cuda_peak_bytes=clock.cuda_peak_bytes, state_grad_bytes=max(part.state_grad_bytes for part in parts),
+            response_state_bytes=max(part.response_state_bytes for part in parts),
         )

@@ -15,6 +15,11 @@ what a layer hands the next one (glm52: the DSA selection that IndexShare "share
   (scoring and replay; autograd when enabled).
 - `decode_step(x, positions, state, cache, carry)`: one token per sequence, `cache` the per-sequence state of
   the tokens generated so far (native rollout).
+- `replay_block(x, positions, state, before, carry) -> (x, carry, written)`: one block of the response's tokens
+  (blockwise replay and scoring, `capture.replay_block`): like `replay` against the prompt's `state`, and also
+  against `before`, what the response's earlier blocks left (a paged layer: their pages, batched [B, S, ...], or
+  None for the first block; a carried one: the state at the block's start, batched [B, ...]); `written` is the
+  block's own pages (batched) or the state at its end, returned, never written.
 - `recompute_block(x, positions, state, carry) -> (x, carry, written)`: exact mode's reverse walk: capture_block's
   function of one prompt block with autograd. `state` is what the block reads (a paged layer: the pages BEFORE the
   block; a carried one: the state at the block's start); `written` is what capture_block writes, in the state's
@@ -33,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from longstraw_cli.models import blockwise
 from longstraw_cli.models.embedding import Embedding
 from longstraw_cli.models.logprobs import token_logprobs
 from longstraw_cli.resident import Resident
@@ -42,7 +48,7 @@ from longstraw_cli.resident.state import prefix, snapshot
 from longstraw_kernels import at_least_fp32
 
 # a decoder layer's entry points besides forward (FSDP gathers a layer's weights around each)
-LAYER_PATHS = ("capture_block", "capture_span", "replay", "decode_step", "recompute_block")
+LAYER_PATHS = ("capture_block", "capture_span", "replay", "decode_step", "recompute_block", "replay_block")
 
 
 def check_prompt(prompt_ids: torch.Tensor, block_size: int) -> None:
@@ -313,6 +319,19 @@ class CausalLM(nn.Module):
             h_BRC = self.replay_hidden(resident, inputs_BR)
             # [R] for a 1-D response: shaped by token_logprobs itself, not a view of row 0 (FSDP2 warns on views)
             return token_logprobs(h_BRC, self.lm_head.weight, response_ids, chunk_size)
+
+    # -- blockwise response replay (models/blockwise.py) -------------------------------------------------------
+    def replay_blocks(self, resident: Resident, response_ids: torch.Tensor, loss_grad, block_size: int,
+                      chunk_size: int = 1024, on_state=None) -> torch.Tensor:
+        """One response (1-D) replayed in blocks of `block_size` tokens, its loss's gradient added into .grad:
+        `loss_grad(logp_R)` -> dL/dlogp_R. The graph alive is one block's. -> logp_R, detached."""
+        return blockwise.replay_blocks(self, resident, response_ids, loss_grad, block_size, chunk_size, on_state)
+
+    @torch.no_grad()
+    def score_blocks(self, resident: Resident, response_ids: torch.Tensor, block_size: int,
+                     chunk_size: int = 1024) -> torch.Tensor:
+        """`logprobs(grad=False)` of a batch [B, R] computed a block of `block_size` tokens at a time."""
+        return blockwise.score_blocks(self, resident, response_ids, block_size, chunk_size)
 
     # -- exact mode ---------------------------------------------------------------------------------------------
     def prompt_backward(self, prompt_ids: torch.Tensor, resident: Resident, grad: StateGrad, block_size: int,

@@ -12,9 +12,10 @@ Every family plans the same phases (the family's hook, FamilySpec.plan, says wha
     peak    = the largest phase
 
 `plan()` checks the settings once (the training config's own refusals) and calls the family's hook with a `Run`;
-`report()` prints one table row per prompt length, every phase, the family's notes and the longest prompt that fits
-per placement. The command line is `longstraw plan [overrides]` (cli.py), with the training config's keys and
-defaults; `python -m longstraw_cli.plan` runs the same command.
+`report()` prints one table row per prompt length, every phase, the family's notes, the longest prompt that fits
+per placement and the longest response that fits beside the first row's prompt. The command line is
+`longstraw plan [overrides]` (cli.py), with the training config's keys and defaults; `python -m longstraw_cli.plan`
+runs the same command.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from longstraw_cli.quantize import dtype_refusal
 from longstraw_cli.resident.gradient import check_gradient_mode
 from longstraw_cli.resident.offload import OFFLOAD_NAMES, offload_refusal
 
-__all__ = ["GIB", "KERNELS", "main", "max_prompt_tokens", "plan", "report"]
+__all__ = ["GIB", "KERNELS", "main", "max_prompt_tokens", "max_response_tokens", "plan", "report"]
 
 
 def _family(model_name_or_cfg):
@@ -63,7 +64,7 @@ def plan(model_name_or_cfg, *, cp: int = 1, ep: int = 1, prompt_tokens: int, gro
          moment_dtype: str | None = None, kernels: str = "auto", gradient: str = "response_only",
          walk_checkpoint: bool = False, reuse: bool = False, probe_tokens: int = 1024, quantize: str = "none",
          offload: str = "none", host_mem_gib: float = 128.0, offload_copy_gib: float | str = "auto",
-         replay_routing: bool | str = "auto") -> dict:
+         replay_routing: bool | str = "auto", replay_block: int = 0) -> dict:
     """Per-rank bytes of one transaction by component and by phase, with `peak`, `budget` and `fits`.
     kernels: "gpu" (the CUDA kernels), "reference" (the torch kernels), "auto": gpu for bf16/fp16, where the
     models dispatch to them on CUDA, reference otherwise. gradient: response_only | exact. reuse: capture reuse
@@ -72,7 +73,8 @@ def plan(model_name_or_cfg, *, cp: int = 1, ep: int = 1, prompt_tokens: int, gro
     layers, into the GPU memory the other phases leave free ("auto": what gpu_mem_gib holds with 10% spare). The
     offloaded rollout's figure (`rollout`) is not a phase of `peak` where a family plans it apart: its copies take
     only memory that is free, so they never decide whether a prompt fits. replay_routing (rollout.replay_routing):
-    whether the family's routing records are held (auto: where the family routes)."""
+    whether the family's routing records are held (auto: where the family routes). replay_block
+    (capture.replay_block): the response replayed and scored in blocks of that many tokens (0: whole)."""
     spec, cfg = _family(model_name_or_cfg)
     check_gradient_mode(gradient)
     refused = offload_refusal(offload, gradient=gradient)
@@ -88,6 +90,8 @@ def plan(model_name_or_cfg, *, cp: int = 1, ep: int = 1, prompt_tokens: int, gro
                         ("attention_block", attention_block)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if isinstance(replay_block, bool) or not isinstance(replay_block, int) or replay_block < 0:
+        raise ValueError(f"replay_block must be an int >= 0 (0: whole responses), got {replay_block!r}")
     if isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 0:
         raise ValueError(f"lora_rank must be an int >= 0 (0 = full fine-tuning), got {lora_rank!r}")
     if ep > 1 and spec.expert_parallel is None:
@@ -105,7 +109,8 @@ def plan(model_name_or_cfg, *, cp: int = 1, ep: int = 1, prompt_tokens: int, gro
               logprob_chunk=logprob_chunk, attention_block=attention_block, moment_dtype=moment_dtype,
               kernels=kernels, gradient=gradient, walk_checkpoint=walk_checkpoint, reuse=reuse,
               probe_tokens=probe_tokens, quantize=quantize, offload=offload, gpu_mem_gib=gpu_mem_gib,
-              host_mem_gib=host_mem_gib, offload_copy_gib=offload_copy_gib, replay_routing=replay_routing)
+              host_mem_gib=host_mem_gib, offload_copy_gib=offload_copy_gib, replay_routing=replay_routing,
+              replay_block=replay_block)
     for value in (dtype, moment_dtype or dtype):
         itemsize(value)
     out = _hook(spec)(cfg, run)
@@ -116,7 +121,7 @@ def plan(model_name_or_cfg, *, cp: int = 1, ep: int = 1, prompt_tokens: int, gro
         "cp": cp, "ep": ep, "prompt_tokens": prompt_tokens, "group_size": group_size,
         "response_tokens": response_tokens, "dtype": dtype, "lora_rank": lora_rank, "block_size": block_size,
         "score_batch": score_batch, "kernels": kernels, "gradient": gradient, "walk_checkpoint": walk_checkpoint,
-        "quantize": quantize, "offload": offload, "offload_copy_gib": offload_copy_gib,
+        "quantize": quantize, "offload": offload, "offload_copy_gib": offload_copy_gib, "replay_block": replay_block,
         **out, "peak": peak, "budget": budget, "host_budget": host_budget,
         "fits": peak <= budget and out["host"] <= host_budget,
     }
@@ -135,6 +140,33 @@ def max_prompt_tokens(model_name_or_cfg, *, gpu_mem_gib: float = 139.0, limit: i
     if hi >= limit and fits(limit):
         return limit
     # invariant: fits(lo), not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def max_response_tokens(model_name_or_cfg, *, prompt_tokens: int, gpu_mem_gib: float = 139.0, limit: int = 2**24,
+                        **kwargs) -> int:
+    """The longest response (response_tokens) whose planned peak fits beside `prompt_tokens` (0: none)."""
+    kwargs.pop("response_tokens", None)
+
+    def fits(n: int) -> bool:
+        return plan(model_name_or_cfg, prompt_tokens=prompt_tokens, response_tokens=n, gpu_mem_gib=gpu_mem_gib,
+                    **kwargs)["fits"]
+
+    if limit < 1 or not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi < limit and fits(hi):
+        lo, hi = hi, hi * 2
+    if hi >= limit:
+        return limit if fits(limit) else _bisect(fits, lo, limit)
+    return _bisect(fits, lo, hi)
+
+
+def _bisect(fits, lo: int, hi: int) -> int:
+    """The largest n in [lo, hi) with fits(n), given fits(lo) and not fits(hi)."""
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
@@ -167,7 +199,8 @@ def report(cfg, title: str, prompts: list[int], **common) -> int:
           f"R={common['response_tokens']}, {common['dtype']}, lora_rank={common['lora_rank']}, "
           f"quantize={common.get('quantize', 'none')}, block={common['block_size']}, kernels={plans[0]['kernels']}, "
           f"gradient={common.get('gradient', 'response_only')}"
-          f"{', walk_checkpoint' if common.get('walk_checkpoint') else ''}; GiB per rank")
+          f"{', walk_checkpoint' if common.get('walk_checkpoint') else ''}"
+          f"{', replay_block=' + str(common['replay_block']) if common.get('replay_block') else ''}; GiB per rank")
     print(f"{'prompt':>9} " + " ".join(f"{c:>9}" for c in COLUMNS.values())
           + f" {'bound':>9} {'peak':>9} {'phase':>8}  fits")
     for p in plans:
@@ -188,6 +221,11 @@ def report(cfg, title: str, prompts: list[int], **common) -> int:
               if longest == cap and plan(cfg, prompt_tokens=cap + 1, **common)["fits"] else "")
     print(f"longest prompt that fits in {common['gpu_mem_gib']:g} GiB: {longest} tokens ({longest / 2**20:.2f}M)"
           + capped)
+    # and the other way round: the longest response beside the first row's prompt
+    first = plans[0]["prompt_tokens"]
+    reply = max_response_tokens(cfg, prompt_tokens=first, limit=positions - first, **common)
+    print(f"longest response that fits beside a {first}-token prompt: {reply} tokens"
+          + (f" (replay_block={common['replay_block']})" if common.get("replay_block") else " (whole replay)"))
     host_limit = f"{common.get('host_mem_gib', 128.0):g} GiB host"
     print("longest prompt per placement: " + ", ".join(
         f"offload={o}: {n} tokens ({n / 2**20:.2f}M)" + (f", {host_limit}" if o == "cpu" else "")

@@ -56,6 +56,13 @@ class Run:
     offload_copy_gib: float | str
     # rollout.replay_routing (auto | true | false | measure): routing records held from rollout to replay
     replay_routing: bool | str = "auto"
+    # capture.replay_block: response tokens per replay (and scoring) block; 0 replays each response whole
+    replay_block: int = 0
+
+    @property
+    def response_block(self) -> int:
+        """Tokens a replay or scoring graph / activation covers at once: the block, or the whole response."""
+        return min(self.replay_block, self.response_tokens) if self.replay_block else self.response_tokens
 
     @property
     def s(self) -> int:

@@ -22,6 +22,9 @@ config alone. The phases are longstraw_cli.plan's; what they hold for MLA + DSA 
   residual sum), the RMSNorm's fp32 copies of the span, the DSA selection [span, index_topk] int64 (carried to the
   next layer, its blocks and their concatenation), and the layer's pages of every rank all-gathered (the gathered
   shards and their concatenation coexist: twice the prompt's pages of one layer, `cp_gather`).
+- blockwise replay (`capture.replay_block` = b > 0, models/blockwise.py): the replay's graph is one block's (b
+  queries against the response's R keys), plus the response's keys the last block saves on its new-key axis;
+  beside it the response's keys and their gradient (`response_state`); scoring runs in blocks with the batch's keys.
 - score: min(G, score_batch) responses without a graph: their layer activations, or one logits chunk (token_logprobs
   chunks the batch's tokens together, so the batch costs one chunk, not one a response).
 - replay: one response's graph, term by term from what autograd saves (`_layer_graph`): the norms' fp32 copies,
@@ -202,13 +205,15 @@ def _layer_graph(cfg: Glm52Config, layer: int, T: int, new_keys: int, run: Run, 
     return int(T * per_token) + (weight if folded else 0)
 
 
-def response_graph_bytes(cfg: Glm52Config, run: Run, tokens: int | None = None) -> int:
-    """Saved-for-backward bytes of one replayed response (what GraphMemory counts at its peak)."""
+def response_graph_bytes(cfg: Glm52Config, run: Run, tokens: int | None = None, new_keys: int | None = None) -> int:
+    """Saved-for-backward bytes of one replayed response (what GraphMemory counts at its peak); tokens, new_keys:
+    a block of a response (blockwise replay), its queries and the response keys they see."""
     R = run.response_tokens if tokens is None else tokens
+    S = R if new_keys is None else new_keys
     full, folded = run.lora_rank == 0, run.lora_rank > 0
     # final norm, the checkpointed logits input, the token ids
     total = R * (2 * cfg.hidden_size * run.f + cfg.hidden_size * run.s + INT64)
-    return total + sum(_layer_graph(cfg, i, R, R, run, full=full, folded=folded, across_ranks=run.cp > 1)
+    return total + sum(_layer_graph(cfg, i, R, S, run, full=full, folded=folded, across_ranks=run.cp > 1)
                        for i in range(cfg.num_hidden_layers))
 
 
@@ -311,10 +316,26 @@ def plan(cfg: Glm52Config, run: Run) -> dict:
         return max(batch * layer + _scores(batch * R, captured + R, run) + _gather(cfg, batch * R, run),
                    score_logits_bytes(batch, R, run.logprob_chunk, V, cfg.hidden_size, s))
 
+    # blockwise replay (capture.replay_block): one block's graph plus the response's keys its last block saves (the
+    # new-key axis: latent, rope and index keys of R tokens); beside it the response's keys and their gradient
+    response_keys = sum(layer_page_bytes(cfg, R, s))
+    response_state = 0
+    if run.replay_block:
+        b = run.response_block
+
+        def score_activations(batch: int) -> int:
+            layer = max(_layer_graph(cfg, i, b, R, run, full=True, folded=folded, across_ranks=run.cp > 1)
+                        for i in range(cfg.num_hidden_layers))
+            return max(batch * layer + batch * response_keys + _scores(batch * b, captured + R, run)
+                       + _gather(cfg, batch * b, run),
+                       score_logits_bytes(batch, b, run.logprob_chunk, V, cfg.hidden_size, s))
+
+        response_state = response_keys + cfg.num_hidden_layers * R * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * f
+
     score_act = score_activations(min(G, run.score_batch))
-    graph = response_graph_bytes(cfg, run)
+    graph = response_graph_bytes(cfg, run, run.response_block, R) + (response_keys if run.replay_block else 0)
     largest_trainable = V * cfg.hidden_size * s if full else 0
-    replay_transient = min(R, run.logprob_chunk) * V * LOGIT_BYTES_REPLAY + largest_trainable
+    replay_transient = min(run.response_block, run.logprob_chunk) * V * LOGIT_BYTES_REPLAY + largest_trainable
     step_transient = parts["trainable_params"] * m
 
     exact = run.gradient == "exact"
@@ -338,7 +359,7 @@ def plan(cfg: Glm52Config, run: Run) -> dict:
     phases = {
         "capture": base + capture_act,
         "score": base + score_act + records,
-        "replay": base + grads + state_grad + graph + replay_transient + page_grad + records,
+        "replay": base + grads + state_grad + response_state + graph + replay_transient + page_grad + records,
         # the prompt's pages are released before the optimizer step unless capture.reuse_steps keeps them
         "step": base - (0 if run.reuse else on_device) + grads + step_transient,
     }
@@ -366,6 +387,10 @@ def plan(cfg: Glm52Config, run: Run) -> dict:
     if exact:
         notes.append(f"exact: state gradient {state_grad / GIB:.2f}, block graph {block_graph / GIB:.2f}, page "
                      f"gradient {page_grad / GIB:.2f}")
+    if run.replay_block:
+        notes.append(f"replay_block={run.replay_block}: block graph {graph / GIB:.2f} (of it the response's keys "
+                     f"{response_keys / GIB:.2f}), response state {response_state / GIB:.2f} (its keys and their "
+                     f"gradient)")
     if run.reuse:
         notes.append(f"reuse: drift probe {phases['drift'] / GIB:.2f} GiB")
     if host and run.cp > 1:
@@ -385,7 +410,8 @@ def plan(cfg: Glm52Config, run: Run) -> dict:
         "response_graph": graph, "replay_transient": replay_transient, "step_transient": step_transient,
         "boundary_states": 0, "tail_states": 0, "state_grad": state_grad, "block_graph": block_graph,
         "page_grad_transient": page_grad, "decode_buffers": decode, "routing_records": records,
+        "response_state": response_state,
         "phases": phases, "rollout_copies": copies, "rollout": rollout_base + copies,
-        "bound": weights + grads + optimizer + on_device + state_grad + max(graph, block_graph),
+        "bound": weights + grads + optimizer + on_device + state_grad + response_state + max(graph, block_graph),
         "notes": notes,
     }

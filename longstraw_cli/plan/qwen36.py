@@ -19,6 +19,12 @@ is added into the buffer). The walk's graph is one capture block's through every
 of block_size tokens (a prompt block saves per token what a response token saves); with `walk_checkpoint` every
 layer's block input plus the largest single layer's graph (the layers are recomputed inside the backward).
 
+Blockwise replay (`capture.replay_block` = b > 0, models/blockwise.py): the replay's graph is one block's,
+`response_graph_bytes` of b tokens, plus what the last block's attention saves of the response's earlier keys (its
+new-key axis, the response's K/V copied once: R tokens); beside it the walk holds the response's K/V (the model
+dtype), their gradient (the compute dtype) and the GDN states at every block start but the first (`response_state`).
+Scoring runs in blocks too: min(G, score_batch) responses' activations of one block, and those responses' K/V.
+
 Grads exist only from the first replay to the step (the transaction zeroes them to None), so capture and score
 do not carry them. `bound` is the method's analytic bound, weights + grads + optimizer + resident + one response
 graph: the replay phase without its transients.
@@ -280,16 +286,34 @@ def plan(cfg: Qwen36Config, run: Run) -> dict:
             score_logits_bytes(batch, R, run.logprob_chunk, V, cfg.hidden_size, s),
         )
 
+    # the response's own K/V, per token (every attention layer's keys and values)
+    response_kv = num_attn * 2 * cfg.num_key_value_heads * cfg.head_dim
+    if run.replay_block:
+        b = run.response_block
+
+        def score_activations(batch: int) -> int:
+            return max(
+                batch * _layer_activations(cfg, b, s, f, kernels) + batch * R * response_kv * s
+                + max(_attention_scores(cfg, batch, b, R, kernels), _attention_scores(cfg, batch, b, pages, kernels)),
+                score_logits_bytes(batch, b, run.logprob_chunk, V, cfg.hidden_size, s),
+            )
+
     score_act = score_activations(min(run.group_size, run.score_batch))
 
-    graph = response_graph_bytes(cfg, R, run.dtype, kernels)
+    carried = resident["recurrent_state"] + resident["conv_state"]
+    if run.replay_block:
+        b = run.response_block
+        graph = response_graph_bytes(cfg, b, run.dtype, kernels) + R * response_kv * s
+        response_state = R * response_kv * (s + f) + (math.ceil(R / b) - 1) * carried
+    else:
+        graph = response_graph_bytes(cfg, R, run.dtype, kernels)
+        response_state = 0
     largest_trainable = counts["largest_matrix"] * s if run.lora_rank == 0 else 0
-    replay_transient = min(R, run.logprob_chunk) * V * LOGIT_BYTES_REPLAY + largest_trainable
+    replay_transient = min(run.response_block, run.logprob_chunk) * V * LOGIT_BYTES_REPLAY + largest_trainable
     # foreach AdamW: one temporary (sqrt of the second moment) the size of the trainable set
     step_transient = trainable * m
 
     exact = run.gradient == "exact"
-    carried = resident["recurrent_state"] + resident["conv_state"]
     boundaries = math.ceil(captured / run.block_size) * carried if exact else 0
     state_grad = (resident["kv_pages"] * f // s + resident["recurrent_state"] + resident["conv_state"] * f // s
                   if exact else 0)
@@ -307,7 +331,7 @@ def plan(cfg: Qwen36Config, run: Run) -> dict:
     phases = {
         "capture": base + capture_act,
         "score": base + score_act,
-        "replay": base + grads + state_grad + graph + replay_transient + page_grad_transient,
+        "replay": base + grads + state_grad + response_state + graph + replay_transient + page_grad_transient,
         # the prompt's pages and boundary states are released before the optimizer step unless reuse keeps them
         "step": base - (0 if run.reuse else on_device + boundaries) + grads + step_transient,
     }
@@ -325,6 +349,10 @@ def plan(cfg: Qwen36Config, run: Run) -> dict:
     if exact:
         notes.append(f"exact: boundary states {boundaries / GIB:.2f}, state gradient {state_grad / GIB:.2f}, block "
                      f"graph {block_graph / GIB:.2f}, page gradient {page_grad_transient / GIB:.2f}")
+    if run.replay_block:
+        notes.append(f"replay_block={run.replay_block}: block graph {graph / GIB:.2f} (of it the response's K/V "
+                     f"{R * response_kv * s / GIB:.2f}), response state {response_state / GIB:.2f} (K/V, their "
+                     f"gradient, GDN states at {math.ceil(R / run.response_block) - 1} block starts)")
     if host:
         shard = f"this rank's shard ({captured} tokens) " if run.cp > 1 else ""
         notes.append(f"offload=cpu: {shard}pages in host memory {host / GIB:.2f} GiB per rank (of "
@@ -342,9 +370,9 @@ def plan(cfg: Qwen36Config, run: Run) -> dict:
         "capture_activations": capture_act, "score_activations": score_act,
         "response_graph": graph, "replay_transient": replay_transient, "step_transient": step_transient,
         "boundary_states": boundaries, "tail_states": tail, "state_grad": state_grad, "block_graph": block_graph,
-        "page_grad_transient": page_grad_transient,
+        "page_grad_transient": page_grad_transient, "response_state": response_state,
         "phases": phases, "rollout_copies": copies, "rollout": rollout_base + copies,
-        "bound": (weights + grads + optimizer + on_device + boundaries + tail + state_grad
+        "bound": (weights + grads + optimizer + on_device + boundaries + tail + state_grad + response_state
                   + max(graph, block_graph)),
         "notes": notes,
     }

@@ -55,6 +55,9 @@ class GraphMemory:
         self.sizes: dict[tuple[str, int], int] = {}
         self.live_bytes = 0
         self.peak_bytes = 0
+        # tensors a walk holds beside its graph, not saved by autograd (blockwise replay's response pages, their
+        # gradient, its carried states): the largest set reported by `hold`
+        self.held_peak_bytes = 0
         # made on entry and dropped on exit: hooks held by the meter would make a meter -> hooks -> bound method ->
         # meter cycle, left for Python's cycle collector
         self._hooks = None
@@ -81,6 +84,10 @@ class GraphMemory:
         if self.refs[key] == 0:
             del self.refs[key]
             self.live_bytes -= self.sizes.pop(key)
+
+    def hold(self, nbytes: int) -> None:
+        """A walk holds `nbytes` beside its graph (accounted apart from the saved storages)."""
+        self.held_peak_bytes = max(self.held_peak_bytes, nbytes)
 
     @property
     def live_tensors(self) -> int:

@@ -10,6 +10,8 @@ The walks through the layers are the shared `models.core.CausalLM`'s; each layer
   its value part applied to the output): the indexer scores the queries against all prompt indexer keys plus
   the new tokens' own (causal), the top-k picks entries, sparse attention reads the selected prompt pages
   (kernels/mla) and the new keys, merged by LSE. The pages are read, never written.
+- `replay_block`: one block of a response, its new keys the response's earlier blocks' (latent, rope and index
+  keys) ahead of its own: blockwise replay and scoring (models/blockwise.py).
 Module names mirror HF's so a checkpoint loads as it is (experts: see hf.py).
 
 Selection (DSA top-k). Query t sees the keys at positions <= t; it attends to the min(index_topk, visible)
@@ -396,6 +398,18 @@ class MLAttention(nn.Module):
         cos, sin, q, new = self.project(x_BTC, positions_T)
         return self.continue_pages(x_BTC, positions_T, cos, sin, q, pages, new, prev_idx)
 
+    def replay_block(self, x_BTC, positions_T, pages: MLAPages, before: MLAPages | None, prev_idx=None):
+        """One block of the response: `replay` with the response's keys `before` it (batched [B, S, ...], None for
+        the first block) ahead of x's own on the new-key axis. -> (y_BTC, idx_BTK, x's latent, rope and index keys,
+        batched)."""
+        cos, sin, q, new = self.project(x_BTC, positions_T)
+        keys = new
+        if before is not None:
+            keys = tuple(None if b is None else torch.cat([a, b], dim=1)
+                         for a, b in zip((before.latent_PL, before.rope_PR, before.index_PI), new))
+        y_BTC, idx_BTK = self.continue_pages(x_BTC, positions_T, cos, sin, q, pages, keys, prev_idx)
+        return y_BTC, idx_BTK, MLAPages(*new)
+
     def decode_step(self, x_BTC, positions_T, pages: MLAPages, prev_idx, cache: DecodeMLA):
         """One token per sequence: its keys are appended to `cache`; it attends to the selected pages plus every
         generated key. -> (y_BTC, idx_BTK)."""
@@ -605,6 +619,10 @@ class DecoderLayer(core.DecoderLayer):
     def replay(self, x_BTC, positions_T, pages, carry=None):
         h, idx = self.self_attn.replay(self.input_layernorm(x_BTC), positions_T, pages, carry)
         return self.continued_residual(x_BTC, h, positions_T), idx
+
+    def replay_block(self, x_BTC, positions_T, pages, before, carry=None):
+        h, idx, written = self.self_attn.replay_block(self.input_layernorm(x_BTC), positions_T, pages, before, carry)
+        return self.mlp_residual(x_BTC, h), idx, written
 
     def decode_step(self, x_BTC, positions_T, pages, cache, carry=None):
         h, idx = self.self_attn.decode_step(self.input_layernorm(x_BTC), positions_T, pages, carry, cache)

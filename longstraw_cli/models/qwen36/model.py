@@ -7,6 +7,8 @@ The walks through the layers (`forward`, `capture`, `capture_span`, `logprobs`, 
   recurrent state, both in place. No logits are formed for prompt tokens.
 - `capture_span`: one layer over a whole span (context parallel swaps the span hooks).
 - `replay`: tokens after the prompt against the resident state, which is read, never written.
+- `replay_block`: one block of a response against the resident state and the response's earlier blocks (their
+  K/V, or the GDN state at the block's start): blockwise replay and scoring (models/blockwise.py).
 - `decode_step`: one token per response against the prompt plus the response's own cache.
 Module names mirror HF's so a checkpoint's state dict loads as it is.
 
@@ -172,6 +174,16 @@ class GatedAttention(nn.Module):
         o_BTQD = self.attention_fn(q_BTQD, pages.k_PKD, pages.v_PKD, k_BTKD, v_BTKD, scale=self.scale)
         return self.output(o_BTQD, gate_BTQD)
 
+    def replay_block(self, x_BTC, positions_T, pages: AttentionPages, before: AttentionPages | None):
+        """One block of the response: x attends to every page plus the response's keys `before` it (batched
+        [B, S, K, D], None for the first block) and its own (causal). -> (y_BTC, x's keys and values, batched)."""
+        q_BTQD, k_BTKD, v_BTKD, gate_BTQD = self.project(x_BTC, positions_T)
+        k_BSKD, v_BSKD = k_BTKD, v_BTKD
+        if before is not None:
+            k_BSKD, v_BSKD = torch.cat([before.k_PKD, k_BTKD], dim=1), torch.cat([before.v_PKD, v_BTKD], dim=1)
+        o_BTQD = self.attention_fn(q_BTQD, pages.k_PKD, pages.v_PKD, k_BSKD, v_BSKD, scale=self.scale)
+        return self.output(o_BTQD, gate_BTQD), AttentionPages(k_BTKD, v_BTKD)
+
     def decode_step(self, x_BTC, positions_T, pages: AttentionPages, cache: DecodeKV):
         """x's keys are appended to the per-sequence response keys; x attends to the pages plus all of those."""
         q_BTQD, k_BTKD, v_BTKD, gate_BTQD = self.project(x_BTC, positions_T)
@@ -244,6 +256,12 @@ class GatedDeltaNet(nn.Module):
     def replay(self, x_BTC, positions_T, state: RecurrentState):
         """Tokens after the prompt, from the prompt's state, which is read, never written."""
         return self.mix(x_BTC, *self.read(state, x_BTC), self.gdn_fn)[0]
+
+    def replay_block(self, x_BTC, positions_T, state: RecurrentState, before: RecurrentState):
+        """One block of the response from the state at its start `before` (batched; the prompt's for the first
+        block), not `state`. -> (y_BTC, the state at the block's end, batched)."""
+        y_BTC, conv_BXW, ssm_BGKV = self.mix(x_BTC, *self.read(before, x_BTC), self.gdn_fn)
+        return y_BTC, RecurrentState(conv_BXW, ssm_BGKV)
 
     def decode_step(self, x_BTC, positions_T, state: RecurrentState, cache: RecurrentState):
         """One token per sequence from its own (batched) state `cache`, which then holds the state after it."""
@@ -325,6 +343,10 @@ class DecoderLayer(core.DecoderLayer):
 
     def replay(self, x_BTC, positions_T, state, carry=None):
         return self.mlp_residual(x_BTC, self.mixer.replay(self.input_layernorm(x_BTC), positions_T, state)), None
+
+    def replay_block(self, x_BTC, positions_T, state, before, carry=None):
+        h, written = self.mixer.replay_block(self.input_layernorm(x_BTC), positions_T, state, before)
+        return self.mlp_residual(x_BTC, h), None, written
 
     def decode_step(self, x_BTC, positions_T, state, cache, carry=None):
         h = self.mixer.decode_step(self.input_layernorm(x_BTC), positions_T, state, cache)

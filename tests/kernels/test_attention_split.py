@@ -1,0 +1,35 @@
+"""`dispatch.split_new_keys`: a response block's queries (the last R of S > R new keys) against the pages and the new
+keys, as two attentions flash attention serves (pages + the block's own keys, causal; the earlier blocks' keys, no
+mask) merged by LSE, equals one call, outputs, lse and every gradient (fp64, the torch reference as the inner
+attention; on CUDA the dispatcher runs the same split over flash attention)."""
+
+import pytest
+import torch
+
+from conftest import rel_err
+from longstraw_kernels.attention.dispatch import split_new_keys
+from longstraw_kernels.attention.reference import replay_attention
+
+
+@pytest.mark.parametrize("B, P, R, S", [(1, 37, 5, 17), (2, 0, 7, 9), (3, 63, 4, 100)])
+def test_split_new_keys_equals_one_call(B, P, R, S):
+    g = torch.Generator().manual_seed(P + R + S)
+    Q, K, D = 4, 2, 8
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()
+
+    inputs = [randn(B, R, Q, D), randn(P, K, D), randn(P, K, D), randn(B, S, K, D), randn(B, S, K, D)]
+    dout, dlse = torch.randn(B, R, Q, D, generator=g, dtype=torch.float64), torch.randn(B, Q, R, generator=g,
+                                                                                           dtype=torch.float64)
+
+    def run(fn):
+        out, lse = fn(*inputs, scale=D**-0.5, block_size=16, return_lse=True)
+        grads = torch.autograd.grad((out * dout).sum() + (lse * dlse).sum(), inputs)
+        return [out, lse, *grads]
+
+    got = run(lambda *a, **kw: split_new_keys(replay_attention, *a, **kw))
+    want = run(replay_attention)
+    errs = [rel_err(a, b) for a, b in zip(got, want) if b.numel()]
+    print(f"B={B} P={P} R={R} S={S}: max rel err {max(errs):.1e}")
+    assert max(errs) <= 1e-12
