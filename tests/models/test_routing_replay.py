@@ -145,15 +145,36 @@ def test_router_gradient_at_forced_ids_equals_a_reference_masking_the_other_expe
         assert rel_err(other, want) > 1e-3
 
 
-def transaction_step(model, routing_replay, ro, resident, prompt, vllm=False):
+def transaction_step(model, routing_replay, ro, resident, prompt, vllm=False, replay_block=0):
+    """One transaction -> (stats, every trainable parameter's gradient): the strategy's step clears .grad, so the
+    gradient is read as plain SGD's update at lr 1 (no clipping), and the weights are put back after it."""
     model.zero_grad(set_to_none=True)
-    strategy = LocalStrategy(model, torch.optim.SGD(model.parameters(), lr=0.0), None)
-    tx = Transaction(model, strategy, LossConfig(), TransactionConfig(score_batch=2),
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    strategy = LocalStrategy(model, torch.optim.SGD(model.parameters(), lr=1.0), None)
+    tx = Transaction(model, strategy, LossConfig(), TransactionConfig(score_batch=2, replay_block=replay_block),
                      routing_replay=routing_replay)
     rewards = torch.arange(G, dtype=torch.float64)
     result = tx.run(prompt, ro.responses, rewards, resident, old_logprobs=None if vllm else ro.logprobs,
                     routing=None if vllm else ro.routing)
-    return result.stats, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    grads = {}
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n in before:
+                grads[n] = before[n] - p
+                p.copy_(before[n])
+    assert any(g.norm() > 0 for g in grads.values())
+    return result.stats, grads
+
+
+def assert_grads_close(got: dict, want: dict, tol: float) -> None:
+    """Every parameter's gradient within `tol` (relative); those with none (experts no token chose, the indexer)
+    zero in both."""
+    assert got.keys() == want.keys()
+    for name, ref in want.items():
+        if ref.norm() > 0:
+            assert rel_err(got[name], ref) < tol, name
+        else:
+            assert got[name].norm() == 0, name
 
 
 def test_off_and_measure_keep_todays_numbers_bit_for_bit():
@@ -192,8 +213,7 @@ def test_without_a_rollout_record_the_routing_is_recorded_at_scoring_and_said_on
     # scored from the same resident state as the replays: no token flips
     assert stats["rollout/expert_flip_frac_max"] == stats["rollout/dsa_flip_frac_max"] == 0.0
     stats_native, grads_native = transaction_step(model, routing, ro, resident, prompt)
-    for name in grads_native:
-        assert rel_err(grads[name], grads_native[name]) < 1e-10, name
+    assert_grads_close(grads, grads_native, 1e-10)
     assert sum("recorded at scoring" in r.getMessage() for r in caplog.records) == 1
 
 
@@ -211,3 +231,22 @@ def test_replay_routing_setting_is_checked():
     for bad in ("on", 1, None):
         with pytest.raises(ConfigError, match="replay_routing"):
             RolloutConfig("native", SamplingConfig(), replay_routing=bad)
+
+
+def test_blockwise_replay_forces_the_record_as_the_whole_replay_does():
+    """capture.replay_block: the graph-free pass and every block's recompute run inside the response's routing
+    context, so through a planted tie broken the other way after the rollout the blockwise step (blocks of 5 over
+    14 tokens) gives the whole forced replay's gradients and stats (fp64), and the unforced (measure) blockwise step does not."""
+    model = random_model("glm52_tiny", torch.float64, seed=1)
+    prompt = ids(PROMPT, 2)
+    resident = model.capture(prompt, block_size=16)
+    plant_tie(model, loser=2)
+    ro = rollout(model, resident, RoutingReplay(force=True))
+    plant_tie(model, loser=0)
+    whole_stats, whole = transaction_step(model, RoutingReplay(force=True), ro, resident, prompt)
+    block_stats, blocks = transaction_step(model, RoutingReplay(force=True), ro, resident, prompt, replay_block=5)
+    assert_grads_close(blocks, whole, 1e-12)
+    for key in ("loss", "ppo_kl", "ratio_mean", "rollout/expert_flip_frac"):
+        assert block_stats[key] == pytest.approx(whole_stats[key], rel=1e-12, abs=1e-15), key
+    _, unforced = transaction_step(model, RoutingReplay(force=False), ro, resident, prompt, replay_block=5)
+    assert max(rel_err(unforced[n], whole[n]) for n in whole if whole[n].norm() > 0) > 1e-6

@@ -622,7 +622,7 @@ class DecoderLayer(core.DecoderLayer):
 
     def replay_block(self, x_BTC, positions_T, pages, before, carry=None):
         h, idx, written = self.self_attn.replay_block(self.input_layernorm(x_BTC), positions_T, pages, before, carry)
-        return self.mlp_residual(x_BTC, h), idx, written
+        return self.continued_residual(x_BTC, h, positions_T), idx, written
 
     def decode_step(self, x_BTC, positions_T, pages, cache, carry=None):
         h, idx = self.self_attn.decode_step(self.input_layernorm(x_BTC), positions_T, pages, carry, cache)
