@@ -446,7 +446,7 @@ class Trainer:
         part = self.transaction.accumulate(prompt_ids, rollout.responses, rewards, resident, old_logprobs=old,
                                            clock=clock, prompt=prompt, num_prompts=self.cfg.prompts_per_step,
                                            routing=rollout.routing)
-        # the routing records served scoring and the replays: freed before the step (longstraw plan counts them so)
+        # the routing records (host memory since the rollout) served scoring and the replays: freed before the step
         rollout.routing = None
         return prompt_ids, rollout, part
 

@@ -31,7 +31,9 @@ mode reduces after the last prompt's walk).
 Routing replay (`rollout.replay_routing`, models/glm52/routing.py): `routing` is the rollout's record of what each
 response token was routed to; scoring (old and reference log-probs) and every replay run inside the family's
 routing context for their responses' rows, which forces it (or, `measure`, only counts the flips). Without a record
-(a vLLM rollout) the responses' routing is recorded at scoring and the replays force that.
+(a vLLM rollout) the responses' routing is recorded at scoring and the replays force that. The record lives in
+host memory; the routing contexts stage to the device only the rows of the call under way (a score batch's, one
+response's), so it adds nothing that grows with G to the transaction's peak.
 
 Simplifications: data parallelism across prompts sits above, in the strategy.
 """
@@ -215,7 +217,9 @@ class Transaction:
             log.info("rollout.replay_routing: the rollout recorded no routing (vLLM); the responses' routing is "
                      "recorded at scoring from the resident state and forced in the replays")
             self._said_recorded_at_scoring = True
-        record = self.routing_replay.new_record(self.model, resident, len(responses), max(map(len, responses)))
+        # in host memory from the start: each score batch records through its own rows on the device
+        record = self.routing_replay.new_record(self.model, resident, len(responses), max(map(len, responses)),
+                                                host=True)
         scored = score(self.model, resident, responses, self.cfg, functools.partial(self.routing_replay.recording,
                                                                                      record))
         return (scored if old_logprobs is None else old_logprobs), record

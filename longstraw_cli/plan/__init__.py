@@ -123,7 +123,7 @@ def plan(model_name_or_cfg, *, cp: int = 1, ep: int = 1, prompt_tokens: int, gro
         "score_batch": score_batch, "kernels": kernels, "gradient": gradient, "walk_checkpoint": walk_checkpoint,
         "quantize": quantize, "offload": offload, "offload_copy_gib": offload_copy_gib, "replay_block": replay_block,
         **out, "peak": peak, "budget": budget, "host_budget": host_budget,
-        "fits": peak <= budget and out["host"] <= host_budget,
+        "fits": peak <= budget and out["host"] + out.get("routing_records_host", 0) <= host_budget,
     }
 
 

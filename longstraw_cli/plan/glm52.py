@@ -45,7 +45,10 @@ config alone. The phases are longstraw_cli.plan's; what they hold for MLA + DSA 
   is staged at every token, two layers on the GPU, nothing copied for the rollout.
 - routing replay (rollout.replay_routing, on by default): the rollout's routing records (models/glm52/routing.py
   `record_bytes`: per response token the top-k expert ids of every MoE layer and the DSA selection of every full
-  indexer layer, G x R tokens, on every rank) held from the rollout through scoring, replay and the walk.
+  indexer layer, on every rank). The decode writes all G x R tokens' on the GPU (rollout); from then on they are
+  host memory (`routing_records_host`, counted against host_mem_gib) and the GPU holds the rows of the call under
+  way: scoring min(G, score_batch) responses', a replay one response's (R tokens; staged per call, so a blockwise
+  replay would hold one block's), the exact walk none (the prompt's tokens are routed live).
 Left out, as for qwen36: the CUDA context, fragmentation, the collectives' buffers (besides capture's all-gather),
 expert imbalance (every rank is planned with the average share of routed pairs), a KL reference's second model.
 """
@@ -352,19 +355,25 @@ def plan(cfg: Glm52Config, run: Run) -> dict:
     # eager decode stages whole layers at every token, as the replay does
     rollout_device = (on_device if run.cp > 1 else pages["index_pages"]) if host else on_device
 
-    # routing replay: the records, written by the decode, read by scoring and the replays (and alive in the walk)
-    records = record_bytes(cfg, G, R) if run.replay_routing in ("auto", True, "measure") else 0
+    # routing replay: the records of all G x R tokens, written by the decode on the GPU, then kept in host memory;
+    # scoring and each replay stage the rows of their call
+    routed = run.replay_routing in ("auto", True, "measure")
+    records = record_bytes(cfg, G, R) if routed else 0
+    # staged on the device only for the positions a forward names: a score batch's responses, one response (with
+    # capture.replay_block, one block of them)
+    records_score = record_bytes(cfg, min(G, run.score_batch), run.response_block) if routed else 0
+    records_replay = record_bytes(cfg, 1, run.response_block) if routed else 0
 
     base = weights + optimizer + on_device + dequant
     phases = {
         "capture": base + capture_act,
-        "score": base + score_act + records,
-        "replay": base + grads + state_grad + response_state + graph + replay_transient + page_grad + records,
+        "score": base + score_act + records_score,
+        "replay": base + grads + state_grad + response_state + graph + replay_transient + page_grad + records_replay,
         # the prompt's pages are released before the optimizer step unless capture.reuse_steps keeps them
         "step": base - (0 if run.reuse else on_device) + grads + step_transient,
     }
     if exact:
-        phases["prompt"] = base + grads + state_grad + block_graph + page_grad + records
+        phases["prompt"] = base + grads + state_grad + block_graph + page_grad
     if run.reuse:
         probed = min(block, run.probe_tokens, captured)
         phases["drift"] = base + max(capture_act, score_activations(1)) + pages["total"] * probed // captured
@@ -380,7 +389,9 @@ def plan(cfg: Glm52Config, run: Run) -> dict:
              f"pages {pages['total'] / GIB:.2f} GiB ({captured} tokens per rank: latent "
              f"{pages['latent_pages'] / GIB:.2f}, rope {pages['rope_pages'] / GIB:.2f}, index keys "
              f"{pages['index_pages'] / GIB:.2f}); rollout decode buffers {decode / GIB:.2f} GiB"
-             + (f"; routing records {records / GIB:.3f} GiB" if records else "")]
+             + (f"; routing records in host memory {records / GIB:.3f} GiB (on the GPU: the rollout's decode "
+                f"{records / GIB:.3f}, scoring {records_score / GIB:.3f}, a replay {records_replay / GIB:.3f})"
+                if records else "")]
     if gathered:
         notes.append(f"cp capture: one layer's pages of every rank gathered {gathered / GIB:.2f} GiB (shards + "
                      f"concatenation), in capture_act")
@@ -410,7 +421,8 @@ def plan(cfg: Glm52Config, run: Run) -> dict:
         "response_graph": graph, "replay_transient": replay_transient, "step_transient": step_transient,
         "boundary_states": 0, "tail_states": 0, "state_grad": state_grad, "block_graph": block_graph,
         "page_grad_transient": page_grad, "decode_buffers": decode, "routing_records": records,
-        "response_state": response_state,
+        "response_state": response_state, "routing_records_host": records, "routing_records_score": records_score,
+        "routing_records_replay": records_replay,
         "phases": phases, "rollout_copies": copies, "rollout": rollout_base + copies,
         "bound": weights + grads + optimizer + on_device + state_grad + response_state + max(graph, block_graph),
         "notes": notes,

@@ -47,7 +47,7 @@ class Rollout:
     # decode steps run (the longest response, or up to stop_check_every - 1 more)
     decode_steps: int = 0
     # routing replay (rollout.replay_routing): what each response token was routed to, recorded by the decode
-    # step (the family's record, opaque here: models/glm52/routing.py); None where not recorded
+    # step, in host memory (the family's record, opaque here: models/glm52/routing.py); None where not recorded
     routing: object | None = None
 
 
@@ -154,12 +154,12 @@ def generate(model, resident, num_responses: int, cfg: SamplingConfig, generator
     (included, it is a trained token) or at max_new_tokens. No host synchronisation per token: sampled tokens
     go straight back into the decoder's input buffer; stops are looked at every `stop_check_every` tokens.
     routing: a routing replay (models/glm52/routing.py `RoutingReplay`): the decode steps record each token's
-    routing into preallocated device buffers (`Rollout.routing`)."""
+    routing into preallocated device buffers, moved to host memory as the decode ends (`Rollout.routing`)."""
     record = None if routing is None else routing.new_record(model, resident, num_responses, cfg.max_new_tokens)
     recording = contextlib.nullcontext() if record is None else routing.recording(record, model)
     with recording:
         rollout = _generate(model, resident, num_responses, cfg, generator, native)
-    rollout.routing = record
+    rollout.routing = None if record is None else routing.offload(record)
     return rollout
 
 

@@ -131,12 +131,14 @@ def test_glm5_target_lists_every_phase_and_parts_that_scale_as_they_should():
     p, q = plan("glm52", **TARGET), plan("glm52", quantize="nf4", **TARGET)
     assert set(p["phases"]) == {"capture", "score", "replay", "step", "rollout"}
     assert p["phases"]["replay"] == (p["weights"] + p["optimizer"] + p["resident"] + p["grads"] + p["response_graph"]
-                                     + p["replay_transient"] + p["routing_records"])
+                                     + p["replay_transient"] + p["routing_records_replay"])
     # routing replay (on by default): per response token 8 expert ids (int16) in each of 75 MoE layers and a
     # 2,048-key selection (int32) in each of the 78 full indexer layers; replay_routing=false holds none
-    assert p["routing_records"] == TARGET["group_size"] * TARGET["response_tokens"] * (75 * 8 * 2 + 78 * 2048 * 4)
+    per_token = 75 * 8 * 2 + 78 * 2048 * 4
+    assert p["routing_records"] == TARGET["group_size"] * TARGET["response_tokens"] * per_token
     off = plan("glm52", replay_routing=False, **TARGET)
-    assert off["routing_records"] == 0 and off["phases"]["replay"] == p["phases"]["replay"] - p["routing_records"]
+    assert off["routing_records"] == off["routing_records_replay"] == 0
+    assert off["phases"]["replay"] == p["phases"]["replay"] - p["routing_records_replay"]
     # 256 / 32 = 8 experts per MoE layer: 75 MoE layers x 8 x 3 x 6144 x 2048 bf16
     assert p["weights_experts"] == 75 * 8 * 3 * 6144 * 2048 * 2
     assert q["weights_experts"] < p["weights_experts"] / 3.5 and q["peak"] < p["peak"]
@@ -147,6 +149,28 @@ def test_glm5_target_lists_every_phase_and_parts_that_scale_as_they_should():
     assert half["weights_experts"] == 2 * p["weights_experts"] and half["resident"] > 1.9 * p["resident"]
     with pytest.raises(ValueError, match="ep=3 does not divide the 256 routed experts"):
         plan("glm52", **{**TARGET, "cp": 3, "ep": 3})
+
+
+def test_routing_records_live_on_the_host_and_only_the_rollout_grows_with_the_group():
+    """The decode writes all G x R records on the device; after the rollout they are host memory, and scoring holds
+    score_batch responses' rows on the device, a replay one response's, the exact walk none: past the rollout no
+    phase grows with G."""
+    per_token = 75 * 8 * 2 + 78 * 2048 * 4
+    R = TARGET["response_tokens"]
+    small, large = (plan("glm52", **{**TARGET, "group_size": g, "gradient": "exact"}) for g in (8, 64))
+    off = plan("glm52", replay_routing=False, **{**TARGET, "group_size": 64, "gradient": "exact"})
+    for phase in ("capture", "score", "replay", "prompt", "step"):
+        assert large["phases"][phase] == small["phases"][phase], phase
+    assert large["routing_records_host"] == large["routing_records"] == 64 * R * per_token
+    assert large["routing_records_score"] == 8 * R * per_token and large["routing_records_replay"] == R * per_token
+    assert large["phases"]["score"] - off["phases"]["score"] == 8 * R * per_token
+    assert large["phases"]["replay"] - off["phases"]["replay"] == R * per_token
+    assert large["phases"]["prompt"] == off["phases"]["prompt"]
+    assert large["phases"]["rollout"] - off["phases"]["rollout"] == 64 * R * per_token
+    assert f"routing records in host memory {large['routing_records_host'] / GIB:.3f} GiB" in " ".join(large["notes"])
+    # the records' host bytes count against host_mem_gib
+    assert plan("glm52", host_mem_gib=large["routing_records_host"] / GIB * 0.99,
+                **{**TARGET, "group_size": 64})["fits"] is False
 
 
 def test_longstraw_plan_glm52_prints_every_phase_and_the_split(capsys):

@@ -22,6 +22,15 @@ of tokens whose expert SET (or selected key set) differs, logged as `rollout/exp
 `rollout/dsa_flip_frac` (mean over layers) and `..._max` (the worst layer). Under forcing the DSA comparison
 runs the indexer that forcing would skip.
 
+Where the records live: the decode writes them into device buffers (a CUDA graph step cannot synchronise with the
+host), and when the rollout ends `to_host` moves them to host memory in one synchronous copy (pinned, so that
+staging them back is a plain DMA; on a CPU run they stay where they are). From then on the compute device holds
+only the rows in use, through `StagedRows`: the slots of the current call (a score batch's responses while they
+are scored, one response, or one block of it, while it replays), copied at each layer's first read and dropped
+when a call names other positions. So the transaction's peak holds one call's rows, whatever G and R. A record
+made at scoring (vLLM) is written through the same staging (`staged_recording`): a score batch's rows on the
+device, copied into the host record as the batch ends.
+
 `RoutingReplay` is what the family registers (models/spec.py `routing`) and the rollout and the transaction call;
 they see records as opaque objects. Model code only: no torch.distributed here.
 
@@ -39,7 +48,8 @@ import torch
 
 from longstraw_cli.models.glm52.model import MoE, live_route, live_selection
 
-__all__ = ["FlipCount", "RoutingRecord", "RoutingReplay", "forcing", "measuring", "record_bytes", "recording"]
+__all__ = ["FlipCount", "RoutingRecord", "RoutingReplay", "StagedRows", "forcing", "measuring", "record_bytes",
+           "recording", "staged_recording", "to_host"]
 
 
 def expert_id_dtype(num_experts: int) -> torch.dtype:
@@ -68,17 +78,96 @@ class RoutingRecord:
                              {i: t[rows] for i, t in self.selections.items()})
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.itemsize for t in (*self.experts.values(), *self.selections.values()))
+        return sum(t.numel() * t.itemsize for t in self.tensors())
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.experts.values(), *self.selections.values()]
+
+    def expert_ids(self, layer: int, positions_T: torch.Tensor) -> torch.Tensor:
+        """[B, T, k] expert ids of MoE layer `layer` at prompt positions `positions_T` (on the record's device)."""
+        return self.experts[layer].index_select(1, positions_T - self.first)
+
+    def selection(self, layer: int, positions_T: torch.Tensor) -> torch.Tensor:
+        """[B, T, K] DSA selection of full indexer layer `layer` at `positions_T` (on the record's device)."""
+        return self.selections[layer].index_select(1, positions_T - self.first)
 
     @classmethod
-    def empty(cls, model, batch: int, capacity: int, first: int) -> RoutingRecord:
-        """Zeroed records for `batch` responses of up to `capacity` tokens after a prompt of `first` positions."""
+    def empty(cls, model, batch: int, capacity: int, first: int, *, host: bool = False) -> RoutingRecord:
+        """Zeroed records for `batch` responses of up to `capacity` tokens after a prompt of `first` positions, on
+        the model's device (host=True: in host memory, pinned where the model is on CUDA)."""
         cfg, device = model.config, model.lm_head.weight.device
-        experts = {i: torch.zeros(batch, capacity, cfg.num_experts_per_tok, device=device,
+        where = dict(device=device)
+        if host:
+            where = dict(device="cpu", pin_memory=device.type == "cuda")
+        experts = {i: torch.zeros(batch, capacity, cfg.num_experts_per_tok, **where,
                                   dtype=expert_id_dtype(cfg.n_routed_experts)) for i, _ in _moe_layers(model)}
-        selections = {i: torch.zeros(batch, capacity, cfg.index_topk, dtype=SELECTION_DTYPE, device=device)
+        selections = {i: torch.zeros(batch, capacity, cfg.index_topk, dtype=SELECTION_DTYPE, **where)
                       for i, _ in _indexer_layers(model)}
         return cls(first, experts, selections)
+
+
+def to_host(record: RoutingRecord) -> RoutingRecord:
+    """The record in pinned host memory; a record already on the host is returned as it is (no copy).
+    One synchronous copy: every tensor's device-to-host copy is queued on the current stream and waited for once,
+    so the device buffers are free the moment this returns (a side stream would keep them, and the rollout's
+    peak with them, until it finished, to hide a copy that takes well under 1% of the decode that wrote them)."""
+    tensors = record.tensors()
+    if not tensors or tensors[0].device.type == "cpu":
+        return record
+    device = tensors[0].device
+
+    def pinned(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+
+    host = RoutingRecord(record.first, {i: pinned(t) for i, t in record.experts.items()},
+                         {i: pinned(t) for i, t in record.selections.items()})
+    torch.cuda.current_stream(device).synchronize()
+    return host
+
+
+class StagedRows:
+    """Rows `rows` of a (host) record as the forcing hooks read them on `device`: per call, only the slots its
+    positions name, each layer's copied at its first read and kept while calls name the same positions (a call's
+    other layers, its backward), dropped when a call names others (the next block of a response). Finding the slots
+    costs one host synchronisation per call (the positions are a device tensor), none per layer."""
+
+    def __init__(self, record: RoutingRecord, rows: slice, device: torch.device):
+        self.record, self.device = record.rows(rows), torch.device(device)
+        # the positions of the call staged for, their slots on the host, and ("expert" | "dsa", layer) -> rows
+        self.positions_T, self.slots_T, self.staged = None, None, {}
+
+    @property
+    def first(self) -> int:
+        return self.record.first
+
+    def expert_ids(self, layer: int, positions_T: torch.Tensor) -> torch.Tensor:
+        return self._stage(("expert", layer), self.record.experts[layer], positions_T)
+
+    def selection(self, layer: int, positions_T: torch.Tensor) -> torch.Tensor:
+        return self._stage(("dsa", layer), self.record.selections[layer], positions_T)
+
+    def device_bytes(self) -> int:
+        """Bytes of the record this view holds on its device now."""
+        return sum(t.numel() * t.itemsize for t in self.staged.values())
+
+    def _stage(self, key, host_BSX: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
+        if positions_T is not self.positions_T:
+            slots_T = (positions_T - self.first).cpu()
+            if self.slots_T is None or not torch.equal(slots_T, self.slots_T):
+                self.staged = {}
+            self.positions_T, self.slots_T = positions_T, slots_T
+        if key not in self.staged:
+            self.staged[key] = _at_slots(host_BSX, self.slots_T).to(self.device, non_blocking=True)
+        return self.staged[key]
+
+
+def _at_slots(x_BSX: torch.Tensor, slots_T: torch.Tensor) -> torch.Tensor:
+    """x_BSX at slots `slots_T` (host): a view where they are consecutive (a call's usual positions: pinned memory
+    stays pinned, so the copy to the device is asynchronous), a gathered copy otherwise."""
+    T = slots_T.numel()
+    if T and int(slots_T[-1]) - int(slots_T[0]) == T - 1 and bool((slots_T.diff() == 1).all()):
+        return x_BSX.narrow(1, int(slots_T[0]), T)
+    return x_BSX.index_select(1, slots_T)
 
 
 def record_bytes(cfg, batch: int, capacity: int) -> int:
@@ -142,21 +231,21 @@ def recorded_route(record: RoutingRecord, layer: int, gate, x_NC, positions_T):
     return topk_idx_Nk, topk_w_Nk
 
 
-def forced_route(record: RoutingRecord, flips: FlipCount | None, layer: int, gate, x_NC, positions_T):
-    """`route_fn` that forces the recorded experts, weighted by the live router's scores at them."""
-    ids_BSk = record.experts[layer]
-    forced_Nk = ids_BSk.index_select(1, _slots(record, positions_T)).reshape(-1, ids_BSk.shape[2]).long()
+def forced_route(record, flips: FlipCount | None, layer: int, gate, x_NC, positions_T):
+    """`route_fn` that forces the recorded experts (`record`: a RoutingRecord or its StagedRows), weighted by the
+    live router's scores at them."""
+    ids_BTk = record.expert_ids(layer, positions_T)
+    forced_Nk = ids_BTk.reshape(-1, ids_BTk.shape[2]).long()
     scores_NE = gate.scores(x_NC)
     if flips is not None:
         flips.add("expert", layer, gate.choose(scores_NE), forced_Nk)
     return forced_Nk, gate.weights(scores_NE, forced_Nk)
 
 
-def measured_route(record: RoutingRecord, flips: FlipCount, layer: int, gate, x_NC, positions_T):
+def measured_route(record, flips: FlipCount, layer: int, gate, x_NC, positions_T):
     """`route_fn` that routes live and counts where the live choice differs from the record."""
     topk_idx_Nk, topk_w_Nk = gate(x_NC)
-    ids_BSk = record.experts[layer]
-    flips.add("expert", layer, topk_idx_Nk, ids_BSk.index_select(1, _slots(record, positions_T)))
+    flips.add("expert", layer, topk_idx_Nk, record.expert_ids(layer, positions_T))
     return topk_idx_Nk, topk_w_Nk
 
 
@@ -167,18 +256,18 @@ def recorded_selection(record: RoutingRecord, layer: int, positions_T, live):
     return idx_BTK
 
 
-def forced_selection(record: RoutingRecord, flips: FlipCount | None, layer: int, positions_T, live):
+def forced_selection(record, flips: FlipCount | None, layer: int, positions_T, live):
     """`select_fn` that forces the recorded selection (the indexer runs only to count flips)."""
-    forced_BTK = record.selections[layer].index_select(1, _slots(record, positions_T)).long()
+    forced_BTK = record.selection(layer, positions_T).long()
     if flips is not None:
         flips.add("dsa", layer, live(), forced_BTK)
     return forced_BTK
 
 
-def measured_selection(record: RoutingRecord, flips: FlipCount, layer: int, positions_T, live):
+def measured_selection(record, flips: FlipCount, layer: int, positions_T, live):
     """`select_fn` that selects live and counts where the selection differs from the record."""
     idx_BTK = live()
-    flips.add("dsa", layer, idx_BTK, record.selections[layer].index_select(1, _slots(record, positions_T)))
+    flips.add("dsa", layer, idx_BTK, record.selection(layer, positions_T))
     return idx_BTK
 
 
@@ -202,43 +291,81 @@ def _hooks(model, route, select, *args):
 
 def recording(model, record: RoutingRecord, rows: slice = slice(None)):
     """Within the block, tokens after the prompt route live and their choices go into `record` rows `rows` (the
-    call's batch rows, in order)."""
+    call's batch rows, in order); `record` is on the model's device (the decode's buffers)."""
     return _hooks(model, recorded_route, recorded_selection, record.rows(rows))
 
 
-def forcing(model, record: RoutingRecord, flips: FlipCount | None = None):
-    """Within the block, tokens after the prompt take the choices of `record` (its rows are the call's batch
-    rows); with `flips`, the live choices are compared with it."""
+@contextlib.contextmanager
+def staged_recording(model, record: RoutingRecord, rows: slice, device: torch.device):
+    """`recording` into rows `rows` of a host record through zeroed rows on `device`, copied into the host record
+    as the block ends (a score batch's rows on the device at a time)."""
+    part = record.rows(rows)
+    staged = RoutingRecord(part.first, {i: torch.zeros_like(t, device=device) for i, t in part.experts.items()},
+                           {i: torch.zeros_like(t, device=device) for i, t in part.selections.items()})
+    with recording(model, staged):
+        yield
+    for host, t in zip(part.tensors(), staged.tensors()):
+        host.copy_(t)
+
+
+def forcing(model, record, flips: FlipCount | None = None):
+    """Within the block, tokens after the prompt take the choices of `record` (a RoutingRecord on the model's
+    device or StagedRows; its rows are the call's batch rows); with `flips`, the live choices are compared with
+    it."""
     return _hooks(model, forced_route, forced_selection, record, flips)
 
 
-def measuring(model, record: RoutingRecord, flips: FlipCount):
+def measuring(model, record, flips: FlipCount):
     """Within the block, tokens after the prompt route live (unchanged numbers) and are compared with `record`."""
     return _hooks(model, measured_route, measured_selection, record, flips)
 
 
+def _device(model) -> torch.device:
+    return model.lm_head.weight.device
+
+
 class RoutingReplay:
     """`rollout.replay_routing` for glm52 (models/spec.py `routing`): force=True forces the records in scoring
-    and replay (`true`, `auto`), False only measures the flips (`measure`). Flips are counted in the replays."""
+    and replay (`true`, `auto`), False only measures the flips (`measure`). Flips are counted in the replays.
+    Records reach the transaction in host memory (`offload`); scoring and each replay stage their rows
+    (`staged`: the device view of the context open now, None outside one)."""
 
     def __init__(self, force: bool = True):
-        self.force, self.flips = force, FlipCount()
+        self.force, self.flips, self.staged = force, FlipCount(), None
 
-    def new_record(self, model, resident, batch: int, capacity: int) -> RoutingRecord:
-        return RoutingRecord.empty(model, batch, capacity, resident.num_tokens)
+    def new_record(self, model, resident, batch: int, capacity: int, *, host: bool = False) -> RoutingRecord:
+        """Zeroed records on the model's device (the decode's buffers), or, host=True, in host memory."""
+        return RoutingRecord.empty(model, batch, capacity, resident.num_tokens, host=host)
+
+    def offload(self, record: RoutingRecord) -> RoutingRecord:
+        """The record in host memory, once its writer (the decode) is done with the device buffers: `to_host`."""
+        return to_host(record)
 
     def recording(self, record: RoutingRecord, model, rows: slice = slice(None)):
-        """Calls in the block record their routing into `record` rows `rows` (decode, or scoring)."""
+        """Calls in the block record their routing into `record` rows `rows`: directly where the record is on the
+        model's device (the decode), through staged rows where it is in host memory (scoring)."""
+        device = _device(model)
+        if record.tensors() and record.tensors()[0].device != device:
+            return staged_recording(model, record, rows, device)
         return recording(model, record, rows)
 
     def scoring(self, record: RoutingRecord, model, rows: slice):
         """Graph-free scoring of responses `rows` (old and reference log-probs): forced, no flips counted."""
-        return forcing(model, record.rows(rows)) if self.force else contextlib.nullcontext()
+        return self._staged(record, model, rows, None) if self.force else contextlib.nullcontext()
 
     def replaying(self, record: RoutingRecord, model, rows: slice):
         """The replay of responses `rows`: forced (or live) with the flips counted."""
-        part = record.rows(rows)
-        return forcing(model, part, self.flips) if self.force else measuring(model, part, self.flips)
+        return self._staged(record, model, rows, self.flips)
+
+    @contextlib.contextmanager
+    def _staged(self, record: RoutingRecord, model, rows: slice, flips: FlipCount | None):
+        self.staged = StagedRows(record, rows, _device(model))
+        hooks = forcing(model, self.staged, flips) if self.force else measuring(model, self.staged, flips)
+        try:
+            with hooks:
+                yield
+        finally:
+            self.staged = None
 
     def metrics(self) -> dict[str, float]:
         return self.flips.metrics()
