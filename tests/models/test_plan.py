@@ -267,7 +267,9 @@ def test_offload_moves_all_but_two_layers_pages_to_the_host():
     assert off["host"] == pages and on["host"] == 0
     assert off["resident_device"] == on["resident"] - pages + 2 * (pages // layers)
     for phase, nbytes in on["phases"].items():
-        assert off["phases"][phase] == nbytes - pages + 2 * (pages // layers), phase
+        # the optimizer step holds no pages either way (dropped after the replays)
+        moved = 0 if phase == "step" else pages - 2 * (pages // layers)
+        assert off["phases"][phase] == nbytes - moved, phase
     assert max_prompt_tokens("qwen36_mini", offload="cpu", **MINI) > max_prompt_tokens("qwen36_mini", **MINI)
 
 
@@ -286,7 +288,9 @@ def test_offload_under_context_parallel_keeps_each_ranks_shard_on_the_host(capsy
     assert off["host"] == pages == one["host"] // 4 and on["host"] == 0
     assert off["resident_device"] == on["resident"] - pages + 2 * (pages // layers)
     for phase, nbytes in on["phases"].items():
-        assert off["phases"][phase] == nbytes - pages + 2 * (pages // layers), phase
+        # the optimizer step holds no pages either way (dropped after the replays)
+        moved = 0 if phase == "step" else pages - 2 * (pages // layers)
+        assert off["phases"][phase] == nbytes - moved, phase
     assert off["fits"] and plan("qwen36_mini", offload="cpu", host_mem_gib=off["host"] / GIB * 0.99,
                                 **common)["fits"] is False
     limits = {o: max_prompt_tokens("qwen36_mini", cp=4, offload=o, **MINI) for o in ("none", "cpu")}
