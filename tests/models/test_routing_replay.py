@@ -236,7 +236,8 @@ def test_replay_routing_setting_is_checked():
 def test_blockwise_replay_forces_the_record_as_the_whole_replay_does():
     """capture.replay_block: the graph-free pass and every block's recompute run inside the response's routing
     context, so through a planted tie broken the other way after the rollout the blockwise step (blocks of 5 over
-    14 tokens) gives the whole forced replay's gradients and stats (fp64), and the unforced (measure) blockwise step does not."""
+    14 tokens) gives the whole forced replay's gradients and stats (fp64), and the unforced (measure) blockwise
+    step does not."""
     model = random_model("glm52_tiny", torch.float64, seed=1)
     prompt = ids(PROMPT, 2)
     resident = model.capture(prompt, block_size=16)

@@ -9,8 +9,16 @@ import pytest
 import torch
 
 from conftest import ids, random_model
-from longstraw_cli.models.glm52.routing import (RoutingRecord, RoutingReplay, StagedRows, forcing, record_bytes,
-                                                recording, staged_recording, to_host)
+from longstraw_cli.models.glm52.routing import (
+    RoutingRecord,
+    RoutingReplay,
+    StagedRows,
+    forcing,
+    record_bytes,
+    recording,
+    staged_recording,
+    to_host,
+)
 from longstraw_cli.rollout.native import SamplingConfig, generate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
