@@ -315,29 +315,18 @@ def _positive(name: str, value: Any, minimum: int = 1) -> None:
         raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
-def _check_exact(d: dict, strategy: str, world_size: int) -> None:
-    """capture.gradient=exact: what it runs with (one line naming what does not). Context and expert parallel
-    run it (every CP rank walks the prompt: distributed/cp_walk.py)."""
+def _check_recomputed(d: dict, strategy: str, world_size: int, setting: str, reduces: str, recomputes: str) -> None:
+    """A setting whose backwards run outside the strategy's replay (so gradients are reduced after them: ddp only
+    with data parallelism) and which computes something twice (so dropout, a fresh mask each time, must be off):
+    capture.gradient=exact (the walk recomputes the prompt) and capture.replay_block (each response block runs
+    graph-free, then with autograd). Context and expert parallel run both."""
     if world_size // d["cp"] > 1 and strategy != "ddp":
-        raise ConfigError(f"capture.gradient=exact reduces gradients after the prompt's walk: strategy=ddp only "
-                          f"with data parallelism; got strategy={strategy!r}")
+        raise ConfigError(f"{setting} reduces gradients after {reduces}: strategy=ddp only with data parallelism; "
+                          f"got strategy={strategy!r}")
     dropout = d.get("lora", {}).get("dropout", 0.0)
     if dropout:
-        # the walk recomputes each block: a fresh dropout mask there would differ from the one capture used
-        raise ConfigError(f"capture.gradient=exact recomputes the prompt, which dropout would change: needs "
-                          f"lora.dropout=0, got lora.dropout={dropout!r}")
-
-
-def _check_replay_block(d: dict, strategy: str, world_size: int) -> None:
-    """capture.replay_block > 0: its block backwards run outside the strategy's replay, and each block is computed
-    twice (graph-free, then with autograd), which dropout would make two different functions."""
-    if world_size // d["cp"] > 1 and strategy != "ddp":
-        raise ConfigError(f"capture.replay_block reduces gradients after the blockwise replays: strategy=ddp only "
-                          f"with data parallelism; got strategy={strategy!r}")
-    dropout = d.get("lora", {}).get("dropout", 0.0)
-    if dropout:
-        raise ConfigError(f"capture.replay_block computes each response block twice, which dropout would change: "
-                          f"needs lora.dropout=0, got lora.dropout={dropout!r}")
+        raise ConfigError(f"{setting} {recomputes}, which dropout would change: needs lora.dropout=0, got "
+                          f"lora.dropout={dropout!r}")
 
 
 def train_config(d: dict, world_size: int | None = None, set_keys: tuple[str, ...] = ()) -> TrainConfig:
@@ -412,9 +401,11 @@ def train_config(d: dict, world_size: int | None = None, set_keys: tuple[str, ..
     optim = _build(OptimConfig, d["optim"], "optim")
     transaction = _build(TransactionConfig, capture, "capture", advantage=advantage)
     if transaction.exact:
-        _check_exact(d, strategy, world_size)
+        _check_recomputed(d, strategy, world_size, "capture.gradient=exact", "the prompt's walk",
+                          "recomputes the prompt")
     if transaction.replay_block:
-        _check_replay_block(d, strategy, world_size)
+        _check_recomputed(d, strategy, world_size, "capture.replay_block", "the blockwise replays",
+                          "computes each response block twice")
     refused = refusal(reuse, gradient=transaction.gradient, engine=d["rollout"].get("engine"),
                       prompts_per_step=d["prompts_per_step"])
     if refused:

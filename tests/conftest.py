@@ -41,6 +41,29 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     assert ref > 0, "reference is all zeros: the comparison would prove nothing"
     return ((a - b).norm() / ref).item()
 
+def worst_rel_err(got: dict, ref: dict) -> float:
+    """The worst relative error over the parameters of two gradient dicts with the same names."""
+    assert got.keys() == ref.keys()
+    return max(rel_err(got[n], ref[n]) for n in ref)
+
+
+EXPERT_PARAMS = ("experts.gate_up_proj", "experts.down_proj")
+
+
+def worst_rank_err(got: dict, ref: dict, rank: int, ep: int) -> tuple[float, str]:
+    """A rank's worst relative error against one rank's gradients (an expert's, under EP: this rank's slice of one
+    rank's) -> (error, parameter name). An expert slice that received no token has zero gradient on one rank too."""
+    from longstraw_cli.distributed.ep import expert_bounds
+
+    assert got.keys() == ref.keys()
+    errs = {}
+    for n, g in ref.items():
+        if ep > 1 and n.endswith(EXPERT_PARAMS):
+            g = g[slice(*expert_bounds(g.shape[0], ep, rank % ep))]
+        errs[n] = rel_err(got[n], g) if g.norm() > 0 else float(got[n].norm())
+    return max(errs.values()), max(errs, key=errs.get)
+
+
 
 def gdn_inputs(B, T, H, G, K, V, with_state=True, seed=0) -> dict:
     """Random fp64 CPU inputs of the gated delta rule: q, k unit-norm; log-decay g in about (-3, 0); beta in
@@ -323,13 +346,10 @@ def composed(overrides: list[str]) -> dict:
         return OmegaConf.to_container(compose("config", overrides=overrides), resolve=True)
 
 
-def tie_free_glm(dtype=torch.float32, seed: int = 0) -> torch.nn.Module:
-    """glm52_tiny with 8 index heads (its 4 leave exact ties at the top-k boundary on long prompts, where HF's tie
-    order is unspecified), every weight random and the indexer's head weights positive, as
-    tests/models/test_glm52_hf_parity.py draws them: what our logits are compared with transformers' on."""
-    from longstraw_cli.models import build_model
-
-    model = build_model("glm52_tiny", dtype=dtype, index_n_heads=8)
+def randomize_glm_(model, seed=0):
+    """Every parameter and the router bias random. The indexer's head weights are kept positive: index scores
+    are then >= 0 with exact ties only at 0, far below the k-th best, so HF's unspecified tie order cannot
+    change the selection (tests/models/test_glm52_hf_parity.py's TopkGuard asserts it)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -339,6 +359,17 @@ def tie_free_glm(dtype=torch.float32, seed: int = 0) -> torch.nn.Module:
                 p.copy_(torch.rand(p.shape, generator=g) * 0.3 + 0.05)
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.08)
-        for b in model.buffers():
-            b.copy_(torch.randn(b.shape, generator=g) * 0.3)
-    return model.eval()
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                # of the order of the sigmoid scores themselves: the bias changes which experts are chosen
+                b.copy_(torch.randn(b.shape, generator=g) * 0.3)
+    return model
+
+
+def tie_free_glm(dtype=torch.float32, seed: int = 0) -> torch.nn.Module:
+    """glm52_tiny with 8 index heads (its 4 leave exact ties at the top-k boundary on long prompts, where HF's tie
+    order is unspecified), every weight random (`randomize_glm_`): what our logits are compared with transformers'
+    on."""
+    from longstraw_cli.models import build_model
+
+    return randomize_glm_(build_model("glm52_tiny", dtype=dtype, index_n_heads=8), seed).eval()

@@ -12,16 +12,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import exact_grads, ids, join_gloo, random_lora_, random_model, rank_results, rel_err
+from conftest import exact_grads, ids, join_gloo, random_lora_, random_model, rank_results, worst_rank_err
 from longstraw_cli.distributed.cp import apply_context_parallel
 from longstraw_cli.distributed.cp_walk import ShardedPrompt
-from longstraw_cli.distributed.ep import apply_expert_parallel, expert_bounds
+from longstraw_cli.distributed.ep import apply_expert_parallel
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 # 74 captured tokens: shards of 37 at cp=2; 19, 19, 18, 18 at cp=4
 PROMPT, RESPONSE, GROUP = 75, 9, 2
-EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
 # world -> cases: (name, model, LoRA targets, ep, block size)
 CASES = {
     2: [("qwen36", "qwen36_tiny", None, 1, 16), ("qwen36_lora_kv", "qwen36_tiny", ("k_proj", "v_proj"), 1, 23),
@@ -80,18 +79,6 @@ def one_rank(model_name, lora, block):
                                                                  boundaries=True).nbytes()
 
 
-def worst(got, ref, rank, ep):
-    """The worst relative error over the parameters (an expert's, under EP: this rank's slice of one rank's)."""
-    assert got.keys() == ref.keys()
-    errs = {}
-    for n, g in ref.items():
-        if ep > 1 and n.endswith(EXPERTS):
-            g = g[slice(*expert_bounds(g.shape[0], ep, rank % ep))]
-        # an expert slice that received no token has zero gradient on one rank too
-        errs[n] = rel_err(got[n], g) if g.norm() > 0 else float(got[n].norm())
-    return max(errs.values()), max(errs, key=errs.get)
-
-
 @pytest.mark.parametrize("world", [2, 4])
 def test_exact_gradient_under_context_parallel_equals_one_rank(tmp_path, world):
     results = rank_results(_worker, world, tmp_path, timeout_s=300)
@@ -101,7 +88,7 @@ def test_exact_gradient_under_context_parallel_equals_one_rank(tmp_path, world):
         if lora is not None:
             assert ref and all("lora_" in n for n in ref)
         for rank in range(world):
-            err, where = worst(results[rank][name]["grads"], ref, rank, ep)
+            err, where = worst_rank_err(results[rank][name]["grads"], ref, rank, ep)
             print(f"cp={world} {name} block {block} rank {rank}: exact gradient max rel err {err:.2e} ({where})")
             assert err <= TOL
         # the boundary states (qwen36's GDN) are split over the ranks: each keeps those of its own blocks
@@ -109,4 +96,4 @@ def test_exact_gradient_under_context_parallel_equals_one_rank(tmp_path, world):
         assert sum(split) == ref_bytes.get("boundary_states", 0)
     if world == 2:
         ref, _ = one_rank(*CONTROL)
-        assert all(worst(results[rank]["control"]["grads"], ref, rank, 1)[0] > 1e-3 for rank in range(world))
+        assert all(worst_rank_err(results[rank]["control"]["grads"], ref, rank, 1)[0] > 1e-3 for rank in range(world))

@@ -7,7 +7,7 @@ response beyond its pages; a control that drops what later blocks send back is c
 import pytest
 import torch
 
-from conftest import grads, ids, random_lora_, random_model, rel_err
+from conftest import grads, ids, random_lora_, random_model, rel_err, worst_rel_err
 from longstraw_cli.models.blockwise import replay_blocks, score_blocks
 from longstraw_cli.resident.gradient import StateGrad
 from longstraw_cli.telemetry.memory import GraphMemory
@@ -52,11 +52,6 @@ def block_grads(model, resident, response, loss, block, **kw):
     return out
 
 
-def worst(got, ref):
-    assert got.keys() == ref.keys()
-    return max(rel_err(got[n], ref[n]) for n in ref)
-
-
 def setup(name, lora=False):
     model = random_model(name)
     if lora:
@@ -66,12 +61,18 @@ def setup(name, lora=False):
     return model, prompt, response, loss_of(weights)
 
 
+def block_vs_whole(model, resident, response, loss, block) -> float:
+    """The worst relative error of the blockwise replay's gradients against the whole replay's."""
+    blocks = block_grads(model, resident, response, loss, block)
+    return worst_rel_err(blocks, whole_grads(model, resident, response, loss))
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 @pytest.mark.parametrize("block", [1, 5, 8, 23, 64])
 def test_response_only_gradient_equals_whole_replay(name, block):
     model, prompt, response, loss = setup(name)
     resident = model.capture(prompt, block_size=16)
-    err = worst(block_grads(model, resident, response, loss, block), whole_grads(model, resident, response, loss))
+    err = block_vs_whole(model, resident, response, loss, block)
     print(f"{name} block {block}: max rel err {err:.2e}")
     assert err <= TOL
 
@@ -81,7 +82,7 @@ def test_response_only_gradient_equals_whole_replay(name, block):
 def test_lora_gradient_equals_whole_replay(name, block):
     model, prompt, response, loss = setup(name, lora=True)
     resident = model.capture(prompt, block_size=16)
-    err = worst(block_grads(model, resident, response, loss, block), whole_grads(model, resident, response, loss))
+    err = block_vs_whole(model, resident, response, loss, block)
     print(f"{name} LoRA block {block}: max rel err {err:.2e}")
     assert err <= TOL
 
@@ -113,7 +114,7 @@ def test_exact_gradient_equals_whole_replay(name, block):
             return leaf.grad
         replay_blocks(model, view, response, loss_grad, block)
 
-    err = worst(run(blocks), run(whole))
+    err = worst_rel_err(run(blocks), run(whole))
     print(f"{name} exact block {block}: max rel err {err:.2e}")
     assert err <= TOL
 
@@ -129,7 +130,7 @@ def test_dropping_what_later_blocks_send_back_is_caught(name):
     original = blockwise.leaves
     try:
         blockwise.leaves = lambda state, targets: original(state, {n: t.clone() for n, t in targets.items()})
-        assert worst(block_grads(model, resident, response, loss, 8), ref) > 1e-4
+        assert worst_rel_err(block_grads(model, resident, response, loss, 8), ref) > 1e-4
     finally:
         blockwise.leaves = original
 
@@ -239,6 +240,6 @@ def test_qlora_blockwise_gradient_equals_whole_replay(name):
     prompt, response = ids(PROMPT, 0), ids(RESPONSE, 1)
     loss = loss_of(torch.randn(RESPONSE, generator=torch.Generator().manual_seed(2), dtype=torch.float64))
     resident = model.capture(prompt, block_size=16)
-    err = worst(block_grads(model, resident, response, loss, 8), whole_grads(model, resident, response, loss))
+    err = block_vs_whole(model, resident, response, loss, 8)
     print(f"{name} QLoRA block 8: max rel err {err:.2e}")
     assert err <= TOL

@@ -6,7 +6,7 @@ that drop the carried-state or the page gradient are caught; the transaction and
 import pytest
 import torch
 
-from conftest import exact_grads, grads, ids, random_lora_, random_model, rel_err, response_only_grads
+from conftest import exact_grads, grads, ids, random_lora_, random_model, response_only_grads, worst_rel_err
 from longstraw_cli.resident import AttentionPages
 from longstraw_cli.resident.gradient import StateGrad, leaves
 
@@ -41,11 +41,6 @@ def reference_grads(model, prompt, responses, weights):
     return out
 
 
-def worst(got, ref):
-    assert got.keys() == ref.keys()
-    return max(rel_err(got[n], ref[n]) for n in ref)
-
-
 @pytest.mark.parametrize("name", FAMILIES)
 @pytest.mark.parametrize("block_size, checkpoint_layers", [(16, False), (23, False), (200, False), (23, True)])
 def test_exact_gradient_equals_full_sequence_autograd(name, block_size, checkpoint_layers):
@@ -53,7 +48,8 @@ def test_exact_gradient_equals_full_sequence_autograd(name, block_size, checkpoi
     model = random_model(name)
     prompt, responses, weights = group()
     ref = reference_grads(model, prompt, responses, weights)
-    err = worst(exact_grads(model, prompt, responses, weights, block_size, checkpoint_layers=checkpoint_layers), ref)
+    got = exact_grads(model, prompt, responses, weights, block_size, checkpoint_layers=checkpoint_layers)
+    err = worst_rel_err(got, ref)
     print(f"{name} block {block_size} checkpoint {checkpoint_layers}: exact gradient max rel err {err:.2e}")
     assert err <= EXACT_TOL
 
@@ -76,7 +72,7 @@ def test_controls_that_drop_a_state_gradient_are_caught(name):
 
     kinds = [False, True] if name.startswith("qwen36") else [False]
     for carried in kinds:
-        assert worst(exact_grads(model, prompt, responses, weights, 23, drop(carried)), ref) > 1e-3
+        assert worst_rel_err(exact_grads(model, prompt, responses, weights, 23, drop(carried)), ref) > 1e-3
 
 
 @pytest.mark.parametrize("name, targets", [("qwen36_tiny", ("k_proj", "v_proj")),
@@ -89,9 +85,9 @@ def test_lora_on_keys_and_values_gets_the_prompt_gradient(name, targets):
     prompt, responses, weights = group()
     ref = reference_grads(model, prompt, responses, weights)
     assert ref and all("lora_" in n for n in ref)
-    assert worst(exact_grads(model, prompt, responses, weights, 32), ref) <= EXACT_TOL
+    assert worst_rel_err(exact_grads(model, prompt, responses, weights, 32), ref) <= EXACT_TOL
 
-    assert worst(response_only_grads(model, prompt, responses, weights, 32), ref) > 1e-2
+    assert worst_rel_err(response_only_grads(model, prompt, responses, weights, 32), ref) > 1e-2
 
 
 def test_walk_refuses_a_capture_without_boundaries():

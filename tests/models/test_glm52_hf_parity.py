@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from conftest import capture_error_against_hf, saved_hf_model
+from conftest import capture_error_against_hf, randomize_glm_, saved_hf_model
 from longstraw_cli.models import MODEL_NAMES, build_model, from_pretrained
 from longstraw_cli.models.glm52.model import topk_lowest_position
 
@@ -19,25 +19,6 @@ TINY = dict(
     index_topk=16, index_head_dim=32, index_n_heads=8, first_k_dense_replace=1,
     indexer_types=["full", "shared", "full", "shared"], max_position_embeddings=4096,
 )
-
-
-def randomize_glm_(model, seed=0):
-    """Every parameter and the router bias random. The indexer's head weights are kept positive: index scores
-    are then >= 0 with exact ties only at 0, far below the k-th best, so HF's unspecified tie order cannot
-    change the selection (TopkGuard asserts it)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(0.5 * torch.rand(p.shape, generator=g) + 0.75)
-            elif "weights_proj" in name:
-                p.copy_(torch.rand(p.shape, generator=g) * 0.3 + 0.05)
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.08)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                # of the order of the sigmoid scores themselves: the bias changes which experts are chosen
-                b.copy_(torch.randn(b.shape, generator=g) * 0.3)
 
 
 class TopkGuard:
