@@ -117,7 +117,6 @@ class Trainer:
         self.reward_fn = GroupReward(cfg.reward or self.task.default_reward, cfg.reward_style, probe)
         self._notices()
         self.model = self._build_model()
-        self._speed_notices()
         self._parallelize(self.model)
         if cfg.lora.rank > 0:
             apply_lora(self.model, cfg.lora)
@@ -600,6 +599,8 @@ class Trainer:
         return out
 
     def train(self) -> None:
+        # said once the set-up has passed (bad input or a refused resume stays one line)
+        self._speed_notices()
         if self.resumed:
             notice(self.resumed, self.rank)
         try:

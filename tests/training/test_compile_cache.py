@@ -136,6 +136,9 @@ def test_the_trainer_sets_the_caches_and_says_where(clean_env, tmp_path, capsys)
     trainer = _trainer(tmp_path, f"compile_cache_dir={tmp_path / 'cc'}")
     assert os.environ[TRITON_ENV] == str(tmp_path / "cc" / "triton")
     assert os.environ[INDUCTOR_ENV] == str(tmp_path / "cc" / "inductor")
+    # said when training starts (`train`), not during the set-up, whose refusals stay one line
+    assert "compile caches" not in capsys.readouterr().err
+    trainer._speed_notices()
     err = capsys.readouterr().err
     assert err.count("longstraw: compile caches: ") == 1
     assert f"longstraw: {trainer.compile_caches.describe()}\n" in err
@@ -144,7 +147,7 @@ def test_the_trainer_sets_the_caches_and_says_where(clean_env, tmp_path, capsys)
 
 
 def test_compile_cache_dir_false_says_nothing(clean_env, tmp_path, capsys):
-    _trainer(tmp_path, "compile_cache_dir=false")
+    _trainer(tmp_path, "compile_cache_dir=false")._speed_notices()
     assert TRITON_ENV not in os.environ
     assert "compile caches" not in capsys.readouterr().err
 
@@ -166,7 +169,7 @@ def test_missing_fast_paths_on_the_gpu_only(monkeypatch):
 def test_a_gpu_run_without_fla_says_so_once(clean_env, tmp_path, capsys, monkeypatch, model, says_fla):
     # the device check patched: this CPU run takes the GPU's start-up path
     monkeypatch.setattr(longstraw_kernels, "is_gpu", lambda device: True)
-    _trainer(tmp_path, f"model={model}", f"compile_cache_dir={tmp_path / 'cc'}")
+    _trainer(tmp_path, f"model={model}", f"compile_cache_dir={tmp_path / 'cc'}")._speed_notices()
     err = capsys.readouterr().err
     line = f"longstraw: {longstraw_kernels.FAST_PATHS['fla'].missing}\n"
     assert err.count(line) == (1 if says_fla else 0), err
