@@ -380,6 +380,10 @@ def plan(argv: list[str]) -> int:
             _fail(f"{key}={value!r} must be an integer")
         return value
 
+    if OmegaConf.select(cfg, "rollout.engine") == "vllm":
+        share = OmegaConf.select(cfg, "rollout.vllm.gpu_memory_utilization")
+        print(f"rollout=vllm: vLLM's own memory (rollout.vllm.gpu_memory_utilization={share} of the GPU while it "
+              "generates) is not planned; the rollout phase below is the native decode's")
     return planner.report(
         model_cfg, model.path or model.name, prompts or [integer("prompt_tokens")], cp=integer("cp"),
         ep=integer("ep"), group_size=integer("group_size"), response_tokens=integer("response_tokens"),
@@ -390,6 +394,9 @@ def plan(argv: list[str]) -> int:
         walk_checkpoint=bool(OmegaConf.select(cfg, "capture.walk_checkpoint")),
         reuse=integer("capture.reuse_steps") > 1, probe_tokens=integer("capture.probe_tokens"),
         offload=str(OmegaConf.select(cfg, "capture.offload")),
-        host_mem_gib=gib["host_mem_gib"], offload_copy_gib=OmegaConf.select(cfg, "rollout.native.offload_copy_gib"),
+        host_mem_gib=gib["host_mem_gib"],
+        offload_copy_gib=OmegaConf.select(cfg, "rollout.native.offload_copy_gib", default="auto"),
         replay_routing=OmegaConf.select(cfg, "rollout.replay_routing", default="auto"),
-        replay_block=integer("capture.replay_block"))
+        replay_block=integer("capture.replay_block"),
+        # the score phase runs a forward for the KL reference or for a rollout that gives no log-probs of ours
+        scoring=float(OmegaConf.select(cfg, "algo.kl_coef")) > 0 or OmegaConf.select(cfg, "rollout.engine") != "native")

@@ -3,7 +3,8 @@
 Every family plans the same phases (the family's hook, FamilySpec.plan, says what each holds):
 
     capture = weights + optimizer + resident + one capture block's activations
-    score   = weights + optimizer + resident + one graph-free scoring batch
+    score   = weights + optimizer + resident + one graph-free scoring batch (none where nothing is scored: the
+              native rollout's log-probs serve as the old ones and algo.kl_coef is 0)
     replay  = weights + optimizer + grads + resident + one response graph + the logits chunk's backward
     step    = weights + optimizer + grads + resident + AdamW's foreach temporary
     prompt  = exact mode's reverse walk (capture.gradient=exact)
@@ -64,7 +65,7 @@ def plan(model_name_or_cfg, *, cp: int = 1, ep: int = 1, prompt_tokens: int, gro
          moment_dtype: str | None = None, kernels: str = "auto", gradient: str = "response_only",
          walk_checkpoint: bool = False, reuse: bool = False, probe_tokens: int = 1024, quantize: str = "none",
          offload: str = "none", host_mem_gib: float = 128.0, offload_copy_gib: float | str = "auto",
-         replay_routing: bool | str = "auto", replay_block: int = 0) -> dict:
+         replay_routing: bool | str = "auto", replay_block: int = 0, scoring: bool = True) -> dict:
     """Per-rank bytes of one transaction by component and by phase, with `peak`, `budget` and `fits`.
     kernels: "gpu" (the CUDA kernels), "reference" (the torch kernels), "auto": gpu for bf16/fp16, where the
     models dispatch to them on CUDA, reference otherwise. gradient: response_only | exact. reuse: capture reuse
@@ -74,7 +75,9 @@ def plan(model_name_or_cfg, *, cp: int = 1, ep: int = 1, prompt_tokens: int, gro
     offloaded rollout's figure (`rollout`) is not a phase of `peak` where a family plans it apart: its copies take
     only memory that is free, so they never decide whether a prompt fits. replay_routing (rollout.replay_routing):
     whether the family's routing records are held (auto: where the family routes). replay_block
-    (capture.replay_block): the response replayed and scored in blocks of that many tokens (0: whole)."""
+    (capture.replay_block): the response replayed and scored in blocks of that many tokens (0: whole). scoring:
+    whether the score phase runs a forward (`longstraw plan` sets it from algo.kl_coef > 0 or rollout=vllm); without
+    one the phase holds no activations."""
     spec, cfg = _family(model_name_or_cfg)
     check_gradient_mode(gradient)
     refused = offload_refusal(offload, gradient=gradient)
@@ -110,7 +113,7 @@ def plan(model_name_or_cfg, *, cp: int = 1, ep: int = 1, prompt_tokens: int, gro
               kernels=kernels, gradient=gradient, walk_checkpoint=walk_checkpoint, reuse=reuse,
               probe_tokens=probe_tokens, quantize=quantize, offload=offload, gpu_mem_gib=gpu_mem_gib,
               host_mem_gib=host_mem_gib, offload_copy_gib=offload_copy_gib, replay_routing=replay_routing,
-              replay_block=replay_block)
+              replay_block=replay_block, scoring=scoring)
     for value in (dtype, moment_dtype or dtype):
         itemsize(value)
     out = _hook(spec)(cfg, run)
@@ -122,7 +125,7 @@ def plan(model_name_or_cfg, *, cp: int = 1, ep: int = 1, prompt_tokens: int, gro
         "response_tokens": response_tokens, "dtype": dtype, "lora_rank": lora_rank, "block_size": block_size,
         "score_batch": score_batch, "kernels": kernels, "gradient": gradient, "walk_checkpoint": walk_checkpoint,
         "quantize": quantize, "offload": offload, "offload_copy_gib": offload_copy_gib, "replay_block": replay_block,
-        **out, "peak": peak, "budget": budget, "host_budget": host_budget,
+        "scoring": scoring, **out, "peak": peak, "budget": budget, "host_budget": host_budget,
         "fits": peak <= budget and out["host"] + out.get("routing_records_host", 0) <= host_budget,
     }
 

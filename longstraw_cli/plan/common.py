@@ -58,6 +58,10 @@ class Run:
     replay_routing: bool | str = "auto"
     # capture.replay_block: response tokens per replay (and scoring) block; 0 replays each response whole
     replay_block: int = 0
+    # whether the score phase runs a forward: the reference's log-probs (algo.kl_coef > 0) or the old log-probs of
+    # a rollout that does not give them (rollout=vllm); else the native rollout's own log-probs serve and the
+    # phase holds only what the phase before it left (transaction.py `accumulate`)
+    scoring: bool = True
 
     @property
     def response_block(self) -> int:

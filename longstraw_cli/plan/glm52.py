@@ -335,7 +335,7 @@ def plan(cfg: Glm52Config, run: Run) -> dict:
 
         response_state = response_keys + cfg.num_hidden_layers * R * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * f
 
-    score_act = score_activations(min(G, run.score_batch))
+    score_act = score_activations(min(G, run.score_batch)) if run.scoring else 0
     graph = response_graph_bytes(cfg, run, run.response_block, R) + (response_keys if run.replay_block else 0)
     largest_trainable = V * cfg.hidden_size * s if full else 0
     replay_transient = min(run.response_block, run.logprob_chunk) * V * LOGIT_BYTES_REPLAY + largest_trainable
@@ -361,7 +361,7 @@ def plan(cfg: Glm52Config, run: Run) -> dict:
     records = record_bytes(cfg, G, R) if routed else 0
     # staged on the device only for the positions a forward names: a score batch's responses, one response (with
     # capture.replay_block, one block of them)
-    records_score = record_bytes(cfg, min(G, run.score_batch), run.response_block) if routed else 0
+    records_score = record_bytes(cfg, min(G, run.score_batch), run.response_block) if routed and run.scoring else 0
     records_replay = record_bytes(cfg, 1, run.response_block) if routed else 0
 
     base = weights + optimizer + on_device + dequant

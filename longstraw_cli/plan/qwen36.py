@@ -298,7 +298,7 @@ def plan(cfg: Qwen36Config, run: Run) -> dict:
                 score_logits_bytes(batch, b, run.logprob_chunk, V, cfg.hidden_size, s),
             )
 
-    score_act = score_activations(min(run.group_size, run.score_batch))
+    score_act = score_activations(min(run.group_size, run.score_batch)) if run.scoring else 0
 
     carried = resident["recurrent_state"] + resident["conv_state"]
     if run.replay_block:

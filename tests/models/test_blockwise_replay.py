@@ -243,3 +243,18 @@ def test_qlora_blockwise_gradient_equals_whole_replay(name):
     err = block_vs_whole(model, resident, response, loss, 8)
     print(f"{name} QLoRA block 8: max rel err {err:.2e}")
     assert err <= TOL
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_responses_within_a_block_replay_whole(name):
+    """replay_block=16 over responses of 21, 9 and 16 tokens: the two within a block replay whole (no graph-free
+    pass), the 21-token one in blocks; the update and stats equal the whole replay's. A control: a block of 21
+    takes none of them blockwise, so no response state is held."""
+    whole, whole_result = transaction_step(name, 0, "grpo", kl=0.1)
+    mixed, mixed_result = transaction_step(name, 16, "grpo", kl=0.1)
+    _, within_result = transaction_step(name, 21, "grpo", kl=0.1)
+    err = max(rel_err(mixed[n], whole[n]) for n in whole if whole[n].norm() > 0)
+    assert mixed.keys() == whole.keys() and err <= TOL
+    for key in ("loss", "pg_loss", "kl_loss", "grad_norm"):
+        assert mixed_result.stats[key] == pytest.approx(whole_result.stats[key], rel=1e-12, abs=1e-15)
+    assert mixed_result.response_state_bytes > 0 and within_result.response_state_bytes == 0

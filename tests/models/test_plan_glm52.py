@@ -180,12 +180,14 @@ def test_longstraw_plan_glm52_prints_every_phase_and_the_split(capsys):
             "gpu_mem_gib=131.3"]
     assert longstraw(args) == 0
     out = capsys.readouterr().out
-    want = plan("glm52", gpu_mem_gib=131.3, **TARGET)
+    # the native rollout's log-probs serve as the old ones and kl_coef is 0: nothing is scored
+    want = plan("glm52", gpu_mem_gib=131.3, scoring=False, **TARGET)
+    assert want["score_activations"] == 0 and want["phases"]["score"] < plan("glm52", **TARGET)["phases"]["score"]
     assert f"{want['peak'] / GIB:.2f}" in out and "cp=32, ep=32" in out
     assert (f"phases: capture {want['phases']['capture'] / GIB:.2f}, score {want['phases']['score'] / GIB:.2f}, "
             f"replay {want['phases']['replay'] / GIB:.2f}") in out
     assert f"routed experts {want['weights_experts'] / GIB:.2f} GiB (8 of 256 per layer on this rank" in out
-    longest = max_prompt_tokens("glm52", limit=8_388_608 - 16, gpu_mem_gib=131.3,
+    longest = max_prompt_tokens("glm52", limit=8_388_608 - 16, gpu_mem_gib=131.3, scoring=False,
                                 **{k: v for k, v in TARGET.items() if k != "prompt_tokens"})
     assert f"longest prompt that fits in 131.3 GiB: {longest} tokens" in out
     assert longstraw([*args, "lora.quantize=nf4"]) == 0
@@ -231,3 +233,15 @@ def test_the_optimizer_step_holds_the_pages_only_when_reuse_keeps_them(model):
     assert plain["phases"]["step"] == (plain["weights"] + plain["grads"] + plain["optimizer"]
                                        + plain["step_transient"] + plain.get("dequant", 0))
     assert reused["phases"]["step"] - plain["phases"]["step"] >= plain["resident"] > 0
+
+
+@pytest.mark.parametrize("extra, scoring", [([], False), (["algo.kl_coef=0.01"], True), (["rollout=vllm"], True)])
+def test_longstraw_plan_scores_only_what_the_trainer_scores(capsys, extra, scoring):
+    """The score phase runs a forward for a KL reference or a rollout without our log-probs (vLLM); the native
+    rollout's own log-probs otherwise serve as the old ones and the phase holds no activations."""
+    from longstraw_cli.__main__ import main as longstraw
+
+    assert longstraw(["plan", "model=glm52_mini", "prompt_tokens=64K", "group_size=8", "lora.rank=16", *extra]) == 0
+    want = plan("glm52_mini", prompt_tokens=65536, group_size=8, response_tokens=16, lora_rank=16, scoring=scoring)
+    assert (want["score_activations"] > 0) == scoring
+    assert f"score {want['phases']['score'] / GIB:.2f}," in capsys.readouterr().out
