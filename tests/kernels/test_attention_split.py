@@ -8,11 +8,13 @@ import torch
 
 from conftest import rel_err
 from longstraw_kernels.attention.dispatch import split_new_keys
-from longstraw_kernels.attention.reference import replay_attention
+from longstraw_kernels.attention.reference import replay_attention, replay_attention_backward
 
 
+@pytest.mark.parametrize("with_lse", [True, False])
 @pytest.mark.parametrize("B, P, R, S", [(1, 37, 5, 17), (2, 0, 7, 9), (3, 63, 4, 100)])
-def test_split_new_keys_equals_one_call(B, P, R, S):
+def test_split_new_keys_equals_one_call(B, P, R, S, with_lse):
+    """with_lse=False: only the output is used (a replay), so no lse cotangent reaches the backward."""
     g = torch.Generator().manual_seed(P + R + S)
     Q, K, D = 4, 2, 8
 
@@ -25,10 +27,10 @@ def test_split_new_keys_equals_one_call(B, P, R, S):
 
     def run(fn):
         out, lse = fn(*inputs, scale=D**-0.5, block_size=16, return_lse=True)
-        grads = torch.autograd.grad((out * dout).sum() + (lse * dlse).sum(), inputs)
+        grads = torch.autograd.grad((out * dout).sum() + ((lse * dlse).sum() if with_lse else 0), inputs)
         return [out, lse, *grads]
 
-    got = run(lambda *a, **kw: split_new_keys(replay_attention, *a, **kw))
+    got = run(lambda *a, **kw: split_new_keys(replay_attention, replay_attention_backward, *a, **kw))
     want = run(replay_attention)
     errs = [rel_err(a, b) for a, b in zip(got, want) if b.numel()]
     print(f"B={B} P={P} R={R} S={S}: max rel err {max(errs):.1e}")
