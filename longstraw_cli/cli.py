@@ -392,4 +392,4 @@ def plan(argv: list[str]) -> int:
         offload=str(OmegaConf.select(cfg, "capture.offload")),
         host_mem_gib=gib["host_mem_gib"], offload_copy_gib=OmegaConf.select(cfg, "rollout.native.offload_copy_gib"),
         replay_routing=OmegaConf.select(cfg, "rollout.replay_routing", default="auto"),
-        replay_block=integer("capture.replay_block"))
+        replay_block=integer("capture.replay_block"), response_chunk=integer("rollout.native.response_chunk"))
