@@ -336,6 +336,7 @@ def plan(argv: list[str]) -> int:
 
     from longstraw_cli import plan as planner
     from longstraw_cli.config import ConfigError, ModelConfig, expand_paths
+    from longstraw_cli.rollout.native import NativeConfig
 
     if any(a in ("-h", "--help") for a in argv):
         print(PLAN_USAGE)
@@ -398,5 +399,8 @@ def plan(argv: list[str]) -> int:
         offload_copy_gib=OmegaConf.select(cfg, "rollout.native.offload_copy_gib", default="auto"),
         replay_routing=OmegaConf.select(cfg, "rollout.replay_routing", default="auto"),
         replay_block=integer("capture.replay_block"),
+        # rollout=vllm has no native section: the native decode's default is planned
+        response_chunk=(integer("rollout.native.response_chunk") if OmegaConf.select(cfg, "rollout.native")
+                        else NativeConfig.response_chunk),
         # the score phase runs a forward for the KL reference or for a rollout that gives no log-probs of ours
         scoring=float(OmegaConf.select(cfg, "algo.kl_coef")) > 0 or OmegaConf.select(cfg, "rollout.engine") != "native")

@@ -41,6 +41,7 @@ from torch.utils.checkpoint import checkpoint
 from longstraw_cli.models import blockwise
 from longstraw_cli.models.embedding import Embedding
 from longstraw_cli.models.logprobs import token_logprobs
+from longstraw_cli.models.slots import ResponseSlots, grown_capacity, response_capacities
 from longstraw_cli.resident import Resident
 from longstraw_cli.resident.gradient import StateGrad, WholePrompt, leaves
 from longstraw_cli.resident.offload import BlockWriter, PageWriter, stage_layers
@@ -103,43 +104,85 @@ class DecodeState:
     step: int = 0
 
 
-class StepDecoder:
-    """rollout/native.py's decoder interface (`tokens_B`, `step()`, `device`) over `start_decode` / `decode_step`:
-    eager, shapes growing with the step, so neither graph- nor compile-safe. For hooks that have no static-shaped
-    decode (glm52 under context parallel). `page_budget` (the decoders' rollout.native.offload_copy_gib) copies
-    nothing here: decode_step stages offloaded pages a layer at a time at every step."""
+class Decoder:
+    """rollout/native.py's decoder interface: `tokens_B` (what the next `step()` feeds), `step()` -> next-token
+    logits [B, V], `device`, whether a CUDA graph may replay the step (`graph_safe`) and torch.compile compile it
+    (`compile_safe`), and the response slots (models/slots.py): `capacity` of them, `response_chunk` at first (None:
+    all max_new_tokens), which `grow()` doubles, at most max_new_tokens, when the rollout's step reaches them."""
 
     graph_safe = compile_safe = False
 
-    def __init__(self, model, resident: Resident, batch: int, capacity: int, page_budget: int | None = None):
-        self.model, self.resident = model, resident
+    def __init__(self, model, resident: Resident, batch: int, max_new_tokens: int, response_chunk: int | None):
+        self.model, self.resident, self.max_new_tokens = model, resident, max_new_tokens
         self.device = model.lm_head.weight.device
         self.tokens_B = torch.full((batch,), resident.last_token, dtype=torch.long, device=self.device)
-        self.state = model.start_decode(resident, batch, capacity)
+        self.capacity = response_capacities(max_new_tokens, response_chunk)[0]
+
+    def response_slots(self) -> list[ResponseSlots]:
+        """The per-layer buffers that hold the response's tokens (the recurrent states' size does not grow)."""
+        raise NotImplementedError
+
+    def grow(self) -> None:
+        """Twice the response slots, at most max_new_tokens, the written ones kept (models/slots.py)."""
+        self.capacity = grown_capacity(self.capacity, self.max_new_tokens)
+        for slots in self.response_slots():
+            slots.grow(self.capacity)
+
+
+class StepDecoder(Decoder):
+    """The decoder interface over `start_decode` / `decode_step`: eager, shapes growing with the step, so neither
+    graph- nor compile-safe. For hooks that have no static-shaped decode (glm52 under context parallel).
+    `page_budget` (the decoders' rollout.native.offload_copy_gib) copies nothing here: decode_step stages offloaded
+    pages a layer at a time at every step."""
+
+    def __init__(self, model, resident: Resident, batch: int, max_new_tokens: int, page_budget: int | None = None,
+                 response_chunk: int | None = None):
+        super().__init__(model, resident, batch, max_new_tokens, response_chunk)
+        self.state = model.start_decode(resident, batch, self.capacity)
 
     def step(self) -> torch.Tensor:
         return self.model.decode_step(self.resident, self.state, self.tokens_B)
 
+    def response_slots(self) -> list[ResponseSlots]:
+        return [cache for cache in self.state.layers if isinstance(cache, ResponseSlots)]
 
-class StaticDecoder:
+
+class StaticDecoder(Decoder):
     """What every static-shaped decode step (models/<family>/decode.py) shares: the token ids fed and the step
-    counter live on the device and change in place, the response slots are fixed, so a CUDA graph may replay
-    `step()`. A subclass's `step()` starts from `embed()` and ends with `logits()`."""
+    counter live on the device and change in place, the response slots are fixed between growths, so a CUDA graph
+    may replay `step()` (captured again after a growth). A subclass's `step()` starts from `embed()` and ends with
+    `logits()`; its `layers` hold each layer's buffers."""
 
-    def __init__(self, model, resident: Resident, batch: int, capacity: int):
-        self.model, self.resident, self.capacity = model, resident, capacity
-        self.device = model.lm_head.weight.device
-        self.tokens_B = torch.full((batch,), resident.last_token, dtype=torch.long, device=self.device)
+    def __init__(self, model, resident: Resident, batch: int, max_new_tokens: int, response_chunk: int | None):
+        super().__init__(model, resident, batch, max_new_tokens, response_chunk)
         self.step_1 = torch.zeros(1, dtype=torch.long, device=self.device)
         # the prompt's length as a tensor, not a Python int: a compiled step would specialise on the int (one graph
         # per prompt length, each a miss in the on-disk compile cache)
         self.start_1 = torch.full((1,), resident.num_tokens, dtype=torch.long, device=self.device)
-        self.slots_S = torch.arange(capacity, device=self.device)
+        self.slots_S = self._slots()
+
+    def _slots(self) -> torch.Tensor:
+        # a dynamic size of the compiled step, as the buffers' capacity (models/slots.py `slot_buffer`)
+        slots_S = torch.arange(self.capacity, device=self.device)
+        torch._dynamo.maybe_mark_dynamic(slots_S, 0)
+        return slots_S
+
+    def response_slots(self) -> list[ResponseSlots]:
+        return [buffers for buffers in self.layers if isinstance(buffers, ResponseSlots)]
+
+    def grow(self) -> None:
+        super().grow()
+        self.slots_S = self._slots()
 
     def embed(self):
-        """-> (embedded tokens [B, 1, C], their positions [1], the filled response slots [S] bool)."""
+        """-> (embedded tokens [B, 1, C], their positions [1])."""
         positions_1 = self.step_1 + self.start_1
-        return self.model.model.embed_tokens(self.tokens_B[:, None]), positions_1, self.slots_S <= self.step_1
+        return self.model.model.embed_tokens(self.tokens_B[:, None]), positions_1
+
+    def filled(self) -> torch.Tensor:
+        """The filled response slots [S] bool. Formed where a layer reads them: a compiled step with graph breaks
+        passes its intermediates to the next piece as inputs of a fixed size, which would pin the capacity there."""
+        return self.slots_S <= self.step_1
 
     def logits(self, x_BTC: torch.Tensor) -> torch.Tensor:
         """Next-token logits [B, V] (fp32 or wider) of the last layer's output; the step counter moves on."""

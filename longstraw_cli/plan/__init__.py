@@ -9,7 +9,8 @@ Every family plans the same phases (the family's hook, FamilySpec.plan, says wha
     step    = weights + optimizer + grads + resident + AdamW's foreach temporary
     prompt  = exact mode's reverse walk (capture.gradient=exact)
     drift   = the reuse probe (capture.reuse_steps > 1)
-    rollout = weights + optimizer + resident + the decode buffers (glm52; qwen36 plans its offloaded rollout apart)
+    rollout = weights + optimizer + resident + the decode's buffers (R response slots at worst, and the old copy of
+              one buffer while the last growth copies it) + one decode step
     peak    = the largest phase
 
 `plan()` checks the settings once (the training config's own refusals) and calls the family's hook with a `Run`;
@@ -29,6 +30,7 @@ from longstraw_cli.plan.common import GIB, KERNELS, Run, itemsize
 from longstraw_cli.quantize import dtype_refusal
 from longstraw_cli.resident.gradient import check_gradient_mode
 from longstraw_cli.resident.offload import OFFLOAD_NAMES, offload_refusal
+from longstraw_cli.rollout.native import NativeConfig
 
 __all__ = ["GIB", "KERNELS", "main", "max_prompt_tokens", "max_response_tokens", "plan", "report"]
 
@@ -65,7 +67,8 @@ def plan(model_name_or_cfg, *, cp: int = 1, ep: int = 1, prompt_tokens: int, gro
          moment_dtype: str | None = None, kernels: str = "auto", gradient: str = "response_only",
          walk_checkpoint: bool = False, reuse: bool = False, probe_tokens: int = 1024, quantize: str = "none",
          offload: str = "none", host_mem_gib: float = 128.0, offload_copy_gib: float | str = "auto",
-         replay_routing: bool | str = "auto", replay_block: int = 0, scoring: bool = True) -> dict:
+         replay_routing: bool | str = "auto", replay_block: int = 0,
+         response_chunk: int = NativeConfig.response_chunk, scoring: bool = True) -> dict:
     """Per-rank bytes of one transaction by component and by phase, with `peak`, `budget` and `fits`.
     kernels: "gpu" (the CUDA kernels), "reference" (the torch kernels), "auto": gpu for bf16/fp16, where the
     models dispatch to them on CUDA, reference otherwise. gradient: response_only | exact. reuse: capture reuse
@@ -90,7 +93,7 @@ def plan(model_name_or_cfg, *, cp: int = 1, ep: int = 1, prompt_tokens: int, gro
     for name, value in (("cp", cp), ("ep", ep), ("prompt_tokens", prompt_tokens), ("group_size", group_size),
                         ("response_tokens", response_tokens), ("block_size", block_size),
                         ("score_batch", score_batch), ("logprob_chunk", logprob_chunk),
-                        ("attention_block", attention_block)):
+                        ("attention_block", attention_block), ("response_chunk", response_chunk)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if isinstance(replay_block, bool) or not isinstance(replay_block, int) or replay_block < 0:
@@ -113,7 +116,7 @@ def plan(model_name_or_cfg, *, cp: int = 1, ep: int = 1, prompt_tokens: int, gro
               kernels=kernels, gradient=gradient, walk_checkpoint=walk_checkpoint, reuse=reuse,
               probe_tokens=probe_tokens, quantize=quantize, offload=offload, gpu_mem_gib=gpu_mem_gib,
               host_mem_gib=host_mem_gib, offload_copy_gib=offload_copy_gib, replay_routing=replay_routing,
-              replay_block=replay_block, scoring=scoring)
+              replay_block=replay_block, response_chunk=response_chunk, scoring=scoring)
     for value in (dtype, moment_dtype or dtype):
         itemsize(value)
     out = _hook(spec)(cfg, run)

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from longstraw_cli.rollout.native import NativeConfig
+
 GIB = 2**30
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
 KERNELS = ("auto", "gpu", "reference")
@@ -30,7 +32,8 @@ def itemsize(dtype: str) -> int:
 class Run:
     """The settings of one planned transaction, checked by `longstraw_cli.plan.plan` (the training config's keys:
     cp, ep, prompt_tokens, group_size, response_tokens, model.dtype, lora.rank, lora.quantize, capture.*,
-    rollout.native.offload_copy_gib; plan's own gpu_mem_gib, host_mem_gib, kernels resolved to gpu | reference)."""
+    rollout.native.offload_copy_gib and .response_chunk; plan's own gpu_mem_gib, host_mem_gib, kernels resolved to
+    gpu | reference)."""
 
     cp: int
     ep: int
@@ -58,6 +61,8 @@ class Run:
     replay_routing: bool | str = "auto"
     # capture.replay_block: response tokens per replay (and scoring) block; 0 replays each response whole
     replay_block: int = 0
+    # rollout.native.response_chunk: the decode's first response slots, doubled up to response_tokens
+    response_chunk: int = NativeConfig.response_chunk
     # whether the score phase runs a forward: the reference's log-probs (algo.kl_coef > 0) or the old log-probs of
     # a rollout that does not give them (rollout=vllm); else the native rollout's own log-probs serve and the
     # phase holds only what the phase before it left (transaction.py `accumulate`)

@@ -37,7 +37,9 @@ config alone. The phases are longstraw_cli.plan's; what they hold for MLA + DSA 
   page gradient (the torch backward's fp32 buffers), and one block's graph through every layer (or, with
   walk_checkpoint, every layer's block input plus the largest layer's graph).
 - rollout: weights + optimizer + pages + the decode buffers (G responses' latent, rope and index keys per layer,
-  `ResponseMLA`) + one step's logits and index scores.
+  `ResponseMLA`) + one step's logits and index scores. The buffers start at rollout.native.response_chunk slots
+  and double up to R (models/slots.py): counted at their worst, R slots, plus what the last growth holds besides
+  (`growth_transient`: the old copy of one buffer, the largest, at the capacity before R).
 - offload=cpu: the rank's pages (its CP shard) in host memory, `host` bytes per rank; on the GPU two layers' pages
   of the shard (one staged, the next in flight; in capture one layer's written, the one before on its way to the
   host). cp = 1: the rollout copies whole layers into free memory, and the index keys of the others move to the
@@ -57,7 +59,8 @@ from __future__ import annotations
 
 from longstraw_cli.models.glm52.config import Glm52Config
 from longstraw_cli.models.glm52.model import _SCORE_ELEMENTS
-from longstraw_cli.models.glm52.routing import record_bytes
+from longstraw_cli.models.glm52.routing import SELECTION_DTYPE, expert_id_dtype, record_bytes
+from longstraw_cli.models.slots import response_capacities
 from longstraw_cli.plan.common import GIB, LOGIT_BYTES_REPLAY, Run, itemsize, rollout_copies, score_logits_bytes
 from longstraw_cli.quantize import NF4_EXPERTS_PER_PASS, nf4_bytes
 
@@ -241,6 +244,21 @@ def _scores(queries: int, keys: int, run: Run) -> int:
     return min(queries * keys, max(cap, keys)) * SCORE_BYTES
 
 
+def growth_transient(cfg: Glm52Config, run: Run, routed: bool) -> int:
+    """What the decode's last growth holds beyond its final buffers (models/slots.py): the old copy of one buffer,
+    at most the largest, one layer's latent keys or (routing replay) one full layer's DSA selections, at the
+    capacity before the last (0: the slots never grow)."""
+    capacities = response_capacities(run.response_tokens, run.response_chunk)
+    if len(capacities) == 1:
+        return 0
+    full, sparse = "full" in cfg.layer_indexer_types, "sparse" in cfg.layer_mlp_types
+    rows = [cfg.kv_lora_rank * run.s, cfg.qk_rope_head_dim * run.s, cfg.index_head_dim * run.s if full else 0]
+    if routed:
+        rows += [cfg.index_topk * SELECTION_DTYPE.itemsize if full else 0,
+                 cfg.num_experts_per_tok * expert_id_dtype(cfg.n_routed_experts).itemsize if sparse else 0]
+    return run.group_size * capacities[-2] * max(rows)
+
+
 def _gather(cfg: Glm52Config, queries: int, run: Run) -> int:
     """The torch reference's gathered [entries, L + R] pages in the compute dtype (the Triton kernel gathers on
     chip); kernels=gpu: none."""
@@ -347,18 +365,19 @@ def plan(cfg: Glm52Config, run: Run) -> dict:
     page_grad = captured * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * f if exact else 0
     block_graph = walk_graph_bytes(cfg, run, block) if exact else 0
 
-    # the decode: per layer and response latent, rope and index keys for R tokens; one step's logits (and their
-    # softmax) and index scores against the prompt
+    # the decode: per layer and response latent, rope and index keys for R tokens (its slots grow in doublings up to
+    # R, models/slots.py: R at worst); one step's logits (and their softmax) and index scores against the prompt
     decode = G * sum(layer_page_bytes(cfg, R, s))
     decode_step = 2 * G * V * f + _scores(G, captured + R, run)
     # offloaded: the index keys of layers left on the host move to the GPU for the rollout (cp = 1); under cp > 1 the
     # eager decode stages whole layers at every token, as the replay does
     rollout_device = (on_device if run.cp > 1 else pages["index_pages"]) if host else on_device
 
-    # routing replay: the records of all G x R tokens, written by the decode on the GPU, then kept in host memory;
-    # scoring and each replay stage the rows of their call
+    # routing replay: the records of all G x R tokens, written by the decode on the GPU (grown with its slots), then
+    # kept in host memory; scoring and each replay stage the rows of their call
     routed = run.replay_routing in ("auto", True, "measure")
     records = record_bytes(cfg, G, R) if routed else 0
+    decode_growth = growth_transient(cfg, run, routed)
     # staged on the device only for the positions a forward names: a score batch's responses, one response (with
     # capture.replay_block, one block of them)
     records_score = record_bytes(cfg, min(G, run.score_batch), run.response_block) if routed and run.scoring else 0
@@ -377,7 +396,7 @@ def plan(cfg: Glm52Config, run: Run) -> dict:
     if run.reuse:
         probed = min(block, run.probe_tokens, captured)
         phases["drift"] = base + max(capture_act, score_activations(1)) + pages["total"] * probed // captured
-    rollout_base = weights + optimizer + dequant + rollout_device + decode + decode_step + records
+    rollout_base = weights + optimizer + dequant + rollout_device + decode + decode_step + records + decode_growth
     phases["rollout"] = rollout_base
     copies = rollout_copies(run, rollout_base, per_layer) if host and run.cp == 1 else 0
 
@@ -388,7 +407,8 @@ def plan(cfg: Glm52Config, run: Run) -> dict:
                 f"at once" if run.quantize == "nf4" else ""),
              f"pages {pages['total'] / GIB:.2f} GiB ({captured} tokens per rank: latent "
              f"{pages['latent_pages'] / GIB:.2f}, rope {pages['rope_pages'] / GIB:.2f}, index keys "
-             f"{pages['index_pages'] / GIB:.2f}); rollout decode buffers {decode / GIB:.2f} GiB"
+             f"{pages['index_pages'] / GIB:.2f}); rollout decode buffers {decode / GIB:.2f} GiB (+ "
+             f"{decode_growth / GIB:.2f} while the last growth copies one)"
              + (f"; routing records in host memory {records / GIB:.3f} GiB (on the GPU: the rollout's decode "
                 f"{records / GIB:.3f}, scoring {records_score / GIB:.3f}, a replay {records_replay / GIB:.3f})"
                 if records else "")]
@@ -420,8 +440,9 @@ def plan(cfg: Glm52Config, run: Run) -> dict:
         "capture_activations": capture_act, "cp_gather": gathered, "score_activations": score_act,
         "response_graph": graph, "replay_transient": replay_transient, "step_transient": step_transient,
         "boundary_states": 0, "tail_states": 0, "state_grad": state_grad, "block_graph": block_graph,
-        "page_grad_transient": page_grad, "decode_buffers": decode, "routing_records": records,
-        "response_state": response_state, "routing_records_host": records, "routing_records_score": records_score,
+        "page_grad_transient": page_grad, "decode_buffers": decode, "decode_growth": decode_growth,
+        "decode_step": decode_step, "routing_records": records, "response_state": response_state,
+        "routing_records_host": records, "routing_records_score": records_score,
         "routing_records_replay": records_replay,
         "phases": phases, "rollout_copies": copies, "rollout": rollout_base + copies,
         "bound": weights + grads + optimizer + on_device + state_grad + response_state + max(graph, block_graph),

@@ -9,6 +9,7 @@
     drift   = weights + optimizer + resident + one capture block's activations (or one response's scoring) +
               the tail's pages (the last probe_tokens positions) and the carried states, copied (`reuse=True`:
               capture.reuse_steps > 1)
+    rollout = weights + optimizer + resident + the decode's buffers + one decode step's logits
     peak    = the largest phase
 
 Exact mode (`capture.gradient=exact`, resident/gradient.py) adds to the resident state the boundary states (the
@@ -57,6 +58,14 @@ Where the bytes come from (s: bytes per element of `dtype`, f: of the compute dt
   one fp32 temporary (LOGIT_BYTES_SCORE per logit) for the whole batch (token_logprobs chunks the batch's tokens
   together: `common.score_logits_bytes`), or the layers' activations, whichever is larger. The activations are
   the one term that grows with G (up to score_batch).
+- rollout: the native decode's buffers (qwen36/decode.py), per response every attention layer's K/V for R slots
+  in `dtype` and a copy of every GDN layer's conv and recurrent state; the slots start at
+  rollout.native.response_chunk and double up to R (models/slots.py), so R is their worst, and while the last
+  growth copies one buffer (one layer's keys or values) its old copy at the capacity before R coexists with it
+  (`decode_growth`). Beside them one step's fp32 logits and their softmax over G rows, and with the reference
+  kernels the pages' scores [G x heads, prompt] (SCORE_COPIES). offload=cpu: the phase counts the two staged layers
+  (the decode stages the layers it has not copied, as replay does); the copies of host pages that fit
+  (rollout.native.offload_copy_gib) take only free memory and come on top, in `rollout`, not in a phase.
 - replay transient: the log-prob backward's one chunk of recomputed logits (fp32, turned into the gradient in
   place, plus a bf16 copy: LOGIT_BYTES_REPLAY per logit) plus one weight-sized gradient (the output layer's,
   accumulated over the chunks in one buffer before it is added into .grad).
@@ -72,6 +81,7 @@ import math
 
 from longstraw_cli.lora import DEFAULT_TARGETS
 from longstraw_cli.models.qwen36.config import Qwen36Config
+from longstraw_cli.models.slots import response_capacities
 from longstraw_cli.plan.common import GIB, LOGIT_BYTES_REPLAY, Run, itemsize, rollout_copies, score_logits_bytes
 from longstraw_cli.quantize import nf4_bytes
 
@@ -277,7 +287,7 @@ def plan(cfg: Qwen36Config, run: Run) -> dict:
     capture_act = _layer_activations(cfg, block, s, f, kernels) + block * cfg.hidden_size * s + max(
         _attention_scores(cfg, 1, block, block, kernels), _attention_scores(cfg, 1, block, pages, kernels))
 
-    R, V = run.response_tokens, cfg.vocab_size
+    R, V, G = run.response_tokens, cfg.vocab_size, run.group_size
 
     def score_activations(batch: int) -> int:
         return max(
@@ -342,10 +352,21 @@ def plan(cfg: Qwen36Config, run: Run) -> dict:
         probed = min(block, run.probe_tokens, captured)
         phases["drift"] = (base + max(capture_act, score_activations(1)) + resident["kv_pages"] * probed // captured
                            + carried)
-    # the offloaded rollout: no grads, no graph, no staged layer; the copies of host pages that fit (whole layers)
-    rollout_base = weights + optimizer + resident["total"] - host + boundaries + tail + dequant
+    # the rollout's decode (qwen36/decode.py): per response every attention layer's K/V for R slots (they start at
+    # rollout.native.response_chunk and double up to R, models/slots.py: R at worst) and a copy of every GDN layer's
+    # states; while the last growth copies one layer's keys (or values), their old copy too; one step's logits and
+    # their softmax, and the reference attention's scores against the pages
+    decode = G * (R * response_kv * s + carried)
+    capacities = response_capacities(R, run.response_chunk)
+    decode_growth = G * capacities[-2] * cfg.num_key_value_heads * cfg.head_dim * s if len(capacities) > 1 else 0
+    decode_step = 2 * G * V * f + _attention_scores(cfg, G, 1, captured, kernels)
+    decoding = decode + decode_growth + decode_step
+    phases["rollout"] = weights + optimizer + on_device + boundaries + tail + dequant + decoding
+    # the offloaded rollout: no staged layer; the copies of host pages that fit (whole layers)
+    rollout_base = weights + optimizer + resident["total"] - host + boundaries + tail + dequant + decoding
     copies = rollout_copies(run, rollout_base, [layer_pages] * num_attn) if host else 0
-    notes = []
+    notes = [f"rollout decode buffers {decode / GIB:.2f} GiB (K/V of {R} slots and GDN states per response; + "
+             f"{decode_growth / GIB:.2f} while the last growth copies one layer's)"]
     if exact:
         notes.append(f"exact: boundary states {boundaries / GIB:.2f}, state gradient {state_grad / GIB:.2f}, block "
                      f"graph {block_graph / GIB:.2f}, page gradient {page_grad_transient / GIB:.2f}")
@@ -371,6 +392,7 @@ def plan(cfg: Qwen36Config, run: Run) -> dict:
         "response_graph": graph, "replay_transient": replay_transient, "step_transient": step_transient,
         "boundary_states": boundaries, "tail_states": tail, "state_grad": state_grad, "block_graph": block_graph,
         "page_grad_transient": page_grad_transient, "response_state": response_state,
+        "decode_buffers": decode, "decode_growth": decode_growth, "decode_step": decode_step,
         "phases": phases, "rollout_copies": copies, "rollout": rollout_base + copies,
         "bound": (weights + grads + optimizer + on_device + boundaries + tail + state_grad + response_state
                   + max(graph, block_graph)),

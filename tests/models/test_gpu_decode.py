@@ -1,7 +1,8 @@
 """Native decode on CUDA (skipped without it): the split-KV flash pages attention and fla's recurrent GDN step
 against their torch references, the CUDA-graph decode against the same decode run eagerly (identical greedy
-tokens and log-probs) and against replay scoring (bf16 noise), for both families; and `longstraw train
-device=cuda` end to end for two steps with its importance ratio at 1 on the first, on-policy step."""
+tokens and log-probs, also across growths of the response slots) and against replay scoring (bf16 noise), for
+both families; and `longstraw train device=cuda` end to end for two steps with its importance ratio at 1 on the
+first, on-policy step."""
 
 import copy
 import json
@@ -81,6 +82,23 @@ def test_graph_decode_equals_eager_decode_and_its_logprobs_are_replays(name):
         decode_err, replay_err = (logp - ref).abs().mean(), (replay - ref).abs().mean()
         # the rollout's log-probs are as close to exact as replay's own: the on-policy ratio is 1 up to bf16
         assert decode_err < 1.5 * replay_err + 1e-3, (decode_err, replay_err)
+
+
+@pytest.mark.parametrize("name", ["qwen36_mini", "glm52_mini"])
+def test_graph_decode_captures_again_after_each_growth(name):
+    """rollout.native.response_chunk=8 over 40 tokens: the slots grow at steps 8, 16 and 32 and the graph is captured
+    again at each; the graph decode equals the same decode run eagerly, bit for bit (the same kernels at the same
+    capacities), and the compiled one (qwen36) decodes all 40 tokens."""
+    model = reduced(name)
+    prompt = torch.randint(0, 250, (3000,), generator=torch.Generator().manual_seed(1)).cuda()
+    resident = model.capture(prompt, block_size=1024)
+    greedy = SamplingConfig(temperature=0, max_new_tokens=40)
+    graph = generate(model, resident, 4, greedy, native=NativeConfig(compile=False, response_chunk=8))
+    eager = generate(model, resident, 4, greedy, native=NativeConfig(cuda_graph=False, response_chunk=8))
+    for a, b, la, lb in zip(graph.responses, eager.responses, graph.logprobs, eager.logprobs):
+        assert torch.equal(a, b) and torch.equal(la, lb)
+    compiled = generate(model, resident, 4, greedy, native=NativeConfig(response_chunk=8))
+    assert compiled.decode_steps == 40 and all(len(r) == 40 for r in compiled.responses)
 
 
 @pytest.mark.parametrize("name", ["qwen36_mini", "glm52_mini"])

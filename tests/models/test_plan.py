@@ -311,8 +311,10 @@ def test_offloaded_rollout_copies_whole_layers_into_free_memory():
     auto = plan("qwen36_mini", **common)
     layer = auto["host"] // sum(t == "full_attention" for t in named_config("qwen36_mini").layer_types)
     assert auto["rollout_copies"] == auto["host"]
-    # all copied: the rollout holds weights, optimizer and the whole resident state (no grads, no graph)
-    assert auto["rollout"] == auto["weights"] + auto["optimizer"] + auto["resident"]
+    # all copied: the rollout holds weights, optimizer, the whole resident state and the decode's buffers and step
+    # (no grads, no graph)
+    decoding = auto["decode_buffers"] + auto["decode_growth"] + auto["decode_step"]
+    assert auto["rollout"] == auto["weights"] + auto["optimizer"] + auto["resident"] + decoding
     # the copies take only free memory: they never move the peak (nor what fits)
     capped = plan("qwen36_mini", offload_copy_gib=0, **common)
     assert capped["rollout"] == auto["rollout"] - auto["host"] and capped["peak"] == auto["peak"]

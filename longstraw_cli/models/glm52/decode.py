@@ -1,12 +1,12 @@
 """glm52 native decode: one static-shaped step for G responses that share the resident prompt.
 
 Per layer, each response's latent, rope key and (on "full" indexer layers) index key of its generated tokens
-live in buffers preallocated for `capacity` tokens and filled at slot `step`; the token ids and the step
-counter are device tensors. The DSA selection scores each query against every prompt index key and every
-response slot, masks the slots not yet filled, and takes the top-k with the model's tie rule (equal scores:
-the lower position wins) without a host synchronisation (`topk_lowest_position_static`); sparse MLA then reads
-only the selected prompt pages (the Triton kernel on CUDA) and the selected response keys. Routed experts run
-densely over all experts with the routing weights (zero where not chosen): at decode's few tokens nearly every
+live in buffers of `capacity` slots (grown in steps with the response, models/slots.py), filled at slot `step`;
+the token ids and the step counter are device tensors. The DSA selection scores each query against every prompt
+index key and every response slot, masks the slots not yet filled, and takes the top-k with the model's tie rule
+(equal scores: the lower position wins) without a host synchronisation (`topk_lowest_position_static`); sparse MLA
+then reads only the selected prompt pages (the Triton kernel on CUDA) and the selected response keys. Routed experts
+run densely over all experts with the routing weights (zero where not chosen): at decode's few tokens nearly every
 expert is chosen by some response, so this reads each expert's weights once, with static shapes (NF4 experts,
 lora.quantize=nf4: dequantised a few at a time, `experts.dense_experts`). The routing and the DSA selection go
 through the layers' `route_fn` / `select_fn` hooks, by which routing replay (routing.py) records them.
@@ -31,28 +31,32 @@ import torch.nn.functional as F
 from longstraw_cli.models.core import StaticDecoder
 from longstraw_cli.models.glm52.experts import dense_experts, local_experts
 from longstraw_cli.models.glm52.positions import KeyAxis, rope_cos_sin
+from longstraw_cli.models.slots import ResponseSlots, slot_buffer
 from longstraw_cli.resident import Resident
 from longstraw_cli.resident.offload import left_on_host, rollout_pages
 from longstraw_kernels.dsa.topk import topk_lowest_position_static
 
 
-class ResponseMLA:
+class ResponseMLA(ResponseSlots):
     """One layer's latent, rope and index keys of the generated tokens, per response."""
 
+    SLOTS = ("latent_BSL", "rope_BSR", "index_BSI")
+
     def __init__(self, batch: int, capacity: int, cfg, full_indexer: bool, dtype, device):
-        self.latent_BSL = torch.zeros(batch, capacity, cfg.kv_lora_rank, dtype=dtype, device=device)
-        self.rope_BSR = torch.zeros(batch, capacity, cfg.qk_rope_head_dim, dtype=dtype, device=device)
-        self.index_BSI = (torch.zeros(batch, capacity, cfg.index_head_dim, dtype=dtype, device=device)
+        self.latent_BSL = slot_buffer(batch, capacity, cfg.kv_lora_rank, dtype=dtype, device=device)
+        self.rope_BSR = slot_buffer(batch, capacity, cfg.qk_rope_head_dim, dtype=dtype, device=device)
+        self.index_BSI = (slot_buffer(batch, capacity, cfg.index_head_dim, dtype=dtype, device=device)
                           if full_indexer else None)
 
 
 class Glm52Decoder(StaticDecoder):
     """`step()` feeds `tokens_B` at position num_tokens + step and returns next-token logits [B, V] (fp32+)."""
 
-    def __init__(self, model, resident: Resident, batch: int, capacity: int, page_budget: int | None = None):
-        super().__init__(model, resident, batch, capacity)
+    def __init__(self, model, resident: Resident, batch: int, max_new_tokens: int, page_budget: int | None = None,
+                 response_chunk: int | None = None):
+        super().__init__(model, resident, batch, max_new_tokens, response_chunk)
         dtype = resident.layers[0].latent_PL.dtype if resident.layers else model.lm_head.weight.dtype
-        self.layers = [ResponseMLA(batch, capacity, model.config, layer.self_attn.full_indexer, dtype, self.device)
+        self.layers = [ResponseMLA(batch, self.capacity, model.config, layer.self_attn.full_indexer, dtype, self.device)
                        for layer in model.model.layers]
         # offloaded pages: whole layers copied to the device for the rollout where its free memory holds them
         # (`rollout_pages`, as qwen36); of the others the index keys, which every token scores in full, move to the
@@ -67,16 +71,16 @@ class Glm52Decoder(StaticDecoder):
 
     def step(self) -> torch.Tensor:
         model, cfg = self.model, self.model.config
-        (x_BTC, positions_1, valid_S), idx_BTK = self.embed(), None
+        (x_BTC, positions_1), idx_BTK = self.embed(), None
         cos, sin = rope_cos_sin(positions_1, cfg.qk_rope_head_dim, cfg.rope_theta, x_BTC.dtype)
         for layer, pages, buf in zip(model.model.layers, self.pages, self.layers):
             h_BTC, idx_BTK = self._attention(layer.self_attn, layer.input_layernorm(x_BTC), cos, sin, pages, buf,
-                                             valid_S, idx_BTK, positions_1)
+                                             idx_BTK, positions_1)
             x_BTC = x_BTC + h_BTC
             x_BTC = x_BTC + self._mlp(layer.mlp, layer.post_attention_layernorm(x_BTC), positions_1)
         return self.logits(x_BTC)
 
-    def _attention(self, attn, x_BTC, cos, sin, pages, buf: ResponseMLA, valid_S, prev_idx_BTK, positions_1):
+    def _attention(self, attn, x_BTC, cos, sin, pages, buf: ResponseMLA, prev_idx_BTK, positions_1):
         q_resid_BTQ, q_nope, q_rope = attn.project_q(x_BTC, cos, sin)
         latent_BTL, rope_BTR = attn.project_kv(x_BTC, cos, sin)
         buf.latent_BSL.index_copy_(1, self.step_1, latent_BTL.to(buf.latent_BSL.dtype))
@@ -87,20 +91,20 @@ class Glm52Decoder(StaticDecoder):
             buf.index_BSI.index_copy_(1, self.step_1, index_BTI.to(buf.index_BSI.dtype))
             # `select_fn`: routing replay records the selection (in place, at the step: graph safe)
             idx_BTK = attn.select_fn(positions_1, lambda: self._select(attn, x_BTC, q_resid_BTQ, cos, sin, pages, buf,
-                                                                       valid_S, P, S))
+                                                                       P, S))
         else:
             idx_BTK = prev_idx_BTK
         out_BTHL = attn.attend(attn.absorb(q_nope, q_rope), pages, idx_BTK, KeyAxis(P, S, 1),
                                (buf.latent_BSL, buf.rope_BSR, None))
         return attn.output(out_BTHL), idx_BTK
 
-    def _select(self, attn, x_BTC, q_resid_BTQ, cos, sin, pages, buf, valid_S, P: int, S: int):
+    def _select(self, attn, x_BTC, q_resid_BTQ, cos, sin, pages, buf, P: int, S: int):
         """Top-k over the prompt's index keys and the filled response slots; -1 for what is not visible."""
         q_BTJI, w_BTJ = attn.indexer.queries(x_BTC, q_resid_BTQ, cos, sin)
         # the prompt's keys are shared: the B responses are B query rows of one call, so the keys are read once
         pages_1BP = attn.indexer.scores(q_BTJI.transpose(0, 1), w_BTJ.transpose(0, 1), [pages.index_PI])
         # every prompt key is visible; of the response slots only the filled ones
-        own_BTS = attn.indexer.scores(q_BTJI, w_BTJ, [buf.index_BSI]).masked_fill(~valid_S, float("-inf"))
+        own_BTS = attn.indexer.scores(q_BTJI, w_BTJ, [buf.index_BSI]).masked_fill(~self.filled(), float("-inf"))
         scores_BTS = torch.cat([pages_1BP.transpose(0, 1), own_BTS], dim=-1)
         topk = attn.cfg.index_topk
         k = min(topk, P + S)

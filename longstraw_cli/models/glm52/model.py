@@ -70,6 +70,7 @@ from longstraw_cli.models.glm52.config import Glm52Config
 from longstraw_cli.models.glm52.decode import Glm52Decoder
 from longstraw_cli.models.glm52.experts import local_experts
 from longstraw_cli.models.glm52.positions import KeyAxis, rope_cos_sin
+from longstraw_cli.models.slots import ResponseSlots, slot_buffer
 from longstraw_cli.quantize import dense
 from longstraw_cli.resident import MLAPages, Resident
 from longstraw_cli.resident.offload import OFFLOAD_CHOICES, host_buffer
@@ -162,13 +163,16 @@ class DSAIndexer(nn.Module):
         return out[0] if len(out) == 1 else torch.cat(out, dim=-1)
 
 
-class DecodeMLA:
-    """Latent, rope and index keys of the tokens generated so far, per sequence, for `capacity` tokens."""
+class DecodeMLA(ResponseSlots):
+    """Latent, rope and index keys of the tokens generated so far, per sequence, in `capacity` slots (grown by the
+    decoder)."""
+
+    SLOTS = ("latent_BSL", "rope_BSR", "index_BSI")
 
     def __init__(self, batch: int, capacity: int, cfg: Glm52Config, full_indexer: bool, dtype, device):
-        self.latent_BSL = torch.zeros(batch, capacity, cfg.kv_lora_rank, dtype=dtype, device=device)
-        self.rope_BSR = torch.zeros(batch, capacity, cfg.qk_rope_head_dim, dtype=dtype, device=device)
-        self.index_BSI = (torch.zeros(batch, capacity, cfg.index_head_dim, dtype=dtype, device=device)
+        self.latent_BSL = slot_buffer(batch, capacity, cfg.kv_lora_rank, dtype=dtype, device=device)
+        self.rope_BSR = slot_buffer(batch, capacity, cfg.qk_rope_head_dim, dtype=dtype, device=device)
+        self.index_BSI = (slot_buffer(batch, capacity, cfg.index_head_dim, dtype=dtype, device=device)
                           if full_indexer else None)
         self.length = 0
 
@@ -708,16 +712,19 @@ class Glm52ForCausalLM(CausalLM):
                                     offload=offload, **kwargs)
 
     # -- native rollout ---------------------------------------------------------------------------------------
-    def decoder(self, resident: Resident, batch: int, capacity: int, page_budget: int | None = None):
-        """The static-shaped decode of `batch` responses of up to `capacity` tokens (glm52/decode.py); with
-        offloaded pages, at most `page_budget` bytes of whole layers copied to the device (None: what fits)."""
-        return Glm52Decoder(self, resident, batch, capacity, page_budget)
+    def decoder(self, resident: Resident, batch: int, max_new_tokens: int, page_budget: int | None = None,
+                response_chunk: int | None = None):
+        """The static-shaped decode of `batch` responses of up to `max_new_tokens` tokens (glm52/decode.py), its
+        response slots `response_chunk` at first (None: all), grown in steps; with offloaded pages, at most
+        `page_budget` bytes of whole layers copied to the device (None: what fits)."""
+        return Glm52Decoder(self, resident, batch, max_new_tokens, page_budget, response_chunk)
 
     @torch.no_grad()
-    def start_decode(self, resident: Resident, batch: int, max_new_tokens: int) -> DecodeState:
-        """Per-sequence latent/rope/index keys of the generated tokens; the prompt pages are shared, never copied."""
+    def start_decode(self, resident: Resident, batch: int, capacity: int) -> DecodeState:
+        """Per-sequence latent/rope/index keys of the generated tokens in `capacity` slots; the prompt pages are
+        shared, never copied."""
         w = self.lm_head.weight
         dtype = resident.layers[0].latent_PL.dtype if resident.layers else w.dtype
-        layers = [DecodeMLA(batch, max_new_tokens, self.config, layer.self_attn.full_indexer, dtype, w.device)
+        layers = [DecodeMLA(batch, capacity, self.config, layer.self_attn.full_indexer, dtype, w.device)
                   for layer in self.model.layers]
         return DecodeState(layers)

@@ -23,7 +23,8 @@ of tokens whose expert SET (or selected key set) differs, logged as `rollout/exp
 runs the indexer that forcing would skip.
 
 Where the records live: the decode writes them into device buffers (a CUDA graph step cannot synchronise with the
-host), and when the rollout ends `to_host` moves them to host memory in one synchronous copy (pinned, so that
+host) of as many slots as its own response buffers, grown with them (`RoutingReplay.grow`, models/slots.py), and
+when the rollout ends `to_host` moves them to host memory in one synchronous copy (pinned, so that
 staging them back is a plain DMA; on a CPU run they stay where they are). From then on the compute device holds
 only the rows in use, through `StagedRows`: the slots of the current call (a score batch's responses while they
 are scored, one response, or one block of it, while it replays), copied at each layer's first read and dropped
@@ -47,6 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from longstraw_cli.models.glm52.model import MoE, live_route, live_selection
+from longstraw_cli.models.slots import grown
 
 __all__ = ["FlipCount", "RoutingRecord", "RoutingReplay", "StagedRows", "forcing", "measuring", "record_bytes",
            "recording", "staged_recording", "to_host"]
@@ -82,6 +84,13 @@ class RoutingRecord:
 
     def tensors(self) -> list[torch.Tensor]:
         return [*self.experts.values(), *self.selections.values()]
+
+    def grow(self, capacity: int) -> None:
+        """Every layer's record moved to `capacity` slots, the written ones copied, one at a time (the decode's
+        buffers grow so: models/slots.py)."""
+        for records in (self.experts, self.selections):
+            for i in records:
+                records[i] = grown(records[i], capacity)
 
     def expert_ids(self, layer: int, positions_T: torch.Tensor) -> torch.Tensor:
         """[B, T, k] expert ids of MoE layer `layer` at prompt positions `positions_T` (on the record's device)."""
@@ -291,8 +300,9 @@ def _hooks(model, route, select, *args):
 
 def recording(model, record: RoutingRecord, rows: slice = slice(None)):
     """Within the block, tokens after the prompt route live and their choices go into `record` rows `rows` (the
-    call's batch rows, in order); `record` is on the model's device (the decode's buffers)."""
-    return _hooks(model, recorded_route, recorded_selection, record.rows(rows))
+    call's batch rows, in order); `record` is on the model's device (the decode's buffers). All rows: the hooks
+    write into `record` itself, not views of it, so that they follow its growth (`RoutingRecord.grow`)."""
+    return _hooks(model, recorded_route, recorded_selection, record if rows == slice(None) else record.rows(rows))
 
 
 @contextlib.contextmanager
@@ -336,6 +346,10 @@ class RoutingReplay:
     def new_record(self, model, resident, batch: int, capacity: int, *, host: bool = False) -> RoutingRecord:
         """Zeroed records on the model's device (the decode's buffers), or, host=True, in host memory."""
         return RoutingRecord.empty(model, batch, capacity, resident.num_tokens, host=host)
+
+    def grow(self, record: RoutingRecord, capacity: int) -> None:
+        """The decode's record grown with its response buffers to `capacity` slots (under `recording`)."""
+        record.grow(capacity)
 
     def offload(self, record: RoutingRecord) -> RoutingRecord:
         """The record in host memory, once its writer (the decode) is done with the device buffers: `to_host`."""

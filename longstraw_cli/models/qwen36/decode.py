@@ -1,10 +1,11 @@
 """qwen36 native decode: one static-shaped step for G responses that share the resident prompt.
 
-Everything a step touches is preallocated when decoding starts: each attention layer's response keys/values
-[B, capacity, K, D] (filled at slot `step`, read under a validity mask), each GDN layer's conv window and fp32
-recurrent state per response (copied from the prompt's once). The token ids and the step counter are device
-tensors, updated in place. So a step has no Python-side shape changes and no host synchronisation, and can be
-captured once and replayed as a CUDA graph (rollout/native.py).
+Everything a step touches is allocated before it runs: each attention layer's response keys/values
+[B, capacity, K, D] (filled at slot `step`, read under a validity mask; the capacity grows in steps with the
+response, models/slots.py), each GDN layer's conv window and fp32 recurrent state per response (copied from the
+prompt's once). The token ids and the step counter are device tensors, updated in place. So a step has no
+Python-side shape changes and no host synchronisation, and can be captured once per capacity and replayed as a
+CUDA graph (rollout/native.py).
 
 Attention reads the prompt pages once per step for all responses (cascade attention: responses and a kv
 group's query heads are the rows of one call over the pages, merged by log-sum-exp with each response's own
@@ -27,18 +28,21 @@ from __future__ import annotations
 import torch
 
 from longstraw_cli.models.core import StaticDecoder
+from longstraw_cli.models.slots import ResponseSlots, slot_buffer
 from longstraw_cli.resident import Resident
 from longstraw_cli.resident.offload import left_on_host, rollout_pages, stage_rollout_pages
 from longstraw_kernels.attention.decode import cascade_decode_attention, decode_pages_attention
 from longstraw_kernels.gdn import gdn_step
 
 
-class ResponseKV:
+class ResponseKV(ResponseSlots):
     """One attention layer's keys/values of the generated tokens, per response."""
 
+    SLOTS = ("k_BSKD", "v_BSKD")
+
     def __init__(self, batch: int, capacity: int, num_kv: int, head_dim: int, dtype, device):
-        self.k_BSKD = torch.zeros(batch, capacity, num_kv, head_dim, dtype=dtype, device=device)
-        self.v_BSKD = torch.zeros_like(self.k_BSKD)
+        self.k_BSKD = slot_buffer(batch, capacity, num_kv, head_dim, dtype=dtype, device=device)
+        self.v_BSKD = slot_buffer(batch, capacity, num_kv, head_dim, dtype=dtype, device=device)
 
 
 class ResponseRecurrent:
@@ -52,8 +56,9 @@ class ResponseRecurrent:
 class Qwen36Decoder(StaticDecoder):
     """`step()` feeds `tokens_B` at position num_tokens + step and returns next-token logits [B, V] (fp32+)."""
 
-    def __init__(self, model, resident: Resident, batch: int, capacity: int, page_budget: int | None = None):
-        super().__init__(model, resident, batch, capacity)
+    def __init__(self, model, resident: Resident, batch: int, max_new_tokens: int, page_budget: int | None = None,
+                 response_chunk: int | None = None):
+        super().__init__(model, resident, batch, max_new_tokens, response_chunk)
         cfg = model.config
         # offloaded pages: device copies of the layers that fit, made for the whole rollout; the rest staged per step
         self.pages = rollout_pages(resident, self.device, page_budget)
@@ -67,7 +72,7 @@ class Qwen36Decoder(StaticDecoder):
         self.layers = []
         for layer, state, pages in zip(model.model.layers, resident.layers, self.pages):
             if layer.is_attention:
-                self.layers.append(ResponseKV(batch, capacity, cfg.num_key_value_heads, cfg.head_dim,
+                self.layers.append(ResponseKV(batch, self.capacity, cfg.num_key_value_heads, cfg.head_dim,
                                               state.k_PKD.dtype, self.device))
                 # the page count is a dynamic size of the compiled step, so that one graph (and its on-disk cache
                 # entry) serves every prompt length instead of one per length
@@ -78,22 +83,22 @@ class Qwen36Decoder(StaticDecoder):
 
     def step(self) -> torch.Tensor:
         model = self.model
-        x_BTC, positions_1, valid_S = self.embed()
+        x_BTC, positions_1 = self.embed()
         stage = stage_rollout_pages(self.pages, self.device, self.on_host)
         for i, (layer, state) in enumerate(zip(model.model.layers, self.layers)):
             h_BTC = layer.input_layernorm(x_BTC)
             if layer.is_attention:
-                h_BTC = self._attention(layer.self_attn, h_BTC, positions_1, stage(i), state, valid_S)
+                h_BTC = self._attention(layer.self_attn, h_BTC, positions_1, stage(i), state)
             else:
                 h_BTC = self._gdn(layer.linear_attn, h_BTC, state)
             x_BTC = layer.mlp_residual(x_BTC, h_BTC)
         return self.logits(x_BTC)
 
-    def _attention(self, attn, x_BTC, positions_1, pages, kv: ResponseKV, valid_S):
+    def _attention(self, attn, x_BTC, positions_1, pages, kv: ResponseKV):
         q_BTQD, k_BTKD, v_BTKD, gate_BTQD = attn.project(x_BTC, positions_1)
         kv.k_BSKD.index_copy_(1, self.step_1, k_BTKD.to(kv.k_BSKD.dtype))
         kv.v_BSKD.index_copy_(1, self.step_1, v_BTKD.to(kv.v_BSKD.dtype))
-        o_BQD = cascade_decode_attention(q_BTQD[:, 0], pages.k_PKD, pages.v_PKD, kv.k_BSKD, kv.v_BSKD, valid_S,
+        o_BQD = cascade_decode_attention(q_BTQD[:, 0], pages.k_PKD, pages.v_PKD, kv.k_BSKD, kv.v_BSKD, self.filled(),
                                          scale=attn.scale, pages_fn=attn.decode_pages_fn)
         return attn.output(o_BQD[:, None], gate_BTQD)
 

@@ -28,6 +28,7 @@ from longstraw_cli.models import core
 from longstraw_cli.models.core import MLP, Backbone, CausalLM, DecodeState, stop_grad_prefix
 from longstraw_cli.models.qwen36.config import Qwen36Config
 from longstraw_cli.models.qwen36.decode import Qwen36Decoder
+from longstraw_cli.models.slots import ResponseSlots, slot_buffer
 from longstraw_cli.resident import AttentionPages, RecurrentState, Resident
 from longstraw_cli.resident.offload import OFFLOAD_CHOICES, host_buffer
 from longstraw_cli.resident.state import prefix
@@ -89,12 +90,14 @@ def apply_partial_rope(x_BTHD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch
     return torch.cat([rot * cos + rotated_half * sin, rest], dim=-1)
 
 
-class DecodeKV:
-    """Keys/values of the tokens generated so far, per sequence, preallocated for `capacity` tokens."""
+class DecodeKV(ResponseSlots):
+    """Keys/values of the tokens generated so far, per sequence, in `capacity` slots (grown by the decoder)."""
+
+    SLOTS = ("k_BSKD", "v_BSKD")
 
     def __init__(self, batch: int, capacity: int, num_kv: int, head_dim: int, dtype, device):
-        self.k_BSKD = torch.zeros(batch, capacity, num_kv, head_dim, dtype=dtype, device=device)
-        self.v_BSKD = torch.zeros_like(self.k_BSKD)
+        self.k_BSKD = slot_buffer(batch, capacity, num_kv, head_dim, dtype=dtype, device=device)
+        self.v_BSKD = slot_buffer(batch, capacity, num_kv, head_dim, dtype=dtype, device=device)
         self.length = 0
 
     def append(self, k_BTKD: torch.Tensor, v_BTKD: torch.Tensor):
@@ -416,20 +419,23 @@ class Qwen36ForCausalLM(CausalLM):
         return out
 
     # -- native rollout ---------------------------------------------------------------------------------------
-    def decoder(self, resident: Resident, batch: int, capacity: int, page_budget: int | None = None):
-        """The static-shaped decode of `batch` responses of up to `capacity` tokens (qwen36/decode.py); with
-        offloaded pages, at most `page_budget` bytes of them copied to the device (None: what fits)."""
-        return Qwen36Decoder(self, resident, batch, capacity, page_budget)
+    def decoder(self, resident: Resident, batch: int, max_new_tokens: int, page_budget: int | None = None,
+                response_chunk: int | None = None):
+        """The static-shaped decode of `batch` responses of up to `max_new_tokens` tokens (qwen36/decode.py), its
+        response slots `response_chunk` at first (None: all), grown in steps; with offloaded pages, at most
+        `page_budget` bytes of them copied to the device (None: what fits)."""
+        return Qwen36Decoder(self, resident, batch, max_new_tokens, page_budget, response_chunk)
 
     @torch.no_grad()
-    def start_decode(self, resident: Resident, batch: int, max_new_tokens: int) -> DecodeState:
+    def start_decode(self, resident: Resident, batch: int, capacity: int) -> DecodeState:
         """Per-sequence decode state for `batch` responses that share the resident prompt: empty response
-        K/V for attention layers, a copy of the prompt's conv + recurrent state per response for GDN layers."""
+        K/V (`capacity` slots) for attention layers, a copy of the prompt's conv + recurrent state per response for
+        GDN layers."""
         cfg, w = self.config, self.lm_head.weight
         layers = []
         for layer, state in zip(self.model.layers, resident.layers):
             if layer.is_attention:
-                layers.append(DecodeKV(batch, max_new_tokens, cfg.num_key_value_heads, cfg.head_dim,
+                layers.append(DecodeKV(batch, capacity, cfg.num_key_value_heads, cfg.head_dim,
                                        state.k_PKD.dtype, w.device))
             else:
                 layers.append(RecurrentState(state.conv_CW.expand(batch, -1, -1).clone(),
