@@ -69,6 +69,11 @@ class Run:
     scoring: bool = True
 
     @property
+    def replays_in_blocks(self) -> bool:
+        """Whether the longest response replays in blocks: one within a block replays whole (transaction.py)."""
+        return 0 < self.replay_block < self.response_tokens
+
+    @property
     def response_block(self) -> int:
         """Tokens a replay or scoring graph / activation covers at once: the block, or the whole response."""
         return min(self.replay_block, self.response_tokens) if self.replay_block else self.response_tokens

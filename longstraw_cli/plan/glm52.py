@@ -351,10 +351,11 @@ def plan(cfg: Glm52Config, run: Run) -> dict:
                        + _gather(cfg, batch * b, run),
                        score_logits_bytes(batch, b, run.logprob_chunk, V, cfg.hidden_size, s))
 
+    if run.replays_in_blocks:
         response_state = response_keys + cfg.num_hidden_layers * R * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * f
 
     score_act = score_activations(min(G, run.score_batch)) if run.scoring else 0
-    graph = response_graph_bytes(cfg, run, run.response_block, R) + (response_keys if run.replay_block else 0)
+    graph = response_graph_bytes(cfg, run, run.response_block, R) + (response_keys if run.replays_in_blocks else 0)
     largest_trainable = V * cfg.hidden_size * s if full else 0
     replay_transient = min(run.response_block, run.logprob_chunk) * V * LOGIT_BYTES_REPLAY + largest_trainable
     step_transient = parts["trainable_params"] * m

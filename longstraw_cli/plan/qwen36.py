@@ -311,7 +311,7 @@ def plan(cfg: Qwen36Config, run: Run) -> dict:
     score_act = score_activations(min(run.group_size, run.score_batch)) if run.scoring else 0
 
     carried = resident["recurrent_state"] + resident["conv_state"]
-    if run.replay_block:
+    if run.replays_in_blocks:
         b = run.response_block
         graph = response_graph_bytes(cfg, b, run.dtype, kernels) + R * response_kv * s
         response_state = R * response_kv * (s + f) + (math.ceil(R / b) - 1) * carried

@@ -29,6 +29,16 @@ def test_replay_grows_with_the_response_by_its_keys_only(model):
     assert p["response_state"] > 0 and "replay_block=256" in " ".join(p["notes"])
 
 
+@pytest.mark.parametrize("model", ["qwen36", "glm52_mini"])
+def test_responses_within_a_block_plan_the_whole_replay(model):
+    """R <= replay_block replays whole (transaction.py): the replay phase is the whole replay's, no response state;
+    one token more goes in blocks."""
+    within, p = replay_bytes(model, 1024, 1024)
+    whole, _ = replay_bytes(model, 1024, 0)
+    assert within == whole and p["response_state"] == 0
+    assert replay_bytes(model, 1025, 1024)[1]["response_state"] > 0
+
+
 def test_the_issues_targets_fit_on_one_h200():
     """The 27B shape, LoRA r16, G=8: R = 32K beside a 256K prompt, R = 8K beside a 768K prompt (blocks of 256);
     neither fits replayed whole."""
