@@ -164,6 +164,20 @@ def random_lora_(model: torch.nn.Module, targets: tuple[str, ...], seed: int = 5
             layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=g, dtype=torch.float64) * 0.1)
 
 
+def replay_grads(model, resident, responses) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """Each response replayed against `resident` under autograd, response i's log-probs weighted by i + 1 (distinct
+    weights: a gradient landing on the wrong response shows) -> (the log-probs, the parameter gradients)."""
+    model.zero_grad(set_to_none=True)
+    logps = []
+    for i, response in enumerate(responses):
+        logp = model.logprobs(resident, response, grad=True)
+        ((i + 1.0) * logp).sum().backward()
+        logps.append(logp.detach())
+    out = grads(model)
+    model.zero_grad(set_to_none=True)
+    return logps, out
+
+
 def response_only_grads(model, prompt, responses, weights, block_size) -> dict[str, torch.Tensor]:
     """The objective of `exact_grads` with the resident state a constant (response_only): the parameter gradients."""
     model.zero_grad(set_to_none=True)
