@@ -348,18 +348,29 @@ def test_qlora_learns_on_a_trained_base(train_here, tmp_path):
 @pytest.mark.distributed
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_torchrun_ranks_share_one_run_dir(tmp_path, strategy):
+    """Also fsdp2's checkpoint under torchrun (deepspeed's: tests/distributed/test_strategy.py), on this launch."""
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                           "-m", "longstraw_cli", "train", *SMALL, "steps=2", f"strategy={strategy}"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-2000:]
     [run] = list((tmp_path / "runs").iterdir())
     assert (run / ".hydra" / "config.yaml").exists()
-    assert (run / "train_rank0.log").exists() and f"strategy {strategy}" in (run / "train_rank1.log").read_text()
+    log = (run / "train_rank1.log").read_text()
+    assert (run / "train_rank0.log").exists() and f"strategy {strategy}" in log and "rank 1 step 0 " in log
     assert [r["step"] for r in rows(run)] == [0, 1]
     # rank 0 names the run dir once; no rank warns (FSDP2 about a view it was handed, DDP about searching for
     # unused parameters where the trainable set has none)
     assert out.stderr.count(f"longstraw: run dir {run}") == 1, out.stderr
     assert "Warning" not in out.stderr and "find_unused_parameters" not in out.stderr, out.stderr
+    checkpoint = run / "checkpoints" / "step_00000002"
+    assert (checkpoint / "COMPLETE").exists()
+    if strategy == "fsdp2":
+        # sharded: each rank wrote its own file, no whole-tensor file; one process resumes from it
+        assert len(list((checkpoint / "dcp").glob("*.distcp"))) == 2 and not (checkpoint / "model.safetensors").exists()
+        resumed = longstraw([*SMALL, "steps=3", f"strategy={strategy}", "resume=true", f"run_dir={run}"], cwd=tmp_path)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert "rank 0 of 1 (" in (run / "train_rank0.log").read_text()
+        assert (run / "checkpoints" / "step_00000003" / "COMPLETE").exists()
 
 
 @pytest.mark.slow
