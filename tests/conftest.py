@@ -164,6 +164,20 @@ def random_lora_(model: torch.nn.Module, targets: tuple[str, ...], seed: int = 5
             layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=g, dtype=torch.float64) * 0.1)
 
 
+def replay_grads(model, resident, responses) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """Each response replayed against `resident` under autograd, response i's log-probs weighted by i + 1 (distinct
+    weights: a gradient landing on the wrong response shows) -> (the log-probs, the parameter gradients)."""
+    model.zero_grad(set_to_none=True)
+    logps = []
+    for i, response in enumerate(responses):
+        logp = model.logprobs(resident, response, grad=True)
+        ((i + 1.0) * logp).sum().backward()
+        logps.append(logp.detach())
+    out = grads(model)
+    model.zero_grad(set_to_none=True)
+    return logps, out
+
+
 def response_only_grads(model, prompt, responses, weights, block_size) -> dict[str, torch.Tensor]:
     """The objective of `exact_grads` with the resident state a constant (response_only): the parameter gradients."""
     model.zero_grad(set_to_none=True)
@@ -295,6 +309,43 @@ def longstraw(args, cwd, env=None, timeout=900):
     """`longstraw train ARGS` in a child process (python -m longstraw_cli)."""
     return subprocess.run([sys.executable, "-m", "longstraw_cli", "train", *args], cwd=cwd, capture_output=True,
                           text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def torchrun(args, cwd, nproc=2) -> subprocess.CompletedProcess:
+    """`longstraw train ARGS` on nproc gloo ranks under torchrun, in child processes; tests/e2e on the path:
+    rewards_for_tests is importable as a reward spec."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent / "e2e"),
+                                                                     os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(nproc), "-m", "longstraw_cli", "train", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=900, env=env)
+
+
+@pytest.fixture(scope="session")
+def glm52_ep_runs(tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    """glm52_tiny trained under torchrun at cp=2 in fp64, with a KL reference and a reward that varies within each
+    group: 4 steps at ep=2 ("whole", exported), 2 steps at ep=2 ("ep2"), and that checkpoint resumed to step 4 at
+    ep=2 ("ep2") and at ep=1 ("ep1", a copy, exported). -> (their parent dir, each launch's stderr by name).
+    tests/e2e/test_cli.py checks the resumes, tests/e2e/test_export_cli.py the exports: a launch costs ~9 s of
+    start-up on two cores, so the two tests share these four."""
+    import shutil
+
+    runs = tmp_path_factory.mktemp("glm52_ep")
+    args = ["model=glm52_tiny", "prompt_tokens=128", "response_tokens=8", "group_size=4", "model.dtype=float64",
+            "logger.backends=[jsonl]", "cp=2", "algo.kl_coef=0.5", "task.reward=rewards_for_tests:response_length"]
+    stderr = {}
+
+    def train(name, *run_args):
+        out = torchrun([*args, *run_args, f"run_dir={runs / name}"], cwd=runs)
+        assert out.returncode == 0, out.stderr[-2000:]
+        stderr[name] = out.stderr
+
+    train("whole", "steps=4", "ep=2", "export_hf=true")
+    train("ep2", "steps=2", "ep=2")
+    shutil.copytree(runs / "ep2", runs / "ep1")
+    train("ep2", "steps=4", "ep=2", "resume=true")
+    train("ep1", "steps=4", "ep=1", "resume=true", "export_hf=true")
+    return runs, stderr
 
 
 @pytest.fixture

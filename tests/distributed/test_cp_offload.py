@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import ids, join_gloo, random_model, rank_results
+from conftest import ids, join_gloo, random_model, rank_results, replay_grads
 from longstraw_cli.distributed.cp import apply_context_parallel, shard_bounds
 from longstraw_cli.distributed.ep import apply_expert_parallel
 from longstraw_cli.reuse import PromptReuse, ReuseConfig
@@ -61,14 +61,7 @@ def run(model, offload):
     assert resident.offload == offload
     captured = [t.clone() for t in resident.tensors()]
     scores = model.logprobs(resident, responses)
-    model.zero_grad(set_to_none=True)
-    logps = []
-    for i, response in enumerate(responses):
-        logp = model.logprobs(resident, response, grad=True)
-        ((i + 1.0) * logp).sum().backward()
-        logps.append(logp.detach())
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
+    logps, grads = replay_grads(model, resident, responses)
     rollout = generate(model, resident, 3, SamplingConfig(max_new_tokens=6), torch.Generator().manual_seed(5))
     # replays and decode read the pages, never write them
     untouched = all(torch.equal(a, b) for a, b in zip(resident.tensors(), captured))

@@ -350,27 +350,18 @@ def test_context_parallel_under_data_parallel_equals_dp2_cp1(dp2, cp2_dp2, name)
         assert got["norms"] == pytest.approx(want["norms"], rel=1e-10)
 
 
-# ddp, the default, runs under torchrun in tests/e2e/test_cli.py (test_torchrun_ranks_share_one_run_dir)
-@pytest.mark.parametrize("name", ["fsdp2", "deepspeed"])
-def test_longstraw_train_under_torchrun(tmp_path, name):
-    if name == "deepspeed" and not HAS_DEEPSPEED:
+# ddp, the default, and fsdp2 (its sharded checkpoint resumed in one process) run under torchrun in
+# tests/e2e/test_cli.py (test_torchrun_ranks_share_one_run_dir)
+def test_longstraw_train_under_deepspeed_with_torchrun(tmp_path):
+    if not HAS_DEEPSPEED:
         pytest.skip(NO_DEEPSPEED)
     run = tmp_path / "run"
-    args = [f"strategy={name}", "prompt_tokens=64", "response_tokens=4", "group_size=2",
-            "logger.backends=[console]", "steps=1", f"run_dir={run}"]
+    args = ["strategy=deepspeed", "prompt_tokens=64", "response_tokens=4", "group_size=2", "logger.backends=[console]",
+            "steps=1", f"run_dir={run}"]
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                           "-m", "longstraw_cli", "train", *args], cwd=tmp_path, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     log = (run / "train_rank1.log").read_text()
-    assert f"strategy {name}" in log and "rank 1 step 0 " in log
-    checkpoint = run / "checkpoints" / "step_00000001"
-    assert (checkpoint / "COMPLETE").exists()
-    if name == "fsdp2":
-        # sharded: each rank wrote its own file, no whole-tensor file; one process resumes from it
-        assert len(list((checkpoint / "dcp").glob("*.distcp"))) == 2 and not (checkpoint / "model.safetensors").exists()
-        out = subprocess.run([sys.executable, "-m", "longstraw_cli", "train", *args[:-2], "steps=2", "resume=true",
-                              f"run_dir={run}"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
-        assert out.returncode == 0, out.stderr[-3000:]
-        assert "rank 0 of 1 (" in (run / "train_rank0.log").read_text()
-        assert (run / "checkpoints" / "step_00000002" / "COMPLETE").exists()
+    assert "strategy deepspeed" in log and "rank 1 step 0 " in log
+    assert (run / "checkpoints" / "step_00000001" / "COMPLETE").exists()

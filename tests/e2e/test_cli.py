@@ -6,7 +6,6 @@ thing under test: the console script's exit code and stderr, kill -9 and resume,
 
 import dataclasses
 import json
-import os
 import re
 import signal
 import subprocess
@@ -349,18 +348,29 @@ def test_qlora_learns_on_a_trained_base(train_here, tmp_path):
 @pytest.mark.distributed
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_torchrun_ranks_share_one_run_dir(tmp_path, strategy):
+    """Also fsdp2's checkpoint under torchrun (deepspeed's: tests/distributed/test_strategy.py), on this launch."""
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                           "-m", "longstraw_cli", "train", *SMALL, "steps=2", f"strategy={strategy}"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-2000:]
     [run] = list((tmp_path / "runs").iterdir())
     assert (run / ".hydra" / "config.yaml").exists()
-    assert (run / "train_rank0.log").exists() and f"strategy {strategy}" in (run / "train_rank1.log").read_text()
+    log = (run / "train_rank1.log").read_text()
+    assert (run / "train_rank0.log").exists() and f"strategy {strategy}" in log and "rank 1 step 0 " in log
     assert [r["step"] for r in rows(run)] == [0, 1]
     # rank 0 names the run dir once; no rank warns (FSDP2 about a view it was handed, DDP about searching for
     # unused parameters where the trainable set has none)
     assert out.stderr.count(f"longstraw: run dir {run}") == 1, out.stderr
     assert "Warning" not in out.stderr and "find_unused_parameters" not in out.stderr, out.stderr
+    checkpoint = run / "checkpoints" / "step_00000002"
+    assert (checkpoint / "COMPLETE").exists()
+    if strategy == "fsdp2":
+        # sharded: each rank wrote its own file, no whole-tensor file; one process resumes from it
+        assert len(list((checkpoint / "dcp").glob("*.distcp"))) == 2 and not (checkpoint / "model.safetensors").exists()
+        resumed = longstraw([*SMALL, "steps=3", f"strategy={strategy}", "resume=true", f"run_dir={run}"], cwd=tmp_path)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert "rank 0 of 1 (" in (run / "train_rank0.log").read_text()
+        assert (run / "checkpoints" / "step_00000003" / "COMPLETE").exists()
 
 
 @pytest.mark.slow
@@ -448,44 +458,22 @@ def rank_rows(log: Path) -> list[dict]:
     return [json.loads(m.group(1)) for m in found if m]
 
 
-def torchrun(args, cwd, nproc=2):
-    # tests/ on the path: rewards_for_tests is importable as a reward spec
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent),
-                                                                     os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(nproc), "-m", "longstraw_cli", "train", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=900, env=env)
-
-
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_expert_parallel_checkpoint_resumes_exactly_under_any_ep(tmp_path):
+def test_expert_parallel_checkpoint_resumes_exactly_under_any_ep(glm52_ep_runs):
     """ep=2 checkpoints are sharded (each rank writes its experts and their AdamW moments at their global rows): a
     run stopped after step 2 and resumed with ep=2 or ep=1 (every expert read into one rank) logs the steps of an
-    uninterrupted ep=2 run. The KL term (against a frozen
+    uninterrupted ep=2 run (the runs: conftest's glm52_ep_runs). The KL term (against a frozen
     reference, itself expert parallel) and a reward that varies within each group make every step's gradient
     large enough that restoring the experts' AdamW moments wrongly shows (checked by hand: zeroing them moves
     the resumed steps' grad norms by far more than the tolerance)."""
-    import shutil
-
-    args = ["model=glm52_tiny", "prompt_tokens=128", "response_tokens=8", "group_size=4", "model.dtype=float64",
-            "logger.backends=[jsonl]", "cp=2", "algo.kl_coef=0.5", "task.reward=rewards_for_tests:response_length"]
-
-    def train(*run_args):
-        out = torchrun([*args, *run_args], cwd=tmp_path)
-        assert out.returncode == 0, out.stderr[-2000:]
-
-    train("steps=4", "ep=2", f"run_dir={tmp_path / 'whole'}")
-    train("steps=2", "ep=2", f"run_dir={tmp_path / 'ep2'}")
-    saved = tmp_path / "ep2" / "checkpoints" / "step_00000002" / "dcp"
+    runs, _ = glm52_ep_runs
+    saved = runs / "ep2" / "checkpoints" / "step_00000002" / "dcp"
     assert sorted(f.name for f in saved.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
-    shutil.copytree(tmp_path / "ep2", tmp_path / "ep1")
-    train("steps=4", "ep=2", "resume=true", f"run_dir={tmp_path / 'ep2'}")
-    train("steps=4", "ep=1", "resume=true", f"run_dir={tmp_path / 'ep1'}")
-    whole = rows(tmp_path / "whole")
+    whole = rows(runs / "whole")
     # moments are nonzero at the step-2 checkpoint, and the resumed steps train
     assert len(whole) == 4 and all(r["grad_norm"] > 0.1 for r in whole[1:])
-    for resumed in (rows(tmp_path / "ep2"), rows(tmp_path / "ep1")):
+    for resumed in (rows(runs / "ep2"), rows(runs / "ep1")):
         assert len(resumed) == 4
         for a, b in zip(resumed, whole):
             assert abs(a["loss"] - b["loss"]) <= 1e-9 * max(1.0, abs(b["loss"]))

@@ -1,13 +1,12 @@
 """`longstraw train model=glm52_tiny export_hf=true`: the trainer's export of glm52, in one process (LoRA: the
 merged weights, the base and peft's adapters, with the tokenizer) and under torchrun with cp=2 ep=2 (each rank its
-experts), against the same run at ep=1."""
+experts), against the same run resumed at ep=1 (conftest's glm52_ep_runs, shared with test_cli's resume test)."""
 
 import json
 
 import pytest
 import torch
 from safetensors import safe_open
-from test_cli import torchrun
 
 from longstraw_cli.models import from_pretrained
 from longstraw_cli.models.loading import INDEX, weight_map
@@ -52,18 +51,17 @@ def test_glm52_lora_run_exports_merged_base_adapter_and_tokenizer(train_here, tm
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_expert_parallel_run_exports_what_one_rank_would(tmp_path):
-    args = [*ARGS, "steps=1", "cp=2", "model.dtype=float64", "export_hf=true"]
-    for ep in (2, 1):
-        out = torchrun([*args, f"ep={ep}", f"run_dir={tmp_path / f'ep{ep}'}"], cwd=tmp_path)
-        assert out.returncode == 0, out.stderr[-2000:]
-        assert f"longstraw: exported {tmp_path / f'ep{ep}' / 'hf'}" in out.stderr
-    ep2, ep1 = tmp_path / "ep2" / "hf", tmp_path / "ep1" / "hf"
+def test_expert_parallel_run_exports_what_one_rank_would(glm52_ep_runs):
+    runs, stderr = glm52_ep_runs
+    for name in ("whole", "ep1"):
+        assert f"longstraw: exported {runs / name / 'hf'}" in stderr[name]
+    ep2, ep1 = runs / "whole" / "hf", runs / "ep1" / "hf"
     # ep=2: two ranks' files (each its experts), so shards and an index
     assert (ep2 / INDEX).exists()
     got, want = tensors(ep2), tensors(ep1)
     assert set(got) == set(want) and "model.layers.3.mlp.experts.7.down_proj.weight" in got
-    # the two runs train alike up to the order of floating-point sums (cp=2 ep=2 vs ep=1: <= 1e-9 in the metrics)
+    # the two runs train alike up to the order of floating-point sums (4 steps at cp=2 ep=2 against 2 of them
+    # resumed at ep=1: <= 1e-9 in the metrics)
     for key, tensor in want.items():
         assert (got[key] - tensor).abs().max().item() <= 1e-9 * max(1.0, tensor.abs().max().item()), key
     hf_agrees(ep2)

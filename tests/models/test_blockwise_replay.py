@@ -68,22 +68,12 @@ def block_vs_whole(model, resident, response, loss, block) -> float:
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-@pytest.mark.parametrize("block", [1, 5, 8, 23, 64])
-def test_response_only_gradient_equals_whole_replay(name, block):
-    model, prompt, response, loss = setup(name)
+@pytest.mark.parametrize(("lora", "block"), [(False, b) for b in (1, 5, 8, 23, 64)] + [(True, 6), (True, 8)])
+def test_response_only_gradient_equals_whole_replay(name, lora, block):
+    model, prompt, response, loss = setup(name, lora=lora)
     resident = model.capture(prompt, block_size=16)
     err = block_vs_whole(model, resident, response, loss, block)
-    print(f"{name} block {block}: max rel err {err:.2e}")
-    assert err <= TOL
-
-
-@pytest.mark.parametrize("name", FAMILIES)
-@pytest.mark.parametrize("block", [6, 8])
-def test_lora_gradient_equals_whole_replay(name, block):
-    model, prompt, response, loss = setup(name, lora=True)
-    resident = model.capture(prompt, block_size=16)
-    err = block_vs_whole(model, resident, response, loss, block)
-    print(f"{name} LoRA block {block}: max rel err {err:.2e}")
+    print(f"{name}{' LoRA' if lora else ''} block {block}: max rel err {err:.2e}")
     assert err <= TOL
 
 

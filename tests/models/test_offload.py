@@ -10,7 +10,7 @@ import weakref
 import pytest
 import torch
 
-from conftest import grads, ids, random_lora_, random_model
+from conftest import ids, random_lora_, random_model, replay_grads
 from longstraw_cli.models.spec import family_of
 from longstraw_cli.resident import offload as offload_mod
 from longstraw_cli.resident.offload import host_bytes
@@ -21,18 +21,6 @@ FAMILIES = ("qwen36_tiny", "glm52_tiny")
 
 def captures(model, prompt, block_size):
     return model.capture(prompt, block_size=block_size), model.capture(prompt, block_size=block_size, offload="cpu")
-
-
-def replay_grads(model, resident, responses):
-    model.zero_grad(set_to_none=True)
-    logps = []
-    for i, response in enumerate(responses):
-        logp = model.logprobs(resident, response, grad=True)
-        ((i + 1.0) * logp).sum().backward()
-        logps.append(logp.detach())
-    out = grads(model)
-    model.zero_grad(set_to_none=True)
-    return logps, out
 
 
 @pytest.mark.parametrize("name", FAMILIES)
