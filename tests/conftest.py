@@ -322,6 +322,23 @@ def torchrun(args, cwd, nproc=2) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="session")
+def torchrun_once(tmp_path_factory):
+    """`torchrun_once(ARGS)` -> the run dir of `longstraw train ARGS` on 2 ranks under torchrun (which must
+    succeed), launched once a session for each ARGS: tests that compare with the same run share its launch."""
+    done = {}
+
+    def run(args: list[str]) -> Path:
+        if tuple(args) not in done:
+            run_dir = tmp_path_factory.mktemp("torchrun") / "run"
+            out = torchrun([*args, f"run_dir={run_dir}"], cwd=run_dir.parent)
+            assert out.returncode == 0, out.stderr[-2000:]
+            done[tuple(args)] = run_dir
+        return done[tuple(args)]
+
+    return run
+
+
+@pytest.fixture(scope="session")
 def glm52_ep_runs(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     """glm52_tiny trained under torchrun at cp=2 in fp64, with a KL reference and a reward that varies within each
     group: 4 steps at ep=2 ("whole", exported), 2 steps at ep=2 ("ep2"), and that checkpoint resumed to step 4 at

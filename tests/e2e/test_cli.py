@@ -235,7 +235,8 @@ def test_exact_gradient_train_runs_the_prompt_walk(train_here, tmp_path):
 
 @pytest.mark.slow
 def test_resume_after_kill_continues_with_uninterrupted_metrics(train_here, tmp_path):
-    common = [*SMALL, "steps=10", "checkpoint.every=1"]
+    # a checkpoint every step; killed once the third is written, with steps still to run
+    common = [*SMALL, "steps=6", "checkpoint.every=1"]
     full = longstraw([*common, f"run_dir={tmp_path / 'full'}"], cwd=tmp_path)
     assert full.returncode == 0, full.stderr
 
@@ -255,14 +256,14 @@ def test_resume_after_kill_continues_with_uninterrupted_metrics(train_here, tmp_
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     killed_at = len(rows(run))
-    assert killed_at < 10
+    assert killed_at < 6
 
     code, _, err = train_here([*common, f"run_dir={run}"])
     assert code == 2 and "resume=true" in err
     resumed = longstraw([*common, f"run_dir={run}", "resume=true"], cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     got, want = rows(run), rows(tmp_path / "full")
-    assert [r["step"] for r in got] == list(range(10))
+    assert [r["step"] for r in got] == list(range(6))
     for a, b in zip(got, want):
         assert {k: a[k] for k in DETERMINISTIC} == {k: b[k] for k in DETERMINISTIC}
 
@@ -404,32 +405,45 @@ def test_lora_with_kl_reference_trains_adapters_only_and_exports_hf(train_here, 
     assert not any("lora" in n for n, _ in merged.named_parameters())
 
 
-@pytest.mark.slow
-@pytest.mark.distributed
-@pytest.mark.parametrize("model, parallel, mode", [
-    ("qwen36_tiny", ["cp=2"], []), ("glm52_tiny", ["cp=2", "ep=2"], []),
+# name -> (model, what splits it over two ranks, the mode under test)
+CP2_CASES = {
+    # blocks of 64: two capture blocks a shard (tests/e2e/test_offload_cli.py stages them under capture.offload=cpu)
+    "qwen36": ("qwen36_tiny", ["cp=2"], ["capture.block_size=64"]),
+    "glm52_ep2": ("glm52_tiny", ["cp=2", "ep=2"], []),
     # 255 captured tokens in shards of 128 and 127: the block [100, 200) straddles them
-    ("qwen36_tiny", ["cp=2"], ["capture.gradient=exact", "capture.block_size=100"]),
+    "qwen36_exact": ("qwen36_tiny", ["cp=2"], ["capture.gradient=exact", "capture.block_size=100"]),
     # QLoRA: NF4 base linears on every rank (each quantises the same weights), adapters trained
-    ("qwen36_tiny", ["cp=2"], ["lora.rank=4", "lora.quantize=nf4"]),
-    ("glm52_tiny", ["cp=2", "ep=2"], ["lora.rank=4", "lora.quantize=nf4"]),
+    "qwen36_qlora": ("qwen36_tiny", ["cp=2"], ["lora.rank=4", "lora.quantize=nf4"]),
+    "glm52_ep2_qlora": ("glm52_tiny", ["cp=2", "ep=2"], ["lora.rank=4", "lora.quantize=nf4"]),
     # capture reuse: step 1 trains on step 0's capture, its drift probe re-captures the tail across the shards
-    ("qwen36_tiny", ["cp=2"], ["capture.reuse_steps=2", "lora.rank=4", "capture.probe_tokens=40"]),
-    ("glm52_tiny", ["cp=2", "ep=2"], ["capture.reuse_steps=2"]),
-], ids=["qwen36", "glm52_ep2", "qwen36_exact", "qwen36_qlora", "glm52_ep2_qlora", "qwen36_lora_reuse",
-        "glm52_ep2_reuse"])
-def test_cp2_train_step_matches_cp1(train_here, tmp_path, model, parallel, mode):
-    """Two ranks sharing each prompt (glm52: also splitting the experts) train as one rank does, exact mode's
-    gradient through the prompt and capture reuse's drift included."""
+    "qwen36_lora_reuse": ("qwen36_tiny", ["cp=2"], ["capture.reuse_steps=2", "lora.rank=4", "capture.probe_tokens=40"]),
+    # ... and step 2 captures again; a KL reference, itself split over the ranks
+    "glm52_ep2_reuse": ("glm52_tiny", ["cp=2", "ep=2"], ["capture.reuse_steps=2", "algo.kl_coef=0.1", "steps=3"]),
+}
+
+
+def cp2_case(name: str) -> tuple[list[str], list[str]]:
+    """-> (the one-rank run's arguments, the two-rank run's) of a CP2_CASES case."""
+    model, parallel, mode = CP2_CASES[name]
     args = [f"model={model}", "steps=2", "prompt_tokens=256", "response_tokens=8", "group_size=4",
             "model.dtype=float64", "logger.backends=[jsonl]", *mode]
+    return args, [*args, *parallel]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(CP2_CASES))
+def test_cp2_train_step_matches_cp1(train_here, torchrun_once, tmp_path, name):
+    """Two ranks sharing each prompt (glm52: also splitting the experts) train as one rank does, exact mode's
+    gradient through the prompt and capture reuse's drift included. The two-rank launch is shared with
+    tests/e2e/test_offload_cli.py's comparisons (`torchrun_once`)."""
+    args, cp2_args = cp2_case(name)
+    mode = CP2_CASES[name][2]
     code, _, err = train_here([*args, f"run_dir={tmp_path / 'cp1'}"])
     assert code == 0, err
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          "-m", "longstraw_cli", "train", *args, *parallel, f"run_dir={tmp_path / 'cp2'}"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=900)
-    assert two.returncode == 0, two.stderr[-2000:]
-    for a, b in zip(rows(tmp_path / "cp2"), rows(tmp_path / "cp1")):
+    cp1, cp2 = rows(tmp_path / "cp1"), rows(torchrun_once(cp2_args))
+    assert len(cp2) == len(cp1) == (3 if "steps=3" in mode else 2)
+    for a, b in zip(cp2, cp1):
         assert abs(a["loss"] - b["loss"]) <= 1e-9 * max(1.0, abs(b["loss"]))
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-9 * max(1.0, b["grad_norm"])
         assert a["reward_mean"] == b["reward_mean"]
@@ -437,12 +451,13 @@ def test_cp2_train_step_matches_cp1(train_here, tmp_path, model, parallel, mode)
         assert ("time/prompt" in a) == ("capture.gradient=exact" in mode)
         if "capture.reuse_steps=2" in mode:
             assert a["captures"] == b["captures"] and abs(a["drift"] - b["drift"]) <= 1e-9 * max(1.0, b["drift"])
-    assert rows(tmp_path / "cp1")[0]["grad_norm"] > 0
+    assert cp1[0]["grad_norm"] > 0
     if "capture.reuse_steps=2" in mode:
-        assert [r["captures"] for r in rows(tmp_path / "cp2")] == [1, 0] and rows(tmp_path / "cp2")[1]["drift"] > 0
+        # a capture every second step
+        assert [r["captures"] for r in cp2] == [1 - step % 2 for step in range(len(cp2))] and cp2[1]["drift"] > 0
     # metrics.jsonl has the worst rank's times and memory; each rank's log has its own (the shards differ in size)
-    own = [rank_rows(tmp_path / "cp2" / f"train_rank{rank}.log") for rank in (0, 1)]
-    for step, row in enumerate(rows(tmp_path / "cp2")):
+    own = [rank_rows(torchrun_once(cp2_args) / f"train_rank{rank}.log") for rank in (0, 1)]
+    for step, row in enumerate(cp2):
         for key in own[0][step]:
             if key.startswith(("time/", "mem/")):
                 assert row[key] == max(own[0][step][key], own[1][step][key]), key

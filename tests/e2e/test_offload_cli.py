@@ -2,13 +2,11 @@
 both families (with a KL reference, LoRA and capture reuse too); what offload cannot run with is refused in one line
 before any work, and so is a prompt whose pages do not fit in the host's available memory."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from test_cli import cp2_case
 
 from conftest import composed, rows
 
@@ -77,32 +75,19 @@ def test_offload_under_context_parallel_is_accepted():
             plan(model, cp=2, prompt_tokens=1024, group_size=2, response_tokens=8, offload="cpu", gradient="exact")
 
 
-def _torchrun_train(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
-    """`longstraw train` on 2 gloo ranks under torchrun (fp64, this test folder on the path for its reward)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(E2E), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "longstraw_cli",
-         "train", *SMALL, "model.dtype=float64", "checkpoint.every=0", *args, f"run_dir={run_dir}"],
-        cwd=run_dir.parent, env=env, capture_output=True, text=True, timeout=600)
-
-
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("args", [("model=qwen36_tiny", "cp=2"),
-                                  ("model=glm52_tiny", "cp=2", "ep=2", "algo.kl_coef=0.1", "capture.reuse_steps=2",
-                                   "steps=3")])
-def test_offloaded_context_parallel_run_equals_on_device_run(tmp_path, args):
+@pytest.mark.parametrize("case", ["qwen36", "glm52_ep2_reuse"])
+def test_offloaded_context_parallel_run_equals_on_device_run(torchrun_once, case):
     """`torchrun --nproc-per-node 2 -m longstraw_cli train cp=2 capture.offload=cpu` logs the on-device CP run's
-    metrics exactly (glm52 with expert parallel, a KL reference and capture reuse's drift probe too)."""
-    runs = {}
-    for offload in ("none", "cpu"):
-        done = _torchrun_train(tmp_path / offload, *args, f"capture.offload={offload}")
-        assert done.returncode == 0, done.stderr[-3000:]
-        runs[offload] = rows(tmp_path / offload)
+    metrics exactly (qwen36 with two capture blocks a shard; glm52 with expert parallel, a KL reference and capture
+    reuse's drift probe too). The on-device runs are test_cli's test_cp2_train_step_matches_cp1 launches (fp64),
+    shared through `torchrun_once`."""
+    _, args = cp2_case(case)
+    device, host = rows(torchrun_once(args)), rows(torchrun_once([*args, "capture.offload=cpu"]))
     keys = DETERMINISTIC + (("drift",) if "capture.reuse_steps=2" in args else ())
-    assert [{k: r[k] for k in keys} for r in runs["none"]] == [{k: r[k] for k in keys} for r in runs["cpu"]]
-    assert len(runs["cpu"]) == (3 if "steps=3" in args else 2)
+    assert [{k: r[k] for k in keys} for r in device] == [{k: r[k] for k in keys} for r in host]
+    assert len(host) == (3 if "steps=3" in args else 2)
 
 
 def test_not_enough_host_memory_stops_before_any_work(train, monkeypatch, tmp_path):

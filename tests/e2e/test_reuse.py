@@ -3,13 +3,12 @@ logs its drift (0 at the first cycle, larger at a larger learning rate); `captur
 run resumed mid-reuse re-captures and continues; LoRA with a KL reference, QLoRA and two data-parallel ranks (ddp,
 fsdp2) run it; what reuse cannot run with is refused in one line."""
 
-import subprocess
-import sys
+import os
 from pathlib import Path
 
 import pytest
 
-from conftest import rows
+from conftest import rows, run_ranks
 
 E2E = Path(__file__).parent
 SMALL = ["prompt_tokens=64", "response_tokens=4", "group_size=3", "logger.backends=[jsonl]",
@@ -93,17 +92,30 @@ def test_qlora_reuses_the_capture(train):
     assert [r["captures"] for r in got] == [1, 0] and got[1]["drift"] > 0
 
 
+def _two_ranks(rank, world_size, port, args):
+    """A rank of a two-rank `longstraw train ARGS`, forked from this process (tests/conftest.py's run_ranks: no
+    interpreter start-up, which is most of a torchrun launch on two cores)."""
+    import torch
+
+    from conftest import composed
+    from longstraw_cli.config import train_config
+    from longstraw_cli.trainer import Trainer
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    Trainer(train_config(composed(args))).train()
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_two_data_parallel_ranks_reuse_their_own_prompts(tmp_path, strategy):
+def test_two_data_parallel_ranks_reuse_their_own_prompts(tmp_path, monkeypatch, strategy):
     """Each rank holds its own prompt's state; max_drift may make one rank re-capture and not the other (no
     collective depends on it: capture runs inside the step's one gather of whole weights)."""
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          "-m", "longstraw_cli", "train", *SMALL, "steps=3", "capture.reuse_steps=3",
-                          "capture.max_drift=0.3", f"strategy={strategy}", f"run_dir={tmp_path / 'run'}"],
-                         cwd=E2E, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-2000:]
+    monkeypatch.syspath_prepend(str(E2E))
+    run_ranks(_two_ranks, 2, [*SMALL, "steps=3", "capture.reuse_steps=3", "capture.max_drift=0.3",
+                              f"strategy={strategy}", f"run_dir={tmp_path / 'run'}"], timeout_s=600)
     got = rows(tmp_path / "run")
     # the logged numbers are the mean over the two ranks
     assert got[0]["captures"] == 1 and got[0]["drift"] == 0 and got[1]["captures"] == 0 and got[1]["drift"] > 0
