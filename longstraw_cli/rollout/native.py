@@ -13,7 +13,6 @@ the on-policy old log-probs.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -180,7 +179,7 @@ def generate(model, resident, num_responses: int, cfg: SamplingConfig, generator
     if routing is not None:
         first = response_capacities(cfg.max_new_tokens, native.response_chunk)[0]
         record = routing.new_record(model, resident, num_responses, first)
-        on_grow = functools.partial(routing.grow, record)
+        on_grow = record.grow
     recording = contextlib.nullcontext() if record is None else routing.recording(record, model)
     with recording:
         rollout = _generate(model, resident, num_responses, cfg, generator, native, on_grow)

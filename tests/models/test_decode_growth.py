@@ -157,7 +157,7 @@ def test_plan_counts_the_buffers_a_full_length_decode_ends_with(name, replay_rou
                 del olds
                 decoder.grow()
                 if record:
-                    routing.grow(record, decoder.capacity)
+                    record.grow(decoder.capacity)
             decoder.tokens_B.copy_(decoder.step().argmax(-1))
     held = [t for slots in decoder.response_slots() for t in slots.tensors()]
     assert all(t.shape[1] == R for t in held)

@@ -347,10 +347,6 @@ class RoutingReplay:
         """Zeroed records on the model's device (the decode's buffers), or, host=True, in host memory."""
         return RoutingRecord.empty(model, batch, capacity, resident.num_tokens, host=host)
 
-    def grow(self, record: RoutingRecord, capacity: int) -> None:
-        """The decode's record grown with its response buffers to `capacity` slots (under `recording`)."""
-        record.grow(capacity)
-
     def offload(self, record: RoutingRecord) -> RoutingRecord:
         """The record in host memory, once its writer (the decode) is done with the device buffers: `to_host`."""
         return to_host(record)
