@@ -67,10 +67,9 @@ from torch import nn
 from longstraw_cli.models import core
 from longstraw_cli.models.core import MLP, Backbone, CausalLM, DecodeState, stop_grad_prefix
 from longstraw_cli.models.glm52.config import Glm52Config
-from longstraw_cli.models.glm52.decode import Glm52Decoder
+from longstraw_cli.models.glm52.decode import Glm52Decoder, ResponseMLA
 from longstraw_cli.models.glm52.experts import local_experts
 from longstraw_cli.models.glm52.positions import KeyAxis, rope_cos_sin
-from longstraw_cli.models.slots import ResponseSlots, slot_buffer
 from longstraw_cli.quantize import dense
 from longstraw_cli.resident import MLAPages, Resident
 from longstraw_cli.resident.offload import OFFLOAD_CHOICES, host_buffer
@@ -161,30 +160,6 @@ class DSAIndexer(nn.Module):
             out.append(indexer_scores(q_BTJI, w_BTJ, k, self.softmax_scale, local))
             first += S
         return out[0] if len(out) == 1 else torch.cat(out, dim=-1)
-
-
-class DecodeMLA(ResponseSlots):
-    """Latent, rope and index keys of the tokens generated so far, per sequence, in `capacity` slots (grown by the
-    decoder)."""
-
-    SLOTS = ("latent_BSL", "rope_BSR", "index_BSI")
-
-    def __init__(self, batch: int, capacity: int, cfg: Glm52Config, full_indexer: bool, dtype, device):
-        self.latent_BSL = slot_buffer(batch, capacity, cfg.kv_lora_rank, dtype=dtype, device=device)
-        self.rope_BSR = slot_buffer(batch, capacity, cfg.qk_rope_head_dim, dtype=dtype, device=device)
-        self.index_BSI = (slot_buffer(batch, capacity, cfg.index_head_dim, dtype=dtype, device=device)
-                          if full_indexer else None)
-        self.length = 0
-
-    def append(self, latent_BTL, rope_BTR, index_BTI):
-        end = self.length + latent_BTL.shape[1]
-        self.latent_BSL[:, self.length : end].copy_(latent_BTL)
-        self.rope_BSR[:, self.length : end].copy_(rope_BTR)
-        if self.index_BSI is not None:
-            self.index_BSI[:, self.length : end].copy_(index_BTI)
-        self.length = end
-        index = None if self.index_BSI is None else self.index_BSI[:, :end]
-        return self.latent_BSL[:, :end], self.rope_BSR[:, :end], index
 
 
 def linear_weight(linear: nn.Linear) -> torch.Tensor:
@@ -414,7 +389,7 @@ class MLAttention(nn.Module):
         y_BTC, idx_BTK = self.continue_pages(x_BTC, positions_T, cos, sin, q, pages, keys, prev_idx)
         return y_BTC, idx_BTK, MLAPages(*new)
 
-    def decode_step(self, x_BTC, positions_T, pages: MLAPages, prev_idx, cache: DecodeMLA):
+    def decode_step(self, x_BTC, positions_T, pages: MLAPages, prev_idx, cache: ResponseMLA):
         """One token per sequence: its keys are appended to `cache`; it attends to the selected pages plus every
         generated key. -> (y_BTC, idx_BTK)."""
         cos, sin, q, new = self.project(x_BTC, positions_T)
@@ -725,6 +700,6 @@ class Glm52ForCausalLM(CausalLM):
         shared, never copied."""
         w = self.lm_head.weight
         dtype = resident.layers[0].latent_PL.dtype if resident.layers else w.dtype
-        layers = [DecodeMLA(batch, capacity, self.config, layer.self_attn.full_indexer, dtype, w.device)
+        layers = [ResponseMLA(batch, capacity, self.config, layer.self_attn.full_indexer, dtype, w.device)
                   for layer in self.model.layers]
         return DecodeState(layers)

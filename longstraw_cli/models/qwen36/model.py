@@ -27,8 +27,7 @@ from torch import nn
 from longstraw_cli.models import core
 from longstraw_cli.models.core import MLP, Backbone, CausalLM, DecodeState, stop_grad_prefix
 from longstraw_cli.models.qwen36.config import Qwen36Config
-from longstraw_cli.models.qwen36.decode import Qwen36Decoder
-from longstraw_cli.models.slots import ResponseSlots, slot_buffer
+from longstraw_cli.models.qwen36.decode import Qwen36Decoder, ResponseKV
 from longstraw_cli.resident import AttentionPages, RecurrentState, Resident
 from longstraw_cli.resident.offload import OFFLOAD_CHOICES, host_buffer
 from longstraw_cli.resident.state import prefix
@@ -88,24 +87,6 @@ def apply_partial_rope(x_BTHD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch
     rotated_half = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
     cos, sin = cos_TR[:, None, :], sin_TR[:, None, :]
     return torch.cat([rot * cos + rotated_half * sin, rest], dim=-1)
-
-
-class DecodeKV(ResponseSlots):
-    """Keys/values of the tokens generated so far, per sequence, in `capacity` slots (grown by the decoder)."""
-
-    SLOTS = ("k_BSKD", "v_BSKD")
-
-    def __init__(self, batch: int, capacity: int, num_kv: int, head_dim: int, dtype, device):
-        self.k_BSKD = slot_buffer(batch, capacity, num_kv, head_dim, dtype=dtype, device=device)
-        self.v_BSKD = slot_buffer(batch, capacity, num_kv, head_dim, dtype=dtype, device=device)
-        self.length = 0
-
-    def append(self, k_BTKD: torch.Tensor, v_BTKD: torch.Tensor):
-        end = self.length + k_BTKD.shape[1]
-        self.k_BSKD[:, self.length : end].copy_(k_BTKD)
-        self.v_BSKD[:, self.length : end].copy_(v_BTKD)
-        self.length = end
-        return self.k_BSKD[:, :end], self.v_BSKD[:, :end]
 
 
 class GatedAttention(nn.Module):
@@ -187,7 +168,7 @@ class GatedAttention(nn.Module):
         o_BTQD = self.attention_fn(q_BTQD, pages.k_PKD, pages.v_PKD, k_BSKD, v_BSKD, scale=self.scale)
         return self.output(o_BTQD, gate_BTQD), AttentionPages(k_BTKD, v_BTKD)
 
-    def decode_step(self, x_BTC, positions_T, pages: AttentionPages, cache: DecodeKV):
+    def decode_step(self, x_BTC, positions_T, pages: AttentionPages, cache: ResponseKV):
         """x's keys are appended to the per-sequence response keys; x attends to the pages plus all of those."""
         q_BTQD, k_BTKD, v_BTKD, gate_BTQD = self.project(x_BTC, positions_T)
         k_BSKD, v_BSKD = cache.append(k_BTKD, v_BTKD)
@@ -435,7 +416,7 @@ class Qwen36ForCausalLM(CausalLM):
         layers = []
         for layer, state in zip(self.model.layers, resident.layers):
             if layer.is_attention:
-                layers.append(DecodeKV(batch, capacity, cfg.num_key_value_heads, cfg.head_dim,
+                layers.append(ResponseKV(batch, capacity, cfg.num_key_value_heads, cfg.head_dim,
                                        state.k_PKD.dtype, w.device))
             else:
                 layers.append(RecurrentState(state.conv_CW.expand(batch, -1, -1).clone(),
