@@ -186,10 +186,18 @@ class _FlashReplayAttention(_ReplayAttention):
         return out_BRQD, lse_BQR
 
 
+@functools.cache
+def _say_lse_cotangent_takes_the_reference() -> None:
+    log.warning("replay attention backward: an lse cotangent (the kernel takes none) sends this backward to the "
+                "fp32 torch reference, several times slower than the flash backward (logged once)")
+
+
 def flash_replay_attention_backward(saved, needs_grad, dout_BRQD, dlse_BQR, *, scale, block_size):
     """`reference.replay_attention_backward`'s contract through aten's flash backward; with an lse cotangent
     (the kernel has none) or no output cotangent, the reference's."""
     if dlse_BQR is not None or dout_BRQD is None:
+        if dlse_BQR is not None:
+            _say_lse_cotangent_takes_the_reference()
         return replay_attention_backward(saved, needs_grad, dout_BRQD, dlse_BQR, scale=scale, block_size=block_size)
     q_BRQD, k_pages_PKD, v_pages_PKD, k_new_BSKD, v_new_BSKD, out_BRQD, lse_BQR = saved
     need_q, need_kp, need_vp, need_kn, need_vn = needs_grad
