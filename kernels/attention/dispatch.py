@@ -70,6 +70,8 @@ class _SplitNewKeys(torch.autograd.Function):
         out_BRQD = (w_a * out_a.to(w_a.dtype) + w_b * out_b.to(w_b.dtype)).to(q_BRQD.dtype)
         ctx.attention_backward, ctx.scale, ctx.block_size = attention_backward, scale, block_size
         ctx.save_for_backward(q_BRQD, k_pages_PKD, v_pages_PKD, k_new_BSKD, v_new_BSKD, out_BRQD, lse_BQR)
+        # an unused lse must reach the backward as None, not as zeros (which would send it to the reference)
+        ctx.set_materialize_grads(False)
         return out_BRQD, lse_BQR
 
     @staticmethod

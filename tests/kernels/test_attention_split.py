@@ -30,8 +30,16 @@ def test_split_new_keys_equals_one_call(B, P, R, S, with_lse):
         grads = torch.autograd.grad((out * dout).sum() + ((lse * dlse).sum() if with_lse else 0), inputs)
         return [out, lse, *grads]
 
-    got = run(lambda *a, **kw: split_new_keys(replay_attention, replay_attention_backward, *a, **kw))
+    lse_cotangents = []
+
+    def backward(saved, needs_grad, dout_BRQD, dlse_BQR, **kw):
+        lse_cotangents.append(dlse_BQR is not None)
+        return replay_attention_backward(saved, needs_grad, dout_BRQD, dlse_BQR, **kw)
+
+    got = run(lambda *a, **kw: split_new_keys(replay_attention, backward, *a, **kw))
     want = run(replay_attention)
     errs = [rel_err(a, b) for a, b in zip(got, want) if b.numel()]
     print(f"B={B} P={P} R={R} S={S}: max rel err {max(errs):.1e}")
     assert max(errs) <= 1e-12
+    # an unused lse reaches the inner backwards as None (a zero tensor would send flash's to the fp32 reference)
+    assert lse_cotangents == [with_lse] * (1 + B)
