@@ -8,7 +8,8 @@ into blocks of `block_size` tokens and treated as exact mode's reverse walk trea
 1. Forward without autograd, block by block (`response_forward`): each layer's `replay_block` reads the prompt's
    resident state and what the response's earlier blocks left, the response's own keys (attention K/V; MLA latent,
    rope and indexer keys: small per token, kept whole as the response's pages) or, for carried layers, the state at
-   the block's start (GDN conv + recurrent state, kept at every block boundary). This gives every token's log-prob.
+   the block's start (GDN conv + recurrent state, kept at every block boundary). The walk's forward stops before
+   the last block, which the walk computes first, with autograd: this gives every token's log-prob.
 2. The caller's loss is differentiated w.r.t. those log-probs alone (`loss_grad`: a leaf, one backward of the
    loss, no model graph): any per-response loss, normalised over the whole response (GSPO's sequence ratio
    included), gives dL/dlogp per token exactly.
@@ -19,7 +20,8 @@ into blocks of `block_size` tokens and treated as exact mode's reverse walk trea
    the replay reads it: constants (response_only), or exact mode's leaves draining into the state's gradient.
 
 The same forward, for B responses at once and keeping nothing, is graph-free scoring in bounded memory
-(`score_blocks`). Compute: one more forward than a whole-response replay (about 4/3 of its FLOPs); memory: one
+(`score_blocks`). Compute: one more forward of all blocks but the last than a whole-response replay (with n blocks,
+(n - 1) / n of a forward: at most about 4/3 of the whole replay's FLOPs, 7/6 with two blocks); memory: one
 block's graph, plus the response's pages (and, while walking, their gradient) and one carried state per block.
 The log-probs the walk recomputes are the forward's, bit for bit (the same functions of the same values), so the
 gradient is that of the whole-response replay up to the order of floating-point sums.
@@ -91,9 +93,12 @@ class ResponseState:
 
 @torch.no_grad()
 def response_forward(model, resident: Resident, response_ids_BR: torch.Tensor, block_size: int,
-                     chunk_size: int = 1024, keep: bool = False) -> tuple[torch.Tensor, ResponseState | None]:
+                     chunk_size: int = 1024, keep: bool = False,
+                     skip_last: bool = False) -> tuple[torch.Tensor | None, ResponseState | None]:
     """Log-probs [B, R] of responses to the resident prompt, graph-free, one block at a time through every layer.
-    keep=True: also the response's pages and the carried states at each block's start (`ResponseState`)."""
+    keep=True: also the response's pages and the carried states at each block's start (`ResponseState`).
+    skip_last=True (the walk's: it computes the last block with autograd first): the last block is not run; its
+    log-probs are left unset (None when it is the only block) and its pages unwritten; its start state is kept."""
     device = model.lm_head.weight.device
     B, R = response_ids_BR.shape
     inputs_BR = replay_inputs(resident, response_ids_BR)
@@ -101,7 +106,8 @@ def response_forward(model, resident: Resident, response_ids_BR: torch.Tensor, b
     carried = [batched(state, B) if state.CARRIED else None for state in resident.layers]
     boundaries = []
     logp_BR = None
-    for start, end in response_blocks(R, block_size):
+    blocks = response_blocks(R, block_size)
+    for start, end in blocks[: len(blocks) - 1] if skip_last else blocks:
         if keep:
             # the carried states are replaced block by block, never written: references suffice
             boundaries.append(list(carried))
@@ -121,6 +127,8 @@ def response_forward(model, resident: Resident, response_ids_BR: torch.Tensor, b
             logp_BR = logp_BT.new_empty((B, R))
         logp_BR[:, start:end] = logp_BT
         del x_BTC, carry
+    if keep and skip_last:
+        boundaries.append(list(carried))
     return logp_BR, (ResponseState(pages, boundaries) if keep else None)
 
 
@@ -155,10 +163,11 @@ def replay_blocks(model, resident: Resident, response_ids: torch.Tensor,
     device = model.lm_head.weight.device
     ids_BR = response_ids[None]
     R = ids_BR.shape[1]
-    logp_BR, state = response_forward(model, resident, ids_BR, block_size, chunk_size, keep=True)
+    # the last block is the walk's first: computed once, with autograd, it completes the log-probs
+    logp_BR, state = response_forward(model, resident, ids_BR, block_size, chunk_size, keep=True, skip_last=True)
     if on_state is not None:
         on_state(state)
-    dlogp_BR = loss_grad(logp_BR[0]).reshape(1, R)
+    dlogp_BR = None
     inputs_BR = replay_inputs(resident, ids_BR)
     layers = model.model.layers
     # the gradient of the loss w.r.t. the response's pages, completed back to front (what later blocks send)
@@ -186,7 +195,8 @@ def replay_blocks(model, resident: Resident, response_ids: torch.Tensor,
                 else:
                     before = None if start == 0 else leaves(head(state.pages[i], start),
                                                             {n: g[:, :start] for n, g in page_grads[i].items()})
-                    grad_out = {n: g[:, start:end] for n, g in page_grads[i].items()}
+                    # a response of one block has no pages before the walk (its only block is computed here)
+                    grad_out = None if page_grads[i] is None else {n: g[:, start:end] for n, g in page_grads[i].items()}
                 x_BTC, carry, written = layer.replay_block(x_BTC, positions_T, stage(i), before, carry)
                 for name, g in (grad_out or {}).items():
                     out = getattr(written, name)
@@ -194,6 +204,10 @@ def replay_blocks(model, resident: Resident, response_ids: torch.Tensor,
                         outputs.append(out)
                         output_grads.append(g.to(out.dtype))
             logp_BT = token_logprobs(model.model.norm(x_BTC), model.lm_head.weight, ids_BR[:, start:end], chunk_size)
+        if dlogp_BR is None:
+            logp_BR = logp_BT.new_empty((1, R)) if logp_BR is None else logp_BR
+            logp_BR[:, start:end] = logp_BT.detach()
+            dlogp_BR = loss_grad(logp_BR[0]).reshape(1, R)
         outputs.append(logp_BT)
         output_grads.append(dlogp_BR[:, start:end].to(logp_BT.dtype))
         del x_BTC, carry, written, logp_BT

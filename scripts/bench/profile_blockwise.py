@@ -2,8 +2,9 @@
 
 Builds a model (random weights, LoRA optional), captures a prompt once, then times one response's replay both ways
 (after a warm-up of each): the whole replay (`logprobs(grad=True)` + backward) and the blockwise one split into its
-graph-free forward (`blockwise.response_forward`, keep=True) and the rest (the loss's gradient and the reverse walk
-over the blocks). Then one of each under torch.profiler: the top CUDA kernels by total time.
+graph-free forward (`blockwise.response_forward`, keep=True, skip_last=True: all blocks but the last) and the rest
+(the last block with autograd, the loss's gradient and the reverse walk over the blocks). Then one of each under
+torch.profiler: the top CUDA kernels by total time.
 
     python scripts/bench/profile_blockwise.py --model qwen36_mini --prompt 65536 --response 1024 --block 512
 """
@@ -59,7 +60,7 @@ def main() -> None:
         model.logprobs(resident, response, grad=True).float().sum().backward()
 
     def forward_only():
-        blockwise.response_forward(model, resident, response[None], args.block, keep=True)
+        blockwise.response_forward(model, resident, response[None], args.block, keep=True, skip_last=True)
 
     def blocks():
         model.replay_blocks(resident, response, lambda logp: torch.ones_like(logp), args.block)
