@@ -1,6 +1,7 @@
 """Replay attention on CUDA: fused attention kernels that return the LSE, for the forward and the backward.
 
-Forward: one kernel call for the causal new keys, one for the pages, merged by LSE. Pages have no mask, so a kv
+Forward: one kernel call for the causal new keys, one for the pages (a batch of page ranges when the query rows
+alone would leave SMs idle: `attend_pages`), merged by LSE. Pages have no mask, so a kv
 group's query heads and the batch fold into the query axis against the pages ([1, K, B*G*R, D] x [1, K, P, D]):
 pages are never expanded to the query heads. The new keys are causal, so they are expanded to the query heads
 instead; they are one response long. Causal masks differ between kernels in alignment (top-left in aten,
@@ -33,6 +34,7 @@ import os
 
 import torch
 
+from longstraw_kernels import at_least_fp32
 from longstraw_kernels.attention.reference import (
     _ReplayAttention,
     replay_attention_backward,
@@ -140,6 +142,53 @@ def attend_backward(dout_BHLD, q_BHLD, k_BHMD, v_BHMD, out_BHLD, lse_BHL, causal
     return dq, dk, dv
 
 
+# the pages' forward as a batch of page ranges when kv heads x row tiles give the GPU fewer programs than SMs
+# (the forward kernels keep a row tile's whole walk over the pages in one program): on one H200, qwen36_mini at 256K
+# pages, one call of 4,096 folded rows (a replay block of 512) ran at 407 TFLOP/s against 758 for 8,192 rows, in
+# about the same time. Each range holds at least PAGE_SPLIT_MIN_PAGES pages; at most PAGE_SPLITS_MAX ranges.
+PAGE_SPLIT_MIN_PAGES = 1 << 14
+PAGE_SPLITS_MAX = 8
+# the forward kernels' query rows per program, as this estimate takes them
+PAGE_SPLIT_TILE_ROWS = 128
+
+
+def page_splits(num_kv: int, rows: int, pages: int, device: torch.device) -> int:
+    """Page ranges for the pages' forward: 1 when kv heads x row tiles fill at least half the SMs, else enough
+    ranges for every SM to hold a program."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    programs = num_kv * -(-rows // PAGE_SPLIT_TILE_ROWS)
+    if 2 * programs > sms:
+        return 1
+    want = min(PAGE_SPLITS_MAX, -(-sms // programs))
+    return max(1, min(want, pages // PAGE_SPLIT_MIN_PAGES))
+
+
+def attend_pages(q_1KMD, k_pages_PKD, v_pages_PKD, scale: float, backend: str, splits: int | None = None):
+    """-> (out_1KMD in at least fp32, lse_1KM): folded query rows against all pages, no mask. With splits > 1 (None:
+    `page_splits`) the pages run as a batch of equal ranges (the rows repeated per range; the last P mod splits
+    pages as one more call), merged by LSE."""
+    P, K, D = k_pages_PKD.shape
+    M = q_1KMD.shape[2]
+    splits = page_splits(K, M, P, q_1KMD.device) if splits is None else splits
+    if splits <= 1:
+        out_1KMD, lse_1KM = attend(q_1KMD, k_pages_PKD.transpose(0, 1)[None], v_pages_PKD.transpose(0, 1)[None],
+                                   False, scale, backend)
+        return at_least_fp32(out_1KMD), lse_1KM
+    span = P // splits
+    k_CKND, v_CKND = (pages[: splits * span].unflatten(0, (splits, span)).transpose(1, 2)
+                      for pages in (k_pages_PKD, v_pages_PKD))
+    out_CKMD, lse_CKM = attend(q_1KMD.expand(splits, -1, -1, -1).contiguous(), k_CKND, v_CKND, False, scale, backend)
+    outs, lses = list(at_least_fp32(out_CKMD).unbind(0)), list(lse_CKM.unbind(0))
+    if splits * span < P:
+        out_1KMD, lse_1KM = attend(q_1KMD, k_pages_PKD[splits * span :].transpose(0, 1)[None],
+                                   v_pages_PKD[splits * span :].transpose(0, 1)[None], False, scale, backend)
+        outs.append(at_least_fp32(out_1KMD[0]))
+        lses.append(lse_1KM[0])
+    lse_KM = torch.logsumexp(torch.stack(lses), dim=0)
+    out_KMD = sum(torch.exp(lse - lse_KM)[..., None] * out for out, lse in zip(outs, lses))
+    return out_KMD[None], lse_KM[None]
+
+
 def _fold_pages_query(x_BRQD, K):
     """[B, R, Q, D] -> [1, K, B*G*R, D]: batch and a kv group's query heads become query rows."""
     B, R, Q, D = x_BRQD.shape
@@ -174,9 +223,8 @@ class _FlashReplayAttention(_ReplayAttention):
             outs.append(out_BQRD.float())
             lses.append(lse_BQR)
         if P > 0:
-            out_1KMD, lse_1KM = attend(_fold_pages_query(q_BRQD, K), k_pages_PKD.transpose(0, 1)[None],
-                                       v_pages_PKD.transpose(0, 1)[None], False, scale, backend)
-            outs.append(_unfold_pages_query(out_1KMD.float(), B, R))
+            out_1KMD, lse_1KM = attend_pages(_fold_pages_query(q_BRQD, K), k_pages_PKD, v_pages_PKD, scale, backend)
+            outs.append(_unfold_pages_query(out_1KMD, B, R))
             lses.append(lse_1KM.reshape(K, B, G, R).permute(1, 0, 2, 3).reshape(B, Q, R))
         lse_BQR = lses[0] if len(lses) == 1 else torch.logaddexp(lses[0], lses[1])
         out_BQRD = sum(torch.exp(l - lse_BQR)[..., None] * o for o, l in zip(outs, lses))

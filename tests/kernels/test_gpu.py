@@ -18,6 +18,7 @@ def attention_inputs(B, R, S, P, Q, K, D, dtype, seed=0):
     return randn(B, R, Q, D), randn(P, K, D), randn(P, K, D), randn(B, S, K, D), randn(B, S, K, D)
 
 
+@pytest.mark.parametrize("page_ranges", [False, True])
 @pytest.mark.parametrize("backend", ["flash", "cudnn"])
 @pytest.mark.parametrize("B, R, S, P, Q, K, D", [
     (1, 64, 64, 5000, 16, 2, 256),   # replay: one response against the prompt, GQA 8:1, head dim 256
@@ -26,12 +27,16 @@ def attention_inputs(B, R, S, P, Q, K, D, dtype, seed=0):
     (1, 128, 0, 4096, 16, 2, 256),   # pages only (a context-parallel shard)
     (1, 200, 200, 0, 16, 2, 256),    # first capture block: no pages yet
 ])
-def test_flash_replay_attention_matches_reference(backend, B, R, S, P, Q, K, D, monkeypatch):
+def test_flash_replay_attention_matches_reference(backend, page_ranges, B, R, S, P, Q, K, D, monkeypatch):
     """Forward through each aten kernel, backward through aten's flash backward with the global out and lse;
-    all gradients (queries, new keys and pages) against the fp64 reference on the same bf16 inputs."""
+    all gradients (queries, new keys and pages) against the fp64 reference on the same bf16 inputs.
+    page_ranges: ranges of at least 1,000 pages, so that the pages' forward runs as a batch of ranges
+    (`flash.attend_pages`) wherever the rows give few programs (5,000 pages: 5 ranges; 4,096: 4 and a rest)."""
     from longstraw_kernels.attention import flash, replay_attention
     from longstraw_kernels.attention.reference import replay_attention as reference
 
+    if page_ranges:
+        monkeypatch.setattr(flash, "PAGE_SPLIT_MIN_PAGES", 1000)
     monkeypatch.setenv("LONGSTRAW_ATTENTION", backend)
     monkeypatch.setattr(flash, "BACKWARD_PAGE_CHUNK", 1000)  # several page chunks in the backward
     flash._warn_cudnn_fallback.cache_clear()
