@@ -5,8 +5,8 @@ q on a GPU: the distinct selected rows move to q's device first (`selected_rows`
 that need a gradient there take the reference, which gathers per chunk.
 
 LONGSTRAW_MLA_KERNEL = auto (default) | torch: torch forces the reference (A/B benchmarks, or a fallback should
-the kernel misbehave). Under auto the backward is the Triton dq when no page needs a gradient, the torch
-chunked backward otherwise (see triton_sparse.TritonSparseMLA).
+the kernel misbehave). Under auto the backward is Triton's too: dq, and the pages' gradients where they need one
+(see triton_sparse.TritonSparseMLA).
 """
 
 from __future__ import annotations

@@ -1,14 +1,15 @@
-"""Sparse absorbed-MLA attention in Triton: the forward and the query gradient of `reference.sparse_mla_attention`.
+"""Sparse absorbed-MLA attention in Triton: the forward and the backward of `reference.sparse_mla_attention`.
 
 One program per (query row b, t; block of BLOCK_H heads). The heads of a row share its K selected pages, so a
 program gathers each block of BLOCK_K page rows once (latent [BLOCK_K, L], rope [BLOCK_K, R]; -1 entries and the
 K tail masked, never read) and uses it for all its heads:
     forward  s = scale (q_l kv^T + q_r kr^T), online softmax (running max and sum in fp32), acc += p kv
     dq       p = exp(s - lse), dp = dO kv^T, ds = p (dp - delta) scale, dq_l += ds kv, dq_r += ds kr
-with delta = rowsum(dO * O) - dlse formed in the dq kernel from the dO and O tiles it loads anyway (no
-[B, T, H, L] fp32 temporary). Page gradients are not formed here: when the pages need one, the backward is
-`reference.sparse_mla_backward` (the torch chunked recompute). In replay the pages are resident state and never
-need one, so the kernels are what runs there.
+    pages    dlatent[idx] += ds^T q_l + p^T dO, drope[idx] += ds^T q_r  (when they need a gradient)
+with delta = rowsum(dO * O) - dlse formed in the backward kernel from the dO and O tiles it loads anyway (no
+[B, T, H, L] fp32 temporary). The pages' gradients (exact mode's prompt pages, a blockwise replay's earlier
+response keys) are summed over the program's heads and added atomically into fp32 [P, L] / [P, R] buffers, one
+add per selected entry and head block; a response-only replay asks for none and runs the dq kernel alone.
 
 Precision: bf16/fp16 inputs go to tl.dot as they are, with fp32 accumulation; p and ds are cast to the page dtype
 for their dots, as flash attention does. fp32 inputs use input_precision="ieee" (no TF32). Softmax statistics,
@@ -32,9 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from longstraw_kernels.mla import reference
-
-__all__ = ["TileConfig", "default_config", "sparse_mla_forward", "sparse_mla_dq", "TritonSparseMLA"]
+__all__ = ["TileConfig", "default_config", "sparse_mla_forward", "sparse_mla_dq", "sparse_mla_backward",
+           "TritonSparseMLA"]
 
 LOG2E = 1.4426950408889634
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -110,10 +110,11 @@ def _fwd_kernel(q_ptr, lat_ptr, rope_ptr, idx_ptr, out_ptr, lse_ptr, stride_lat,
 
 
 @triton.jit
-def _dq_kernel(q_ptr, lat_ptr, rope_ptr, idx_ptr, out_ptr, dout_ptr, lse_ptr, dlse_ptr, dq_ptr,
+def _dq_kernel(q_ptr, lat_ptr, rope_ptr, idx_ptr, out_ptr, dout_ptr, lse_ptr, dlse_ptr, dq_ptr, dlat_ptr, drope_ptr,
                stride_lat, stride_rope, H, K, num_head_blocks, scale, qk_scale_log2,
                L: tl.constexpr, R: tl.constexpr, L_PAD: tl.constexpr, R_PAD: tl.constexpr,
-               BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+               BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+               NEED_LAT: tl.constexpr = False, NEED_ROPE: tl.constexpr = False):
     pid = tl.program_id(0)
     row = (pid // num_head_blocks).to(tl.int64)
     offs_h = (pid % num_head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -154,6 +155,16 @@ def _dq_kernel(q_ptr, lat_ptr, rope_ptr, idx_ptr, out_ptr, dout_ptr, lse_ptr, dl
         ds = (p * (dp - delta[:, None])).to(kv.dtype)  # scale applied once at the end
         dq_l += tl.dot(ds, kv, input_precision=PRECISION)
         dq_r += tl.dot(ds, kr, input_precision=PRECISION)
+        # the selected pages' gradients, summed over this program's heads, added into fp32 rows [P, L] / [P, R]
+        # (a page selected by several rows or head blocks gets each one's share); masked heads and entries add 0
+        if NEED_LAT:
+            # a latent row is a key (through ds) and a value (through p)
+            dkv = (tl.dot(tl.trans(ds), q_l, input_precision=PRECISION) * scale
+                   + tl.dot(tl.trans(p.to(kv.dtype)), do.to(kv.dtype), input_precision=PRECISION))
+            tl.atomic_add(dlat_ptr + page[:, None] * L + offs_l[None, :], dkv, mask=valid[:, None] & mask_l[None, :])
+        if NEED_ROPE:
+            dkr = tl.dot(tl.trans(ds), q_r, input_precision=PRECISION) * scale
+            tl.atomic_add(drope_ptr + page[:, None] * R + offs_r[None, :], dkr, mask=valid[:, None] & mask_r[None, :])
 
     dq_rows = dq_ptr + row * H * (L + R) + offs_h[:, None] * (L + R)
     tl.store(dq_rows + offs_l[None, :], (dq_l * scale).to(dq_ptr.dtype.element_ty), mask=mask_hl)
@@ -199,23 +210,38 @@ def sparse_mla_forward(q_BTHA, latent_PL, rope_PR, idx_BTK, scale: float, config
 def sparse_mla_dq(q_BTHA, latent_PL, rope_PR, idx_BTK, out_BTHL, lse_BTH, dout_BTHL, dlse_BTH, scale: float,
                   config: TileConfig | None = None):
     """-> dq_BTHA in q's dtype, given the forward's out and lse and the cotangents (either may be None: zero)."""
+    return sparse_mla_backward(q_BTHA, latent_PL, rope_PR, idx_BTK, out_BTHL, lse_BTH, dout_BTHL, dlse_BTH, scale,
+                               (True, False, False), config)[0]
+
+
+def sparse_mla_backward(q_BTHA, latent_PL, rope_PR, idx_BTK, out_BTHL, lse_BTH, dout_BTHL, dlse_BTH, scale: float,
+                        needs_grad, config: TileConfig | None = None):
+    """-> (dq_BTHA, dlatent_PL, drope_PR), None where needs_grad (three bools) says no: one kernel, dq in q's dtype
+    and the pages' gradients accumulated in fp32 (atomic adds: their order, and so their last bits, vary between
+    runs on a GPU) and returned in the pages' dtype. dq is computed whatever needs_grad[0] says (it costs the
+    products the page gradients need anyway)."""
     assert supported(q_BTHA, latent_PL, rope_PR, idx_BTK)
+    need_q, need_lat, need_rope = needs_grad
     q_BTHA, idx_BTK = q_BTHA.contiguous(), idx_BTK.contiguous()
     out_BTHL, lse_BTH = out_BTHL.contiguous(), lse_BTH.float().contiguous()
     dout_BTHL = torch.zeros_like(out_BTHL) if dout_BTHL is None else dout_BTHL.to(out_BTHL.dtype).contiguous()
     dlse_BTH = torch.zeros_like(lse_BTH) if dlse_BTH is None else dlse_BTH.float().contiguous()
     dq_BTHA = torch.empty_like(q_BTHA)
+    dlat_PL = torch.zeros(latent_PL.shape, dtype=torch.float32, device=q_BTHA.device) if need_lat else None
+    drope_PR = torch.zeros(rope_PR.shape, dtype=torch.float32, device=q_BTHA.device) if need_rope else None
     grid, num_head_blocks, meta = _launch_args(q_BTHA, latent_PL, rope_PR, idx_BTK, config)
     with torch.cuda.device_of(q_BTHA):
         _dq_kernel[grid](q_BTHA, latent_PL, rope_PR, idx_BTK, out_BTHL, dout_BTHL, lse_BTH, dlse_BTH, dq_BTHA,
+                         dq_BTHA if dlat_PL is None else dlat_PL, dq_BTHA if drope_PR is None else drope_PR,
                          latent_PL.stride(0), rope_PR.stride(0), q_BTHA.shape[2], idx_BTK.shape[-1],
-                         num_head_blocks, scale, scale * LOG2E, **meta)
-    return dq_BTHA
+                         num_head_blocks, scale, scale * LOG2E, NEED_LAT=need_lat, NEED_ROPE=need_rope, **meta)
+    return (dq_BTHA if need_q else None, None if dlat_PL is None else dlat_PL.to(latent_PL.dtype),
+            None if drope_PR is None else drope_PR.to(rope_PR.dtype))
 
 
 class TritonSparseMLA(torch.autograd.Function):
     """`reference._SparseMLA`'s contract and saved tensors (q, pages by reference, idx, out, lse); the Triton
-    forward, and the Triton dq unless a page needs a gradient (then the torch chunked backward does all)."""
+    forward and backward (dq, and the pages' gradients where they need one)."""
 
     @staticmethod
     def forward(ctx, q_BTHA, latent_PL, rope_PR, idx_BTK, scale):
@@ -228,13 +254,9 @@ class TritonSparseMLA(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout_BTHL, dlse_BTH):
         q_BTHA, latent_PL, rope_PR, idx_BTK, out_BTHL, lse_BTH = ctx.saved_tensors
-        need_q, need_lat, need_rope = ctx.needs_input_grad[:3]
-        if need_lat or need_rope:
-            grads = reference.sparse_mla_backward(q_BTHA, latent_PL, rope_PR, idx_BTK, out_BTHL, lse_BTH,
-                                                  dout_BTHL, dlse_BTH, ctx.scale, (need_q, need_lat, need_rope))
-            return (*grads, None, None)
-        dq_BTHA = None
-        if need_q:
-            dq_BTHA = sparse_mla_dq(q_BTHA, latent_PL, rope_PR, idx_BTK, out_BTHL, lse_BTH, dout_BTHL, dlse_BTH,
-                                    ctx.scale)
-        return dq_BTHA, None, None, None, None
+        needs_grad = ctx.needs_input_grad[:3]
+        if not any(needs_grad):
+            return None, None, None, None, None
+        grads = sparse_mla_backward(q_BTHA, latent_PL, rope_PR, idx_BTK, out_BTHL, lse_BTH, dout_BTHL, dlse_BTH,
+                                    ctx.scale, needs_grad)
+        return (*grads, None, None)

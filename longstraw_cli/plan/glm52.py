@@ -34,8 +34,8 @@ config alone. The phases are longstraw_cli.plan's; what they hold for MLA + DSA 
   parallel's replicated mode); under LoRA (and NF4) each layer's folded kv_b weight, twice (absorb and output).
   Then the logits chunk's backward and, with full fine-tuning, one lm_head-sized gradient (as qwen36).
 - prompt (capture.gradient=exact): the state gradient (latent and rope pages in the compute dtype), one layer's
-  page gradient (the torch backward's fp32 buffers), and one block's graph through every layer (or, with
-  walk_checkpoint, every layer's block input plus the largest layer's graph).
+  page gradient (the backward's fp32 buffers, Triton's or the torch reference's alike), and one block's graph
+  through every layer (or, with walk_checkpoint, every layer's block input plus the largest layer's graph).
 - rollout: weights + optimizer + pages + the decode buffers (G responses' latent, rope and index keys per layer,
   `ResponseMLA`) + one step's logits and index scores. The buffers start at rollout.native.response_chunk slots
   and double up to R (models/slots.py): counted at their worst, R slots, plus what the last growth holds besides

@@ -1,8 +1,8 @@
 """Triton sparse absorbed-MLA kernels (kernels/mla/triton_sparse.py) against the fp64 naive oracle: out, lse and dq.
 
 Small cases run everywhere: on CPU in Triton's interpreter (conftest sets TRITON_INTERPRET=1), on a GPU compiled.
-The GLM-5 sizes (bf16, L = 512, K = 2048) need CUDA. Also the dispatcher: which path runs, and that a page gradient
-falls back to the torch backward and still matches.
+The GLM-5 sizes (bf16, L = 512, K = 2048) need CUDA. Also the pages' gradients (the backward kernel's atomic adds)
+against the torch backward, and the dispatcher: which path runs.
 """
 
 import pytest
@@ -84,8 +84,9 @@ def test_small_fp16_half_precision_dots():
 
 
 @pytest.mark.parametrize("page_grad", [False, True])
-def test_autograd_function_dq_kernel_or_torch_backward(page_grad):
-    # without a page gradient dq comes from the kernel; with one, all gradients from the torch backward
+def test_autograd_function_gradients(page_grad):
+    # dq from the kernel; with page_grad the pages' gradients too (the same kernel's atomic adds); rows select
+    # overlapping pages (P = 80, 10 rows of 24), so pages get several rows' shares
     (q, latent, rope, idx), (dout, dlse) = make_case(B=2, T=5, H=4, L=32, R=8, P=80, K=24, dtype=torch.float32)
     results = []
     for fn in (triton_sparse.TritonSparseMLA.apply, None):
@@ -101,6 +102,24 @@ def test_autograd_function_dq_kernel_or_torch_backward(page_grad):
     errs = [rel_err(a, b) for a, b in zip(*results)]
     print(f"TritonSparseMLA page_grad={page_grad}: rel errs {[f'{e:.1e}' for e in errs]}")
     assert len(errs) == (5 if page_grad else 3) and max(errs) < 1e-5
+
+
+@pytest.mark.parametrize("needs", [(True, True, True), (False, True, False), (False, False, True),
+                                   (True, True, False)])
+def test_backward_kernel_page_gradients_match_the_torch_backward(needs):
+    """`sparse_mla_backward` against `reference.sparse_mla_backward` (fp32 ieee both), each combination of
+    gradients asked; several head blocks (H = 20 over blocks of 16), a padded latent (L = 24) and key tails."""
+    (q, latent, rope, idx), (dout, dlse) = make_case(B=2, T=5, H=20, L=24, R=8, P=60, K=40, dtype=torch.float32,
+                                                     seed=2)
+    config = triton_sparse.TileConfig(16, 16, 4, 1)
+    out, lse = triton_sparse.sparse_mla_forward(q, latent, rope, idx, 0.25, config)
+    dlse = dlse.masked_fill(~torch.isfinite(lse), 0)
+    got = triton_sparse.sparse_mla_backward(q, latent, rope, idx, out, lse, dout, dlse, 0.25, needs, config)
+    want = reference.sparse_mla_backward(q, latent, rope, idx, out, lse, dout, dlse, 0.25, needs)
+    assert [g is None for g in got] == [not n for n in needs]
+    errs = [rel_err(g, w) for g, w in zip(got, want) if w is not None]
+    print(f"page gradients {needs}: rel errs {[f'{e:.1e}' for e in errs]}")
+    assert max(errs) < 1e-5
 
 
 def test_function_saves_no_gathered_pages():
@@ -154,7 +173,7 @@ def test_cuda_fp32_is_ieee_with_a_key_tail():
 @needs_cuda
 @pytest.mark.parametrize("page_grad", [False, True])
 def test_cuda_dispatcher_bf16(monkeypatch, page_grad):
-    calls = {"forward": 0, "dq": 0}
+    calls = {"forward": 0, "backward": 0}
 
     def counted(name):
         fn = getattr(triton_sparse, f"sparse_mla_{name}")
@@ -173,8 +192,8 @@ def test_cuda_dispatcher_bf16(monkeypatch, page_grad):
     out, lse = dispatch.sparse_mla_attention(*leaves, idx, scale=scale)
     finite = torch.isfinite(lse)
     ((out.float() * dout.float()).sum() + (torch.where(finite, lse, 0.0) * dlse.float()).sum()).backward()
-    # the Triton forward always; the Triton dq only without a page gradient
-    assert calls == {"forward": 1, "dq": 0 if page_grad else 1}
+    # the Triton forward and backward (with page_grad the backward's atomic page adds)
+    assert calls == {"forward": 1, "backward": 1}
 
     ref = [t.double().requires_grad_(i == 0 or page_grad) for i, t in enumerate((q, latent, rope))]
     out_r, lse_r = reference.naive_sparse_mla_attention(*ref, idx, scale=scale)
