@@ -245,7 +245,9 @@ class GatedDeltaNet(nn.Module):
         """One block of the response from the state at its start `before` (batched; the prompt's for the first
         block), not `state`. -> (y_BTC, the state at the block's end, batched)."""
         y_BTC, conv_BXW, ssm_BGKV = self.mix(x_BTC, *self.read(before, x_BTC), self.gdn_fn)
-        return y_BTC, RecurrentState(conv_BXW, ssm_BGKV)
+        # the window as its own tensor: mix's is a view of the block's whole conv input, which the blockwise replay
+        # would keep alive with each block's start state (5.3 MB a layer at the 27B shape, blocks of 256)
+        return y_BTC, RecurrentState(conv_BXW.clone(), ssm_BGKV)
 
     def decode_step(self, x_BTC, positions_T, state: RecurrentState, cache: RecurrentState):
         """One token per sequence from its own (batched) state `cache`, which then holds the state after it."""
@@ -270,7 +272,7 @@ class GatedDeltaNet(nn.Module):
 
     def mix(self, x_BTC, mixed_BTX, window_BXW, ssm_BGKV, gdn_fn, grad_prefix: int = 0):
         """Conv over (window, mixed), gates, the gated delta rule from ssm, gated norm, out_proj.
-        -> (y_BTC, the conv window after mixed, ssm_BGKV after mixed)."""
+        -> (y_BTC, the conv window after mixed (a view into the conv input), ssm_BGKV after mixed)."""
         B, T, _ = x_BTC.shape
         full_BXS = torch.cat([window_BXW, mixed_BTX.transpose(1, 2)], dim=-1)
         conv_BXT = F.silu(F.conv1d(full_BXS, self.conv1d.weight, groups=self.conv_dim))
@@ -284,9 +286,7 @@ class GatedDeltaNet(nn.Module):
         o_BTGV, new_ssm_BGKV = gdn_fn(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, ssm_BGKV)
         z_BTGV = self.in_proj_z(x_BTC).reshape(B, T, self.num_v, self.dv)
         y_BTC = self.out_proj(self.norm(o_BTGV, z_BTGV).reshape(B, T, self.value_dim))
-        # the window as its own tensor: a view would keep all of full_BXS (the whole block's conv input) alive for
-        # as long as the state is kept (a blockwise replay keeps one per block: 5.3 MiB a layer at the 27B shape)
-        return y_BTC, full_BXS[..., full_BXS.shape[-1] - self.window :].clone(), new_ssm_BGKV
+        return y_BTC, full_BXS[..., full_BXS.shape[-1] - self.window :], new_ssm_BGKV
 
 
 class DecoderLayer(core.DecoderLayer):
