@@ -51,9 +51,24 @@ def grown(old_BS_: torch.Tensor, capacity: int) -> torch.Tensor:
 
 class ResponseSlots:
     """One layer's per-response buffers of the generated tokens, [B, capacity, ...] each: the attributes that
-    `SLOTS` names (None where the layer has no such keys)."""
+    `SLOTS` names (None where the layer has no such keys). The static decode steps write slot `step` themselves;
+    the eager decode (core.StepDecoder) `append`s, after the `length` slots written."""
 
     SLOTS: tuple[str, ...] = ()
+    length = 0
+
+    def append(self, *blocks_BT_: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        """The blocks (one per SLOTS name, in order; None where the buffer is None) written after the `length`
+        slots written before. -> every buffer's written slots (views), None where the buffer is None."""
+        end = self.length + blocks_BT_[0].shape[1]
+        views = []
+        for name, block_BT_ in zip(self.SLOTS, blocks_BT_, strict=True):
+            buffer_BS_ = getattr(self, name)
+            if buffer_BS_ is not None:
+                buffer_BS_[:, self.length : end].copy_(block_BT_)
+            views.append(None if buffer_BS_ is None else buffer_BS_[:, :end])
+        self.length = end
+        return tuple(views)
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (getattr(self, name) for name in self.SLOTS) if t is not None]

@@ -39,7 +39,7 @@ from longstraw_kernels.dsa.topk import topk_lowest_position_static
 
 class ResponseMLA(ResponseSlots):
     """One layer's latent, rope and index keys of the generated tokens, per response, in `capacity` slots (grown by
-    the decoder). The static step writes slot `step` itself; the eager decode (core.StepDecoder) `append`s."""
+    the decoder)."""
 
     SLOTS = ("latent_BSL", "rope_BSR", "index_BSI")
 
@@ -48,17 +48,6 @@ class ResponseMLA(ResponseSlots):
         self.rope_BSR = slot_buffer(batch, capacity, cfg.qk_rope_head_dim, dtype=dtype, device=device)
         self.index_BSI = (slot_buffer(batch, capacity, cfg.index_head_dim, dtype=dtype, device=device)
                           if full_indexer else None)
-        self.length = 0
-
-    def append(self, latent_BTL, rope_BTR, index_BTI):
-        end = self.length + latent_BTL.shape[1]
-        self.latent_BSL[:, self.length : end].copy_(latent_BTL)
-        self.rope_BSR[:, self.length : end].copy_(rope_BTR)
-        if self.index_BSI is not None:
-            self.index_BSI[:, self.length : end].copy_(index_BTI)
-        self.length = end
-        index = None if self.index_BSI is None else self.index_BSI[:, :end]
-        return self.latent_BSL[:, :end], self.rope_BSR[:, :end], index
 
 
 class Glm52Decoder(StaticDecoder):

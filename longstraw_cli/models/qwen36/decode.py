@@ -37,21 +37,13 @@ from longstraw_kernels.gdn import gdn_step
 
 class ResponseKV(ResponseSlots):
     """One attention layer's keys/values of the generated tokens, per response, in `capacity` slots (grown by the
-    decoder). The static step writes slot `step` itself; the eager decode (core.StepDecoder) `append`s."""
+    decoder)."""
 
     SLOTS = ("k_BSKD", "v_BSKD")
 
     def __init__(self, batch: int, capacity: int, num_kv: int, head_dim: int, dtype, device):
         self.k_BSKD = slot_buffer(batch, capacity, num_kv, head_dim, dtype=dtype, device=device)
         self.v_BSKD = slot_buffer(batch, capacity, num_kv, head_dim, dtype=dtype, device=device)
-        self.length = 0
-
-    def append(self, k_BTKD: torch.Tensor, v_BTKD: torch.Tensor):
-        end = self.length + k_BTKD.shape[1]
-        self.k_BSKD[:, self.length : end].copy_(k_BTKD)
-        self.v_BSKD[:, self.length : end].copy_(v_BTKD)
-        self.length = end
-        return self.k_BSKD[:, :end], self.v_BSKD[:, :end]
 
 
 class ResponseRecurrent:
