@@ -254,25 +254,15 @@ class Transaction:
 
     def replay_blocks(self, view, responses, old_logprobs, ref_logprobs, advantages, group: GroupShape,
                       meter: GraphMemory, scale: float, routing=None) -> tuple[list[dict], GraphMemory]:
-        """`replay` with each response longer than `replay_block` tokens in blocks (models/blockwise.py): its loss
-        is differentiated w.r.t. its graph-free log-probs, then the model walks its blocks back; a response within
-        one block replays whole, as `replay` does (the graph-free pass would cost a forward and save nothing). No
-        reduction here (`accumulate` syncs after the step's last prompt). The meter holds the largest response's
-        pages, their gradient and its carried states at block starts (`GraphMemory.hold`)."""
+        """`replay` with each response in blocks of `replay_block` tokens (models/blockwise.py): its loss is
+        differentiated w.r.t. its graph-free log-probs, then the model walks its blocks back (the last block, the
+        walk's first, computed once: a response within one block costs what a whole replay costs). No reduction
+        here (`accumulate` syncs after the step's last prompt). The meter holds the largest response's pages, their
+        gradient and its carried states at block starts (`GraphMemory.hold`)."""
         stats = []
         with meter:
             for i, response in enumerate(responses):
                 ref = None if ref_logprobs is None else ref_logprobs[i]
-                if len(response) <= self.cfg.replay_block:
-                    # within one block: replayed whole, one graph of at most a block's tokens and no graph-free
-                    # pass before it; never the strategy's last replay (with blocks, `accumulate` reduces once)
-                    with self._routed_replay(routing, i), self.strategy.replay(0, 2) as logprobs:
-                        logp = logprobs(view, response, chunk_size=self.cfg.logprob_chunk)
-                        loss, s = response_loss(self.loss_cfg, logp, old_logprobs[i], advantages[i], group, ref)
-                        self.strategy.backward(loss if scale == 1.0 else loss * scale)
-                        del logp, loss
-                    stats.append(s)
-                    continue
 
                 def loss_grad(logp_R: torch.Tensor, i=i, ref=ref) -> torch.Tensor:
                     leaf = logp_R.detach().requires_grad_()

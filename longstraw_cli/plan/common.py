@@ -70,7 +70,8 @@ class Run:
 
     @property
     def replays_in_blocks(self) -> bool:
-        """Whether the longest response replays in blocks: one within a block replays whole (transaction.py)."""
+        """Whether the longest response replays in blocks: one within a block is the walk's one block, the whole
+        response's graph (models/blockwise.py)."""
         return 0 < self.replay_block < self.response_tokens
 
     @property

@@ -252,7 +252,7 @@ def test_qlora_blockwise_gradient_equals_whole_replay(name):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_responses_within_a_block_replay_whole(name):
-    """replay_block=16 over responses of 21, 9 and 16 tokens: the two within a block replay whole (no graph-free
+    """replay_block=16 over responses of 21, 9 and 16 tokens: the two within a block are one block each (no graph-free
     pass), the 21-token one in blocks; the update and stats equal the whole replay's. A control: a block of 21
     takes none of them blockwise, so no response state is held."""
     whole, whole_result = transaction_step(name, 0, "grpo", kl=0.1)
