@@ -236,6 +236,8 @@ class LoggerConfig:
     wandb: WandbConfig | None = None
     # rank 0's live display of the step's phases and the ETA; None: when the console is a terminal
     progress: bool | None = None
+    # without the live display: a line each heartbeat_s seconds a phase runs (0: none)
+    heartbeat_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -442,13 +444,16 @@ def train_config(d: dict, world_size: int | None = None, set_keys: tuple[str, ..
     progress = logger_node.pop("progress", None)
     if progress not in (None, True, False):
         raise ConfigError(f"logger.progress={progress!r}; valid: [null (on a terminal), true, false]")
+    heartbeat_s = logger_node.pop("heartbeat_s", LoggerConfig.heartbeat_s)
+    if isinstance(heartbeat_s, bool) or not isinstance(heartbeat_s, (int, float)) or heartbeat_s < 0:
+        raise ConfigError(f"logger.heartbeat_s={heartbeat_s!r}; valid: a number of seconds >= 0 (0: no heartbeat)")
     _take(logger_node, "logger", set())
     wandb = _build(WandbConfig, wandb_node, "logger.wandb") if wandb_node is not None else None
 
     return TrainConfig(
         model=model, task=task, reward=reward, loss=loss, transaction=transaction,
         rollout=RolloutConfig(engine, sampling, vllm, native, replay_routing),
-        logger=LoggerConfig(backends, wandb, progress),
+        logger=LoggerConfig(backends, wandb, progress, float(heartbeat_s)),
         optim=optim,
         lora=lora, checkpoint=_build(CheckpointConfig, d["checkpoint"], "checkpoint"),
         strategy=_build(StrategyConfig, d["strategy"], "strategy"), reuse=reuse,

@@ -160,7 +160,8 @@ class Trainer:
             self.run_dir, backends=cfg.logger.backends, rank=self.rank, wandb_cfg=cfg.logger.wandb,
             resume_step=self.start_step if cfg.resume else None, config=cfg.as_dict(),
         )
-        self.progress = StepProgress(cfg.steps, self.start_step, enabled=cfg.logger.progress, rank=self.rank)
+        self.progress = StepProgress(cfg.steps, self.start_step, enabled=cfg.logger.progress, rank=self.rank,
+                                     heartbeat_s=cfg.logger.heartbeat_s)
 
     def _notices(self) -> None:
         """What the user asked for that does not apply, as one line each (rank 0)."""
@@ -333,7 +334,8 @@ class Trainer:
         with dense_copies(self.model, self._nf4_cache_count()):
             self.nf4_cache_bytes = torch.cuda.memory_allocated(self.device) - start if cuda else 0
             rollout = generate(self.model, resident, self.cfg.group_size, self.sampling, self.generator,
-                               native=self._native_decode(), routing=self.routing_replay)
+                               native=self._native_decode(), routing=self.routing_replay,
+                               on_token=self.progress.count)
         if cuda:
             # the phase clock reset the peak as the rollout phase began: what decoding itself took
             peak = torch.cuda.max_memory_allocated(self.device)

@@ -168,10 +168,12 @@ class GraphedStep:
 
 @torch.no_grad()
 def generate(model, resident, num_responses: int, cfg: SamplingConfig, generator: torch.Generator | None = None,
-             native: NativeConfig = NativeConfig(), routing=None) -> Rollout:
+             native: NativeConfig = NativeConfig(), routing=None,
+             on_token: Callable[[int, int], None] | None = None) -> Rollout:
     """Sample `num_responses` continuations of the captured prompt; each ends at its first stop token
     (included, it is a trained token) or at max_new_tokens. No host synchronisation per token: sampled tokens
     go straight back into the decoder's input buffer; stops are looked at every `stop_check_every` tokens.
+    on_token(done, max_new_tokens): told after each decode step is launched (progress; host ints only).
     routing: a routing replay (models/glm52/routing.py `RoutingReplay`): the decode steps record each token's
     routing into device buffers (grown with the decoder's), moved to host memory as the decode ends
     (`Rollout.routing`)."""
@@ -182,13 +184,14 @@ def generate(model, resident, num_responses: int, cfg: SamplingConfig, generator
         on_grow = record.grow
     recording = contextlib.nullcontext() if record is None else routing.recording(record, model)
     with recording:
-        rollout = _generate(model, resident, num_responses, cfg, generator, native, on_grow)
+        rollout = _generate(model, resident, num_responses, cfg, generator, native, on_grow, on_token)
     rollout.routing = None if record is None else routing.offload(record)
     return rollout
 
 
 def _generate(model, resident, num_responses: int, cfg: SamplingConfig, generator: torch.Generator | None,
-              native: NativeConfig, on_grow: Callable[[int], None] | None = None) -> Rollout:
+              native: NativeConfig, on_grow: Callable[[int], None] | None = None,
+              on_token: Callable[[int, int], None] | None = None) -> Rollout:
     """The decode loop. on_grow(capacity): called after each growth of the decoder's response slots (what else the
     decode writes per slot: the routing record)."""
     decoder = model.decoder(resident, num_responses, cfg.max_new_tokens, page_budget=native.page_budget(),
@@ -230,6 +233,8 @@ def _generate(model, resident, num_responses: int, cfg: SamplingConfig, generato
         entropy_BR[:, step] = -(logp_BV.exp() * logp_BV).sum(-1)
         decoder.tokens_B.copy_(tokens_B)
         done_B |= torch.isin(tokens_B, stop_S)
+        if on_token is not None:
+            on_token(step + 1, R)
         if (step + 1) % native.stop_check_every == 0 and bool(done_B.all()):
             steps = step + 1
             break
