@@ -64,19 +64,21 @@ class StepProgress:
         self.bar.start()
 
     def _tokens(self) -> str:
-        """The rollout's response tokens decoded so far, and the time a token took ('' outside a rollout)."""
+        """The rollout's response tokens decoded so far, the time a token took and what the rest would take at that
+        rate ('' outside a rollout)."""
         if self._count is None:
             return ""
         done, total = self._count
-        per_token = (time.perf_counter() - self._since) / max(done, 1) * 1e3
-        return f"{done:,} of {total:,} response tokens ({per_token:.1f} ms a token so far)"
+        per_token = (time.perf_counter() - self._since) / max(done, 1)
+        # at most: every response may stop before max_new_tokens
+        return (f"{done:,} of {total:,} response tokens ({per_token * 1e3:.1f} ms a token so far, at most "
+                f"~{per_token * (total - done):.0f} s left)")
 
     def describe(self) -> str:
         if not self._phase:
             return ""
-        tokens = self._tokens()
-        return (f"{self._prompt}[cyan]{self._phase}[/] {time.perf_counter() - self._since:.0f}s"
-                + (f" {tokens}" if tokens else ""))
+        tokens = "" if self._count is None else f" {self._count[0]:,}/{self._count[1]:,} tokens"
+        return f"{self._prompt}[cyan]{self._phase}[/] {time.perf_counter() - self._since:.0f}s{tokens}"
 
     def _heartbeat(self, every_s: float) -> None:
         """A daemon thread: a line each every_s that the current phase has been running (none between phases)."""
