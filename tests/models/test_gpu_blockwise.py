@@ -1,7 +1,10 @@
 """Blockwise response replay on CUDA (skipped without it), bf16, LoRA, 4 layers: the gradient equals the
 whole-response replay's within bf16 noise, and every attention backward of a block runs on the GPU kernels, never on
 the torch reference: qwen36_mini's on flash (`dispatch.split_new_keys`), glm52_mini's sparse MLA on the Triton
-backward, which forms the gradient of the response's own latent and rope keys (leaves of a block)."""
+backward, which forms the gradient of the response's own latent and rope keys (leaves of a block). glm52's top-k
+selections flip with bf16 rounding, so its bound is against fp32 (below)."""
+
+import copy
 
 import pytest
 import torch
@@ -15,9 +18,8 @@ from longstraw_kernels.mla import reference as mla_reference
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def _blockwise_against_whole(name, monkeypatch, patch):
-    """(max rel err of the blockwise LoRA gradient against the whole replay's, reference calls during the blocks)."""
-    model = build_model(name, dtype=torch.bfloat16, device="cuda", seed=0, num_hidden_layers=4)
+def test_blockwise_replay_runs_on_flash_and_equals_the_whole_replay(monkeypatch):
+    model = build_model("qwen36_mini", dtype=torch.bfloat16, device="cuda", seed=0, num_hidden_layers=4)
     params = apply_lora(model, LoraConfig(rank=16), dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, model.config.vocab_size, (8192,), generator=g).cuda()
@@ -33,31 +35,51 @@ def _blockwise_against_whole(name, monkeypatch, patch):
     model.logprobs(resident, response, grad=True).float().mul(weights).sum().backward()
     whole = grads()
     calls = []
-    patch(calls)
+    original = reference.replay_attention_backward
+    for module in (reference, flash):
+        monkeypatch.setattr(module, "replay_attention_backward",
+                            lambda *a, **kw: calls.append(1) or original(*a, **kw))
     model.replay_blocks(resident, response, lambda logp: weights.to(logp.dtype), 256)
     blocks = grads()
     err = max(rel_err(b, w) for b, w in zip(blocks, whole) if w.norm() > 0)
-    print(f"{name} blockwise (256 of 700) against whole, bf16: max rel err {err:.2e}; reference calls {len(calls)}")
-    return err, calls
-
-
-def test_blockwise_replay_runs_on_flash_and_equals_the_whole_replay(monkeypatch):
-    def patch(calls):
-        original = reference.replay_attention_backward
-        for module in (reference, flash):
-            monkeypatch.setattr(module, "replay_attention_backward",
-                                lambda *a, **kw: calls.append(1) or original(*a, **kw))
-
-    err, calls = _blockwise_against_whole("qwen36_mini", monkeypatch, patch)
+    print(f"qwen36_mini blockwise (256 of 700) against whole, bf16: max rel err {err:.2e}; "
+          f"reference calls {len(calls)}")
     assert not calls
     assert err <= 3e-2
 
 
-def test_glm52_blockwise_replay_runs_on_triton_and_equals_the_whole_replay(monkeypatch):
-    def patch(calls):
-        original = mla_reference._SparseMLA.apply
-        monkeypatch.setattr(mla_reference._SparseMLA, "apply", lambda *a: calls.append(1) or original(*a))
+def test_glm52_blockwise_replay_runs_on_triton_and_is_as_close_to_fp32_as_the_whole_replay(monkeypatch):
+    """glm52's router and DSA indexer pick their top-k from bf16 scores, so a different block shape can flip a
+    selection: per parameter the blockwise bf16 gradient measured up to 9.9e-2 from the whole bf16 replay's on an
+    H200. So both are held against the fp32 whole replay, on the whole LoRA gradient vector (as test_gpu_exact
+    holds glm52's bf16 walk: 0.15), and the blocks may not be much further from it than the whole replay is."""
+    model = build_model("glm52_mini", dtype=torch.bfloat16, device="cuda", seed=0, num_hidden_layers=4)
+    apply_lora(model, LoraConfig(rank=16), dtype=torch.float32)
+    reference_model = copy.deepcopy(model).float()
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, model.config.vocab_size, (8192,), generator=g).cuda()
+    response = torch.randint(0, model.config.vocab_size, (700,), generator=g).cuda()
+    weights = torch.rand(len(response), generator=g).cuda()
 
-    err, calls = _blockwise_against_whole("glm52_mini", monkeypatch, patch)
+    def flat_grad(m):
+        out = torch.cat([p.grad.float().flatten() for p in m.parameters() if p.grad is not None])
+        m.zero_grad(set_to_none=True)
+        return out
+
+    def whole(m):
+        resident = m.capture(prompt, block_size=4096)
+        m.logprobs(resident, response, grad=True).float().mul(weights).sum().backward()
+        return resident, flat_grad(m)
+
+    _, want = whole(reference_model)
+    resident, got_whole = whole(model)
+    calls = []
+    original = mla_reference._SparseMLA.apply
+    monkeypatch.setattr(mla_reference._SparseMLA, "apply", lambda *a: calls.append(1) or original(*a))
+    model.replay_blocks(resident, response, lambda logp: weights.to(logp.dtype), 256)
+    got_blocks = flat_grad(model)
+    err_whole, err_blocks = rel_err(got_whole, want), rel_err(got_blocks, want)
+    print(f"glm52_mini against the fp32 whole replay: bf16 whole {err_whole:.2e}, bf16 blocks of 256 {err_blocks:.2e}; "
+          f"reference calls {len(calls)}")
     assert not calls
-    assert err <= 5e-2
+    assert err_blocks < 0.15 and err_blocks < 2 * err_whole + 1e-2
