@@ -540,10 +540,19 @@ class Trainer:
             if timeout is not None:
                 raise timeout from e
             if isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e):
-                raise TrainerError(f"out of memory at {where} ({first_line(e)}); lower group_size="
-                                   f"{self.cfg.group_size}, response_tokens, prompt_tokens or capture.block_size "
+                raise TrainerError(f"out of memory at {where} ({first_line(e)}); "
+                                   f"{self._memory_advice(self.clock.last if self.section == 'iteration' else None)} "
                                    f"(`longstraw plan` shows the memory by phase)") from e
             raise
+
+    def _memory_advice(self, phase: str | None) -> str:
+        """What to change after running out of memory in `phase`: a replay or scoring of whole responses holds a
+        response's whole graph or activations, which capture.replay_block bounds by a block."""
+        lower = (f"lower group_size={self.cfg.group_size}, response_tokens, prompt_tokens or capture.block_size")
+        if phase in ("replay", "score") and self.cfg.transaction.replay_block == 0:
+            return (f"capture.replay_block=N replays and scores each response in blocks of N tokens (one block's "
+                    f"graph instead of response_tokens={self.cfg.response_tokens}'s), or {lower}")
+        return lower
 
     def _preempted(self, signal_name: str, done: int) -> None:
         # rank 0 writes the checkpoint: no rank exits (and ends the launch) before it is whole

@@ -42,6 +42,25 @@ def test_a_group_too_large_for_memory_is_one_line(train_here, tmp_path):
              "out of memory at step 0, phase rollout")
 
 
+@pytest.mark.parametrize("phase, replay_block, names_blocks", [
+    ("replay", 0, True), ("score", 0, True), ("replay", 256, False), ("rollout", 0, False), (None, 0, False)])
+def test_out_of_memory_in_a_whole_replay_points_at_replay_block(phase, replay_block, names_blocks):
+    """Long responses run out in the replay (its graph grows with the response) or the scoring: there the advice
+    names capture.replay_block first; elsewhere, or with blocks already, the sizes to lower."""
+    from types import SimpleNamespace
+
+    from longstraw_cli.trainer import Trainer
+
+    cfg = SimpleNamespace(group_size=8, response_tokens=32768,
+                          transaction=SimpleNamespace(replay_block=replay_block))
+    advice = Trainer._memory_advice(SimpleNamespace(cfg=cfg), phase)
+    assert ("capture.replay_block=N" in advice) == names_blocks
+    assert "lower group_size=8, response_tokens, prompt_tokens or capture.block_size" in advice
+    if names_blocks:
+        assert advice.startswith("capture.replay_block=N replays and scores each response in blocks of N tokens")
+        assert "response_tokens=32768" in advice
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_without_a_gpu_is_one_line(train_here, tmp_path):
     one_line(train_here, [*SMALL, "device=cuda", f"run_dir={tmp_path / 'run'}"],
