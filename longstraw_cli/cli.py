@@ -265,11 +265,33 @@ def _task(cfg) -> None:
             if hydra_cfg.mode == RunMode.MULTIRUN:
                 where += f" (sweep job {hydra_cfg.job.num} in {Path(hydra_cfg.sweep.dir).resolve()})"
             notice(where, _rank())
+            _warn_if_planned_over(cfg, trainer)
             trainer.train()
     except RunError as e:
         if full_error:
             raise
         _stop(e)
+
+
+def _warn_if_planned_over(cfg, trainer) -> None:
+    """On a GPU, before step 0: one line where the plan of this run exceeds the GPU's memory (`preflight`), so a
+    run that would run out of memory in its first replay says so before its rollout. Only where the task's prompts
+    are prompt_tokens long; a config the planner cannot model is skipped, in the log."""
+    if trainer.device.type != "cuda" or not trainer.task.uses_prompt_tokens:
+        return
+    import torch
+
+    try:
+        line = preflight(cfg, torch.cuda.get_device_properties(trainer.device).total_memory)
+    except Exception as e:  # noqa: BLE001 - an estimate only: never stops a run
+        from longstraw_cli.errors import first_line
+
+        logging.getLogger("longstraw").info("no memory plan for this run (%s)", first_line(e))
+        return
+    if line is not None:
+        from longstraw_cli.telemetry.progress import notice
+
+        notice(line, _rank())
 
 
 def parse_train_argv(argv: list[str]):
@@ -335,8 +357,7 @@ def plan(argv: list[str]) -> int:
     from hydra import compose, initialize_config_dir
 
     from longstraw_cli import plan as planner
-    from longstraw_cli.config import ConfigError, ModelConfig, expand_paths
-    from longstraw_cli.rollout.native import NativeConfig
+    from longstraw_cli.config import ConfigError
 
     if any(a in ("-h", "--help") for a in argv):
         print(PLAN_USAGE)
@@ -370,32 +391,43 @@ def plan(argv: list[str]) -> int:
         cfg = compose("config", overrides=overrides)
     # the training config's own checks of model.name / path / dtype
     try:
-        model = ModelConfig(**expand_paths({"model": OmegaConf.to_container(cfg.model, resolve=True)})["model"])
-        _, model_cfg = model.family_config()
+        model_cfg, title, common = plan_arguments(cfg, gpu_mem_gib=gib["gpu_mem_gib"],
+                                                  host_mem_gib=gib["host_mem_gib"], kernels=own["kernels"])
     except (ConfigError, ValueError) as e:
         _fail(str(e))
-
-    def integer(key: str) -> int:
-        value = OmegaConf.select(cfg, key)
-        if isinstance(value, bool) or not isinstance(value, int):
-            _fail(f"{key}={value!r} must be an integer")
-        return value
-
     if OmegaConf.select(cfg, "rollout.engine") == "vllm":
         share = OmegaConf.select(cfg, "rollout.vllm.gpu_memory_utilization")
         print(f"rollout=vllm: vLLM's own memory (rollout.vllm.gpu_memory_utilization={share} of the GPU while it "
               "generates) is not planned; the rollout phase below is the native decode's")
-    return planner.report(
-        model_cfg, model.path or model.name, prompts or [integer("prompt_tokens")], cp=integer("cp"),
-        ep=integer("ep"), group_size=integer("group_size"), response_tokens=integer("response_tokens"),
-        dtype=model.dtype, lora_rank=integer("lora.rank"), quantize=str(OmegaConf.select(cfg, "lora.quantize")),
-        gpu_mem_gib=gib["gpu_mem_gib"], block_size=integer("capture.block_size"),
-        score_batch=integer("capture.score_batch"), logprob_chunk=integer("capture.logprob_chunk"),
-        kernels=own["kernels"], gradient=str(OmegaConf.select(cfg, "capture.gradient")),
+    return planner.report(model_cfg, title, prompts or [OmegaConf.select(cfg, "prompt_tokens")], **common)
+
+
+def plan_arguments(cfg, *, gpu_mem_gib: float, host_mem_gib: float, kernels: str = "auto"):
+    """The planner's view of the run `longstraw train` launches from the composed config `cfg`: (the model's
+    config, its name or path, the keyword arguments of `plan.plan` but prompt_tokens). ConfigError / ValueError on
+    a bad value."""
+    from longstraw_cli.config import ConfigError, ModelConfig, expand_paths
+    from longstraw_cli.rollout.native import NativeConfig
+
+    model = ModelConfig(**expand_paths({"model": OmegaConf.to_container(cfg.model, resolve=True)})["model"])
+    _, model_cfg = model.family_config()
+
+    def integer(key: str) -> int:
+        value = OmegaConf.select(cfg, key)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}={value!r} must be an integer")
+        return value
+
+    common = dict(
+        cp=integer("cp"), ep=integer("ep"), group_size=integer("group_size"),
+        response_tokens=integer("response_tokens"), dtype=model.dtype, lora_rank=integer("lora.rank"),
+        quantize=str(OmegaConf.select(cfg, "lora.quantize")), gpu_mem_gib=gpu_mem_gib,
+        block_size=integer("capture.block_size"), score_batch=integer("capture.score_batch"),
+        logprob_chunk=integer("capture.logprob_chunk"), kernels=kernels,
+        gradient=str(OmegaConf.select(cfg, "capture.gradient")),
         walk_checkpoint=bool(OmegaConf.select(cfg, "capture.walk_checkpoint")),
         reuse=integer("capture.reuse_steps") > 1, probe_tokens=integer("capture.probe_tokens"),
-        offload=str(OmegaConf.select(cfg, "capture.offload")),
-        host_mem_gib=gib["host_mem_gib"],
+        offload=str(OmegaConf.select(cfg, "capture.offload")), host_mem_gib=host_mem_gib,
         offload_copy_gib=OmegaConf.select(cfg, "rollout.native.offload_copy_gib", default="auto"),
         replay_routing=OmegaConf.select(cfg, "rollout.replay_routing", default="auto"),
         replay_block=integer("capture.replay_block"),
@@ -404,3 +436,24 @@ def plan(argv: list[str]) -> int:
                         else NativeConfig.response_chunk),
         # the score phase runs a forward for the KL reference or for a rollout that gives no log-probs of ours
         scoring=float(OmegaConf.select(cfg, "algo.kl_coef")) > 0 or OmegaConf.select(cfg, "rollout.engine") != "native")
+    integer("prompt_tokens")
+    return model_cfg, model.path or model.name, common
+
+
+def preflight(cfg, gpu_bytes: int) -> str | None:
+    """A line for the user where the plan of this run (composed config `cfg`, at its prompt_tokens) does not fit
+    `gpu_bytes` of GPU memory per rank, naming the phase and, for whole-response replays, capture.replay_block;
+    None where it fits. The plan is an estimate (within ~10% of measured peaks): a warning, not a refusal."""
+    from longstraw_cli import plan as planner
+
+    model_cfg, _, common = plan_arguments(cfg, gpu_mem_gib=gpu_bytes / planner.GIB, host_mem_gib=1e9)
+    p = planner.plan(model_cfg, prompt_tokens=OmegaConf.select(cfg, "prompt_tokens"), **common)
+    if p["peak"] <= p["budget"]:
+        return None
+    phase = max(p["phases"], key=p["phases"].get)
+    line = (f"the plan puts this run's peak at {p['peak'] / planner.GIB:.1f} GiB per rank ({phase}), over this GPU's "
+            f"{gpu_bytes / planner.GIB:.1f} GiB")
+    if phase in ("replay", "score") and common["replay_block"] == 0:
+        line += (f"; whole responses of response_tokens={common['response_tokens']}: capture.replay_block=N replays "
+                 "and scores them in blocks of N tokens")
+    return line + " (`longstraw plan` with the same overrides shows each phase)"

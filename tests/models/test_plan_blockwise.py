@@ -5,6 +5,7 @@ that fits beside the prompt."""
 
 import pytest
 
+from conftest import composed
 from longstraw_cli.plan import max_response_tokens, plan, report
 
 MIB = 2**20
@@ -88,3 +89,53 @@ def test_block_graph_and_response_state_match_the_accounting(name, dtype, overri
           f"planned {p['response_state']} B, measured {meter.held_peak_bytes} B")
     assert abs(p["response_graph"] / meter.peak_bytes - 1) < tolerance
     assert abs(p["response_state"] / meter.held_peak_bytes - 1) < tolerance
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    # the 27B shape's whole replay at R = 4K plans 171.5 GiB: the line names the replay and capture.replay_block
+    (["response_tokens=4096"], "(replay), over this GPU's 139.0 GiB; whole responses of response_tokens=4096: "
+                               "capture.replay_block=N replays and scores them in blocks of N tokens"),
+    # in blocks it fits: no line
+    (["response_tokens=4096", "capture.replay_block=256"], None),
+    # over in blocks too (a prompt past memory): the phase, without the replay_block advice
+    (["response_tokens=4096", "capture.replay_block=256", "prompt_tokens=4194304"], "over this GPU's 139.0 GiB ("),
+])
+def test_train_warns_before_step_0_where_the_plan_exceeds_the_gpu(overrides, expected):
+    """`longstraw train` on a GPU runs `preflight` with the device's memory before step 0 (cli._warn_if_planned_over;
+    not run here: it needs CUDA): a line where the plan of the run does not fit, None where it does."""
+    from omegaconf import OmegaConf
+
+    from longstraw_cli.cli import preflight
+
+    cfg = OmegaConf.create(composed(["model=qwen36", "lora.rank=16", "group_size=2", "prompt_tokens=262144",
+                                     "run_dir=x", *overrides]))
+    line = preflight(cfg, 139 * 2**30)
+    if expected is None:
+        assert line is None
+    else:
+        assert line.startswith("the plan puts this run's peak at ") and expected in line, line
+        assert line.endswith("(`longstraw plan` with the same overrides shows each phase)")
+        assert ("capture.replay_block" in line) == ("replay_block=256" not in " ".join(overrides))
+
+
+def test_the_warning_is_one_line_on_rank_0_and_never_stops_a_run(monkeypatch, capsys):
+    """cli._warn_if_planned_over with a stand-in CUDA device of 139 GiB: the line on stderr; a config the planner
+    refuses (qwen36 with ep=2) prints nothing and raises nothing; a CPU device is not planned."""
+    from types import SimpleNamespace
+
+    import torch
+    from omegaconf import OmegaConf
+
+    from longstraw_cli import cli
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=139 * 2**30))
+    monkeypatch.delenv("RANK", raising=False)
+    gpu = SimpleNamespace(device=torch.device("cuda", 0), task=SimpleNamespace(uses_prompt_tokens=True))
+    base = ["model=qwen36", "lora.rank=16", "group_size=2", "prompt_tokens=262144", "run_dir=x", "response_tokens=4096"]
+    cli._warn_if_planned_over(OmegaConf.create(composed(base)), gpu)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("longstraw: the plan puts this run's peak at 171.5 GiB"), err
+    cli._warn_if_planned_over(OmegaConf.create(composed([*base, "ep=2"])), gpu)  # qwen36 has no experts: refused
+    cpu = SimpleNamespace(device=torch.device("cpu"), task=gpu.task)
+    cli._warn_if_planned_over(OmegaConf.create(composed(base)), cpu)
+    assert capsys.readouterr().err == ""
