@@ -436,7 +436,7 @@ def plan_arguments(cfg, *, gpu_mem_gib: float, host_mem_gib: float, kernels: str
                         else NativeConfig.response_chunk),
         # the score phase runs a forward for the KL reference or for a rollout that gives no log-probs of ours
         scoring=float(OmegaConf.select(cfg, "algo.kl_coef")) > 0 or OmegaConf.select(cfg, "rollout.engine") != "native")
-    integer("prompt_tokens")
+    integer("prompt_tokens")  # checked here; the callers take one length (train) or a list (plan) of their own
     return model_cfg, model.path or model.name, common
 
 
@@ -446,14 +446,13 @@ def preflight(cfg, gpu_bytes: int) -> str | None:
     None where it fits. The plan is an estimate (within ~10% of measured peaks): a warning, not a refusal."""
     from longstraw_cli import plan as planner
 
+    # the GPU's budget only: host memory is checked by the trainer itself (capture.offload)
     model_cfg, _, common = plan_arguments(cfg, gpu_mem_gib=gpu_bytes / planner.GIB, host_mem_gib=1e9)
     p = planner.plan(model_cfg, prompt_tokens=OmegaConf.select(cfg, "prompt_tokens"), **common)
     if p["peak"] <= p["budget"]:
         return None
     phase = max(p["phases"], key=p["phases"].get)
-    line = (f"the plan puts this run's peak at {p['peak'] / planner.GIB:.1f} GiB per rank ({phase}), over this GPU's "
-            f"{gpu_bytes / planner.GIB:.1f} GiB")
-    if phase in ("replay", "score") and common["replay_block"] == 0:
-        line += (f"; whole responses of response_tokens={common['response_tokens']}: capture.replay_block=N replays "
-                 "and scores them in blocks of N tokens")
-    return line + " (`longstraw plan` with the same overrides shows each phase)"
+    blocks = planner.whole_response_advice(phase, common["replay_block"], common["response_tokens"])
+    return (f"the plan puts this run's peak at {p['peak'] / planner.GIB:.1f} GiB per rank ({phase}), over this GPU's "
+            f"{gpu_bytes / planner.GIB:.1f} GiB{'' if blocks is None else '; ' + blocks} (`longstraw plan` with the "
+            "same overrides shows each phase)")

@@ -45,6 +45,7 @@ from longstraw_cli.inputs import InputError, check_prompt, check_prompts
 from longstraw_cli.lora import adapters_disabled, apply_lora
 from longstraw_cli.models import build_model, from_pretrained
 from longstraw_cli.models.spec import family_of
+from longstraw_cli.plan import whole_response_advice
 from longstraw_cli.preemption import Preempted, Preemption
 from longstraw_cli.quantize import DenseCache, dense_copies, nf4_modules
 from longstraw_cli.resident.offload import host_available_bytes, host_bytes
@@ -546,13 +547,11 @@ class Trainer:
             raise
 
     def _memory_advice(self, phase: str | None) -> str:
-        """What to change after running out of memory in `phase`: a replay or scoring of whole responses holds a
-        response's whole graph or activations, which capture.replay_block bounds by a block."""
-        lower = (f"lower group_size={self.cfg.group_size}, response_tokens, prompt_tokens or capture.block_size")
-        if phase in ("replay", "score") and self.cfg.transaction.replay_block == 0:
-            return (f"capture.replay_block=N replays and scores each response in blocks of N tokens (one block's "
-                    f"graph instead of response_tokens={self.cfg.response_tokens}'s), or {lower}")
-        return lower
+        """What to change after running out of memory in `phase`: capture.replay_block first where whole responses
+        were replayed or scored (`whole_response_advice`), else the sizes to lower."""
+        lower = f"lower group_size={self.cfg.group_size}, response_tokens, prompt_tokens or capture.block_size"
+        blocks = whole_response_advice(phase, self.cfg.transaction.replay_block, self.cfg.response_tokens)
+        return lower if blocks is None else f"{blocks}, or {lower}"
 
     def _preempted(self, signal_name: str, done: int) -> None:
         # rank 0 writes the checkpoint: no rank exits (and ends the launch) before it is whole

@@ -32,7 +32,8 @@ from longstraw_cli.resident.gradient import check_gradient_mode
 from longstraw_cli.resident.offload import OFFLOAD_NAMES, offload_refusal
 from longstraw_cli.rollout.native import NativeConfig
 
-__all__ = ["GIB", "KERNELS", "main", "max_prompt_tokens", "max_response_tokens", "plan", "report"]
+__all__ = ["GIB", "KERNELS", "main", "max_prompt_tokens", "max_response_tokens", "plan", "report",
+           "whole_response_advice"]
 
 
 def _family(model_name_or_cfg):
@@ -131,6 +132,16 @@ def plan(model_name_or_cfg, *, cp: int = 1, ep: int = 1, prompt_tokens: int, gro
         "scoring": scoring, **out, "peak": peak, "budget": budget, "host_budget": host_budget,
         "fits": peak <= budget and out["host"] + out.get("routing_records_host", 0) <= host_budget,
     }
+
+
+def whole_response_advice(phase: str | None, replay_block: int, response_tokens: int) -> str | None:
+    """What to set where memory runs out (or is planned to) in `phase`: the replay and the scoring of whole
+    responses (capture.replay_block 0) hold a response's whole graph or activations, which capture.replay_block=N
+    bounds by a block. None for other phases, or with blocks already."""
+    if phase in ("replay", "score") and replay_block == 0:
+        return (f"whole responses of response_tokens={response_tokens}: capture.replay_block=N replays and scores "
+                "them in blocks of N tokens")
+    return None
 
 
 def max_prompt_tokens(model_name_or_cfg, *, gpu_mem_gib: float = 139.0, limit: int = 2**34, **kwargs) -> int:
