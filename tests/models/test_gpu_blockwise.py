@@ -2,9 +2,7 @@
 whole-response replay's within bf16 noise, and every attention backward of a block runs on the GPU kernels, never on
 the torch reference: qwen36_mini's on flash (`dispatch.split_new_keys`), glm52_mini's sparse MLA on the Triton
 backward, which forms the gradient of the response's own latent and rope keys (leaves of a block). glm52's top-k
-selections flip with bf16 rounding, so its bound is against fp32 (below)."""
-
-import copy
+selections flip with bf16 rounding, so its two replays are compared under one recorded routing (below)."""
 
 import pytest
 import torch
@@ -12,6 +10,7 @@ import torch
 from conftest import rel_err
 from longstraw_cli.lora import LoraConfig, apply_lora
 from longstraw_cli.models import build_model
+from longstraw_cli.models.glm52.routing import RoutingRecord, forcing, recording
 from longstraw_kernels.attention import flash, reference
 from longstraw_kernels.mla import reference as mla_reference
 
@@ -48,38 +47,40 @@ def test_blockwise_replay_runs_on_flash_and_equals_the_whole_replay(monkeypatch)
     assert err <= 3e-2
 
 
-def test_glm52_blockwise_replay_runs_on_triton_and_is_as_close_to_fp32_as_the_whole_replay(monkeypatch):
+def test_glm52_blockwise_replay_runs_on_triton_and_equals_the_whole_replay_under_one_routing(monkeypatch):
     """glm52's router and DSA indexer pick their top-k from bf16 scores, so a different block shape can flip a
-    selection: per parameter the blockwise bf16 gradient measured up to 9.9e-2 from the whole bf16 replay's on an
-    H200. So both are held against the fp32 whole replay, on the whole LoRA gradient vector (as test_gpu_exact
-    holds glm52's bf16 walk: 0.15), and the blocks may not be much further from it than the whole replay is."""
+    selection: unforced, the blockwise bf16 gradient measured 9.9e-2 from the whole bf16 replay's on one parameter
+    on an H200 (0 reference calls). Here the response's routing is recorded once (graph-free, as the scoring of a
+    vLLM rollout records it) and forced in both replays (`rollout.replay_routing`, models/glm52/routing.py), so
+    only bf16 rounding separates them, as for qwen36 above. The bound is qwen36's measured noise with room; not
+    yet run on a GPU in this form."""
     model = build_model("glm52_mini", dtype=torch.bfloat16, device="cuda", seed=0, num_hidden_layers=4)
-    apply_lora(model, LoraConfig(rank=16), dtype=torch.float32)
-    reference_model = copy.deepcopy(model).float()
+    params = apply_lora(model, LoraConfig(rank=16), dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, model.config.vocab_size, (8192,), generator=g).cuda()
     response = torch.randint(0, model.config.vocab_size, (700,), generator=g).cuda()
+    resident = model.capture(prompt, block_size=4096)
     weights = torch.rand(len(response), generator=g).cuda()
+    record = RoutingRecord.empty(model, 1, len(response), resident.num_tokens)
+    with torch.no_grad(), recording(model, record):
+        model.logprobs(resident, response)
 
-    def flat_grad(m):
-        out = torch.cat([p.grad.float().flatten() for p in m.parameters() if p.grad is not None])
-        m.zero_grad(set_to_none=True)
+    def grads():
+        out = [p.grad.clone() for p in params]
+        model.zero_grad(set_to_none=True)
         return out
 
-    def whole(m):
-        resident = m.capture(prompt, block_size=4096)
-        m.logprobs(resident, response, grad=True).float().mul(weights).sum().backward()
-        return resident, flat_grad(m)
-
-    _, want = whole(reference_model)
-    resident, got_whole = whole(model)
+    with forcing(model, record):
+        model.logprobs(resident, response, grad=True).float().mul(weights).sum().backward()
+    whole = grads()
     calls = []
     original = mla_reference._SparseMLA.apply
     monkeypatch.setattr(mla_reference._SparseMLA, "apply", lambda *a: calls.append(1) or original(*a))
-    model.replay_blocks(resident, response, lambda logp: weights.to(logp.dtype), 256)
-    got_blocks = flat_grad(model)
-    err_whole, err_blocks = rel_err(got_whole, want), rel_err(got_blocks, want)
-    print(f"glm52_mini against the fp32 whole replay: bf16 whole {err_whole:.2e}, bf16 blocks of 256 {err_blocks:.2e}; "
+    with forcing(model, record):
+        model.replay_blocks(resident, response, lambda logp: weights.to(logp.dtype), 256)
+    blocks = grads()
+    err = max(rel_err(b, w) for b, w in zip(blocks, whole) if w.norm() > 0)
+    print(f"glm52_mini blockwise (256 of 700) against whole, one routing, bf16: max rel err {err:.2e}; "
           f"reference calls {len(calls)}")
     assert not calls
-    assert err_blocks < 0.15 and err_blocks < 2 * err_whole + 1e-2
+    assert err <= 5e-2
