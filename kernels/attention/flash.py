@@ -8,8 +8,8 @@ instead; they are one response long. Causal masks differ between kernels in alig
 bottom-right in flash-attn >= 2.1); both agree when R == S, and R == 1 needs no mask: other shapes take the
 reference.
 
-Backward: aten's flash attention backward, called per part with the GLOBAL out and lse (the ring-attention
-identity, see README.md): it recomputes each part's probabilities exactly and gives dq, and dk/dv of that part.
+Backward: cuDNN's attention backward where the forward is cuDNN's (aten's flash backward otherwise, or for a shape
+cuDNN refuses), called per part with the GLOBAL out and lse (the ring-attention identity, see README.md): it recomputes each part's probabilities exactly and gives dq, and dk/dv of that part.
 Pages are taken in chunks of `BACKWARD_PAGE_CHUNK` so the kernel's page-gradient buffers stay bounded. Frozen
 pages (no page gradient asked, as in every response-only replay) skip it: their share of dq comes from
 triton_page_dq.py, three of the five products, with no page-sized buffers. The
@@ -132,11 +132,33 @@ def _dense_aux(device: torch.device):
     return out[2], out[3], out[6], out[7]
 
 
-def attend_backward(dout_BHLD, q_BHLD, k_BHMD, v_BHMD, out_BHLD, lse_BHL, causal: bool, scale: float):
-    """(dq, dk, dv) of one part of the keys, given the GLOBAL out and lse of the rows (aten flash backward)."""
+@functools.cache
+def _cudnn_dense_aux(device: torch.device):
+    """The same for aten's cuDNN attention: (cum_seq_q, cum_seq_k, philox_seed, philox_offset)."""
+    x = torch.zeros(1, 1, 8, 64, dtype=torch.bfloat16, device=device)
+    out = torch.ops.aten._scaled_dot_product_cudnn_attention(x, x, x, None, True, 0.0, False, False)
+    return out[2], out[3], out[6], out[7]
+
+
+def attend_backward(dout_BHLD, q_BHLD, k_BHMD, v_BHMD, out_BHLD, lse_BHL, causal: bool, scale: float,
+                    backend: str = "flash"):
+    """(dq, dk, dv) of one part of the keys, given the GLOBAL out and lse of the rows (the ring-attention identity:
+    torch's own context-parallel attention calls both backwards this way). backend "cudnn": cuDNN's backward (on
+    an H200 at head dim 256 several times aten flash's rate, as its forward is), falling back to aten flash for a
+    shape cuDNN refuses (logged once); otherwise aten flash's backward."""
+    dout_BHLD, out_BHLD = dout_BHLD.contiguous(), out_BHLD.contiguous()
+    if backend == "cudnn":
+        cum_q, cum_k, philox_seed, philox_offset = _cudnn_dense_aux(q_BHLD.device)
+        try:
+            return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+                dout_BHLD, q_BHLD, k_BHMD, v_BHMD, out_BHLD, lse_BHL.float().unsqueeze(-1).contiguous(),
+                philox_seed, philox_offset, None, cum_q, cum_k, q_BHLD.shape[2], k_BHMD.shape[2], 0.0, causal,
+                scale=scale)
+        except RuntimeError as exc:
+            _warn_cudnn_fallback("backward: " + str(exc).splitlines()[0][:200])
     cum_q, cum_k, philox_seed, philox_offset = _dense_aux(q_BHLD.device)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout_BHLD.contiguous(), q_BHLD, k_BHMD, v_BHMD, out_BHLD.contiguous(), lse_BHL.contiguous(),
+        dout_BHLD, q_BHLD, k_BHMD, v_BHMD, out_BHLD, lse_BHL.contiguous(),
         cum_q, cum_k, q_BHLD.shape[2], k_BHMD.shape[2], 0.0, causal, philox_seed, philox_offset, scale=scale,
     )
     return dq, dk, dv
@@ -252,6 +274,7 @@ def flash_replay_attention_backward(saved, needs_grad, dout_BRQD, dlse_BQR, *, s
     B, R, Q, D = q_BRQD.shape
     P, K = k_pages_PKD.shape[:2]
     S, G = k_new_BSKD.shape[1], Q // K
+    backend = forward_backend()
     dout_BRQD = dout_BRQD.to(q_BRQD.dtype)
     dq_BQRD = torch.zeros(B, Q, R, D, dtype=torch.float32, device=q_BRQD.device)
     dk_new_BSKD = dv_new_BSKD = dk_pages_PKD = dv_pages_PKD = None
@@ -259,7 +282,7 @@ def flash_replay_attention_backward(saved, needs_grad, dout_BRQD, dlse_BQR, *, s
         k_BQSD = k_new_BSKD.transpose(1, 2).repeat_interleave(G, dim=1)
         v_BQSD = v_new_BSKD.transpose(1, 2).repeat_interleave(G, dim=1)
         dq, dk_BQSD, dv_BQSD = attend_backward(dout_BRQD.transpose(1, 2), q_BRQD.transpose(1, 2), k_BQSD,
-                                               v_BQSD, out_BRQD.transpose(1, 2), lse_BQR, R > 1, scale)
+                                               v_BQSD, out_BRQD.transpose(1, 2), lse_BQR, R > 1, scale, backend)
         dq_BQRD += dq.float()
         # the expanded keys' gradients sum over the G query heads of each kv head
         if need_kn:
@@ -284,7 +307,7 @@ def flash_replay_attention_backward(saved, needs_grad, dout_BRQD, dlse_BQR, *, s
             p1 = min(P, p0 + BACKWARD_PAGE_CHUNK)
             dq, dk_1KND, dv_1KND = attend_backward(
                 do_1KMD, q_1KMD, k_pages_PKD[p0:p1].transpose(0, 1)[None],
-                v_pages_PKD[p0:p1].transpose(0, 1)[None], out_1KMD, lse_1KM, False, scale)
+                v_pages_PKD[p0:p1].transpose(0, 1)[None], out_1KMD, lse_1KM, False, scale, backend)
             dq_1KMD += dq.float()
             if need_kp:
                 dk_pages_PKD[p0:p1] = dk_1KND[0].transpose(0, 1)

@@ -28,7 +28,8 @@ def attention_inputs(B, R, S, P, Q, K, D, dtype, seed=0):
     (1, 200, 200, 0, 16, 2, 256),    # first capture block: no pages yet
 ])
 def test_flash_replay_attention_matches_reference(backend, page_ranges, B, R, S, P, Q, K, D, monkeypatch):
-    """Forward through each aten kernel, backward through aten's flash backward with the global out and lse;
+    """Forward through each aten kernel, backward through the same kernel's backward (cuDNN's, or aten flash's)
+    with the global out and lse;
     all gradients (queries, new keys and pages) against the fp64 reference on the same bf16 inputs.
     page_ranges: ranges of at least 1,000 pages, so that the pages' forward runs as a batch of ranges
     (`flash.attend_pages`) wherever the rows give few programs (5,000 pages: 5 ranges; 4,096: 4 and a rest)."""
@@ -49,11 +50,11 @@ def test_flash_replay_attention_matches_reference(backend, page_ranges, B, R, S,
     q64, kp64, vp64, kn64, vn64 = (t.detach().double().requires_grad_(True) for t in (q, kp, vp, kn, vn))
     ref_out, ref_lse = reference(q64, kp64, vp64, kn64, vn64, scale=D**-0.5, return_lse=True)
     assert rel_err(out, ref_out) < 2e-2 and rel_err(lse, ref_lse) < 1e-3
-    # the requested kernel ran: cuDNN did not refuse the shape and fall back
-    assert flash._warn_cudnn_fallback.cache_info().misses == 0
     dout = torch.randn_like(ref_out)
     (out.float() * dout).sum().backward()
     (ref_out * dout).sum().backward()
+    # the requested kernels ran, forward and backward: cuDNN did not refuse a shape and fall back
+    assert flash._warn_cudnn_fallback.cache_info().misses == 0
     for got, want in ((q.grad, q64.grad), (kp.grad, kp64.grad), (vp.grad, vp64.grad), (kn.grad, kn64.grad),
                       (vn.grad, vn64.grad)):
         if want is not None and want.norm() > 0:
