@@ -76,20 +76,30 @@ def use_triton(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV=None,
                                                    chunk_size)
 
 
-def gdn_forward(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV=None, scale=None, chunk_size=64):
-    """gdn_chunked's contract. On CUDA: our Triton op when a gradient is needed (see `use_triton`), fla's forward
-    when none is and v is bf16/fp16; gdn_chunked everywhere else (CPU, fp64, T = 0)."""
-    inputs = (q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV)
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
-    if needs_grad and use_triton(*inputs, chunk_size):
-        return triton_chunk().gdn_chunked_triton(*inputs, scale, chunk_size)
-    kernel = fla_forward() if v_BTGV.is_cuda and v_BTGV.dtype in (torch.bfloat16, torch.float16) else None
-    if kernel is None or needs_grad or chunk_size != 64 or v_BTGV.shape[1] == 0:
-        return gdn_chunked(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV, scale, chunk_size)
+def fla_chunk(kernel, q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV=None, scale=None):
+    """fla's chunked forward `kernel` (graph-free) under gdn_chunked's contract: q and k cast to v's dtype, g fp32,
+    beta v's dtype, the state fp32. -> (o_BTGV in v's dtype, final state fp32 [B, G, K, V])."""
     dtype = v_BTGV.dtype
     state = None if initial_state_BGKV is None else initial_state_BGKV.float().contiguous()
-    o_BTGV, final_BGKV = kernel(
+    return kernel(
         q_BTHK.to(dtype), k_BTHK.to(dtype), v_BTGV, g_BTG.float(), beta_BTG.to(dtype),
         scale=q_BTHK.shape[-1] ** -0.5 if scale is None else scale, initial_state=state, output_final_state=True,
     )
-    return o_BTGV, final_BGKV
+
+
+def gdn_forward(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV=None, scale=None, chunk_size=64):
+    """gdn_chunked's contract. On CUDA: our Triton op when a gradient is needed (see `use_triton`), fla's forward
+    when none is and v is bf16/fp16; gdn_chunked everywhere else (CPU, fp64, T = 0). Where both serve (a gradient
+    is needed, v bf16/fp16, fla installed) the Triton op takes its forward values from fla's kernel, as graph-free
+    work computes them, and only its backward runs our own (fp32) scan: exact mode's walk then recomputes each
+    block as the capture computed it, and neither the walk nor a replay pays our slower fp32 forward."""
+    inputs = (q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+    kernel = fla_forward() if v_BTGV.is_cuda and v_BTGV.dtype in (torch.bfloat16, torch.float16) else None
+    fla_serves = kernel is not None and chunk_size == 64 and v_BTGV.shape[1] > 0
+    if needs_grad and use_triton(*inputs, chunk_size):
+        forward = functools.partial(fla_chunk, kernel) if fla_serves else None
+        return triton_chunk().gdn_chunked_triton(*inputs, scale, chunk_size, forward=forward)
+    if not fla_serves or needs_grad:
+        return gdn_chunked(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV, scale, chunk_size)
+    return fla_chunk(kernel, *inputs, scale)

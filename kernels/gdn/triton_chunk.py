@@ -199,15 +199,18 @@ class TritonGDN(torch.autograd.Function):
     inputs only."""
 
     @staticmethod
-    def forward(ctx, q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV, scale, chunk_size):
+    def forward(ctx, q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV, scale, chunk_size, forward_fn):
+        ctx.save_for_backward(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV)
+        ctx.scale, ctx.chunk_size = scale, chunk_size
+        ctx.set_materialize_grads(False)
+        if forward_fn is not None:
+            o_BTGV, final_BGKV = forward_fn(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV, scale)
+            return o_BTGV.to(v_BTGV.dtype), final_BGKV.float()
         q_BGTK, k_BGTK, v_BGTV, g_BGT, beta_BGT, state_BGKV = prepare_inputs(
             q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV, scale)
         terms = chunk_terms(q_BGTK, k_BGTK, v_BGTV, g_BGT, beta_BGT, chunk_size)
         u_BGNCV, states_BGNKV, final_BGKV = scan_forward(terms, None if initial_state_BGKV is None else state_BGKV)
         o_BGTV = _output(terms, u_BGNCV, states_BGNKV, v_BTGV.shape[1])
-        ctx.save_for_backward(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV)
-        ctx.scale, ctx.chunk_size = scale, chunk_size
-        ctx.set_materialize_grads(False)
         return o_BGTV.transpose(1, 2).contiguous().to(v_BTGV.dtype), final_BGKV
 
     @staticmethod
@@ -215,7 +218,7 @@ class TritonGDN(torch.autograd.Function):
         inputs = ctx.saved_tensors
         needs = ctx.needs_input_grad[:6]
         if (do_BTGV is None and dfinal_BGKV is None) or not any(needs):
-            return (None,) * 8
+            return (None,) * 9
         leaves = [None if t is None else t.detach().requires_grad_(need) for t, need in zip(inputs, needs)]
         with torch.enable_grad():
             q_BGTK, k_BGTK, v_BGTV, g_BGT, beta_BGT, state_BGKV = prepare_inputs(*leaves, ctx.scale)
@@ -254,15 +257,17 @@ class TritonGDN(torch.autograd.Function):
             else:
                 grad = next(grads)
                 input_grads.append(torch.zeros_like(leaf) if grad is None else grad)
-        return (*input_grads, None, None)
+        return (*input_grads, None, None, None)
 
 
 def gdn_chunked_triton(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV=None, scale=None,
-                       chunk_size=64):
+                       chunk_size=64, forward=None):
     """gdn_chunked's contract and gradients (every input, the initial state included; the final state's gradient
-    flows back) for inputs `supported` takes. -> (o_BTGV in v's dtype, final_state_BGKV fp32)."""
+    flows back) for inputs `supported` takes. -> (o_BTGV in v's dtype, final_state_BGKV fp32).
+    forward: a graph-free function under the same contract (fla's chunked kernel: fla_gpu.fla_chunk) that gives the
+    forward values instead of this op's own scan; the backward is this op's either way (it recomputes its terms)."""
     if not supported(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV, chunk_size):
         raise ValueError(f"gdn_chunked_triton takes fp32 compute (fp32/bf16/fp16 inputs), T >= 1 and a chunk_size "
                          f"that is a power of two >= 16; got v {tuple(v_BTGV.shape)} {v_BTGV.dtype}, "
                          f"chunk_size={chunk_size}")
-    return TritonGDN.apply(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV, scale, chunk_size)
+    return TritonGDN.apply(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV, scale, chunk_size, forward)
