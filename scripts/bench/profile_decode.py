@@ -31,6 +31,18 @@ def timed(fn, n: int) -> float:
     return 1e3 * (time.perf_counter() - start) / n
 
 
+def summarise(prof, row: dict, name: str, top: int) -> None:
+    """The profiled step's kernel launches and kernel time into `row`, and its `top` kernels printed."""
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    events.sort(key=lambda e: -e.device_time_total)
+    row[f"{name}_kernels"] = sum(e.count for e in events)
+    row[f"{name}_kernel_ms"] = sum(e.device_time_total for e in events) / 1e3
+    row[f"{name}_top"] = [[e.key[:140], e.count, e.device_time_total / 1e3] for e in events[:top]]
+    print(f"{name}: {row[f'{name}_kernels']} kernel launches, {row[f'{name}_kernel_ms']:.2f} ms of kernel time; top:")
+    for e in events[:top]:
+        print(f"  {e.device_time_total / 1e3:7.3f} ms {e.count:5d}x  {e.key[:140]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen36_mini")
@@ -38,26 +50,21 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--capacity", type=int, default=512)
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--top", type=int, default=10, help="kernels listed per profile")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     model = build_model(args.model, dtype=torch.bfloat16, device="cuda", seed=0)
     prompt = torch.randint(0, 250, (args.prompt,), device="cuda")
     with torch.no_grad():
         resident = model.capture(prompt, block_size=16384)
-        row = {"model": args.model, "prompt": args.prompt, "group": args.group}
+        row = {"model": args.model, "prompt": args.prompt, "group": args.group, "capacity": args.capacity}
 
         decoder = model.decoder(resident, args.group, args.capacity)
         decoder.step()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             decoder.step()
             torch.cuda.synchronize()
-        events = [e for e in prof.key_averages() if e.device_time_total > 0]
-        events.sort(key=lambda e: -e.device_time_total)
-        row["eager_kernels"] = sum(e.count for e in events)
-        row["eager_kernel_ms"] = sum(e.device_time_total for e in events) / 1e3
-        print(f"{row['eager_kernels']} kernel launches, {row['eager_kernel_ms']:.2f} ms of kernel time; top:")
-        for e in events[:10]:
-            print(f"  {e.device_time_total / 1e3:7.3f} ms {e.count:5d}x  {e.key[:110]}")
+        summarise(prof, row, "eager", args.top)
 
         graphed = GraphedStep(decoder)
         graphed()
@@ -80,6 +87,11 @@ def main() -> None:
             torch.cuda.synchronize()
             row["compile_s"] = time.perf_counter() - start
             row["compiled_graph_ms"] = timed(graphed, 50)
+            # the compiled step's kernels, launched one by one (the graph replays the same kernels)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                graphed.step()
+                torch.cuda.synchronize()
+            summarise(prof, row, "compiled", args.top)
     print(json.dumps(row))
     if args.out:
         with open(args.out, "a") as f:
