@@ -9,12 +9,12 @@ bottom-right in flash-attn >= 2.1); both agree when R == S, and R == 1 needs no 
 reference.
 
 Backward: cuDNN's attention backward where the forward is cuDNN's (aten's flash backward otherwise, or for a shape
-cuDNN refuses), called per part with the GLOBAL out and lse (the ring-attention identity, see README.md): it recomputes each part's probabilities exactly and gives dq, and dk/dv of that part.
-Pages are taken in chunks of `BACKWARD_PAGE_CHUNK` so the kernel's page-gradient buffers stay bounded. Frozen
-pages (no page gradient asked, as in every response-only replay) skip it: their share of dq comes from
-triton_page_dq.py, three of the five products, with no page-sized buffers. The
-kernel cannot take a cotangent for the lse, so when the lse itself is used (context-parallel merges) the
-backward is the reference's.
+cuDNN refuses), called per part with the GLOBAL out and lse (the ring-attention identity, see README.md): it
+recomputes each part's probabilities exactly and gives dq, and dk/dv of that part. Pages are taken in chunks of
+`BACKWARD_PAGE_CHUNK` so the kernel's page-gradient buffers stay bounded. Frozen pages (no page gradient asked, as
+in every response-only replay) skip it: their share of dq comes from triton_page_dq.py, three of the five
+products, with no page-sized buffers. The kernels take no cotangent for the lse, so when the lse itself is used
+(context-parallel merges) the backward is the reference's.
 
 Forward kernels (`LONGSTRAW_ATTENTION` = auto | flash_attn | cudnn | flash):
 - flash_attn: the flash-attn package, when installed (source-only: it is imported lazily and never required);

@@ -14,17 +14,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch  # noqa: E402
+from profile_blockwise import timed  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from longstraw_cli.lora import LoraConfig, apply_lora  # noqa: E402
 from longstraw_cli.models import MODEL_NAMES, build_model  # noqa: E402
 from longstraw_cli.resident.gradient import StateGrad  # noqa: E402
 
+CUDA = torch.device("cuda")
 # kernel-name fragments -> family, first match wins (names as CUDA reports them)
 FAMILIES = (("flash", "attention (flash)"), ("fmha", "attention (flash)"), ("attn", "attention (other)"),
             ("chunk", "gdn"), ("gdn", "gdn"), ("recurrent", "gdn"), ("gemm", "matmul"), ("cutlass", "matmul"),
@@ -35,14 +36,6 @@ FAMILIES = (("flash", "attention (flash)"), ("fmha", "attention (flash)"), ("att
 def family(name: str) -> str:
     low = name.lower()
     return next((fam for key, fam in FAMILIES if key in low), "other")
-
-
-def timed(fn) -> float:
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t
 
 
 def main() -> None:
@@ -69,7 +62,7 @@ def main() -> None:
             with torch.no_grad():
                 holder["resident"] = model.capture(prompt, block_size=args.block, boundaries=True)
 
-        t_capture = timed(capture)
+        t_capture = timed(capture, CUDA)
         resident = holder.pop("resident")
         grad = StateGrad(resident)
         for layer in grad.layers:
@@ -78,10 +71,10 @@ def main() -> None:
         walk = lambda: model.prompt_backward(prompt, resident, grad, args.block,  # noqa: E731
                                              args.checkpoint_layers)
         if prof is None:
-            t_walk = timed(walk)
+            t_walk = timed(walk, CUDA)
         else:
             with prof:
-                t_walk = timed(walk)
+                t_walk = timed(walk, CUDA)
         model.zero_grad(set_to_none=True)
         return {"capture_s": t_capture, "walk_s": t_walk, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
 

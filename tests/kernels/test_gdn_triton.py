@@ -229,7 +229,8 @@ def test_cuda_fp32_is_ieee(T):
 def test_cuda_gdn_forward_takes_triton_with_grad(monkeypatch):
     calls = []
     op = triton_chunk.gdn_chunked_triton
-    monkeypatch.setattr(triton_chunk, "gdn_chunked_triton", lambda *a, **kw: calls.append(kw["forward"]) or op(*a, **kw))
+    monkeypatch.setattr(triton_chunk, "gdn_chunked_triton",
+                        lambda *a, **kw: calls.append(kw["forward"]) or op(*a, **kw))
     x = make_inputs(B=1, T=300, H=2, G=4, K=128, V=128, seed=1)
     args = [t.float() for t in x.values()]
     args[2] = args[2].bfloat16().requires_grad_()
