@@ -144,8 +144,8 @@ def attend_backward(dout_BHLD, q_BHLD, k_BHMD, v_BHMD, out_BHLD, lse_BHL, causal
                     backend: str = "flash"):
     """(dq, dk, dv) of one part of the keys, given the GLOBAL out and lse of the rows (the ring-attention identity:
     torch's own context-parallel attention calls both backwards this way). backend "cudnn": cuDNN's backward (on
-    an H200 at head dim 256 several times aten flash's rate, as its forward is), falling back to aten flash for a
-    shape cuDNN refuses (logged once); otherwise aten flash's backward."""
+    an H200 at head dim 256, exact mode's walk: 437 TFLOP/s against aten flash's 315), falling back to aten flash
+    for a shape cuDNN refuses (logged once); otherwise aten flash's backward."""
     dout_BHLD, out_BHLD = dout_BHLD.contiguous(), out_BHLD.contiguous()
     if backend == "cudnn":
         cum_q, cum_k, philox_seed, philox_offset = _cudnn_dense_aux(q_BHLD.device)
