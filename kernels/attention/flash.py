@@ -124,19 +124,15 @@ def attend(q_BHLD, k_BHMD, v_BHMD, causal: bool, scale: float, backend: str):
 
 
 @functools.cache
-def _dense_aux(device: torch.device):
-    """The sequence-length and RNG arguments that aten's flash forward hands its backward for dense (not
-    variable-length) inputs without dropout, taken from a tiny forward exactly as torch's own autograd does."""
+def _dense_aux(device: torch.device, backend: str):
+    """The sequence-length and RNG arguments that aten's flash (backend "flash") or cuDNN ("cudnn") attention
+    forward hands its backward for dense (not variable-length) inputs without dropout, taken from a tiny forward
+    exactly as torch's own autograd does: (cum_seq_q, cum_seq_k, philox_seed, philox_offset)."""
     x = torch.zeros(1, 1, 8, 64, dtype=torch.bfloat16, device=device)
-    out = torch.ops.aten._scaled_dot_product_flash_attention(x, x, x, 0.0, False, False)
-    return out[2], out[3], out[6], out[7]
-
-
-@functools.cache
-def _cudnn_dense_aux(device: torch.device):
-    """The same for aten's cuDNN attention: (cum_seq_q, cum_seq_k, philox_seed, philox_offset)."""
-    x = torch.zeros(1, 1, 8, 64, dtype=torch.bfloat16, device=device)
-    out = torch.ops.aten._scaled_dot_product_cudnn_attention(x, x, x, None, True, 0.0, False, False)
+    if backend == "cudnn":
+        out = torch.ops.aten._scaled_dot_product_cudnn_attention(x, x, x, None, True, 0.0, False, False)
+    else:
+        out = torch.ops.aten._scaled_dot_product_flash_attention(x, x, x, 0.0, False, False)
     return out[2], out[3], out[6], out[7]
 
 
@@ -148,7 +144,7 @@ def attend_backward(dout_BHLD, q_BHLD, k_BHMD, v_BHMD, out_BHLD, lse_BHL, causal
     for a shape cuDNN refuses (logged once); otherwise aten flash's backward."""
     dout_BHLD, out_BHLD = dout_BHLD.contiguous(), out_BHLD.contiguous()
     if backend == "cudnn":
-        cum_q, cum_k, philox_seed, philox_offset = _cudnn_dense_aux(q_BHLD.device)
+        cum_q, cum_k, philox_seed, philox_offset = _dense_aux(q_BHLD.device, "cudnn")
         try:
             return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
                 dout_BHLD, q_BHLD, k_BHMD, v_BHMD, out_BHLD, lse_BHL.float().unsqueeze(-1).contiguous(),
@@ -156,7 +152,7 @@ def attend_backward(dout_BHLD, q_BHLD, k_BHMD, v_BHMD, out_BHLD, lse_BHL, causal
                 scale=scale)
         except RuntimeError as exc:
             _warn_cudnn_fallback("backward: " + str(exc).splitlines()[0][:200])
-    cum_q, cum_k, philox_seed, philox_offset = _dense_aux(q_BHLD.device)
+    cum_q, cum_k, philox_seed, philox_offset = _dense_aux(q_BHLD.device, "flash")
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
         dout_BHLD, q_BHLD, k_BHMD, v_BHMD, out_BHLD, lse_BHL.contiguous(),
         cum_q, cum_k, q_BHLD.shape[2], k_BHMD.shape[2], 0.0, causal, philox_seed, philox_offset, scale=scale,
