@@ -8,13 +8,13 @@ sampling that follows each step. Prints a short table; --out appends one JSON ro
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch  # noqa: E402
+from rows import emit, kernel_times  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from longstraw_cli.models import build_model  # noqa: E402
@@ -33,14 +33,13 @@ def timed(fn, n: int) -> float:
 
 def summarise(prof, row: dict, name: str, top: int) -> None:
     """The profiled step's kernel launches and kernel time into `row`, and its `top` kernels printed."""
-    events = [e for e in prof.key_averages() if e.device_time_total > 0]
-    events.sort(key=lambda e: -e.device_time_total)
-    row[f"{name}_kernels"] = sum(e.count for e in events)
-    row[f"{name}_kernel_ms"] = sum(e.device_time_total for e in events) / 1e3
-    row[f"{name}_top"] = [[e.key[:140], e.count, e.device_time_total / 1e3] for e in events[:top]]
+    kernels = kernel_times(prof)
+    row[f"{name}_kernels"] = sum(count for _, count, _ in kernels)
+    row[f"{name}_kernel_ms"] = 1e3 * sum(secs for _, _, secs in kernels)
+    row[f"{name}_top"] = [[key[:140], count, 1e3 * secs] for key, count, secs in kernels[:top]]
     print(f"{name}: {row[f'{name}_kernels']} kernel launches, {row[f'{name}_kernel_ms']:.2f} ms of kernel time; top:")
-    for e in events[:top]:
-        print(f"  {e.device_time_total / 1e3:7.3f} ms {e.count:5d}x  {e.key[:140]}")
+    for key, count, ms in row[f"{name}_top"]:
+        print(f"  {ms:7.3f} ms {count:5d}x  {key}")
 
 
 def main() -> None:
@@ -92,10 +91,7 @@ def main() -> None:
                 graphed.step()
                 torch.cuda.synchronize()
             summarise(prof, row, "compiled", args.top)
-    print(json.dumps(row))
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(json.dumps(row) + "\n")
+    emit(row, args.out)
 
 
 if __name__ == "__main__":

@@ -12,13 +12,13 @@ one walk under torch.profiler: the top CUDA kernels by total time, and the time 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch  # noqa: E402
 from profile_blockwise import timed  # noqa: E402
+from rows import emit, kernel_times  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from longstraw_cli.lora import LoraConfig, apply_lora  # noqa: E402
@@ -88,25 +88,19 @@ def main() -> None:
     if args.top:
         prof = profile(activities=[ProfilerActivity.CUDA])
         profiled = run(args.prompt, prof)
-        events = [e for e in prof.key_averages() if e.device_time_total > 0]
-        events.sort(key=lambda e: -e.device_time_total)
-        total = sum(e.device_time_total for e in events) / 1e6
-        row["profiled_walk_s"], row["kernel_s"] = profiled["walk_s"], total
+        kernels = kernel_times(prof)
+        row["profiled_walk_s"], row["kernel_s"] = profiled["walk_s"], sum(secs for _, _, secs in kernels)
         families: dict[str, float] = {}
-        for e in events:
-            families[family(e.key)] = families.get(family(e.key), 0.0) + e.device_time_total / 1e6
+        for key, _, secs in kernels:
+            families[family(key)] = families.get(family(key), 0.0) + secs
         row["families_s"] = dict(sorted(families.items(), key=lambda kv: -kv[1]))
-        row["top"] = [[e.key[:140], e.count, e.device_time_total / 1e6] for e in events[:args.top]]
-        print(f"walk under the profiler {profiled['walk_s']:.2f} s, kernel time {total:.2f} s; by family:")
+        row["top"] = [[key[:140], count, secs] for key, count, secs in kernels[:args.top]]
+        print(f"walk under the profiler {profiled['walk_s']:.2f} s, kernel time {row['kernel_s']:.2f} s; by family:")
         for name, secs in row["families_s"].items():
             print(f"  {secs:8.3f} s  {name}")
         for name, count, secs in row["top"]:
             print(f"  {secs:8.3f} s {count:6d}x  {name}")
-    print(json.dumps(row), flush=True)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(json.dumps(row) + "\n")
-
+    emit(row, args.out)
 
 if __name__ == "__main__":
     main()

@@ -1,5 +1,5 @@
 """The benchmarks' shared helpers: one JSON row per measurement, printed (the device call's output carries the end
-of it) and appended to --out; and a CUDA-event timer."""
+of it) and appended to --out; a CUDA-event timer; a profile's kernels."""
 
 from __future__ import annotations
 
@@ -17,6 +17,12 @@ def emit(row: dict, out: str | None) -> None:
     if out:
         with open(out, "a") as f:
             f.write(json.dumps(row) + "\n")
+
+
+def kernel_times(prof) -> list[tuple[str, int, float]]:
+    """The CUDA kernels a finished torch.profiler run saw: (name, launches, seconds of device time), longest first."""
+    events = [(e.key, e.count, e.device_time_total / 1e6) for e in prof.key_averages() if e.device_time_total > 0]
+    return sorted(events, key=lambda e: -e[2])
 
 
 def time_ms(fn, repeats: int, warmup: int = 1) -> float:
