@@ -3,8 +3,9 @@
 A decode step of G responses that share one prompt reads the prompt's pages ONCE for all of them: every
 response and every query head of a kv group become rows of one query block against the pages (no mask: each
 response sees the whole prompt), as in FlashInfer's cascade attention and Hydragen. Each response's own keys
-(its generated tokens, a preallocated buffer with a validity mask) are attended separately, and the two parts
-merge by log-sum-exp.
+(its generated tokens: the first `filled` slots of a preallocated buffer) are attended separately, and the two
+parts merge by log-sum-exp. On CUDA the response part is a Triton kernel that reads only the filled slots, in
+place (triton_decode_response.py); elsewhere the reference upcasts and masks the whole buffer.
 
 With few kv heads and a few dozen query rows, one attention call over the pages would run on a handful of
 thread blocks: the pages are cut into `num_splits` pieces that become the batch axis of the kernel (split-KV,
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from longstraw_kernels import compute_dtype
+from longstraw_kernels import compute_dtype, kernel_choice, optional_module
 from longstraw_kernels.attention.flash import FLASH_DTYPES
 
 __all__ = ["decode_pages_attention", "decode_response_attention", "merge_partials", "cascade_decode_attention"]
@@ -102,27 +103,64 @@ def decode_pages_attention(q_BQD: torch.Tensor, k_pages_PKD: torch.Tensor, v_pag
     return out_BQD, lse_BQ
 
 
-def decode_response_attention(q_BQD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Tensor,
-                              valid_S: torch.Tensor, *, scale: float):
-    """Each response's query against its own keys (a preallocated buffer; `valid_S` marks the filled slots).
-    -> (out_BQD in q's dtype, lse_BQ float32+)."""
+# LONGSTRAW_DECODE_KERNEL = auto (default) | torch: torch forces the response part's reference (A/B runs). Read
+# once, at import: the compiled decode step calls the dispatch below
+RESPONSE_KERNEL = kernel_choice("LONGSTRAW_DECODE_KERNEL")
+
+
+def _response_triton(q_BQD: torch.Tensor, k_BSKD: torch.Tensor) -> bool:
+    """The Triton kernel reads the response slots (CUDA, flash dtypes, a power-of-two head dim, rows in place)."""
+    D = q_BQD.shape[-1]
+    return (RESPONSE_KERNEL == "auto" and q_BQD.is_cuda and q_BQD.dtype in FLASH_DTYPES
+            and k_BSKD.dtype == q_BQD.dtype and D <= 256 and D & (D - 1) == 0 and k_BSKD.stride(-1) == 1
+            and _response_kernel_imports())
+
+
+# a compiled step calls this once, while tracing, and keeps the answer
+@torch.compiler.assume_constant_result
+def _response_kernel_imports() -> bool:
+    """Whether triton_decode_response imports (Triton does not, on some CPU installs)."""
+    return optional_module("longstraw_kernels.attention.triton_decode_response") is not None
+
+
+def response_partials_torch(q_BQD, k_BSKD, v_BSKD, filled_1, *, scale: float):
+    """The reference of `response_partials`: all S slots upcast, the empty ones masked. -> (out [1, B, Q, D], lse
+    [1, B, Q]) in fp32 (fp64 stays fp64)."""
     B, Q, D = q_BQD.shape
-    K = k_BSKD.shape[2]
+    S, K = k_BSKD.shape[1:3]
     dtype = compute_dtype(q_BQD.dtype)
     q_BKGD = q_BQD.reshape(B, K, Q // K, D).to(dtype)
     scores_BKGS = torch.einsum("bkgd,bskd->bkgs", q_BKGD, k_BSKD.to(dtype)) * scale
+    valid_S = torch.arange(S, device=q_BQD.device) < filled_1
     scores_BKGS = scores_BKGS.masked_fill(~valid_S, float("-inf"))
     lse_BKG = torch.logsumexp(scores_BKGS, dim=-1)
     out_BKGD = torch.einsum("bkgs,bskd->bkgd", torch.exp(scores_BKGS - lse_BKG[..., None]), v_BSKD.to(dtype))
-    return out_BKGD.reshape(B, Q, D).to(q_BQD.dtype), lse_BKG.reshape(B, Q)
+    return out_BKGD.reshape(1, B, Q, D), lse_BKG.reshape(1, B, Q)
 
 
-def cascade_decode_attention(q_BQD, k_pages_PKD, v_pages_PKD, k_BSKD, v_BSKD, valid_S, *, scale,
+def _response_partials(q_BQD, k_BSKD, v_BSKD, filled_1, *, scale: float):
+    if _response_triton(q_BQD, k_BSKD):
+        from longstraw_kernels.attention.triton_decode_response import response_partials
+
+        return response_partials(q_BQD, k_BSKD, v_BSKD, filled_1, scale=scale)
+    return response_partials_torch(q_BQD, k_BSKD, v_BSKD, filled_1, scale=scale)
+
+
+def decode_response_attention(q_BQD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Tensor,
+                              filled_1: torch.Tensor, *, scale: float):
+    """Each response's query against its own keys: the first `filled_1` (a device int tensor [1]) slots of a
+    preallocated buffer. -> (out_BQD in q's dtype, lse_BQ float32+)."""
+    out_NBQD, lse_NBQ = _response_partials(q_BQD, k_BSKD, v_BSKD, filled_1, scale=scale)
+    return merge_partials(out_NBQD, lse_NBQ, q_BQD.dtype)
+
+
+def cascade_decode_attention(q_BQD, k_pages_PKD, v_pages_PKD, k_BSKD, v_BSKD, filled_1, *, scale,
                              pages_fn=decode_pages_attention):
-    """Pages part (shared by all responses, `pages_fn`: context parallel swaps in its cross-rank version) and
-    response part, merged by log-sum-exp. -> out_BQD in q's dtype."""
+    """Pages part (shared by all responses, `pages_fn`: context parallel swaps in its cross-rank version) and the
+    response part over the first `filled_1` slots, merged by log-sum-exp. -> out_BQD in q's dtype."""
     out_p_BQD, lse_p_BQ = pages_fn(q_BQD, k_pages_PKD, v_pages_PKD, scale=scale)
-    out_r_BQD, lse_r_BQ = decode_response_attention(q_BQD, k_BSKD, v_BSKD, valid_S, scale=scale)
-    out_BQD, _ = merge_partials(torch.stack([out_p_BQD, out_r_BQD]).to(lse_p_BQ.dtype),
-                                torch.stack([lse_p_BQ, lse_r_BQ.to(lse_p_BQ.dtype)]), q_BQD.dtype)
+    out_r_NBQD, lse_r_NBQ = _response_partials(q_BQD, k_BSKD, v_BSKD, filled_1, scale=scale)
+    dtype = lse_p_BQ.dtype
+    out_BQD, _ = merge_partials(torch.cat([out_p_BQD[None].to(dtype), out_r_NBQD.to(dtype)]),
+                                torch.cat([lse_p_BQ[None], lse_r_NBQ.to(dtype)]), q_BQD.dtype)
     return out_BQD

@@ -184,6 +184,10 @@ class StaticDecoder(Decoder):
         passes its intermediates to the next piece as inputs of a fixed size, which would pin the capacity there."""
         return self.slots_S <= self.step_1
 
+    def num_filled(self) -> torch.Tensor:
+        """The filled response slots' count [1] (slots 0 .. step), on the device: a kernel that reads only those."""
+        return self.step_1 + 1
+
     def logits(self, x_BTC: torch.Tensor) -> torch.Tensor:
         """Next-token logits [B, V] (fp32 or wider) of the last layer's output; the step counter moves on."""
         self.step_1 += 1

@@ -109,6 +109,31 @@ def test_flash_replay_attention_lse_cotangent_takes_the_reference_backward():
     assert rel_err(q.grad, q64.grad) < 3e-2
 
 
+@pytest.mark.parametrize("filled", [1, 700, 16384])
+def test_decode_response_attention_reads_the_filled_slots(filled):
+    """The decode step's response part at qwen36_mini's shape (8 responses, 16 query heads on 2 kv heads, head dim
+    256, 16,384 slots): the Triton kernel (dispatched on CUDA bf16), compiled with the capacity a dynamic size as
+    the decode step compiles it, against the fp64 reference over the filled slots; the empty slots hold garbage."""
+    from longstraw_kernels.attention import decode
+
+    B, Q, K, D, S = 8, 16, 2, 256, 16384
+    g = torch.Generator(device="cuda").manual_seed(filled)
+    q = torch.randn(B, Q, D, device="cuda", generator=g).bfloat16()
+    k, v = (torch.randn(B, S, K, D, device="cuda", generator=g).bfloat16() for _ in range(2))
+    k[:, filled:], v[:, filled:] = 1e4, float("nan")
+    filled_1 = torch.tensor([filled], device="cuda")
+    assert decode._response_triton(q, k)
+    out, lse = decode.decode_response_attention(q, k, v, filled_1, scale=D**-0.5)
+    ref_out, ref_lse = decode.decode_response_attention(q.double(), k[:, :filled].double(), v[:, :filled].double(),
+                                                        filled_1, scale=D**-0.5)
+    assert rel_err(out, ref_out) < 1e-2 and rel_err(lse, ref_lse) < 1e-4
+    torch._dynamo.mark_dynamic(k, 1)
+    torch._dynamo.mark_dynamic(v, 1)
+    compiled = torch.compile(decode.decode_response_attention, fullgraph=True)
+    c_out, c_lse = compiled(q, k, v, filled_1, scale=D**-0.5)
+    assert rel_err(c_out, ref_out) < 1e-2 and rel_err(c_lse, ref_lse) < 1e-4
+
+
 @pytest.mark.parametrize("T, H, G", [(1000, 2, 4), (4096, 16, 48), (77, 8, 16)])
 def test_fla_gdn_forward_matches_chunked_reference(T, H, G):
     from longstraw_kernels.gdn import gdn_chunked, gdn_forward

@@ -42,7 +42,7 @@ def test_cascade_equals_attention_over_pages_and_filled_response_slots(P):
     B, Q, K, D, S, filled = 2, 4, 2, 8, 9, 5
     q, k, v = randn(B, Q, D, seed=3), randn(P, K, D, seed=4), randn(P, K, D, seed=5)
     k_resp, v_resp = randn(B, S, K, D, seed=6) * 50, randn(B, S, K, D, seed=7) * 50
-    out = cascade_decode_attention(q, k, v, k_resp, v_resp, torch.arange(S) < filled, scale=0.3)
+    out = cascade_decode_attention(q, k, v, k_resp, v_resp, torch.tensor([filled]), scale=0.3)
     ref, _ = naive_attention(q[:, None], k, v, k_resp[:, :filled], v_resp[:, :filled], scale=0.3)
     assert rel_err(out, ref[:, 0]) < 1e-12
 

@@ -99,8 +99,8 @@ class Qwen36Decoder(StaticDecoder):
         q_BTQD, k_BTKD, v_BTKD, gate_BTQD = attn.project(x_BTC, positions_1)
         kv.k_BSKD.index_copy_(1, self.step_1, k_BTKD.to(kv.k_BSKD.dtype))
         kv.v_BSKD.index_copy_(1, self.step_1, v_BTKD.to(kv.v_BSKD.dtype))
-        o_BQD = cascade_decode_attention(q_BTQD[:, 0], pages.k_PKD, pages.v_PKD, kv.k_BSKD, kv.v_BSKD, self.filled(),
-                                         scale=attn.scale, pages_fn=attn.decode_pages_fn)
+        o_BQD = cascade_decode_attention(q_BTQD[:, 0], pages.k_PKD, pages.v_PKD, kv.k_BSKD, kv.v_BSKD,
+                                         self.num_filled(), scale=attn.scale, pages_fn=attn.decode_pages_fn)
         return attn.output(o_BQD[:, None], gate_BTQD)
 
     @staticmethod
