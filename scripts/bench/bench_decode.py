@@ -3,8 +3,9 @@
 For each model and prompt length: build the model (random weights, bf16, CUDA), capture a random prompt, then
 time `rollout.native.generate` for --tokens tokens with G responses, as a CUDA graph and eagerly (ms per decode
 step = wall time / steps, synchronised). The bound is the bytes one step must read (every weight a step touches
-once, the prompt's pages once for all G responses; glm52: its index keys, routed experts as read by the dense
-decode path) over the device's measured copy bandwidth. The baseline (qwen36 only) is what a user would run:
+once, the prompt's pages once for all G responses, qwen36's response keys as filled on average over --tokens
+steps; glm52: its index keys, routed experts as read by the dense decode path) over the device's measured copy
+bandwidth. The baseline (qwen36 only) is what a user would run:
 HF `Qwen3_5ForCausalLM` of the same shape with fla's kernels, prefilled with `logits_to_keep=1`, then its
 cached decode one token at a time at batch 1. One JSON row per measurement goes to --out.
 
@@ -57,11 +58,24 @@ def step_bytes(model, resident) -> int:
     return weights + pages
 
 
+def response_bytes(model, group: int, tokens: int) -> int:
+    """Bytes of the responses' own keys a step reads, averaged over `tokens` steps (a step reads the filled slots):
+    qwen36's K/V of each attention layer. glm52's (index keys and selected latent rows of its own tokens) are
+    not counted: its top-k rows are counted with the pages."""
+    if model.family != "qwen36":
+        return 0
+    cfg = model.config
+    layers = sum(layer.is_attention for layer in model.model.layers)
+    return layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2 * group * (tokens + 1) // 2
+
+
 def time_generate(model, resident, group: int, tokens: int, graph: bool) -> tuple[float, int]:
     cfg = SamplingConfig(max_new_tokens=tokens)
     native = NativeConfig(cuda_graph=graph, stop_check_every=tokens)
-    # warm-up at the measured shape (compilation, graph capture, Triton kernels)
-    generate(model, resident, group, cfg, torch.Generator("cuda").manual_seed(1), native)
+    # warm-up (compilation, graph capture, Triton kernels) on at most 1,024 tokens: the compiled step serves every
+    # capacity, a longer response only captures the graph again as it grows (as the trainer's rollouts do)
+    generate(model, resident, group, SamplingConfig(max_new_tokens=min(tokens, 1024)),
+             torch.Generator("cuda").manual_seed(1), native)
     torch.cuda.synchronize()
     start = time.perf_counter()
     rollout = generate(model, resident, group, cfg, torch.Generator("cuda").manual_seed(0), native)
@@ -122,7 +136,7 @@ def main() -> None:
         row = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
                "torch": torch.__version__, "model": args.model, "prompt": P, "group": args.group,
                "capture_s": time.perf_counter() - start, "copy_bandwidth_gbs": bandwidth / GB}
-        nbytes = step_bytes(model, resident)
+        nbytes = step_bytes(model, resident) + response_bytes(model, args.group, args.tokens)
         row["step_bytes_gb"] = nbytes / GB
         row["bound_ms"] = 1e3 * nbytes / bandwidth
         graph_s, row["steps"] = time_generate(model, resident, args.group, args.tokens, graph=True)

@@ -48,7 +48,13 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=262144)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--capacity", type=int, default=512)
+    parser.add_argument("--step", type=int, default=0,
+                        help="the step the timed steps start at: a late step of a long response reads that many "
+                             "response keys (at most capacity - 200: each timed call moves the step on)")
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--compile-mode", default=None,
+                        help="torch.compile's mode for the compiled step (the trainer's: the default), e.g. "
+                             "max-autotune-no-cudagraphs (inductor tunes the matmuls of 8 rows)")
     parser.add_argument("--top", type=int, default=10, help="kernels listed per profile")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -56,9 +62,11 @@ def main() -> None:
     prompt = torch.randint(0, 250, (args.prompt,), device="cuda")
     with torch.no_grad():
         resident = model.capture(prompt, block_size=16384)
-        row = {"model": args.model, "prompt": args.prompt, "group": args.group, "capacity": args.capacity}
+        row = {"model": args.model, "prompt": args.prompt, "group": args.group, "capacity": args.capacity,
+               "step": args.step, "compile_mode": args.compile_mode}
 
         decoder = model.decoder(resident, args.group, args.capacity)
+        decoder.step_1.fill_(args.step)
         decoder.step()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             decoder.step()
@@ -80,7 +88,11 @@ def main() -> None:
 
         row["sample_ms"] = timed(sample, 50)
         if args.compile:
-            graphed = GraphedStep(model.decoder(resident, args.group, args.capacity), compile=True)
+            decoder = model.decoder(resident, args.group, args.capacity)
+            decoder.step_1.fill_(args.step)
+            graphed = GraphedStep(decoder, compile=True)
+            if args.compile_mode:
+                graphed.step = torch.compile(decoder.step, mode=args.compile_mode)
             start = time.perf_counter()
             graphed()
             torch.cuda.synchronize()
