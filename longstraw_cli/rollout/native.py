@@ -96,8 +96,7 @@ class NativeConfig:
     offload_copy_gib: float | Literal["auto"] = "auto"
     # response slots the decode starts with, doubled (at most max_new_tokens) each time the response reaches them
     # (models/slots.py). 1,024: a response up to that length never grows (one graph capture, as with all slots
-    # preallocated), while a step reads and masks at most twice the slots in use: on an H200, qwen36_mini at 256K,
-    # G=8, a step took 4.8 ms with 1,024 slots and 9.7 ms with 8,192
+    # preallocated); on CUDA qwen36's step reads only the filled slots, elsewhere it reads and masks all of them
     response_chunk: int = 1024
 
     def __post_init__(self):
