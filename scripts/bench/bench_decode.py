@@ -66,7 +66,8 @@ def response_bytes(model, group: int, tokens: int) -> int:
         return 0
     cfg = model.config
     layers = sum(layer.is_attention for layer in model.model.layers)
-    return layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2 * group * (tokens + 1) // 2
+    itemsize = model.lm_head.weight.element_size()  # the response buffers hold the model's dtype
+    return layers * 2 * cfg.num_key_value_heads * cfg.head_dim * itemsize * group * (tokens + 1) // 2
 
 
 def time_generate(model, resident, group: int, tokens: int, graph: bool) -> tuple[float, int]:
