@@ -19,28 +19,32 @@ from longstraw_kernels.gdn.reference import gdn_chunked, gdn_recurrent
 
 
 @functools.lru_cache(maxsize=1)
-def fla_forward():
-    """fla's chunk_gated_delta_rule, or None where fla (or a GPU) is missing. Imported lazily: on a CPU
-    machine with triton installed, importing fla breaks transformers."""
+def fla_gdn():
+    """fla's gated delta rule ops module, or None where fla (or a GPU) is missing. Imported lazily: on a CPU machine
+    with triton installed, importing fla breaks transformers. Its autotuners get the choices shipped for this GPU
+    (autotuned.py: a first launch does not time every config)."""
     if not torch.cuda.is_available():
         return None
     try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        import fla.ops.gated_delta_rule as ops
     except ImportError:
         return None
-    return chunk_gated_delta_rule
+    from longstraw_kernels.autotuned import seed_shipped
+
+    seed_shipped(torch.cuda.get_device_name(), "fla.")
+    return ops
 
 
-@functools.lru_cache(maxsize=1)
+def fla_forward():
+    """fla's chunk_gated_delta_rule, or None where fla (or a GPU) is missing."""
+    ops = fla_gdn()
+    return None if ops is None else ops.chunk_gated_delta_rule
+
+
 def fla_recurrent():
     """fla's fused_recurrent_gated_delta_rule (forward only), or None where fla or a GPU is missing."""
-    if not torch.cuda.is_available():
-        return None
-    try:
-        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
-    except ImportError:
-        return None
-    return fused_recurrent_gated_delta_rule
+    ops = fla_gdn()
+    return None if ops is None else ops.fused_recurrent_gated_delta_rule
 
 
 # opaque to torch.compile (the compiled decode step): inductor would re-trace the Triton kernel inside
