@@ -512,6 +512,8 @@ class Trainer:
         if decode_steps:
             metrics["decode_steps"] = decode_steps
             metrics["time/decode_step"] = clock.seconds["rollout"] / decode_steps
+            # of the rollout's time, what its decoders paid before their first steps (native rollout; 0 for vLLM)
+            metrics["time/decode_setup"] = sum(r.setup_s for r in rollouts)
         metrics.update(clock.time_metrics())
         metrics["mem/resident"] = result.resident_bytes["total"]
         if self.cfg.transaction.offload != "none":

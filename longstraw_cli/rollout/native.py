@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -51,6 +52,9 @@ class Rollout:
     entropies: list[torch.Tensor] | None = None
     # decode steps run (the longest response, or up to stop_check_every - 1 more)
     decode_steps: int = 0
+    # seconds from the decoder's construction to the first step's logits on the device (its buffers, the first
+    # step's warm-up run and its CUDA-graph capture): what a rollout pays before its steady steps
+    setup_s: float = 0.0
     # routing replay (rollout.replay_routing): what each response token was routed to, recorded by the decode
     # step, in host memory (the family's record, opaque here: models/glm52/routing.py); None where not recorded
     routing: object | None = None
@@ -193,6 +197,7 @@ def _generate(model, resident, num_responses: int, cfg: SamplingConfig, generato
               on_token: Callable[[int, int], None] | None = None) -> Rollout:
     """The decode loop. on_grow(capacity): called after each growth of the decoder's response slots (what else the
     decode writes per slot: the routing record)."""
+    start = time.perf_counter()
     decoder = model.decoder(resident, num_responses, cfg.max_new_tokens, page_budget=native.page_budget(),
                             response_chunk=native.response_chunk)
     device = decoder.device
@@ -217,6 +222,9 @@ def _generate(model, resident, num_responses: int, cfg: SamplingConfig, generato
                                 response_chunk=native.response_chunk)
         step_fn = GraphedStep(decoder, compile=False)
         first_BV = step_fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    setup_s = time.perf_counter() - start
     steps = R
     for step in range(R):
         # step `step` writes slot `step`: the slots grow first where it has none (a host-side int, no sync)
@@ -245,4 +253,4 @@ def _generate(model, resident, num_responses: int, cfg: SamplingConfig, generato
     def split(x_BR: torch.Tensor) -> list[torch.Tensor]:
         return [x_BR[i, :n] for i, n in enumerate(lengths)]
 
-    return Rollout(split(sampled_BR), split(logp_BR), split(entropy_BR), decode_steps=steps)
+    return Rollout(split(sampled_BR), split(logp_BR), split(entropy_BR), decode_steps=steps, setup_s=setup_s)

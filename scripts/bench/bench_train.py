@@ -50,6 +50,7 @@ def summarize(rows: list[dict]) -> dict:
         out["total"] = sum(out.values())
         out["transaction"] = sum(out[p] for p in TRANSACTION)
         out["decode_ms_per_step"] = 1e3 * row.get("time/decode_step", row.get("time/decode_per_token", float("nan")))
+        out["decode_setup_s"] = row.get("time/decode_setup", float("nan"))
         out.update({f"peak_{p}_gib": row[f"mem/peak_{p}"] / GIB for p in PHASES if f"mem/peak_{p}" in row})
         return out
 
