@@ -48,6 +48,22 @@ def test_graph_records_what_eager_records_and_forced_replay_is_on_policy(setup):
     assert set(flips) == {f"rollout/{k}_flip_frac{m}" for k in ("expert", "dsa") for m in ("", "_max")}
 
 
+def test_compiled_decode_records_the_routing_it_took(setup):
+    """The default decode (compiled by torch.compile, then a CUDA graph) with recording: its fused kernels round
+    differently from eager, so its tokens are not compared with eager's; what it recorded is what it routed: the
+    replay forced to the record gives the rollout's log-probs within bf16 noise, which a wrong record would not."""
+    model, resident = setup
+    routing = RoutingReplay(force=True)
+    sampling, generator = SamplingConfig(max_new_tokens=RESPONSE), torch.Generator("cuda").manual_seed(2)
+    rollout = generate(model, resident, G, sampling, generator, native=NativeConfig(), routing=routing)
+    steps = rollout.decode_steps
+    for t in rollout.routing.selections.values():
+        assert (t[:, :steps] > 0).any(-1).all()  # every step's selection written
+    for i, (response, logp) in enumerate(zip(rollout.responses, rollout.logprobs)):
+        with routing.replaying(rollout.routing, model, slice(i, i + 1)):
+            assert rel_err(model.logprobs(resident, response), logp) < 2e-2
+
+
 def test_recording_costs_the_decode_step_at_most_five_percent(setup):
     model, resident = setup
 

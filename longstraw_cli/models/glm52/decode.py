@@ -11,8 +11,9 @@ expert is chosen by some response, so this reads each expert's weights once, wit
 lora.quantize=nf4: dequantised a few at a time, `experts.dense_experts`). The routing and the DSA selection go
 through the layers' `route_fn` / `select_fn` hooks, by which routing replay (routing.py) records them.
 
-A step is CUDA-graph safe when the pages are on the device and the experts are local (`graph_safe`); with
-pages left in host memory or expert parallelism (whose all-to-all sizes depend on the routing) it runs eagerly.
+A step is CUDA-graph safe, and compiled by torch.compile first (rollout.native.compile), when the pages are on
+the device and the experts are local (`graph_safe`); with pages left in host memory or expert parallelism (whose
+all-to-all sizes depend on the routing) it runs eagerly.
 Offloaded pages: the layers that fit in the device's free memory are copied there once for the rollout (as
 qwen36's, `resident.offload.rollout_pages`); the others do not move whole per token: their index keys (every
 token scores all of them: 128 values a token on each "full" layer) go to the device once per rollout, and of the
@@ -67,8 +68,14 @@ class Glm52Decoder(StaticDecoder):
         self.pages = [p.to(self.device, index_only=True) if on_host else p for p, on_host in zip(pages, self.on_host)]
         moe_fns = [layer.mlp.experts_fn for layer in model.model.layers if hasattr(layer.mlp, "experts_fn")]
         self.graph_safe = not any(self.on_host) and all(fn is local_experts for fn in moe_fns)
-        # torch 2.11's inductor fails to compile this step (a TypeError in its Triton codegen, seen on an H200)
-        self.compile_safe = False
+        # torch.compile fuses the step's ~2,000 small kernels (seen on an H200, glm52_mini at 256K, G=8: see
+        # docs/BENCHMARKS.md). The page count is a dynamic size of the compiled step: one graph (and one on-disk
+        # cache entry) serves every prompt length
+        self.compile_safe = self.graph_safe
+        for pages in self.pages:
+            for t in (pages.latent_PL, pages.rope_PR, pages.index_PI):
+                if t is not None:
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
 
     def step(self) -> torch.Tensor:
         model, cfg = self.model, self.model.config

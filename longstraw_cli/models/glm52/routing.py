@@ -112,6 +112,10 @@ class RoutingRecord:
                                   dtype=expert_id_dtype(cfg.n_routed_experts)) for i, _ in _moe_layers(model)}
         selections = {i: torch.zeros(batch, capacity, cfg.index_topk, dtype=SELECTION_DTYPE, **where)
                       for i, _ in _indexer_layers(model)}
+        if not host:
+            # the decode's record: the capacity is a dynamic size of the compiled step, as the decoder's slots
+            for t in (*experts.values(), *selections.values()):
+                torch._dynamo.maybe_mark_dynamic(t, 1)
         return cls(first, experts, selections)
 
 
