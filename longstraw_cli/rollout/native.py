@@ -85,8 +85,8 @@ class NativeConfig:
     cuda_graph: bool = True
     # look at "have all responses stopped?" every this many tokens: a host synchronisation each time
     stop_check_every: int = 16
-    # with cuda_graph: torch.compile the step first (fuses its ~2,300 small kernels; ~50 s once per process
-    # and model shape, the first rollout pays it)
+    # with cuda_graph: torch.compile the step first (fuses its ~2,000 small kernels; the first rollout of a fresh
+    # machine pays the compile, ~20 s on an H200, a later launch loads it from the compile cache)
     compile: bool = True
     # lora.quantize=nf4 only (the trainer sizes it): from the second step on, the rollout decodes from dequantised
     # copies of as many NF4 linears as fit under the highest step peak seen so far (no dequantisation per token
