@@ -86,6 +86,16 @@ def record(prefix: str, gpu: str) -> dict:
     return {"gpu": gpu_tag(gpu), "versions": _versions(e["module"] for e in entries), "entries": entries}
 
 
+def merged(old: dict, new: dict) -> dict:
+    """Two recordings of one GPU model and versions as one: `new`'s choice where both hold a kernel's key. Files of
+    another GPU or version are refused (ValueError): they would be used, or dropped, together."""
+    if old.get("gpu") != new["gpu"] or old.get("versions") != new["versions"]:
+        raise ValueError(f"a recording of {old.get('gpu')} {old.get('versions')} cannot take one of {new['gpu']} "
+                         f"{new['versions']}: write it to a file of its own")
+    entries = {(e["module"], e["name"], json.dumps(e["key"])): e for e in [*old["entries"], *new["entries"]]}
+    return {**new, "entries": [entries[k] for k in sorted(entries)]}
+
+
 def _find(module: str, name: str):
     """The autotuner of `module.name` (under any decorators above it), or None (the module does not import or has
     no such kernel: another version)."""

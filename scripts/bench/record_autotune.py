@@ -19,16 +19,7 @@ from pathlib import Path
 import torch
 
 from longstraw_cli.cli import train
-from longstraw_kernels.autotuned import record
-
-
-def merge(old: dict, new: dict) -> dict:
-    """new's entries over old's (the same kernel and key: new's choice), when both are of one GPU and versions."""
-    if old.get("gpu") != new["gpu"] or old.get("versions") != new["versions"]:
-        raise SystemExit(f"the file holds {old.get('gpu')} {old.get('versions')}, this run "
-                         f"{new['gpu']} {new['versions']}: write another --out")
-    entries = {(e["module"], e["name"], json.dumps(e["key"])): e for e in [*old["entries"], *new["entries"]]}
-    return {**new, "entries": [entries[k] for k in sorted(entries)]}
+from longstraw_kernels.autotuned import merged, record
 
 
 def main() -> None:
@@ -45,7 +36,10 @@ def main() -> None:
     data = record(args.prefix, torch.cuda.get_device_name())
     out = Path(args.out)
     if out.exists():
-        data = merge(json.loads(out.read_text()), data)
+        try:
+            data = merged(json.loads(out.read_text()), data)
+        except ValueError as e:
+            raise SystemExit(f"{out}: {e}") from None
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1) + "\n")
     print(f"{len(data['entries'])} choices of {len({(e['module'], e['name']) for e in data['entries']})} kernels "

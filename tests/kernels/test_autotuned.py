@@ -92,3 +92,18 @@ def test_seed_shipped_reads_the_gpu_file_once_and_can_be_turned_off(fresh, tmp_p
     assert autotuned.seed_shipped("Toy GPU 1", __name__) == 1 and fresh.cache[key] is CONFIGS[1]
     fresh.cache.clear()
     assert autotuned.seed_shipped("Toy GPU 1", __name__) == 0 and not fresh.cache  # once per process and prefix
+
+
+def test_merged_recordings_keep_every_key_and_take_the_newer_choice():
+    def entry(name, key, block):
+        return {"module": "m", "name": name, "key": key, "config": {"BLOCK": block}}
+
+    versions = {"triton": "3.6.0", "fla": "0.6.0"}
+    old = {"gpu": "NVIDIA_H200", "versions": versions, "entries": [entry("a", [8, 16], 16), entry("b", [1], 32)]}
+    new = {"gpu": "NVIDIA_H200", "versions": versions, "entries": [entry("a", [8, 16], 64), entry("a", [16, 48], 32)]}
+    both = autotuned.merged(old, new)
+    assert both["entries"] == [entry("a", [16, 48], 32), entry("a", [8, 16], 64), entry("b", [1], 32)]
+    with pytest.raises(ValueError, match="NVIDIA_H100"):
+        autotuned.merged(old, {**new, "gpu": "NVIDIA_H100"})
+    with pytest.raises(ValueError, match="0.7.0"):
+        autotuned.merged(old, {**new, "versions": {**versions, "fla": "0.7.0"}})
