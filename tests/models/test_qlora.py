@@ -379,3 +379,13 @@ def test_nf4_experts_under_expert_parallel_equal_one_rank(tmp_path):
         assert max(rel_err(got["grads"][k], want["grads"][k]) for k in want["grads"]) <= 1e-10
         assert [r.tolist() for r in got["responses"]] == [r.tolist() for r in want["responses"]]
         assert rel_err(torch.cat(got["logprobs"]), torch.cat(want["logprobs"])) <= 1e-10
+
+
+def test_glm52_decode_is_compiled_over_plain_experts_only():
+    """The static decode step is compiled (on CUDA) where it is graph-safe, but not over NF4 experts: compiling
+    their dequantisation has not run on a GPU."""
+    prompt = torch.randint(0, 259, (40,), generator=torch.Generator().manual_seed(2))
+    for weights, compiled in (("none", True), ("nf4", False)):
+        model = build_model("glm52_tiny", seed=3, quantize=weights)
+        decoder = model.decoder(model.capture(prompt, block_size=16), 2, 8)
+        assert decoder.graph_safe and decoder.compile_safe is compiled, weights

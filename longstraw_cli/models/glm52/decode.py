@@ -33,6 +33,7 @@ from longstraw_cli.models.core import StaticDecoder
 from longstraw_cli.models.glm52.experts import dense_experts, local_experts
 from longstraw_cli.models.glm52.positions import KeyAxis, rope_cos_sin
 from longstraw_cli.models.slots import ResponseSlots, slot_buffer
+from longstraw_cli.quantize import is_nf4_experts
 from longstraw_cli.resident import Resident
 from longstraw_cli.resident.offload import left_on_host, rollout_pages
 from longstraw_kernels.dsa.topk import topk_lowest_position_static
@@ -69,9 +70,12 @@ class Glm52Decoder(StaticDecoder):
         moe_fns = [layer.mlp.experts_fn for layer in model.model.layers if hasattr(layer.mlp, "experts_fn")]
         self.graph_safe = not any(self.on_host) and all(fn is local_experts for fn in moe_fns)
         # torch.compile fuses the step's ~2,000 small kernels (seen on an H200, glm52_mini at 256K, G=8: see
-        # docs/BENCHMARKS.md). The page count is a dynamic size of the compiled step: one graph (and one on-disk
-        # cache entry) serves every prompt length
-        self.compile_safe = self.graph_safe
+        # docs/BENCHMARKS.md). Not over NF4 experts (lora.quantize=nf4): compiling their dequantisation has not
+        # run on a GPU. The page count is a dynamic size of the compiled step: one graph (and one on-disk cache
+        # entry) serves every prompt length
+        self.compile_safe = self.graph_safe and not any(
+            is_nf4_experts(layer.mlp.experts.gate_up_proj) for layer in model.model.layers
+            if hasattr(layer.mlp, "experts_fn"))
         for pages in self.pages:
             for t in (pages.latent_PL, pages.rope_PR, pages.index_PI):
                 if t is not None:
