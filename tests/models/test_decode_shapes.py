@@ -9,6 +9,7 @@ from torch._dynamo.testing import CompileCounter
 
 from conftest import ids
 from longstraw_cli.models import build_model
+from longstraw_cli.models.glm52.routing import RoutingReplay
 
 
 @pytest.fixture
@@ -39,3 +40,33 @@ def test_one_graph_for_every_prompt_length(fresh_dynamo, lengths):
     # the first prompt compiles the step's graphs (several: dynamo cuts the step at gdn_step, which it does not
     # trace); later prompt lengths compile nothing
     assert graphs == graphs[:1] * len(lengths), f"graphs compiled after each prompt of {lengths} tokens: {graphs}"
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_glm52_recording_step_compiles_once_whatever_the_layers_and_prompt_lengths(fresh_dynamo):
+    """glm52's step with routing replay recording, the trainer's default. Its graph breaks (the sparse-MLA and DSA
+    kernels are opaque to dynamo) make each layer function a compiled piece of its own, called once a layer: the
+    recording hooks hold tensors, no layer index (before: a recompilation a layer, then eager past dynamo's limit
+    of 8, with a warning). Here 8 layers against a limit of 3 that fails when hit. The second prompt length makes
+    the page count dynamic in the pieces it crosses between breaks; later lengths compile nothing. The records
+    equal eager's."""
+    model = build_model("glm52_tiny", seed=0, num_hidden_layers=8)
+    routing = RoutingReplay(force=True)
+    counter, graphs = CompileCounter(), []
+    with torch._dynamo.config.patch(recompile_limit=3, fail_on_recompile_limit_hit=True):
+        for n, length in enumerate((300, 700, 900)):
+            resident = model.capture(ids(length, n), block_size=256)
+            eager, compiled = model.decoder(resident, 2, 4), model.decoder(resident, 2, 4)
+            records = [routing.new_record(model, resident, 2, 4) for _ in range(2)]
+            step = torch.compile(compiled.step, backend=counter)
+            for _ in range(2):
+                with routing.recording(records[0], model):
+                    expected = eager.step()
+                with routing.recording(records[1], model):
+                    assert torch.equal(step(), expected)
+                eager.tokens_B.copy_(expected.argmax(-1))
+                compiled.tokens_B.copy_(expected.argmax(-1))
+            assert all(torch.equal(a, b) for a, b in zip(*(r.tensors() for r in records)))
+            graphs.append(counter.frame_count)
+    assert graphs[1] == graphs[2], f"graphs compiled after each prompt length: {graphs}"

@@ -87,10 +87,11 @@ class RoutingRecord:
 
     def grow(self, capacity: int) -> None:
         """Every layer's record moved to `capacity` slots, the written ones copied, one at a time (the decode's
-        buffers grow so: models/slots.py)."""
+        buffers grow so: models/slots.py). In place: each tensor object stays the same (`set_` to the grown
+        storage), so that the recording hooks, which hold a layer's tensors, follow the growth."""
         for records in (self.experts, self.selections):
-            for i in records:
-                records[i] = grown(records[i], capacity)
+            for t in records.values():
+                t.set_(grown(t, capacity))
 
     def expert_ids(self, layer: int, positions_T: torch.Tensor) -> torch.Tensor:
         """[B, T, k] expert ids of MoE layer `layer` at prompt positions `positions_T` (on the record's device)."""
@@ -230,16 +231,12 @@ def _indexer_layers(model) -> list:
     return [(i, layer.self_attn) for i, layer in enumerate(model.model.layers) if layer.self_attn.indexer is not None]
 
 
-def _slots(record: RoutingRecord, positions_T: torch.Tensor) -> torch.Tensor:
-    return positions_T - record.first
-
-
 # -- the hooks --------------------------------------------------------------------------------------------------
-def recorded_route(record: RoutingRecord, layer: int, gate, x_NC, positions_T):
-    """`route_fn` that records: the live choice, written into the record at the tokens' slots."""
+def recorded_route(ids_BSk: torch.Tensor, first_1: torch.Tensor, gate, x_NC, positions_T):
+    """`route_fn` that records: the live choice, written into the layer's record `ids_BSk` at the tokens' slots
+    (slot 0 at position `first_1`, a tensor: a compiled step does not specialise on the prompt's length)."""
     topk_idx_Nk, topk_w_Nk = gate(x_NC)
-    ids_BSk = record.experts[layer]
-    ids_BSk.index_copy_(1, _slots(record, positions_T), topk_idx_Nk.view(ids_BSk.shape[0], -1, ids_BSk.shape[2])
+    ids_BSk.index_copy_(1, positions_T - first_1, topk_idx_Nk.view(ids_BSk.shape[0], -1, ids_BSk.shape[2])
                         .to(ids_BSk.dtype))
     return topk_idx_Nk, topk_w_Nk
 
@@ -262,10 +259,10 @@ def measured_route(record, flips: FlipCount, layer: int, gate, x_NC, positions_T
     return topk_idx_Nk, topk_w_Nk
 
 
-def recorded_selection(record: RoutingRecord, layer: int, positions_T, live):
-    """`select_fn` that records the live selection at the tokens' slots."""
+def recorded_selection(selected_BSK: torch.Tensor, first_1: torch.Tensor, positions_T, live):
+    """`select_fn` that records the live selection into the layer's record `selected_BSK` at the tokens' slots."""
     idx_BTK = live()
-    record.selections[layer].index_copy_(1, _slots(record, positions_T), idx_BTK.to(SELECTION_DTYPE))
+    selected_BSK.index_copy_(1, positions_T - first_1, idx_BTK.to(SELECTION_DTYPE))
     return idx_BTK
 
 
@@ -284,16 +281,23 @@ def measured_selection(record, flips: FlipCount, layer: int, positions_T, live):
     return idx_BTK
 
 
-@contextlib.contextmanager
 def _hooks(model, route, select, *args):
     """Every MoE layer i's `route_fn` = route(*args, i, ...), every full indexer layer i's `select_fn` =
     select(*args, i, ...) inside the block; the live hooks after it."""
+    return _layer_hooks(model, lambda i: functools.partial(route, *args, i),
+                        lambda i: functools.partial(select, *args, i))
+
+
+@contextlib.contextmanager
+def _layer_hooks(model, route_of, select_of):
+    """Every MoE layer i's `route_fn` = route_of(i), every full indexer layer i's `select_fn` = select_of(i)
+    inside the block; the live hooks after it."""
     moe, indexer = _moe_layers(model), _indexer_layers(model)
     try:
         for i, mlp in moe:
-            mlp.route_fn = functools.partial(route, *args, i)
+            mlp.route_fn = route_of(i)
         for i, attn in indexer:
-            attn.select_fn = functools.partial(select, *args, i)
+            attn.select_fn = select_of(i)
         yield
     finally:
         for _, mlp in moe:
@@ -304,9 +308,16 @@ def _hooks(model, route, select, *args):
 
 def recording(model, record: RoutingRecord, rows: slice = slice(None)):
     """Within the block, tokens after the prompt route live and their choices go into `record` rows `rows` (the
-    call's batch rows, in order); `record` is on the model's device (the decode's buffers). All rows: the hooks
-    write into `record` itself, not views of it, so that they follow its growth (`RoutingRecord.grow`)."""
-    return _hooks(model, recorded_route, recorded_selection, record if rows == slice(None) else record.rows(rows))
+    call's batch rows, in order); `record` is on the model's device (the decode's buffers). Each layer's hook holds
+    that layer's tensors and the first position as a tensor, no Python int: the compiled decode step calls one
+    layer function for every layer, and an int would be a constant of its graph, one recompilation a layer or a
+    prompt length (past dynamo's limit of 8 the rest ran eagerly, with a warning). All rows: the hooks hold
+    `record`'s own tensors, not views, which `RoutingRecord.grow` grows in place."""
+    part = record if rows == slice(None) else record.rows(rows)
+    tensors = part.tensors()
+    first_1 = torch.tensor([part.first], device=tensors[0].device if tensors else None)
+    return _layer_hooks(model, lambda i: functools.partial(recorded_route, part.experts[i], first_1),
+                        lambda i: functools.partial(recorded_selection, part.selections[i], first_1))
 
 
 @contextlib.contextmanager
