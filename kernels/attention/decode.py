@@ -24,7 +24,7 @@ import torch
 from longstraw_kernels import compute_dtype, kernel_choice, optional_module
 from longstraw_kernels.attention.flash import FLASH_DTYPES
 
-__all__ = ["decode_pages_attention", "decode_response_attention", "merge_partials", "cascade_decode_attention"]
+__all__ = ["decode_pages_attention", "response_partials", "merge_partials", "cascade_decode_attention"]
 
 # thread blocks to aim for in one pages call: a few per SM of an H100/H200 (132 SMs)
 TARGET_BLOCKS = 512
@@ -138,20 +138,15 @@ def response_partials_torch(q_BQD, k_BSKD, v_BSKD, filled_1, *, scale: float):
     return out_BKGD.reshape(1, B, Q, D), lse_BKG.reshape(1, B, Q)
 
 
-def _response_partials(q_BQD, k_BSKD, v_BSKD, filled_1, *, scale: float):
+def response_partials(q_BQD, k_BSKD, v_BSKD, filled_1, *, scale: float):
+    """Each response's query against its own keys, the first `filled_1` (a device int tensor [1]) slots of a
+    preallocated buffer, as partials over slot ranges (the Triton kernel on CUDA, else `response_partials_torch`).
+    -> (out [N, B, Q, D], lse [N, B, Q]) fp32+, for `merge_partials`."""
     if _response_triton(q_BQD, k_BSKD):
-        from longstraw_kernels.attention.triton_decode_response import response_partials
+        from longstraw_kernels.attention import triton_decode_response
 
-        return response_partials(q_BQD, k_BSKD, v_BSKD, filled_1, scale=scale)
+        return triton_decode_response.response_partials(q_BQD, k_BSKD, v_BSKD, filled_1, scale=scale)
     return response_partials_torch(q_BQD, k_BSKD, v_BSKD, filled_1, scale=scale)
-
-
-def decode_response_attention(q_BQD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Tensor,
-                              filled_1: torch.Tensor, *, scale: float):
-    """Each response's query against its own keys: the first `filled_1` (a device int tensor [1]) slots of a
-    preallocated buffer. -> (out_BQD in q's dtype, lse_BQ float32+)."""
-    out_NBQD, lse_NBQ = _response_partials(q_BQD, k_BSKD, v_BSKD, filled_1, scale=scale)
-    return merge_partials(out_NBQD, lse_NBQ, q_BQD.dtype)
 
 
 def cascade_decode_attention(q_BQD, k_pages_PKD, v_pages_PKD, k_BSKD, v_BSKD, filled_1, *, scale,
@@ -159,7 +154,7 @@ def cascade_decode_attention(q_BQD, k_pages_PKD, v_pages_PKD, k_BSKD, v_BSKD, fi
     """Pages part (shared by all responses, `pages_fn`: context parallel swaps in its cross-rank version) and the
     response part over the first `filled_1` slots, merged by log-sum-exp. -> out_BQD in q's dtype."""
     out_p_BQD, lse_p_BQ = pages_fn(q_BQD, k_pages_PKD, v_pages_PKD, scale=scale)
-    out_r_NBQD, lse_r_NBQ = _response_partials(q_BQD, k_BSKD, v_BSKD, filled_1, scale=scale)
+    out_r_NBQD, lse_r_NBQ = response_partials(q_BQD, k_BSKD, v_BSKD, filled_1, scale=scale)
     dtype = lse_p_BQ.dtype
     out_BQD, _ = merge_partials(torch.cat([out_p_BQD[None].to(dtype), out_r_NBQD.to(dtype)]),
                                 torch.cat([lse_p_BQ[None], lse_r_NBQ.to(dtype)]), q_BQD.dtype)

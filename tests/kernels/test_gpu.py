@@ -123,14 +123,16 @@ def test_decode_response_attention_reads_the_filled_slots(filled):
     k[:, filled:], v[:, filled:] = 1e4, float("nan")
     filled_1 = torch.tensor([filled], device="cuda")
     assert decode._response_triton(q, k)
-    out, lse = decode.decode_response_attention(q, k, v, filled_1, scale=D**-0.5)
-    ref_out, ref_lse = decode.decode_response_attention(q.double(), k[:, :filled].double(), v[:, :filled].double(),
-                                                        filled_1, scale=D**-0.5)
+
+    def attention(q, k, v):  # the response part as the decode step takes it: its partials, merged
+        return decode.merge_partials(*decode.response_partials(q, k, v, filled_1, scale=D**-0.5), q.dtype)
+
+    out, lse = attention(q, k, v)
+    ref_out, ref_lse = attention(q.double(), k[:, :filled].double(), v[:, :filled].double())
     assert rel_err(out, ref_out) < 1e-2 and rel_err(lse, ref_lse) < 1e-4
     torch._dynamo.mark_dynamic(k, 1)
     torch._dynamo.mark_dynamic(v, 1)
-    compiled = torch.compile(decode.decode_response_attention, fullgraph=True)
-    c_out, c_lse = compiled(q, k, v, filled_1, scale=D**-0.5)
+    c_out, c_lse = torch.compile(attention, fullgraph=True)(q, k, v)
     assert rel_err(c_out, ref_out) < 1e-2 and rel_err(c_lse, ref_lse) < 1e-4
 
 
