@@ -182,7 +182,7 @@ class StaticDecoder(Decoder):
     def filled(self) -> torch.Tensor:
         """The filled response slots [S] bool. Formed where a layer reads them: a compiled step with graph breaks
         passes its intermediates to the next piece as inputs of a fixed size, which would pin the capacity there."""
-        return self.slots_S <= self.step_1
+        return self.slots_S < self.num_filled()
 
     def num_filled(self) -> torch.Tensor:
         """The filled response slots' count [1] (slots 0 .. step), on the device: a kernel that reads only those."""
