@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from longstraw_cli.models.glm52.model import MoE, live_route, live_selection
-from longstraw_cli.models.slots import grown
+from longstraw_cli.models.slots import grown, slot_buffer
 
 __all__ = ["FlipCount", "RoutingRecord", "RoutingReplay", "StagedRows", "forcing", "measuring", "record_bytes",
            "recording", "staged_recording", "to_host"]
@@ -106,17 +106,16 @@ class RoutingRecord:
         """Zeroed records for `batch` responses of up to `capacity` tokens after a prompt of `first` positions, on
         the model's device (host=True: in host memory, pinned where the model is on CUDA)."""
         cfg, device = model.config, model.lm_head.weight.device
-        where = dict(device=device)
-        if host:
-            where = dict(device="cpu", pin_memory=device.type == "cuda")
-        experts = {i: torch.zeros(batch, capacity, cfg.num_experts_per_tok, **where,
-                                  dtype=expert_id_dtype(cfg.n_routed_experts)) for i, _ in _moe_layers(model)}
-        selections = {i: torch.zeros(batch, capacity, cfg.index_topk, dtype=SELECTION_DTYPE, **where)
-                      for i, _ in _indexer_layers(model)}
-        if not host:
-            # the decode's record: the capacity is a dynamic size of the compiled step, as the decoder's slots
-            for t in (*experts.values(), *selections.values()):
-                torch._dynamo.maybe_mark_dynamic(t, 1)
+
+        def zeros(row: int, dtype: torch.dtype) -> torch.Tensor:
+            if host:
+                return torch.zeros(batch, capacity, row, dtype=dtype, pin_memory=device.type == "cuda")
+            # the decode's record: slots as the decoder's (the capacity a dynamic size of the compiled step)
+            return slot_buffer(batch, capacity, row, dtype=dtype, device=device)
+
+        ids_dtype = expert_id_dtype(cfg.n_routed_experts)
+        experts = {i: zeros(cfg.num_experts_per_tok, ids_dtype) for i, _ in _moe_layers(model)}
+        selections = {i: zeros(cfg.index_topk, SELECTION_DTYPE) for i, _ in _indexer_layers(model)}
         return cls(first, experts, selections)
 
 
