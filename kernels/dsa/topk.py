@@ -37,14 +37,26 @@ def _chosen(scores__S: torch.Tensor, k: int) -> torch.Tensor:
 def topk_lowest_position(scores__S: torch.Tensor, k: int) -> torch.Tensor:
     """Positions [..., k'] (int64, ascending; k' = min(k, S)) of the k' best keys of each row along the last axis
     by (score desc, position asc): the set `scores.sort(-1, descending=True, stable=True).indices[..., :k']`
-    holds. Scores must not be NaN; -0.0 and +0.0 are equal scores (a tie). The chosen mask is compacted by
-    nonzero(): a host synchronisation, and the fewest bytes per score (capture chunks rows against millions of
-    keys)."""
+    holds. Scores must not be NaN; -0.0 and +0.0 are equal scores (a tie). One host synchronisation (which rows
+    tie across the k-th place); those rows' chosen masks are compacted by nonzero()."""
     k = _check(scores__S, k)
+    S = scores__S.shape[-1]
     if k == 0 or scores__S.numel() == 0:
         return torch.empty(scores__S.shape[:-1] + (k,), dtype=torch.long, device=scores__S.device)
-    # exactly k per row, so the row-major nonzero positions reshape to [..., k]
-    return _chosen(scores__S, k).nonzero()[:, -1].view(scores__S.shape[:-1] + (k,))
+    if k == S:
+        return torch.arange(S, device=scores__S.device).expand(scores__S.shape).clone()
+    # one top-k, of k + 1: where the (k+1)-th best score is below the k-th, the k best are one set whatever order
+    # ties among them took (every key tied with the k-th is among them). Only the other rows (a tie across the
+    # k-th place: masked -inf keys, when fewer than k are visible) need the tie rule's scans.
+    rows_RS = scores__S.reshape(-1, S)
+    values_RK, idx_RK = rows_RS.topk(k + 1, dim=-1)
+    out_RK = idx_RK[:, :k].sort(dim=-1).values
+    tied_R = values_RK[:, k] == values_RK[:, k - 1]
+    tied = tied_R.nonzero()[:, 0]
+    if tied.numel():
+        # exactly k per row, so the row-major nonzero positions reshape to [rows, k]
+        out_RK[tied] = _chosen(rows_RS[tied], k).nonzero()[:, -1].view(-1, k)
+    return out_RK.view(scores__S.shape[:-1] + (k,))
 
 
 def topk_lowest_position_static(scores__S: torch.Tensor, k: int) -> torch.Tensor:

@@ -99,6 +99,20 @@ def test_selection_is_the_stable_sort(kind, dtype):
             assert torch.equal(idx_Tk, brute_force(scores_TS, k)), (T, S, k)
 
 
+def test_rows_with_and_without_a_tie_at_the_kth_place_in_one_call():
+    """[B, T, S]: continuous rows (one top-k decides them) beside rows tied across the k-th place (the tie rule's
+    scans), and a row of every key but fewer than k finite: each row its own stable sort's set."""
+    g = torch.Generator().manual_seed(3)
+    scores_BTS = torch.randn(2, 6, 50, generator=g)
+    scores_BTS[0, 1] = make_scores(1, 50, "ties", F32, 4)[0]
+    scores_BTS[1, 3] = make_scores(1, 50, "few_values", F32, 5)[0]
+    scores_BTS[1, 4, 5:] = float("-inf")
+    for k in (1, 7, 49, 50, 60):
+        idx_BTk = topk_lowest_position(scores_BTS, k)
+        expected = scores_BTS.sort(dim=-1, descending=True, stable=True).indices[..., :k].sort(dim=-1).values
+        assert torch.equal(idx_BTk, expected), k
+
+
 def test_zero_signs_tie_and_masked_fill_by_position():
     scores_TS = torch.tensor([[0.0, -0.0, 1.0, -0.0, 0.0, float("-inf"), float("-inf")],
                               [float("-inf"), 2.0, float("-inf"), float("-inf"), 2.0, -1.0, float("-inf")]])
