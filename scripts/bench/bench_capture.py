@@ -9,7 +9,8 @@ FLOPs: the analytic capture count of longstraw_cli/plan/flops.py (`capture_flops
 GDN's chunked products and conv for qwen36; MLA, the DSA indexer and the experts for glm52), by term. Rows before
 2026-12 counted linear + attention only (GDN's chunks and conv are 0.3% of qwen36_mini's at 256K). The ceiling is a
 measured large bf16 matmul on this GPU (and the H200's dense bf16 spec, 989 TFLOP/s, for reference). One JSON row
-per P to --out.
+per P to --out. With --top N, one more capture per P runs under torch.profiler: its N longest CUDA kernels, and
+the wall time against the kernels' total (the gap is the host: launches, synchronisations).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import time
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch  # noqa: E402
+from rows import kernel_times  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from longstraw_cli.models import MODEL_NAMES, build_model  # noqa: E402
 from longstraw_cli.plan.flops import capture_flops  # noqa: E402
@@ -56,6 +59,19 @@ def unchunked_forward(model, ids_T):
     return model.model.norm(x_BTC)
 
 
+def profiled_capture(run, top: int) -> dict:
+    prof = profile(activities=[ProfilerActivity.CUDA])
+    with prof:
+        seconds = timed(run)
+    kernels = kernel_times(prof)
+    out = {"seconds": seconds, "kernel_s": sum(secs for _, _, secs in kernels),
+           "top": [[key[:140], count, secs] for key, count, secs in kernels[:top]]}
+    print(f"capture under the profiler {seconds:.2f} s, kernel time {out['kernel_s']:.2f} s; longest kernels:")
+    for name, count, secs in out["top"]:
+        print(f"  {secs:8.3f} s {count:6d}x  {name}", flush=True)
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="qwen36_mini", choices=MODEL_NAMES)
@@ -63,6 +79,7 @@ def main(argv=None):
     p.add_argument("--block-size", type=int, default=8192)
     p.add_argument("--methods", default="capture,capture_span,forward")
     p.add_argument("--out", default="capture.jsonl")
+    p.add_argument("--top", type=int, default=0, help="profile one more capture per P: its N longest kernels")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_capture needs CUDA")
@@ -71,9 +88,13 @@ def main(argv=None):
     print(f"bf16 matmul ceiling {ceiling / 1e12:.0f} TFLOP/s; attention kernel {forward_backend()}", flush=True)
     # compile and autotune every kernel (fla's Triton kernels among them) before anything is timed
     warm = torch.randint(0, model.config.vocab_size, (8193,), device="cuda")
-    model.capture(warm, block_size=args.block_size)
-    model.capture_span(warm[:-1], start=0, num_tokens=8192, last_token=0, block_size=args.block_size)
-    unchunked_forward(model, warm[:-1])
+    methods = args.methods.split(",")
+    if "capture" in methods or args.top:
+        model.capture(warm, block_size=args.block_size)
+    if "capture_span" in methods:
+        model.capture_span(warm[:-1], start=0, num_tokens=8192, last_token=0, block_size=args.block_size)
+    if "forward" in methods:
+        unchunked_forward(model, warm[:-1])
     for P in (int(x) for x in args.prompts.split(",")):
         ids = torch.randint(0, model.config.vocab_size, (P + 1,), device="cuda",
                             generator=torch.Generator("cuda").manual_seed(P))
@@ -87,7 +108,7 @@ def main(argv=None):
                                                                     block_size=args.block_size),
             "forward": lambda ids=ids: unchunked_forward(model, ids[:-1]),
         }
-        for name in args.methods.split(","):
+        for name in methods:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
@@ -106,6 +127,8 @@ def main(argv=None):
         if "capture" in row and "forward" in row and "seconds" in row["forward"] and "seconds" in row["capture"]:
             row["capture_over_forward"] = row["capture"]["seconds"] / row["forward"]["seconds"]
             print(f"P={P} capture / forward = {row['capture_over_forward']:.3f}", flush=True)
+        if args.top:
+            row["profile"] = profiled_capture(runs["capture"], args.top)
         with open(args.out, "a") as f:
             f.write(json.dumps(row) + "\n")
 
