@@ -197,6 +197,34 @@ def test_local_experts_matches_hf():
             assert_close(got, ref, tol, dtype)
 
 
+def test_grouped_gemm_path_is_the_loop_and_serves_only_where_it_should(monkeypatch):
+    """`grouped_expert_ffn` (torch._grouped_mm) gives the per-expert loop's rows and gradients, idle experts
+    included (exactly so on the CPU, where torch runs it a group at a time); `expert_ffn` takes it only on a
+    CUDA device (bf16, sm90+), never on the CPU or with LONGSTRAW_GROUPED_MM=0."""
+    from longstraw_cli.models.glm52.experts import expert_ffn, grouped_expert_ffn, grouped_mm_serves
+
+    inputs, _, _ = problem((13,), 5, 1, 16, 8, None, F32, seed=2)
+    x_MC = inputs["x_NC"].requires_grad_()
+    gate_up, down = inputs["gate_up_proj"][:5].requires_grad_(), inputs["down_proj"][:5].requires_grad_()
+    counts = [4, 0, 6, 3, 0]
+    dy_MC = torch.randn(13, 16, generator=torch.Generator().manual_seed(3))
+    loop_MC = expert_ffn(x_MC, counts, gate_up, down)
+    assert not grouped_mm_serves(x_MC, gate_up, down)
+    try:
+        grouped_MC = grouped_expert_ffn(x_MC, torch.tensor(counts), gate_up, down)
+    except (AttributeError, NotImplementedError, RuntimeError) as e:
+        pytest.skip(f"this torch has no CPU torch._grouped_mm for fp32: {e}")
+    assert torch.equal(grouped_MC, loop_MC)
+    leaves = (x_MC, gate_up, down)
+    for got, ref in zip(torch.autograd.grad((grouped_MC * dy_MC).sum(), leaves),
+                        torch.autograd.grad((loop_MC * dy_MC).sum(), leaves)):
+        assert torch.equal(got, ref)
+    # a tensor of counts is taken as the list is
+    assert torch.equal(expert_ffn(x_MC, torch.tensor(counts), gate_up, down), loop_MC)
+    monkeypatch.setenv("LONGSTRAW_GROUPED_MM", "0")
+    assert not grouped_mm_serves(x_MC.bfloat16(), gate_up.bfloat16(), down.bfloat16())
+
+
 def test_partials_over_expert_ranges_add_up():
     inputs, topk_idx_Nk, _ = problem((10,), 8, 3, 16, 12, None, F64, seed=1)
     full_NC = local_experts(inputs["x_NC"], topk_idx_Nk, inputs["topk_w_Nk"], inputs["gate_up_proj"],

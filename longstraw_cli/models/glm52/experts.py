@@ -13,7 +13,10 @@ weight multiplies that (promoting), the product is cast back, and a token's cont
 ascending expert id, one rounding per add. HF does that with one index_add_ per expert; here the contributions
 are placed in [N, k] slots ordered by expert id and added slot by slot: the same additions in the same order,
 without duplicate indices (so deterministic on GPU too), k adds instead of E index_add_ calls.
-Simplifications: the activation is silu (GLM's `hidden_act`); experts run one matmul each (no grouped GEMM).
+Simplifications: the activation is silu (GLM's `hidden_act`). On a GPU (bf16, sm90+: `grouped_mm_serves`) the
+experts run as two grouped GEMMs (torch._grouped_mm), one launch each and no host synchronisation: the same
+products per row, another GEMM kernel's rounding, so there HF is matched to bf16's noise rather than bit for bit.
+Elsewhere (CPU, where the tests hold the bit-for-bit match; NF4 experts) each expert runs one matmul pair.
 
 NF4 experts (`lora.quantize=nf4`: `quantize.NF4Experts`, one NF4 matrix per expert) go through the same code:
 `expert_ffn` multiplies each expert that has rows through `quantize.linear` (that expert dequantised, in Triton on
@@ -27,17 +30,48 @@ of one dense pass, M (token, expert) pairs.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from longstraw_cli.quantize import dense, experts_per_pass, linear
 
-__all__ = ["combine", "expert_ffn", "local_experts", "pairs_by_expert"]
+__all__ = ["combine", "expert_ffn", "grouped_expert_ffn", "grouped_mm_serves", "local_experts", "pairs_by_expert"]
 
 
-def expert_ffn(x_MC, counts_L: list[int], gate_up_L2IC, down_LCI):
-    """down[e] @ (silu(gate) * up) for rows grouped by expert: counts_L[e] consecutive rows for expert e. Only
-    the experts with rows are read (NF4 ones dequantised)."""
+def grouped_mm_serves(x_MC, gate_up_L2IC, down_LCI) -> bool:
+    """Whether `expert_ffn` runs as two grouped GEMMs (torch._grouped_mm: one launch for all experts, no host
+    synchronisation): bf16 activations and plain bf16 weights on one CUDA device of compute capability >= 9.0,
+    every matrix dimension a multiple of 8 (16-byte rows). `LONGSTRAW_GROUPED_MM=0` keeps the per-expert loop
+    (A/B runs). Elsewhere (CPU, NF4 experts, other dtypes) the loop runs."""
+    if os.environ.get("LONGSTRAW_GROUPED_MM", "1") == "0" or not hasattr(torch, "_grouped_mm"):
+        return False
+    tensors = (x_MC, gate_up_L2IC, down_LCI)
+    if not all(type(t) in (torch.Tensor, nn.Parameter) and t.dtype == torch.bfloat16 and t.is_cuda for t in tensors):
+        return False
+    if len({t.device for t in tensors}) != 1 or torch.cuda.get_device_capability(x_MC.device) < (9, 0):
+        return False
+    return all(d % 8 == 0 for d in (*gate_up_L2IC.shape[1:], *down_LCI.shape[1:]))
+
+
+def grouped_expert_ffn(x_MC, counts_L: torch.Tensor, gate_up_L2IC, down_LCI):
+    """`expert_ffn` as two grouped GEMMs over every expert's rows at once (each row's products those of its own
+    expert's matrices; the rounding that of one GEMM kernel rather than a matmul per expert)."""
+    offs_L = counts_L.to(device=x_MC.device).cumsum(0, dtype=torch.int32)
+    gate, up = torch._grouped_mm(x_MC, gate_up_L2IC.transpose(1, 2), offs=offs_L).chunk(2, dim=-1)
+    return torch._grouped_mm(F.silu(gate) * up, down_LCI.transpose(1, 2), offs=offs_L)
+
+
+def expert_ffn(x_MC, counts_L, gate_up_L2IC, down_LCI):
+    """down[e] @ (silu(gate) * up) for rows grouped by expert: counts_L[e] consecutive rows for expert e (a list
+    or a tensor). Where `grouped_mm_serves`, two grouped GEMMs; else per expert, only the experts with rows read
+    (NF4 ones dequantised)."""
+    if grouped_mm_serves(x_MC, gate_up_L2IC, down_LCI):
+        return grouped_expert_ffn(x_MC, torch.as_tensor(counts_L), gate_up_L2IC, down_LCI)
+    if isinstance(counts_L, torch.Tensor):
+        counts_L = counts_L.tolist()
     # unbind: the backward stacks the experts' gradients once (zeros for idle experts) instead of one
     # full-size zero tensor per indexed expert (NF4 experts: their matrices, never a gradient).
     gate_up_list, down_list = gate_up_L2IC.unbind(0), down_LCI.unbind(0)
@@ -93,7 +127,7 @@ def local_experts(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_proj, down_proj, *, firs
     to any other expert contribute nothing. With first_expert = 0 and all experts this is the hook's default.
     """
     pairs_M, counts_L = pairs_by_expert(topk_idx_Nk, first_expert, gate_up_proj.shape[0])
-    y_MC = expert_ffn(x_NC[pairs_M // topk_idx_Nk.shape[1]], counts_L.tolist(), gate_up_proj, down_proj)
+    y_MC = expert_ffn(x_NC[pairs_M // topk_idx_Nk.shape[1]], counts_L, gate_up_proj, down_proj)
     return combine(y_MC, pairs_M, topk_idx_Nk, topk_w_Nk, x_NC)
 
 
