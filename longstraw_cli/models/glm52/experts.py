@@ -30,13 +30,12 @@ of one dense pass, M (token, expert) pairs.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from longstraw_cli.quantize import dense, experts_per_pass, linear
+from longstraw_kernels import kernel_choice
 
 __all__ = ["combine", "expert_ffn", "grouped_expert_ffn", "grouped_mm_serves", "local_experts", "pairs_by_expert"]
 
@@ -44,14 +43,19 @@ __all__ = ["combine", "expert_ffn", "grouped_expert_ffn", "grouped_mm_serves", "
 def grouped_mm_serves(x_MC, gate_up_L2IC, down_LCI) -> bool:
     """Whether `expert_ffn` runs as two grouped GEMMs (torch._grouped_mm: one launch for all experts, no host
     synchronisation): bf16 activations and plain bf16 weights on one CUDA device of compute capability >= 9.0,
-    every matrix dimension a multiple of 8 (16-byte rows). `LONGSTRAW_GROUPED_MM=0` keeps the per-expert loop
-    (A/B runs). Elsewhere (CPU, NF4 experts, other dtypes) the loop runs."""
-    if os.environ.get("LONGSTRAW_GROUPED_MM", "1") == "0" or not hasattr(torch, "_grouped_mm"):
+    every matrix dimension a multiple of 8 (16-byte rows). `LONGSTRAW_EXPERTS_KERNEL=torch` keeps the per-expert
+    loop (A/B runs), as the other kernels' variables do (`auto`, the default; other values are an error).
+    Elsewhere (CPU, NF4 experts, other dtypes) the loop runs."""
+    if kernel_choice("LONGSTRAW_EXPERTS_KERNEL") == "torch" or not hasattr(torch, "_grouped_mm"):
         return False
     tensors = (x_MC, gate_up_L2IC, down_LCI)
     if not all(type(t) in (torch.Tensor, nn.Parameter) and t.dtype == torch.bfloat16 and t.is_cuda for t in tensors):
         return False
-    if len({t.device for t in tensors}) != 1 or torch.cuda.get_device_capability(x_MC.device) < (9, 0):
+    # no rows at all (an expert-parallel rank sent nothing): the loop's zero-row pass, whose gradients reach
+    # every parameter as zeros, is the tested way
+    if x_MC.shape[0] == 0 or len({t.device for t in tensors}) != 1:
+        return False
+    if torch.cuda.get_device_capability(x_MC.device) < (9, 0):
         return False
     return all(d % 8 == 0 for d in (*gate_up_L2IC.shape[1:], *down_LCI.shape[1:]))
 
