@@ -23,15 +23,38 @@ def _triton_scores():
     return None if module is None else module.indexer_scores_triton
 
 
-# opaque to torch.compile (the compiled decode step): inductor would re-trace the Triton kernel inside
-@torch.compiler.disable
 def indexer_scores(q_BTJI: torch.Tensor, w_BTJ: torch.Tensor, k: torch.Tensor, scale: float,
                    offset: int | None = None) -> torch.Tensor:
-    """Index scores [B, T, S] of queries [B, T, J, I] (per-head weights w [B, T, J]) against keys [S, I] (shared)
-    or [B, S, I]; with `offset`, -inf where s > t + offset. See `reference.indexer_scores_reference`."""
+    """Index scores [B, T, S] in `compute_dtype(q)` of queries [B, T, J, I] (per-head weights w [B, T, J]) against
+    keys [S, I] (shared) or [B, S, I]; with `offset`, -inf where s > t + offset. See
+    `reference.indexer_scores_reference`. Inside a compiled graph (the decode step) it is one opaque op
+    (`longstraw::dsa_indexer_scores`): inductor does not re-trace the Triton kernel, and dynamo does not break
+    the graph there, so the page count stays a dynamic size across it."""
+    if torch.compiler.is_compiling():
+        return _indexer_scores_op(q_BTJI, w_BTJ, k, scale, offset)
+    return _indexer_scores(q_BTJI, w_BTJ, k, scale, offset)
+
+
+def _indexer_scores(q_BTJI, w_BTJ, k, scale, offset):
     choice = kernel_choice("LONGSTRAW_DSA_KERNEL")
     kernel = _triton_scores() if q_BTJI.is_cuda and choice == "auto" else None
     # fp64 (tests of the algorithm) has no tensor-core path: the reference computes it
     if kernel is None or compute_dtype(q_BTJI) != torch.float32 or k.dtype not in _KERNEL_DTYPES:
-        return indexer_scores_reference(q_BTJI, w_BTJ, k, scale, offset)
-    return kernel(q_BTJI, w_BTJ, k, scale, offset)
+        scores_BTS = indexer_scores_reference(q_BTJI, w_BTJ, k, scale, offset)
+    else:
+        scores_BTS = kernel(q_BTJI, w_BTJ, k, scale, offset)
+    # no key at all comes back in q's dtype from the reference: the op's output dtype is one
+    return scores_BTS.to(compute_dtype(q_BTJI))
+
+
+# no gradient: the scores only feed a top-k (the selection is not differentiated)
+@torch.library.custom_op("longstraw::dsa_indexer_scores", mutates_args=())
+def _indexer_scores_op(q_BTJI: torch.Tensor, w_BTJ: torch.Tensor, k: torch.Tensor, scale: float,
+                       offset: int | None) -> torch.Tensor:
+    return _indexer_scores(q_BTJI, w_BTJ, k, scale, offset)
+
+
+@_indexer_scores_op.register_fake
+def _(q_BTJI, w_BTJ, k, scale, offset):
+    B, T = q_BTJI.shape[:2]
+    return q_BTJI.new_empty(B, T, k.shape[-2], dtype=compute_dtype(q_BTJI))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from longstraw_kernels import kernel_choice, optional_module
+from longstraw_kernels import compute_dtype, kernel_choice, optional_module
 from longstraw_kernels.mla import reference
 
 
@@ -31,10 +31,16 @@ def use_triton(q_BTHA, latent_PL, rope_PR, idx_BTK) -> bool:
     return module is not None and module.supported(q_BTHA, latent_PL, rope_PR, idx_BTK)
 
 
-# opaque to torch.compile (the compiled decode step): inductor would re-trace the Triton kernel inside
-@torch.compiler.disable
 def sparse_mla_attention(q_BTHA, latent_PL, rope_PR, idx_BTK, *, scale):
-    """-> (out_BTHL in q's dtype, lse_BTH); see `reference.sparse_mla_attention`."""
+    """-> (out_BTHL in q's dtype, lse_BTH); see `reference.sparse_mla_attention`. Inside a compiled graph (the
+    decode step, no gradient) it is one opaque op (`longstraw::sparse_mla_forward`): inductor does not re-trace
+    the Triton kernel, and dynamo does not break the graph there, so the page count stays a dynamic size."""
+    if torch.compiler.is_compiling():
+        return _forward_op(q_BTHA, latent_PL, rope_PR, idx_BTK, scale)
+    return _sparse_mla_attention(q_BTHA, latent_PL, rope_PR, idx_BTK, scale)
+
+
+def _sparse_mla_attention(q_BTHA, latent_PL, rope_PR, idx_BTK, scale):
     reference.check_shapes(q_BTHA, latent_PL, rope_PR, idx_BTK)
     if latent_PL.device != q_BTHA.device and not (latent_PL.requires_grad or rope_PR.requires_grad):
         # pages in host memory (an offloaded rollout): only the selected rows cross, each once
@@ -42,6 +48,21 @@ def sparse_mla_attention(q_BTHA, latent_PL, rope_PR, idx_BTK, *, scale):
     if use_triton(q_BTHA, latent_PL, rope_PR, idx_BTK):
         return triton_module().TritonSparseMLA.apply(q_BTHA, latent_PL, rope_PR, idx_BTK, scale)
     return reference._SparseMLA.apply(q_BTHA, latent_PL, rope_PR, idx_BTK, scale)
+
+
+# forward only: the compiled decode step computes no gradient (a backward through it is an error of torch's)
+@torch.library.custom_op("longstraw::sparse_mla_forward", mutates_args=())
+def _forward_op(q_BTHA: torch.Tensor, latent_PL: torch.Tensor, rope_PR: torch.Tensor, idx_BTK: torch.Tensor,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.no_grad():
+        return _sparse_mla_attention(q_BTHA, latent_PL, rope_PR, idx_BTK, scale)
+
+
+@_forward_op.register_fake
+def _(q_BTHA, latent_PL, rope_PR, idx_BTK, scale):
+    B, T, H, _ = q_BTHA.shape
+    out_BTHL = q_BTHA.new_empty(B, T, H, latent_PL.shape[-1])
+    return out_BTHL, q_BTHA.new_empty(B, T, H, dtype=compute_dtype(q_BTHA, latent_PL, rope_PR))
 
 
 def selected_rows(latent_PL, rope_PR, idx_BTK, device):
