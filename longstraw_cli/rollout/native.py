@@ -154,7 +154,7 @@ class GraphedStep:
         side = side_stream(self.decoder.device, "decode warm-up")
         side.wait_stream(torch.cuda.current_stream(self.decoder.device))
         with torch.cuda.stream(side):
-            logits_BV = self.step()
+            logits_BV = self.first_step()
         torch.cuda.current_stream(self.decoder.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
@@ -167,6 +167,20 @@ class GraphedStep:
             return logits_BV
         self.graph, self.capacity = graph, self.decoder.capacity
         return logits_BV
+
+    def first_step(self) -> torch.Tensor:
+        """The step's first call. Where the compiler fails on the step (inductor's BackendCompilerFailed, raised
+        before the compiled graph runs anything), the step runs uncompiled from then on, said once."""
+        try:
+            return self.step()
+        except torch._dynamo.exc.BackendCompilerFailed as exc:
+            if self.step == self.decoder.step:
+                raise
+            inner = getattr(exc, "inner_exception", exc)
+            log.warning("decode step could not be compiled (%s: %s); decoding uncompiled", type(inner).__name__,
+                        (str(inner).splitlines() or [""])[0][:200])
+            self.step = self.decoder.step
+            return self.step()
 
 
 @torch.no_grad()
