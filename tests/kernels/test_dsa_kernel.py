@@ -163,3 +163,16 @@ def test_cuda_env_forces_the_reference(monkeypatch):
     assert torch.equal(indexer_scores(q_BTJI, w_BTJ, k, SCALE, 250),
                        indexer_scores_reference(q_BTJI, w_BTJ, k, SCALE, 250))
     assert dsa._triton_scores() is not None, "Triton must import on a CUDA machine"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_compiled_graph_op_checks(dtype):
+    """`longstraw::dsa_indexer_scores` (what a compiled graph calls): schema, fake shapes and dtype, and the eager
+    result, by torch.library.opcheck; shared and per-sequence keys, with and without an offset."""
+    from longstraw_kernels.dsa import _indexer_scores_op
+
+    g = torch.Generator().manual_seed(0)
+    q, w = torch.randn(2, 5, 3, 16, generator=g).to(dtype), torch.randn(2, 5, 3, generator=g)
+    for k in (torch.randn(40, 16, generator=g).to(dtype), torch.randn(2, 40, 16, generator=g).to(dtype)):
+        for offset in (None, 7):
+            torch.library.opcheck(_indexer_scores_op, (q, w, k, 0.5, offset))

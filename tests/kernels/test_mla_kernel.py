@@ -93,3 +93,16 @@ def test_backward_saves_no_gathered_pages():
     gathered = idx.numel() * (latent.shape[1] + rope.shape[1]) * latent.element_size()
     budget = sum(t.numel() * t.element_size() for t in (q, idx, out, lse))
     assert own <= budget < gathered
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_compiled_graph_op_checks(dtype):
+    """`longstraw::sparse_mla_forward` (what a compiled graph calls): schema, fake shapes and dtypes of (out, lse),
+    and the eager result, by torch.library.opcheck; -1 entries included."""
+    from longstraw_kernels.mla.dispatch import _forward_op
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 3, 4, 24, generator=g).to(dtype)
+    latent, rope = torch.randn(50, 16, generator=g).to(dtype), torch.randn(50, 8, generator=g).to(dtype)
+    idx = torch.randint(-1, 50, (2, 3, 6), generator=g)
+    torch.library.opcheck(_forward_op, (q, latent, rope, idx, 0.3))
