@@ -136,11 +136,12 @@ class GraphedStep:
     one capture per capacity; the capacity is a dynamic size of the compiled step, so no compilation after the
     first. Falls back to eager if capture fails."""
 
-    def __init__(self, decoder, compile: bool = False):
+    def __init__(self, decoder, compile: bool = False, compile_mode: str | None = None):
         self.decoder, self.graph, self.logits_BV, self.eager = decoder, None, None, False
         # the decoder's capacity the graph was captured at
         self.capacity = decoder.capacity
-        self.step = torch.compile(decoder.step) if compile else decoder.step
+        # compile_mode: torch.compile's mode (None, its default, is the trainer's; benchmarks try others)
+        self.step = torch.compile(decoder.step, mode=compile_mode) if compile else decoder.step
 
     def __call__(self) -> torch.Tensor:
         if self.eager:

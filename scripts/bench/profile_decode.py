@@ -90,9 +90,7 @@ def main() -> None:
         if args.compile:
             decoder = model.decoder(resident, args.group, args.capacity)
             decoder.step_1.fill_(args.step)
-            graphed = GraphedStep(decoder, compile=True)
-            if args.compile_mode:
-                graphed.step = torch.compile(decoder.step, mode=args.compile_mode)
+            graphed = GraphedStep(decoder, compile=True, compile_mode=args.compile_mode)
             start = time.perf_counter()
             graphed()
             torch.cuda.synchronize()
