@@ -34,6 +34,12 @@ def _chosen(scores__S: torch.Tensor, k: int) -> torch.Tensor:
     return above | (tie & (tie.cumsum(-1, dtype=torch.int32) <= need))
 
 
+def tie_rule_positions(scores_RS: torch.Tensor, k: int) -> torch.Tensor:
+    """[R, k] positions, ascending, of rows [R, S] by the tie rule's scans alone (`_chosen`, compacted by
+    nonzero(): a host synchronisation). Exactly k per row, so the row-major nonzero positions reshape to [R, k]."""
+    return _chosen(scores_RS, k).nonzero()[:, -1].view(-1, k)
+
+
 def topk_lowest_position(scores__S: torch.Tensor, k: int) -> torch.Tensor:
     """Positions [..., k'] (int64, ascending; k' = min(k, S)) of the k' best keys of each row along the last axis
     by (score desc, position asc): the set `scores.sort(-1, descending=True, stable=True).indices[..., :k']`
@@ -54,8 +60,7 @@ def topk_lowest_position(scores__S: torch.Tensor, k: int) -> torch.Tensor:
     tied_R = values_RK[:, k] == values_RK[:, k - 1]
     tied = tied_R.nonzero()[:, 0]
     if tied.numel():
-        # exactly k per row, so the row-major nonzero positions reshape to [rows, k]
-        out_RK[tied] = _chosen(rows_RS[tied], k).nonzero()[:, -1].view(-1, k)
+        out_RK[tied] = tie_rule_positions(rows_RS[tied], k)
     return out_RK.view(scores__S.shape[:-1] + (k,))
 
 

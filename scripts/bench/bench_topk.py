@@ -1,5 +1,5 @@
 """The DSA selection rule (`topk_lowest_position`) on one GPU, at capture's chunk size, against the tie rule's scans
-run on every row (`_chosen` + nonzero: the rule as it ran before 2026-12-03) and torch.topk alone.
+run on every row (`tie_rule_positions`: the rule as it ran before 2026-12-03) and torch.topk alone.
 
 Per key count S: rows = 2^27 / S (glm52's `score_rows` on CUDA), fp32 uniform scores, the first eighth of the rows
 with their second half -inf (fewer visible keys than a causal block's last rows see). Checks that both give the
@@ -15,22 +15,18 @@ import argparse
 import torch
 from rows import emit, time_ms
 
-from longstraw_kernels.dsa.topk import _chosen, topk_lowest_position
-
-
-def every_row_scanned(scores_RS: torch.Tensor, k: int) -> torch.Tensor:
-    return _chosen(scores_RS, k).nonzero()[:, -1].view(scores_RS.shape[0], k)
+from longstraw_kernels.dsa.topk import tie_rule_positions, topk_lowest_position
 
 
 def measure(S: int, k: int, repeats: int) -> dict:
     R = (1 << 27) // S
     scores_RS = torch.rand(R, S, device="cuda")
     scores_RS[: R // 8, S // 2:] = float("-inf")
-    if not torch.equal(topk_lowest_position(scores_RS, k), every_row_scanned(scores_RS, k)):
+    if not torch.equal(topk_lowest_position(scores_RS, k), tie_rule_positions(scores_RS, k)):
         raise SystemExit(f"S={S}: the selections differ")
     return {"keys": S, "rows": R, "k": k, "gpu": torch.cuda.get_device_name(),
             "topk_lowest_position_ms": time_ms(lambda: topk_lowest_position(scores_RS, k), repeats),
-            "every_row_scanned_ms": time_ms(lambda: every_row_scanned(scores_RS, k), repeats),
+            "tie_rule_positions_ms": time_ms(lambda: tie_rule_positions(scores_RS, k), repeats),
             "torch_topk_ms": time_ms(lambda: scores_RS.topk(k + 1, dim=-1), repeats)}
 
 
