@@ -24,7 +24,7 @@ import time
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch  # noqa: E402
-from rows import kernel_times  # noqa: E402
+from rows import kernel_times, top_kernels  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from longstraw_cli.models import MODEL_NAMES, build_model  # noqa: E402
@@ -64,11 +64,9 @@ def profiled_capture(run, top: int) -> dict:
     with prof:
         seconds = timed(run)
     kernels = kernel_times(prof)
-    out = {"seconds": seconds, "kernel_s": sum(secs for _, _, secs in kernels),
-           "top": [[key[:140], count, secs] for key, count, secs in kernels[:top]]}
+    out = {"seconds": seconds, "kernel_s": sum(secs for _, _, secs in kernels)}
     print(f"capture under the profiler {seconds:.2f} s, kernel time {out['kernel_s']:.2f} s; longest kernels:")
-    for name, count, secs in out["top"]:
-        print(f"  {secs:8.3f} s {count:6d}x  {name}", flush=True)
+    out["top"] = top_kernels(kernels, top)
     return out
 
 

@@ -14,7 +14,7 @@ import time
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch  # noqa: E402
-from rows import emit, kernel_times  # noqa: E402
+from rows import emit, kernel_times, top_kernels  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from longstraw_cli.models import build_model  # noqa: E402
@@ -36,10 +36,8 @@ def summarise(prof, row: dict, name: str, top: int) -> None:
     kernels = kernel_times(prof)
     row[f"{name}_kernels"] = sum(count for _, count, _ in kernels)
     row[f"{name}_kernel_ms"] = 1e3 * sum(secs for _, _, secs in kernels)
-    row[f"{name}_top"] = [[key[:140], count, 1e3 * secs] for key, count, secs in kernels[:top]]
     print(f"{name}: {row[f'{name}_kernels']} kernel launches, {row[f'{name}_kernel_ms']:.2f} ms of kernel time; top:")
-    for key, count, ms in row[f"{name}_top"]:
-        print(f"  {ms:7.3f} ms {count:5d}x  {key}")
+    row[f"{name}_top"] = top_kernels(kernels, top, "ms")
 
 
 def main() -> None:

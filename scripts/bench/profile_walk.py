@@ -18,7 +18,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch  # noqa: E402
 from profile_blockwise import timed  # noqa: E402
-from rows import emit, kernel_times  # noqa: E402
+from rows import emit, kernel_times, top_kernels  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from longstraw_cli.lora import LoraConfig, apply_lora  # noqa: E402
@@ -94,12 +94,10 @@ def main() -> None:
         for key, _, secs in kernels:
             families[family(key)] = families.get(family(key), 0.0) + secs
         row["families_s"] = dict(sorted(families.items(), key=lambda kv: -kv[1]))
-        row["top"] = [[key[:140], count, secs] for key, count, secs in kernels[:args.top]]
         print(f"walk under the profiler {profiled['walk_s']:.2f} s, kernel time {row['kernel_s']:.2f} s; by family:")
         for name, secs in row["families_s"].items():
             print(f"  {secs:8.3f} s  {name}")
-        for name, count, secs in row["top"]:
-            print(f"  {secs:8.3f} s {count:6d}x  {name}")
+        row["top"] = top_kernels(kernels, args.top)
     emit(row, args.out)
 
 if __name__ == "__main__":

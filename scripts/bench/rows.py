@@ -25,6 +25,16 @@ def kernel_times(prof) -> list[tuple[str, int, float]]:
     return sorted(events, key=lambda e: -e[2])
 
 
+def top_kernels(kernels: list[tuple[str, int, float]], top: int, unit: str = "s") -> list[list]:
+    """The `top` longest of `kernel_times` as JSON rows [name (140 characters at most), launches, time in `unit`
+    ("s" or "ms")], each printed."""
+    scale = {"s": 1.0, "ms": 1e3}[unit]
+    rows = [[key[:140], count, scale * secs] for key, count, secs in kernels[:top]]
+    for name, count, t in rows:
+        print(f"  {t:8.3f} {unit:>2} {count:6d}x  {name}", flush=True)
+    return rows
+
+
 def time_ms(fn, repeats: int, warmup: int = 1) -> float:
     """Median ms of fn() on the GPU (CUDA events, synchronised) over `repeats` calls, after `warmup` calls."""
     import torch
