@@ -308,9 +308,9 @@ def _layer_hooks(model, route_of, select_of):
 def recording(model, record: RoutingRecord, rows: slice = slice(None)):
     """Within the block, tokens after the prompt route live and their choices go into `record` rows `rows` (the
     call's batch rows, in order); `record` is on the model's device (the decode's buffers). Each layer's hook holds
-    that layer's tensors and the first position as a tensor, no Python int: the compiled decode step calls one
-    layer function for every layer, and an int would be a constant of its graph, one recompilation a layer or a
-    prompt length (past dynamo's limit of 8 the rest ran eagerly, with a warning). All rows: the hooks hold
+    that layer's tensors and the first position as a tensor, no Python int: an int would be a constant of the
+    compiled decode step's graph, one recompilation per prompt length (and, while the step broke its graph at each
+    layer's kernels, one per layer: past dynamo's limit of 8 the rest ran eagerly). All rows: the hooks hold
     `record`'s own tensors, not views, which `RoutingRecord.grow` grows in place."""
     part = record if rows == slice(None) else record.rows(rows)
     tensors = part.tensors()
