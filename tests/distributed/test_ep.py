@@ -228,6 +228,24 @@ def test_grouped_gemm_path_is_the_loop_and_serves_only_where_it_should(monkeypat
         grouped_mm_serves(x_MC, gate_up, down)
 
 
+def test_a_gpu_without_grouped_gemms_says_so_once(caplog):
+    """Where a GPU cannot take the grouped GEMMs (before sm90, or a torch without torch._grouped_mm) the loop runs,
+    and the run is told why, once per reason."""
+    import logging
+
+    from longstraw_cli.models.glm52 import experts
+
+    assert experts.grouped_mm_blocker((9, 0), True) is None and experts.grouped_mm_blocker((10, 0), True) is None
+    assert experts.grouped_mm_blocker((8, 0), True) == "compute capability 8.0 < 9.0"
+    assert "has no torch._grouped_mm" in experts.grouped_mm_blocker((9, 0), False)
+    experts._loop_on_this_gpu.cache_clear()
+    with caplog.at_level(logging.WARNING, logger=experts.__name__):
+        for _ in range(3):
+            experts._loop_on_this_gpu("compute capability 8.0 < 9.0")
+    said = [r.getMessage() for r in caplog.records if "one matmul pair per expert" in r.getMessage()]
+    assert len(said) == 1 and "(compute capability 8.0 < 9.0)" in said[0]
+
+
 def test_partials_over_expert_ranges_add_up():
     inputs, topk_idx_Nk, _ = problem((10,), 8, 3, 16, 12, None, F64, seed=1)
     full_NC = local_experts(inputs["x_NC"], topk_idx_Nk, inputs["topk_w_Nk"], inputs["gate_up_proj"],

@@ -30,6 +30,9 @@ of one dense pass, M (token, expert) pairs.
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -37,7 +40,10 @@ from torch import nn
 from longstraw_cli.quantize import dense, experts_per_pass, linear
 from longstraw_kernels import kernel_choice
 
-__all__ = ["combine", "expert_ffn", "grouped_expert_ffn", "grouped_mm_serves", "local_experts", "pairs_by_expert"]
+__all__ = ["combine", "expert_ffn", "grouped_expert_ffn", "grouped_mm_blocker", "grouped_mm_serves", "local_experts",
+           "pairs_by_expert"]
+
+log = logging.getLogger(__name__)
 
 
 def grouped_mm_serves(x_MC, gate_up_L2IC, down_LCI) -> bool:
@@ -46,7 +52,7 @@ def grouped_mm_serves(x_MC, gate_up_L2IC, down_LCI) -> bool:
     every matrix dimension a multiple of 8 (16-byte rows). `LONGSTRAW_EXPERTS_KERNEL=torch` keeps the per-expert
     loop (A/B runs), as the other kernels' variables do (`auto`, the default; other values are an error).
     Elsewhere (CPU, NF4 experts, other dtypes) the loop runs."""
-    if kernel_choice("LONGSTRAW_EXPERTS_KERNEL") == "torch" or not hasattr(torch, "_grouped_mm"):
+    if kernel_choice("LONGSTRAW_EXPERTS_KERNEL") == "torch":
         return False
     tensors = (x_MC, gate_up_L2IC, down_LCI)
     if not all(type(t) in (torch.Tensor, nn.Parameter) and t.dtype == torch.bfloat16 and t.is_cuda for t in tensors):
@@ -55,9 +61,28 @@ def grouped_mm_serves(x_MC, gate_up_L2IC, down_LCI) -> bool:
     # every parameter as zeros, is the tested way
     if x_MC.shape[0] == 0 or len({t.device for t in tensors}) != 1:
         return False
-    if torch.cuda.get_device_capability(x_MC.device) < (9, 0):
+    blocker = grouped_mm_blocker(torch.cuda.get_device_capability(x_MC.device), hasattr(torch, "_grouped_mm"))
+    if blocker is not None:
+        _loop_on_this_gpu(blocker)
         return False
     return all(d % 8 == 0 for d in (*gate_up_L2IC.shape[1:], *down_LCI.shape[1:]))
+
+
+def grouped_mm_blocker(capability: tuple[int, int], has_grouped_mm: bool) -> str | None:
+    """Why a GPU of `capability` with this torch cannot run the grouped GEMMs, or None."""
+    if not has_grouped_mm:
+        return f"torch {torch.__version__} has no torch._grouped_mm"
+    if capability < (9, 0):
+        return f"compute capability {capability[0]}.{capability[1]} < 9.0"
+    return None
+
+
+@functools.cache
+def _loop_on_this_gpu(reason: str) -> None:
+    """Said once per reason: a GPU run whose experts cannot take the grouped GEMMs, and what that costs."""
+    log.warning("glm52's routed experts run one matmul pair per expert on this GPU (%s), not as grouped GEMMs: "
+                "slower where a step has many experts (glm52_mini's 256K capture on an H200: 11.4 s looped, 10.7 s "
+                "grouped)", reason)
 
 
 def grouped_expert_ffn(x_MC, counts_L: torch.Tensor, gate_up_L2IC, down_LCI):
