@@ -33,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["TileConfig", "default_config", "sparse_mla_forward", "sparse_mla_dq", "sparse_mla_backward",
-           "TritonSparseMLA"]
+__all__ = ["TileConfig", "default_config", "forward_splits", "sparse_mla_forward", "sparse_mla_dq",
+           "sparse_mla_backward", "TritonSparseMLA"]
 
 LOG2E = 1.4426950408889634
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -61,11 +61,14 @@ def default_config(H: int, K: int, dtype: torch.dtype) -> TileConfig:
 
 @triton.jit
 def _fwd_kernel(q_ptr, lat_ptr, rope_ptr, idx_ptr, out_ptr, lse_ptr, stride_lat, stride_rope,
-                H, K, num_head_blocks, qk_scale_log2,
+                H, K, num_head_blocks, qk_scale_log2, keys_per_split, split_stride_out, split_stride_lse,
                 L: tl.constexpr, R: tl.constexpr, L_PAD: tl.constexpr, R_PAD: tl.constexpr,
                 BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    # head blocks of one row are neighbours in launch order, so a row's pages are read from L2 after the first
-    pid = tl.program_id(0)
+    # head blocks of one row are neighbours in launch order, so a row's pages are read from L2 after the first.
+    # Split over the keys (axis 1, `sparse_mla_forward`'s num_splits > 1): this program reads the row's entries
+    # [split * keys_per_split, +keys_per_split) and writes that part's normalised out and lse (fp32) at
+    # split * split_stride_*; `_combine_kernel` merges the parts. Unsplit, the range is all K and the strides 0
+    pid, split = tl.program_id(0), tl.program_id(1)
     row = (pid // num_head_blocks).to(tl.int64)
     offs_h = (pid % num_head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_l = tl.arange(0, L_PAD)
@@ -79,9 +82,11 @@ def _fwd_kernel(q_ptr, lat_ptr, rope_ptr, idx_ptr, out_ptr, lse_ptr, stride_lat,
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max, in log2 units
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, L_PAD], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = split * keys_per_split
+    k_end = tl.minimum(k_start + keys_per_split, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        idx = tl.load(idx_ptr + row * K + offs_k, mask=offs_k < K, other=-1).to(tl.int64)
+        idx = tl.load(idx_ptr + row * K + offs_k, mask=offs_k < k_end, other=-1).to(tl.int64)
         valid = idx >= 0
         page = tl.where(valid, idx, 0)
         kv = tl.load(lat_ptr + page[:, None] * stride_lat + offs_l[None, :],
@@ -104,9 +109,33 @@ def _fwd_kernel(q_ptr, lat_ptr, rope_ptr, idx_ptr, out_ptr, lse_ptr, stride_lat,
     l_safe = tl.where(has_entry, l_i, 1.0)
     out = acc / l_safe[:, None]
     lse = tl.where(has_entry, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
-    out_rows = out_ptr + row * H * L + offs_h[:, None] * L
+    out_rows = out_ptr + split * split_stride_out + row * H * L + offs_h[:, None] * L
     tl.store(out_rows + offs_l[None, :], out.to(out_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_l[None, :])
-    tl.store(lse_ptr + row * H + offs_h, lse, mask=mask_h)
+    tl.store(lse_ptr + split * split_stride_lse + row * H + offs_h, lse, mask=mask_h)
+
+
+@triton.jit
+def _combine_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, num_splits, split_stride_out, split_stride_lse,
+                    L: tl.constexpr, L_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    # one program per (row, head): lse = logsumexp of the parts' lse, out = sum of exp(lse_s - lse) out_s; a part
+    # with no entry has lse -inf and weight 0; a row with no entry in any part gets out 0 and lse -inf
+    rh = tl.program_id(0).to(tl.int64)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_l = tl.arange(0, L_PAD)
+    lse_s = tl.load(part_lse_ptr + offs_s * split_stride_lse + rh, mask=offs_s < num_splits, other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w_s = tl.exp(lse_s - m_safe)
+    total = tl.sum(w_s, 0)
+    has_entry = total > 0
+    total_safe = tl.where(has_entry, total, 1.0)
+    w_s = w_s / total_safe
+    acc = tl.zeros([L_PAD], tl.float32)
+    for s in range(0, num_splits):
+        w = tl.sum(tl.where(offs_s == s, w_s, 0.0), 0)
+        acc += w * tl.load(part_out_ptr + s * split_stride_out + rh * L + offs_l, mask=offs_l < L, other=0.0)
+    tl.store(out_ptr + rh * L + offs_l, acc.to(out_ptr.dtype.element_ty), mask=offs_l < L)
+    tl.store(lse_ptr + rh, tl.where(has_entry, m_safe + tl.log(total_safe), float("-inf")))
 
 
 @triton.jit
@@ -191,19 +220,51 @@ def _launch_args(q_BTHA, latent_PL, rope_PR, idx_BTK, config):
     return (B * T * num_head_blocks,), num_head_blocks, meta
 
 
-def sparse_mla_forward(q_BTHA, latent_PL, rope_PR, idx_BTK, scale: float, config: TileConfig | None = None):
-    """-> (out_BTHL in q's dtype, lse_BTH float32); `reference.sparse_mla_attention`'s forward, no autograd."""
+def forward_splits(programs: int, K: int, block_k: int, device: torch.device) -> int:
+    """How many parts to split each row's K entries into: 1 where the unsplit grid (`programs`, one per row and head
+    block) already fills the GPU (capture, replay); at decode's few rows, about one program per SM, each part at
+    least 4 key blocks (so the parts' fp32 partials, written and read once more, stay small next to the gathers).
+    Glm52's decode at G = 8 (8 rows x 1 head block, K = 2,048, H200): 16 parts of 128 entries."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if programs * 2 > sms:
+        return 1
+    keys_per_split = max(4 * block_k, triton.cdiv(triton.cdiv(K, triton.cdiv(sms, programs)), block_k) * block_k)
+    return triton.cdiv(K, keys_per_split)
+
+
+def sparse_mla_forward(q_BTHA, latent_PL, rope_PR, idx_BTK, scale: float, config: TileConfig | None = None,
+                       num_splits: int | None = None):
+    """-> (out_BTHL in q's dtype, lse_BTH float32); `reference.sparse_mla_attention`'s forward, no autograd.
+    num_splits (None: `forward_splits`) > 1 splits each row's entries into that many parts, one program each, merged
+    by their lse (`_combine_kernel`; fp32 parts, out rounded once): the decode's few rows then fill the GPU."""
     assert supported(q_BTHA, latent_PL, rope_PR, idx_BTK)
     B, T, H, _ = q_BTHA.shape
-    L = latent_PL.shape[-1]
+    L, K = latent_PL.shape[-1], idx_BTK.shape[-1]
     q_BTHA, idx_BTK = q_BTHA.contiguous(), idx_BTK.contiguous()
     out_BTHL = q_BTHA.new_empty(B, T, H, L)
     lse_BTH = q_BTHA.new_empty(B, T, H, dtype=torch.float32)
     grid, num_head_blocks, meta = _launch_args(q_BTHA, latent_PL, rope_PR, idx_BTK, config)
+    if num_splits is None:
+        num_splits = forward_splits(grid[0], K, meta["BLOCK_K"], q_BTHA.device)
+    keys_per_split = triton.cdiv(triton.cdiv(K, num_splits), meta["BLOCK_K"]) * meta["BLOCK_K"]
+    num_splits = triton.cdiv(K, keys_per_split)
     # Triton launches on the current device; q's may be another (a no-op for CPU tensors in the interpreter)
     with torch.cuda.device_of(q_BTHA):
-        _fwd_kernel[grid](q_BTHA, latent_PL, rope_PR, idx_BTK, out_BTHL, lse_BTH, latent_PL.stride(0),
-                          rope_PR.stride(0), H, idx_BTK.shape[-1], num_head_blocks, scale * LOG2E, **meta)
+        if num_splits == 1:
+            _fwd_kernel[grid + (1,)](q_BTHA, latent_PL, rope_PR, idx_BTK, out_BTHL, lse_BTH, latent_PL.stride(0),
+                                     rope_PR.stride(0), H, K, num_head_blocks, scale * LOG2E, K, 0, 0, **meta)
+            return out_BTHL, lse_BTH
+        part_out_SBTHL = q_BTHA.new_empty(num_splits, B, T, H, L, dtype=torch.float32)
+        part_lse_SBTH = q_BTHA.new_empty(num_splits, B, T, H, dtype=torch.float32)
+        _fwd_kernel[grid + (num_splits,)](q_BTHA, latent_PL, rope_PR, idx_BTK, part_out_SBTHL, part_lse_SBTH,
+                                          latent_PL.stride(0), rope_PR.stride(0), H, K, num_head_blocks,
+                                          scale * LOG2E, keys_per_split, part_out_SBTHL.stride(0),
+                                          part_lse_SBTH.stride(0), **meta)
+        _combine_kernel[(B * T * H,)](part_out_SBTHL, part_lse_SBTH, out_BTHL, lse_BTH, num_splits,
+                                      part_out_SBTHL.stride(0), part_lse_SBTH.stride(0), L=L, L_PAD=meta["L_PAD"],
+                                      SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), num_warps=4)
     return out_BTHL, lse_BTH
 
 

@@ -83,6 +83,36 @@ def test_small_fp16_half_precision_dots():
     assert out_err < 3e-3 and lse_err < 1e-5 and dq_err < 3e-3
 
 
+@pytest.mark.parametrize("num_splits", [2, 3, 5])
+def test_forward_split_over_the_keys_matches_the_oracle(num_splits):
+    # decode's form: each row's 40 entries in parts of 16 or 32 (blocks of 16), merged by lse. Row (1, 2) has no
+    # entry in its second part, row (0, 3) none at all (out 0, lse -inf)
+    case, cotangents = make_case(B=2, T=7, H=5, L=24, R=8, P=300, K=40, dtype=torch.float32, seed=3)
+    q, latent, rope, idx = case
+    idx[1, 2, 16:32] = -1
+    config = triton_sparse.TileConfig(16, 16, 4, 1)
+    out, lse = triton_sparse.sparse_mla_forward(q, latent, rope, idx, 0.2, config, num_splits=num_splits)
+    whole_out, whole_lse = triton_sparse.sparse_mla_forward(q, latent, rope, idx, 0.2, config, num_splits=1)
+    out_ref, lse_ref, _ = oracle(q, latent, rope, idx, *cotangents, 0.2)
+    finite = torch.isfinite(lse_ref)
+    assert torch.equal(finite, torch.isfinite(lse)) and torch.isneginf(lse[0, 3]).all() and (out[0, 3] == 0).all()
+    errs = [rel_err(out, out_ref), rel_err(lse[finite], lse_ref[finite]), rel_err(out, whole_out),
+            rel_err(lse[finite], whole_lse[finite])]
+    print(f"split forward ({num_splits} parts): rel errs {[f'{e:.1e}' for e in errs]}")
+    assert max(errs) < 1e-5
+
+
+def test_forward_splits_only_where_the_rows_leave_the_gpu_idle():
+    cpu = torch.device("cpu")
+    assert triton_sparse.forward_splits(8, 2048, 32, cpu) == 1
+    if DEVICE == "cuda":
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        gpu = torch.device("cuda")
+        assert triton_sparse.forward_splits(sms, 2048, 32, gpu) == 1  # capture and replay: many rows
+        parts = triton_sparse.forward_splits(8, 2048, 32, gpu)  # decode at G = 8
+        assert parts > 1 and 8 * parts <= 2 * sms and 2048 / parts >= 4 * 32
+
+
 @pytest.mark.parametrize("page_grad", [False, True])
 def test_autograd_function_gradients(page_grad):
     # dq from the kernel; with page_grad the pages' gradients too (the same kernel's atomic adds); rows select
@@ -157,6 +187,26 @@ def test_cuda_bf16_glm5_sizes(H):
     out_err, lse_err, dq_err = compare(case, cotangents, scale=1.5 * 576**-0.5)
     print(f"triton sparse MLA bf16 H={H}: out {out_err:.1e}, lse {lse_err:.1e}, dq {dq_err:.1e}")
     assert out_err < 2e-2 and lse_err < 1e-3 and dq_err < 3e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_bf16_decode_rows_split_over_the_keys():
+    # glm52's decode at G = 8: 8 query rows, K = 2,048 (one of them with no entry); the automatic split is taken
+    # and agrees with the unsplit kernel and the oracle
+    case, cotangents = make_case(B=2, T=4, H=16, L=512, R=64, P=50000, K=2048, dtype=torch.bfloat16, seed=4)
+    q, latent, rope, idx = case
+    scale = 1.5 * 576**-0.5
+    assert triton_sparse.forward_splits(8, 2048, 32, q.device) > 1
+    out, lse = triton_sparse.sparse_mla_forward(q, latent, rope, idx, scale)
+    whole_out, whole_lse = triton_sparse.sparse_mla_forward(q, latent, rope, idx, scale, num_splits=1)
+    out_ref, lse_ref, _ = oracle(q, latent, rope, idx, *cotangents, scale)
+    finite = torch.isfinite(lse_ref)
+    assert torch.equal(finite, torch.isfinite(lse)) and (out[0, 3] == 0).all()
+    out_err, lse_err = rel_err(out, out_ref), rel_err(lse[finite], lse_ref[finite])
+    whole_err = rel_err(whole_out, out_ref)
+    print(f"split decode bf16: out {out_err:.1e} (unsplit {whole_err:.1e}), lse {lse_err:.1e}")
+    assert out_err < 1.2 * whole_err + 1e-3 and lse_err < 1e-3 and rel_err(lse[finite], whole_lse[finite]) < 1e-5
 
 
 @pytest.mark.gpu
