@@ -13,6 +13,7 @@ from longstraw_kernels import dsa
 from longstraw_kernels.dsa import indexer_scores, indexer_scores_reference
 
 pytest.importorskip("triton")
+from longstraw_kernels.dsa import triton_scores  # noqa: E402
 from longstraw_kernels.dsa.triton_scores import indexer_scores_triton  # noqa: E402
 
 F64 = torch.float64
@@ -80,6 +81,17 @@ def test_half_precision_dot_matches_fp64_reference_of_the_same_values():
     assert err < 1e-5
 
 
+
+def test_few_query_rows_take_their_own_tile_and_match():
+    # decode's shape (8 responses, one token each, against shared prompt keys): the default tile for T <= 16
+    q_BTJI, w_BTJ, k = make_case(1, 8, 1000, 4, 24, True, torch.float16, seed=4)
+    assert triton_scores.FEW_ROWS_CONFIG[0] >= 8
+    out_BTS = indexer_scores_triton(q_BTJI, w_BTJ, k, SCALE)
+    ref_BTS = indexer_scores_reference(q_BTJI.to(F64), w_BTJ.to(F64), k.to(F64), SCALE)
+    err = compare(out_BTS, ref_BTS, None)
+    print(f"DSA scores fp16, 8 query rows, default tile: rel err {err:.2e}")
+    assert err < 1e-5
+
 def test_mixed_dtypes_take_the_fp32_path():
     # bf16 pages with an fp32 model: k is upcast inside the kernel, exactly as the reference upcasts it
     q_BTJI, w_BTJ, k = make_case(1, 63, 300, 4, 16, True, torch.float32, seed=4)
@@ -130,9 +142,11 @@ def test_glm52_capture_and_replay_through_the_kernel_select_the_same_keys(monkey
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("shared", [True, False], ids=["shared_keys", "per_sequence_keys"])
-def test_cuda_bf16_realistic_sizes(shared):
-    # capture-like: queries are the last T of S positions (offset S - T); bf16 q and k as the model holds them
-    B, T, S, J, I = (1 if shared else 2), 4096, 20000, 16, 128
+@pytest.mark.parametrize("T", [4096, 8], ids=["capture", "decode_rows"])
+def test_cuda_bf16_realistic_sizes(shared, T):
+    # capture-like: queries are the last T of S positions (offset S - T); bf16 q and k as the model holds them.
+    # T = 8: decode's few rows, which take their own tile (FEW_ROWS_CONFIG)
+    B, S, J, I = (1 if shared else 2), 20000, 16, 128
     q_BTJI, w_BTJ, k = make_case(B, T, S, J, I, shared, torch.bfloat16, device="cuda")
     offset = S - T
     out_BTS = indexer_scores(q_BTJI, w_BTJ, k, I**-0.5, offset)
