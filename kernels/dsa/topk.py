@@ -73,8 +73,9 @@ def topk_lowest_position_static(scores__S: torch.Tensor, k: int) -> torch.Tensor
     S = scores__S.shape[-1]
     if k == 0 or scores__S.numel() == 0:
         return torch.empty(scores__S.shape[:-1] + (k,), dtype=torch.long, device=scores__S.device)
-    values, idx = scores__S.topk(k, dim=-1)
-    kth = values[..., -1:]
+    # unsorted: only the k-th value (the least of them) is needed, and the result is sorted by position below
+    values, idx = scores__S.topk(k, dim=-1, sorted=False)
+    kth = values.amin(-1, keepdim=True)
     above = values > kth
     need = k - above.sum(-1, keepdim=True)
     rank_S = torch.arange(S, 0, -1, dtype=torch.int32, device=scores__S.device)
