@@ -107,7 +107,7 @@ class Glm52Decoder(StaticDecoder):
         else:
             idx_BTK = prev_idx_BTK
         out_BTHL = attn.attend(attn.absorb(q_nope, q_rope), pages, idx_BTK, KeyAxis(P, S, 1),
-                               (buf.latent_BSL, buf.rope_BSR, None))
+                               (buf.latent_BSL, buf.rope_BSR, None), sparse_new=True)
         return attn.output(out_BTHL), idx_BTK
 
     def _select(self, attn, x_BTC, q_resid_BTQ, cos, sin, pages, buf, P: int, S: int):

@@ -291,19 +291,30 @@ class MLAttention(nn.Module):
 
     # -- attention over selected keys -------------------------------------------------------------------------
     def attend(self, q_BTHA, pages: MLAPages, idx_BTK, axis: KeyAxis, new=None, first: int = 0,
-               pages_attention_fn=local_pages_attention) -> torch.Tensor:
+               pages_attention_fn=local_pages_attention, sparse_new: bool = False) -> torch.Tensor:
         """Selected prompt pages (`pages_attention_fn`: all of them here, or, under context parallel, this rank's
-        from position `first` on, merged across ranks) LSE-merged with the selected new keys. -> out_BTHL."""
+        from position `first` on, merged across ranks) LSE-merged with the selected new keys: densely under their
+        mask, or (`sparse_new`: the decode's response slots, mostly not selected or not yet filled) by the pages'
+        sparse kernel over the selected ones only, the B responses' slots one page axis. -> out_BTHL."""
         P = axis.num_pages
         out = None
         if P > 0:
             out, lse = pages_attention_fn(q_BTHA, pages, idx_BTK, first, P, scale=self.scale,
                                           sparse_attention_fn=self.sparse_attention_fn)
-        if new is not None:
+        if new is None:
+            return out
+        latent_BSL, rope_BSR = new[0], new[1]
+        if sparse_new:
+            B, S = latent_BSL.shape[:2]
+            slot_BTK = idx_BTK - P
+            row_B11 = torch.arange(B, device=idx_BTK.device)[:, None, None] * S
+            own_BTK = torch.where((slot_BTK >= 0) & (slot_BTK < S), slot_BTK + row_B11, -1)
+            out_new, lse_new = self.sparse_attention_fn(q_BTHA, latent_BSL.reshape(B * S, -1),
+                                                        rope_BSR.reshape(B * S, -1), own_BTK, scale=self.scale)
+        else:
             allowed_BTS = selected_mask(idx_BTK, P, axis.num_new)
-            out_new, lse_new = dense_mla_attention(q_BTHA, new[0], new[1], allowed_BTS, scale=self.scale)
-            out, lse = (out_new, lse_new) if out is None else merge_lse(out, lse, out_new, lse_new)
-        return out
+            out_new, lse_new = dense_mla_attention(q_BTHA, latent_BSL, rope_BSR, allowed_BTS, scale=self.scale)
+        return out_new if out is None else merge_lse(out, lse, out_new, lse_new)[0]
 
     # -- named paths (see models/core.py) ---------------------------------------------------------------------
     def forward(self, x_BTC, positions_T, prev_idx=None, grad_prefix: int = 0):
