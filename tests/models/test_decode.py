@@ -78,8 +78,34 @@ def test_stop_checks_every_k_tokens_give_the_same_rollout(name):
     assert [r.tolist() for r in a.responses] == [r.tolist() for r in b.responses]
     assert all(torch.equal(x, y) for x, y in zip(a.logprobs, b.logprobs))
     assert a.decode_steps == max(len(r) for r in a.responses) <= b.decode_steps
-    # what the rollout paid before its first step (the decoder and its first step): part of its time
+    # what the rollout paid before its later steps (the decoder and its first step): part of its time
     assert 0 < a.setup_s < wall
+
+
+def test_setup_time_covers_the_decoders_first_step(monkeypatch):
+    """Rollout.setup_s (the trainer's time/decode_setup: compilation, graph capture) includes the first step's
+    time and not the steps after it: a first step made 0.3 s slower shows in it, a later one does not."""
+    model = build_model("qwen36_tiny", seed=0)
+    resident = model.capture(torch.randint(0, 259, (40,), generator=torch.Generator().manual_seed(2)), block_size=16)
+    build = model.decoder
+
+    def slow_decoder(*args, **kwargs):
+        decoder = build(*args, **kwargs)
+        step, calls = decoder.step, []
+
+        def step_once_slow():
+            calls.append(None)
+            if len(calls) in (1, 3):
+                time.sleep(0.3)
+            return step()
+        decoder.step = step_once_slow
+        return decoder
+
+    monkeypatch.setattr(model, "decoder", slow_decoder)
+    start = time.perf_counter()
+    out = generate(model, resident, 2, SamplingConfig(max_new_tokens=6), torch.Generator().manual_seed(0))
+    wall = time.perf_counter() - start
+    assert out.decode_steps == 6 and 0.3 <= out.setup_s < 0.6 <= wall
 
 
 @pytest.mark.parametrize("bad", [0, -3, 1.5, True])
