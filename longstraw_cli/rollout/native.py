@@ -155,7 +155,7 @@ class GraphedStep:
         side = side_stream(self.decoder.device, "decode warm-up")
         side.wait_stream(torch.cuda.current_stream(self.decoder.device))
         with torch.cuda.stream(side):
-            logits_BV = self.first_step()
+            logits_BV = self.step()
         torch.cuda.current_stream(self.decoder.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
@@ -168,20 +168,6 @@ class GraphedStep:
             return logits_BV
         self.graph, self.capacity = graph, self.decoder.capacity
         return logits_BV
-
-    def first_step(self) -> torch.Tensor:
-        """The step's first call. Where the compiler fails on the step (inductor's BackendCompilerFailed, raised
-        before the compiled graph runs anything), the step runs uncompiled from then on, said once."""
-        try:
-            return self.step()
-        except torch._dynamo.exc.BackendCompilerFailed as exc:
-            if self.step == self.decoder.step:
-                raise
-            inner = getattr(exc, "inner_exception", exc)
-            log.warning("decode step could not be compiled (%s: %s); decoding uncompiled", type(inner).__name__,
-                        (str(inner).splitlines() or [""])[0][:200])
-            self.step = self.decoder.step
-            return self.step()
 
 
 @torch.no_grad()
@@ -207,36 +193,46 @@ def generate(model, resident, num_responses: int, cfg: SamplingConfig, generator
     return rollout
 
 
+def _first_step(model, resident, num_responses: int, cfg: SamplingConfig, native: NativeConfig):
+    """The decoder, its step function (a CUDA graph, compiled first, where the decoder allows) and the first step's
+    logits. Where the compiled step fails on its first call (the compiler, or what it built), said once with the
+    error, the decode starts again uncompiled from a fresh decoder (a failure part-way may have written some
+    layers' state); an uncompiled step's own errors raise."""
+    def build():
+        return model.decoder(resident, num_responses, cfg.max_new_tokens, page_budget=native.page_budget(),
+                             response_chunk=native.response_chunk)
+
+    decoder = build()
+    use_graph = native.cuda_graph and decoder.device.type == "cuda" and decoder.graph_safe
+    compile = use_graph and native.compile and decoder.compile_safe
+    step_fn = GraphedStep(decoder, compile) if use_graph else decoder.step
+    try:
+        return decoder, step_fn, step_fn()
+    except Exception as exc:  # noqa: BLE001 - any failure of the compiled step: the same step uncompiled
+        if not compile:
+            raise
+        inner = getattr(exc, "inner_exception", None) or exc
+        log.warning("decode step could not be compiled (%s: %s); decoding uncompiled", type(inner).__name__,
+                    (str(inner).splitlines() or [""])[0][:200])
+    decoder = build()
+    step_fn = GraphedStep(decoder, compile=False)
+    return decoder, step_fn, step_fn()
+
+
 def _generate(model, resident, num_responses: int, cfg: SamplingConfig, generator: torch.Generator | None,
               native: NativeConfig, on_grow: Callable[[int], None] | None = None,
               on_token: Callable[[int, int], None] | None = None) -> Rollout:
     """The decode loop. on_grow(capacity): called after each growth of the decoder's response slots (what else the
     decode writes per slot: the routing record)."""
     start = time.perf_counter()
-    decoder = model.decoder(resident, num_responses, cfg.max_new_tokens, page_budget=native.page_budget(),
-                            response_chunk=native.response_chunk)
+    decoder, step_fn, first_BV = _first_step(model, resident, num_responses, cfg, native)
     device = decoder.device
-    use_graph = native.cuda_graph and device.type == "cuda" and decoder.graph_safe
-    compile = use_graph and native.compile and decoder.compile_safe
-    step_fn = GraphedStep(decoder, compile) if use_graph else decoder.step
     B, R = num_responses, cfg.max_new_tokens
     stop_S = torch.tensor(cfg.stop_token_ids, dtype=torch.long, device=device)
     sampled_BR = torch.empty(B, R, dtype=torch.long, device=device)
     logp_BR = torch.empty(B, R, dtype=torch.promote_types(model.lm_head.weight.dtype, torch.float32), device=device)
     entropy_BR = torch.empty_like(logp_BR)
     done_B = torch.zeros(B, dtype=torch.bool, device=device)
-    try:
-        first_BV = step_fn()
-    except Exception as exc:  # noqa: BLE001 - any compiler failure: the same step uncompiled
-        if not compile:
-            raise
-        log.warning("torch.compile failed on the decode step (%s); decoding without it",
-                    str(exc).splitlines()[0][:200])
-        # a failure part-way may have written some layers' state: start again from a fresh decoder
-        decoder = model.decoder(resident, num_responses, cfg.max_new_tokens, page_budget=native.page_budget(),
-                                response_chunk=native.response_chunk)
-        step_fn = GraphedStep(decoder, compile=False)
-        first_BV = step_fn()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     setup_s = time.perf_counter() - start
