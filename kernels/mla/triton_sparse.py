@@ -125,14 +125,12 @@ def _combine_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, num_splits, sp
     lse_s = tl.load(part_lse_ptr + offs_s * split_stride_lse + rh, mask=offs_s < num_splits, other=float("-inf"))
     m = tl.max(lse_s, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w_s = tl.exp(lse_s - m_safe)
-    total = tl.sum(w_s, 0)
+    total = tl.sum(tl.exp(lse_s - m_safe), 0)
     has_entry = total > 0
     total_safe = tl.where(has_entry, total, 1.0)
-    w_s = w_s / total_safe
     acc = tl.zeros([L_PAD], tl.float32)
     for s in range(0, num_splits):
-        w = tl.sum(tl.where(offs_s == s, w_s, 0.0), 0)
+        w = tl.exp(tl.load(part_lse_ptr + s * split_stride_lse + rh) - m_safe) / total_safe
         acc += w * tl.load(part_out_ptr + s * split_stride_out + rh * L + offs_l, mask=offs_l < L, other=0.0)
     tl.store(out_ptr + rh * L + offs_l, acc.to(out_ptr.dtype.element_ty), mask=offs_l < L)
     tl.store(lse_ptr + rh, tl.where(has_entry, m_safe + tl.log(total_safe), float("-inf")))

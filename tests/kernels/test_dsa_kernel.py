@@ -81,7 +81,6 @@ def test_half_precision_dot_matches_fp64_reference_of_the_same_values():
     assert err < 1e-5
 
 
-
 def test_few_query_rows_take_their_own_tile_and_match():
     # decode's shape (8 responses, one token each, against shared prompt keys): the default tile for T <= 16
     q_BTJI, w_BTJ, k = make_case(1, 8, 1000, 4, 24, True, torch.float16, seed=4)
@@ -91,6 +90,7 @@ def test_few_query_rows_take_their_own_tile_and_match():
     err = compare(out_BTS, ref_BTS, None)
     print(f"DSA scores fp16, 8 query rows, default tile: rel err {err:.2e}")
     assert err < 1e-5
+
 
 def test_mixed_dtypes_take_the_fp32_path():
     # bf16 pages with an fp32 model: k is upcast inside the kernel, exactly as the reference upcasts it
