@@ -71,15 +71,11 @@ def test_stop_checks_every_k_tokens_give_the_same_rollout(name):
     model = build_model(name, seed=0)
     resident = model.capture(torch.randint(0, 259, (40,), generator=torch.Generator().manual_seed(2)), block_size=16)
     cfg = SamplingConfig(max_new_tokens=30, stop_token_ids=tuple(range(0, 259, 5)))
-    start = time.perf_counter()
     a = generate(model, resident, 4, cfg, torch.Generator().manual_seed(3), NativeConfig(stop_check_every=1))
-    wall = time.perf_counter() - start
     b = generate(model, resident, 4, cfg, torch.Generator().manual_seed(3), NativeConfig(stop_check_every=16))
     assert [r.tolist() for r in a.responses] == [r.tolist() for r in b.responses]
     assert all(torch.equal(x, y) for x, y in zip(a.logprobs, b.logprobs))
     assert a.decode_steps == max(len(r) for r in a.responses) <= b.decode_steps
-    # what the rollout paid before its later steps (the decoder and its first step): part of its time
-    assert 0 < a.setup_s < wall
 
 
 def test_setup_time_covers_the_decoders_first_step(monkeypatch):
