@@ -31,6 +31,7 @@ Legend: B batch, T tokens, C hidden, V vocab, R response tokens.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -169,6 +170,11 @@ class StaticDecoder(Decoder):
 
     def response_slots(self) -> list[ResponseSlots]:
         return [buffers for buffers in self.layers if isinstance(buffers, ResponseSlots)]
+
+    def compiled(self, **options) -> Callable[[], torch.Tensor]:
+        """The step compiled by torch.compile (`options`: its keyword arguments), here as one graph. A decoder whose
+        layers repeat may compile a layer function instead (glm52's)."""
+        return torch.compile(self.step, **options)
 
     def grow(self) -> None:
         super().grow()

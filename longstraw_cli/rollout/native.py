@@ -129,7 +129,7 @@ class NativeConfig:
 
 
 class GraphedStep:
-    """`decoder.step()` (compiled by torch.compile when asked) replayed as a CUDA graph. The first call runs on a
+    """`decoder.step()` (compiled when asked: `decoder.compiled()`) replayed as a CUDA graph. The first call runs on a
     side stream (compilation, cuBLAS handles, Triton kernels, lazy allocations) and IS the first step; the graph
     is captured right after (capture records, it does not run), and every later call replays it. After the
     decoder's buffers grow the graph (which reads the old ones) is dropped and the next call does the same again:
@@ -141,7 +141,7 @@ class GraphedStep:
         # the decoder's capacity the graph was captured at
         self.capacity = decoder.capacity
         # compile_mode: torch.compile's mode (None, its default, is the trainer's; benchmarks try others)
-        self.step = torch.compile(decoder.step, mode=compile_mode) if compile else decoder.step
+        self.step = decoder.compiled(mode=compile_mode) if compile else decoder.step
 
     def __call__(self) -> torch.Tensor:
         if self.eager:

@@ -107,18 +107,19 @@ def test_a_short_rollout_records_the_first_chunk_only():
     assert all(t.shape[1] == CHUNK for t in stopped.routing.tensors())
 
 
+@pytest.mark.parametrize("name", ["qwen36_tiny", "glm52_tiny"])
 @torch.no_grad()
-def test_a_growth_does_not_compile_the_step_again():
+def test_a_growth_does_not_compile_the_step_again(name):
     """The capacity is a dynamic size of the compiled step (as the page count, tests/models/test_decode_shapes.py):
-    dynamo traces the step once, at the first chunk, and its graphs serve the grown slots (counting backend, no
-    inductor)."""
+    dynamo traces the step (qwen36) or its layer function (glm52) once, at the first chunk, and its graphs serve
+    the grown slots (counting backend, no inductor)."""
     torch._dynamo.reset()
     try:
-        model = random_model("qwen36_tiny", torch.float32, num_hidden_layers=4)
+        model = random_model(name, torch.float32, num_hidden_layers=4)
         resident = model.capture(ids(PROMPT, 0), block_size=16)
         eager, compiled = (model.decoder(resident, 2, R, response_chunk=CHUNK) for _ in range(2))
         counter = CompileCounter()
-        step = torch.compile(compiled.step, backend=counter)
+        step = compiled.compiled(backend=counter)
         frames = []
         for i in range(R):
             if i == eager.capacity:

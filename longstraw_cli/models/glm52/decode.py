@@ -71,8 +71,8 @@ class Glm52Decoder(StaticDecoder):
         self.graph_safe = not any(self.on_host) and all(fn is local_experts for fn in moe_fns)
         # torch.compile fuses the step's ~2,000 small kernels (seen on an H200, glm52_mini at 256K, G=8: see
         # docs/BENCHMARKS.md). Not over NF4 experts (lora.quantize=nf4): compiling their dequantisation has not
-        # run on a GPU. The page count is a dynamic size of the compiled step: one graph (and one on-disk cache
-        # entry) serves every prompt length
+        # run on a GPU. The page count is a dynamic size of the compiled layer function (`compiled`): its graphs (and
+        # on-disk cache entries) serve every prompt length
         self.compile_safe = self.graph_safe and not any(
             is_nf4_experts(layer.mlp.experts.gate_up_proj) for layer in model.model.layers
             if hasattr(layer.mlp, "experts_fn"))
@@ -80,24 +80,41 @@ class Glm52Decoder(StaticDecoder):
             for t in (pages.latent_PL, pages.rope_PR, pages.index_PI):
                 if t is not None:
                     torch._dynamo.maybe_mark_dynamic(t, 0)
+        # the layer function the step calls: `compiled()` compiles it
+        self.layer_fn = self.layer
+
+    def compiled(self, **options):
+        """The step with its layer function compiled by torch.compile (`options`: its keyword arguments), not the
+        whole step: the layer's modules, pages and buffers are the compiled function's inputs, so one compiled
+        graph serves every layer of a kind (dense or MoE, "full" or "shared" indexer, the first layer with no
+        selection before it: three kinds in glm52's 78 layers and in glm52_mini's 12), and a first launch compiles
+        those, not the model's depth. The embedding and the logits run eagerly around them; the CUDA graph still
+        replays the whole step."""
+        self.layer_fn = torch.compile(self.layer, **options)
+        return self.step
 
     def step(self) -> torch.Tensor:
         model, cfg = self.model, self.model.config
         (x_BTC, positions_1), idx_BTK = self.embed(), None
         cos, sin = rope_cos_sin(positions_1, cfg.qk_rope_head_dim, cfg.rope_theta, x_BTC.dtype)
         for layer, pages, buf in zip(model.model.layers, self.pages, self.layers):
-            h_BTC, idx_BTK = self._attention(layer.self_attn, layer.input_layernorm(x_BTC), cos, sin, pages, buf,
-                                             idx_BTK, positions_1)
-            x_BTC = x_BTC + h_BTC
-            x_BTC = x_BTC + self._mlp(layer.mlp, layer.post_attention_layernorm(x_BTC), positions_1)
+            x_BTC, idx_BTK = self.layer_fn(layer, pages, buf, x_BTC, cos, sin, idx_BTK, positions_1)
         return self.logits(x_BTC)
+
+    def layer(self, layer, pages, buf: ResponseMLA, x_BTC, cos, sin, idx_BTK, positions_1):
+        """One decoder layer of the step -> (its output [B, 1, C], the DSA selection it used, for the next
+        "shared" indexer layer)."""
+        h_BTC, idx_BTK = self._attention(layer.self_attn, layer.input_layernorm(x_BTC), cos, sin, pages, buf,
+                                         idx_BTK, positions_1)
+        x_BTC = x_BTC + h_BTC
+        return x_BTC + self._mlp(layer.mlp, layer.post_attention_layernorm(x_BTC), positions_1), idx_BTK
 
     def _attention(self, attn, x_BTC, cos, sin, pages, buf: ResponseMLA, prev_idx_BTK, positions_1):
         q_resid_BTQ, q_nope, q_rope = attn.project_q(x_BTC, cos, sin)
         latent_BTL, rope_BTR = attn.project_kv(x_BTC, cos, sin)
         buf.latent_BSL.index_copy_(1, self.step_1, latent_BTL.to(buf.latent_BSL.dtype))
         buf.rope_BSR.index_copy_(1, self.step_1, rope_BTR.to(buf.rope_BSR.dtype))
-        P, S = pages.latent_PL.shape[0], self.capacity
+        P, S = pages.latent_PL.shape[0], buf.latent_BSL.shape[1]
         if attn.indexer is not None:
             index_BTI = attn.indexer.keys(x_BTC, cos, sin)
             buf.index_BSI.index_copy_(1, self.step_1, index_BTI.to(buf.index_BSI.dtype))
