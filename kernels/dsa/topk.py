@@ -66,13 +66,19 @@ def topk_lowest_position(scores__S: torch.Tensor, k: int) -> torch.Tensor:
 
 def topk_lowest_position_static(scores__S: torch.Tensor, k: int) -> torch.Tensor:
     """`topk_lowest_position`, the same positions, with no host synchronisation and no scan over the keys (a CUDA
-    graph replays it in the decode step, a few rows against every key): the top-k gives the keys strictly above
-    the k-th value; a second top-k over the positions of the keys tied with it (key S - position, so the lowest
-    come first) gives the ties that fill up to k."""
+    graph replays it in the decode step, a few rows against every key). Scores of 32 bits or fewer: one top-k over
+    int64 keys that order as the rule does (`_rule_keys`). Wider scores (fp64, the CPU tests): the top-k gives
+    the keys strictly above the k-th value, and a second top-k over the positions of the keys tied with it (key
+    S - position, so the lowest come first) the ties that fill up to k."""
     k = _check(scores__S, k)
     S = scores__S.shape[-1]
     if k == 0 or scores__S.numel() == 0:
         return torch.empty(scores__S.shape[:-1] + (k,), dtype=torch.long, device=scores__S.device)
+    if scores__S.dtype.itemsize <= 4:
+        # one top-k (H200, 8 rows of 263K keys, compiled and graph-replayed: 0.165 ms, against 0.206 for the two
+        # below); a key's low 32 bits give its position back
+        top = _rule_keys(scores__S).topk(k, dim=-1, sorted=False).values
+        return (S - 1 - (top & 0xFFFFFFFF)).sort(dim=-1).values
     # unsorted: only the k-th value (the least of them) is needed, and the result is sorted by position below
     values, idx = scores__S.topk(k, dim=-1, sorted=False)
     kth = values.amin(-1, keepdim=True)
@@ -83,3 +89,13 @@ def topk_lowest_position_static(scores__S: torch.Tensor, k: int) -> torch.Tensor
     ties = ties.masked_fill(torch.arange(k, device=scores__S.device) >= need, S)
     # exactly k entries are below S: the keys above the k-th value and the first `need` ties
     return torch.cat([idx.masked_fill(~above, S), ties], dim=-1).sort(dim=-1).values[..., :k]
+
+
+def _rule_keys(scores__S: torch.Tensor) -> torch.Tensor:
+    """int64 keys [..., S] whose descending order is the rule's: the score's fp32 bits made order-preserving as a
+    signed integer (negative floats' magnitude bits flipped; -0.0 made +0.0 first, a tie) in the high 32 bits,
+    S - 1 - position in the low 32 (the lower position, the larger key)."""
+    S = scores__S.shape[-1]
+    bits = torch.where(scores__S == 0, 0.0, scores__S.float()).view(torch.int32)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return (ordered.long() << 32) | (S - 1 - torch.arange(S, device=scores__S.device))

@@ -11,7 +11,7 @@ import torch
 from conftest import ids, random_model, rel_err
 from longstraw_cli.models import build_model
 from longstraw_cli.models.core import StepDecoder
-from longstraw_cli.models.glm52.experts import dense_experts, local_experts
+from longstraw_cli.models.glm52.experts import dense_experts, grouped_experts, local_experts, pairs_by_expert
 from longstraw_cli.rollout.native import NativeConfig, SamplingConfig, generate, sample_tokens
 from longstraw_cli.tokenizer import ByteTokenizer
 from longstraw_kernels.attention.decode import cascade_decode_attention, decode_pages_attention
@@ -48,13 +48,22 @@ def test_cascade_equals_attention_over_pages_and_filled_response_slots(P):
     assert rel_err(out, ref[:, 0]) < 1e-12
 
 
-def test_static_topk_equals_topk_lowest_position_on_ties():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_static_topk_equals_topk_lowest_position_on_ties(dtype):
+    """32-bit scores and narrower take one top-k over packed keys, fp64 the two top-k's: the rule's positions either
+    way, on exact ties, masked keys, -0.0 beside +0.0 (equal), negatives and infinities."""
     g = torch.Generator().manual_seed(0)
     # few distinct values: many exact ties, as the indexer's sums of ReLUs give (often at 0)
-    scores = torch.randint(0, 4, (3, 5, 300), generator=g).double()
+    scores = torch.randint(-2, 4, (3, 5, 300), generator=g).to(dtype)
     scores[0, 0, 100:] = float("-inf")
-    for k in (1, 7, 64, 300):
-        assert torch.equal(topk_lowest_position_static(scores, k), topk_lowest_position(scores, k))
+    scores[1, 0] = 0.0
+    scores[1, 0, :5] = 1.0
+    scores[1, 0, 10:200:3] = -0.0  # the 64th place falls among the zeros: -0.0 and +0.0 tie
+    scores[1, 1] = torch.randn(300, generator=g).to(dtype) * 1e30
+    scores[1, 1, ::7] = float("inf")
+    scores[2, 2] = float("-inf")
+    for k in (1, 7, 64, 150, 250, 300):  # 150, 250: the k-th place among negatives, -inf
+        assert torch.equal(topk_lowest_position_static(scores, k), topk_lowest_position(scores, k)), k
 
 
 def test_dense_experts_equal_the_chosen_experts_loop():
@@ -63,6 +72,47 @@ def test_dense_experts_equal_the_chosen_experts_loop():
     idx = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(n))[:k] for n in range(N)])
     w = randn(N, k, seed=3).abs()
     assert rel_err(dense_experts(x, idx, w, gate_up, down), local_experts(x, idx, w, gate_up, down)) < 1e-12
+
+
+def test_grouped_experts_are_the_chosen_experts_loop():
+    """The static decode step's grouped experts (`grouped_experts`: every pair, no filter, counts by comparison)
+    give `local_experts`' output exactly, an expert chosen by no token included (CPU fp32, where torch runs the
+    grouped GEMM a group at a time)."""
+    E, C, I, N, k = 6, 16, 8, 5, 2
+    f32 = functools.partial(torch.randn, generator=torch.Generator().manual_seed(0))
+    x, gate_up, down = f32(N, C), f32(E, 2 * I, C), f32(E, C, I)
+    idx = torch.tensor([[0, 2], [2, 0], [3, 5], [5, 2], [0, 3]])  # expert 1 and 4 idle, 2 thrice
+    w = f32(N, k).abs()
+    assert torch.equal(pairs_by_expert(idx, 0, E, every_pair_local=True)[0], pairs_by_expert(idx, 0, E)[0])
+    assert torch.equal(pairs_by_expert(idx, 0, E, every_pair_local=True)[1], pairs_by_expert(idx, 0, E)[1])
+    try:
+        grouped = grouped_experts(x, idx, w, gate_up, down)
+    except (AttributeError, NotImplementedError, RuntimeError) as e:
+        pytest.skip(f"this torch has no CPU torch._grouped_mm for fp32: {e}")
+    assert torch.equal(grouped, local_experts(x, idx, w, gate_up, down))
+
+
+def test_glm52_decode_takes_the_grouped_experts_where_they_serve(monkeypatch):
+    """Where the grouped GEMMs serve (`grouped_experts` set: bf16 on sm90+), every MoE layer of the static step goes
+    through them, and the step's logits are the dense experts' (fp32, CPU)."""
+    from longstraw_cli.models.glm52 import decode
+
+    model = random_model("glm52_tiny", torch.float32)
+    resident = model.capture(ids(50, 0), block_size=16)
+    dense, grouped = model.decoder(resident, 2, 4), model.decoder(resident, 2, 4)
+    assert not dense.grouped_experts  # CPU
+    # on a GPU that takes them, only where the batch's pairs are fewer than the experts (glm52_tiny: k = 2 of 8)
+    monkeypatch.setattr(decode, "grouped_mm_serves", lambda *a: True)
+    assert [model.decoder(resident, B, 4).grouped_experts for B in (2, 3, 4, 5)] == [True, True, False, False]
+    grouped.grouped_experts, calls = True, []
+    monkeypatch.setattr(decode, "grouped_experts", lambda *a: calls.append(1) or grouped_experts(*a))
+    try:
+        logits = grouped.step()
+    except (AttributeError, NotImplementedError, RuntimeError) as e:
+        pytest.skip(f"this torch has no CPU torch._grouped_mm for fp32: {e}")
+    moe_layers = sum(hasattr(layer.mlp, "experts_fn") for layer in model.model.layers)
+    assert len(calls) == moe_layers > 0
+    assert rel_err(logits, dense.step()) < 1e-5
 
 
 @pytest.mark.parametrize("name", ["qwen36_tiny", "glm52_tiny"])

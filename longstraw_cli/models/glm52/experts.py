@@ -40,8 +40,8 @@ from torch import nn
 from longstraw_cli.quantize import dense, experts_per_pass, linear
 from longstraw_kernels import kernel_choice
 
-__all__ = ["combine", "expert_ffn", "grouped_expert_ffn", "grouped_mm_blocker", "grouped_mm_serves", "local_experts",
-           "pairs_by_expert"]
+__all__ = ["combine", "dense_experts", "expert_ffn", "grouped_expert_ffn", "grouped_experts", "grouped_mm_blocker",
+           "grouped_mm_serves", "local_experts", "pairs_by_expert"]
 
 log = logging.getLogger(__name__)
 
@@ -137,12 +137,18 @@ def combine(y_MC, pairs_M, topk_idx_Nk, topk_w_Nk, x_NC):
     return y_NC
 
 
-def pairs_by_expert(topk_idx_Nk, first_expert, num_local):
+def pairs_by_expert(topk_idx_Nk, first_expert, num_local, every_pair_local: bool = False):
     """(token, slot) pairs routed to experts [first_expert, first_expert + L): -> (pairs_M = n * k + j, grouped by
     expert; counts_L rows per expert). Inside an expert pairs go slot-major (j, then n), HF's row order, so the
-    matmuls see the same rows in the same order and the output matches HF's bit for bit."""
+    matmuls see the same rows in the same order and the output matches HF's bit for bit.
+    every_pair_local: the caller holds every expert a token may be routed to (M = N * k), so nothing is filtered
+    and the shapes are static (no nonzero(), counts by comparison): a CUDA graph may replay it."""
     N, k = topk_idx_Nk.shape
     local_kN = topk_idx_Nk.T.reshape(-1) - first_expert
+    if every_pair_local:
+        slot_major_M = local_kN.argsort(stable=True)
+        counts_L = (local_kN[:, None] == torch.arange(num_local, device=local_kN.device)).sum(0)
+        return (slot_major_M % N) * k + slot_major_M // N, counts_L
     slot_major_M = ((local_kN >= 0) & (local_kN < num_local)).nonzero().squeeze(1)
     slot_major_M = slot_major_M[local_kN[slot_major_M].argsort(stable=True)]
     counts_L = torch.bincount(local_kN[slot_major_M], minlength=num_local)
@@ -157,6 +163,16 @@ def local_experts(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_proj, down_proj, *, firs
     """
     pairs_M, counts_L = pairs_by_expert(topk_idx_Nk, first_expert, gate_up_proj.shape[0])
     y_MC = expert_ffn(x_NC[pairs_M // topk_idx_Nk.shape[1]], counts_L, gate_up_proj, down_proj)
+    return combine(y_MC, pairs_M, topk_idx_Nk, topk_w_Nk, x_NC)
+
+
+def grouped_experts(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_proj, down_proj) -> torch.Tensor:
+    """`local_experts` with every expert on this device, as the grouped GEMMs (the caller checked
+    `grouped_mm_serves`): static shapes and no host synchronisation, so a CUDA graph replays it, and only the
+    chosen experts' weights are read (an expert with no rows is a group of none). The static decode step's experts
+    on a GPU; `dense_experts` elsewhere."""
+    pairs_M, counts_E = pairs_by_expert(topk_idx_Nk, 0, gate_up_proj.shape[0], every_pair_local=True)
+    y_MC = grouped_expert_ffn(x_NC[pairs_M // topk_idx_Nk.shape[1]], counts_E, gate_up_proj, down_proj)
     return combine(y_MC, pairs_M, topk_idx_Nk, topk_w_Nk, x_NC)
 
 
