@@ -67,24 +67,31 @@ def topk_lowest_position(scores__S: torch.Tensor, k: int) -> torch.Tensor:
 def topk_lowest_position_static(scores__S: torch.Tensor, k: int) -> torch.Tensor:
     """`topk_lowest_position`, the same positions, with no host synchronisation and no scan over the keys (a CUDA
     graph replays it in the decode step, a few rows against every key). Scores of 32 bits or fewer: one top-k over
-    int64 keys that order as the rule does (`_rule_keys`). Wider scores (fp64, the CPU tests): the top-k gives
-    the keys strictly above the k-th value, and a second top-k over the positions of the keys tied with it (key
-    S - position, so the lowest come first) the ties that fill up to k."""
+    int64 keys that order as the rule does (`_rule_keys`); wider ones (fp64, the CPU tests): two top-k's
+    (`two_topk_positions`)."""
     k = _check(scores__S, k)
     S = scores__S.shape[-1]
     if k == 0 or scores__S.numel() == 0:
         return torch.empty(scores__S.shape[:-1] + (k,), dtype=torch.long, device=scores__S.device)
-    if scores__S.dtype.itemsize <= 4:
-        # one top-k (H200, 8 rows of 263K keys, compiled and graph-replayed: 0.165 ms, against 0.206 for the two
-        # below); a key's low 32 bits give its position back
-        top = _rule_keys(scores__S).topk(k, dim=-1, sorted=False).values
-        return (S - 1 - (top & 0xFFFFFFFF)).sort(dim=-1).values
+    if scores__S.dtype.itemsize > 4:
+        return two_topk_positions(scores__S, k)
+    # one top-k (H200, 8 rows of 263K keys, compiled and graph-replayed: 0.165 ms, against 0.206 for
+    # `two_topk_positions`; scripts/bench/bench_topk.py --decode); a key's low 32 bits give its position back
+    top = _rule_keys(scores__S).topk(k, dim=-1, sorted=False).values
+    return (S - 1 - (top & 0xFFFFFFFF)).sort(dim=-1).values
+
+
+def two_topk_positions(scores__S: torch.Tensor, k: int) -> torch.Tensor:
+    """`topk_lowest_position_static` for any score dtype (0 < k <= S): the top-k gives the keys strictly above the
+    k-th value, a second top-k over the positions of the keys tied with it the ties that fill up to k."""
+    S = scores__S.shape[-1]
     # unsorted: only the k-th value (the least of them) is needed, and the result is sorted by position below
     values, idx = scores__S.topk(k, dim=-1, sorted=False)
     kth = values.amin(-1, keepdim=True)
     above = values > kth
     need = k - above.sum(-1, keepdim=True)
     rank_S = torch.arange(S, 0, -1, dtype=torch.int32, device=scores__S.device)
+    # key S - position for the tied keys, so the lowest positions come first
     ties = S - torch.where(scores__S == kth, rank_S, 0).topk(k, dim=-1).values.long()
     ties = ties.masked_fill(torch.arange(k, device=scores__S.device) >= need, S)
     # exactly k entries are below S: the keys above the k-th value and the first `need` ties

@@ -16,7 +16,7 @@ from longstraw_cli.rollout.native import NativeConfig, SamplingConfig, generate,
 from longstraw_cli.tokenizer import ByteTokenizer
 from longstraw_kernels.attention.decode import cascade_decode_attention, decode_pages_attention
 from longstraw_kernels.attention.reference import naive_attention
-from longstraw_kernels.dsa.topk import topk_lowest_position, topk_lowest_position_static
+from longstraw_kernels.dsa.topk import topk_lowest_position, topk_lowest_position_static, two_topk_positions
 
 
 def randn(*shape, seed):
@@ -63,7 +63,9 @@ def test_static_topk_equals_topk_lowest_position_on_ties(dtype):
     scores[1, 1, ::7] = float("inf")
     scores[2, 2] = float("-inf")
     for k in (1, 7, 64, 150, 250, 300):  # 150, 250: the k-th place among negatives, -inf
-        assert torch.equal(topk_lowest_position_static(scores, k), topk_lowest_position(scores, k)), k
+        expected = topk_lowest_position(scores, k)
+        assert torch.equal(topk_lowest_position_static(scores, k), expected), k
+        assert torch.equal(two_topk_positions(scores, k), expected), k
 
 
 def test_dense_experts_equal_the_chosen_experts_loop():
