@@ -95,18 +95,18 @@ def test_grouped_experts_are_the_chosen_experts_loop():
 
 
 def test_glm52_decode_takes_the_grouped_experts_where_they_serve(monkeypatch):
-    """Where the grouped GEMMs serve (`grouped_experts` set: bf16 on sm90+), every MoE layer of the static step goes
-    through them, and the step's logits are the dense experts' (fp32, CPU)."""
+    """Where the grouped GEMMs serve (`experts_grouped`: bf16 on sm90+, B x k < E), every MoE layer of the static
+    step goes through them, and the step's logits are the dense experts' (fp32, CPU)."""
     from longstraw_cli.models.glm52 import decode
 
     model = random_model("glm52_tiny", torch.float32)
     resident = model.capture(ids(50, 0), block_size=16)
     dense, grouped = model.decoder(resident, 2, 4), model.decoder(resident, 2, 4)
-    assert not dense.grouped_experts  # CPU
+    assert not dense.experts_grouped  # CPU
     # on a GPU that takes them, only where the batch's pairs are fewer than the experts (glm52_tiny: k = 2 of 8)
     monkeypatch.setattr(decode, "grouped_mm_serves", lambda *a: True)
-    assert [model.decoder(resident, B, 4).grouped_experts for B in (2, 3, 4, 5)] == [True, True, False, False]
-    grouped.grouped_experts, calls = True, []
+    assert [model.decoder(resident, B, 4).experts_grouped for B in (2, 3, 4, 5)] == [True, True, False, False]
+    grouped.experts_grouped, calls = True, []
     monkeypatch.setattr(decode, "grouped_experts", lambda *a: calls.append(1) or grouped_experts(*a))
     try:
         logits = grouped.step()

@@ -77,7 +77,7 @@ class Glm52Decoder(StaticDecoder):
         # chosen): 0.089 dense, 0.104 grouped (the grouped GEMM reads below the bandwidth at a row or two a group)
         cfg = model.config
         x_1C = torch.empty(1, cfg.hidden_size, dtype=model.lm_head.weight.dtype, device=self.device)
-        self.grouped_experts = batch * cfg.num_experts_per_tok < cfg.n_routed_experts and bool(moe) and all(
+        self.experts_grouped = batch * cfg.num_experts_per_tok < cfg.n_routed_experts and bool(moe) and all(
             grouped_mm_serves(x_1C, mlp.experts.gate_up_proj, mlp.experts.down_proj) for mlp in moe)
         # torch.compile fuses the step's ~2,000 small kernels (seen on an H200, glm52_mini at 256K, G=8: see
         # docs/BENCHMARKS.md). Not over NF4 experts (lora.quantize=nf4): compiling their dequantisation has not
@@ -88,8 +88,10 @@ class Glm52Decoder(StaticDecoder):
             for t in (pages.latent_PL, pages.rope_PR, pages.index_PI):
                 if t is not None:
                     torch._dynamo.maybe_mark_dynamic(t, 0)
-        # the layer function the step calls: `compiled()` compiles it
-        self.layer_fn = self.layer
+        # the layer function the step calls, `compiled()` compiles it: the class's function, called with the
+        # decoder (a bound method held by the decoder would be a reference cycle, keeping the decoder's buffers
+        # until Python's cycle collector runs)
+        self.layer_fn = type(self).layer
 
     def compiled(self, **options):
         """The step with its layer function compiled by torch.compile (`options`: its keyword arguments), not the
@@ -98,7 +100,7 @@ class Glm52Decoder(StaticDecoder):
         selection before it: three kinds in glm52's 78 layers and in glm52_mini's 12), and a first launch compiles
         those, not the model's depth. The embedding and the logits run eagerly around them; the CUDA graph still
         replays the whole step."""
-        self.layer_fn = torch.compile(self.layer, **options)
+        self.layer_fn = torch.compile(type(self).layer, **options)
         return self.step
 
     def step(self) -> torch.Tensor:
@@ -106,7 +108,7 @@ class Glm52Decoder(StaticDecoder):
         (x_BTC, positions_1), idx_BTK = self.embed(), None
         cos, sin = rope_cos_sin(positions_1, cfg.qk_rope_head_dim, cfg.rope_theta, x_BTC.dtype)
         for layer, pages, buf in zip(model.model.layers, self.pages, self.layers):
-            x_BTC, idx_BTK = self.layer_fn(layer, pages, buf, x_BTC, cos, sin, idx_BTK, positions_1)
+            x_BTC, idx_BTK = self.layer_fn(self, layer, pages, buf, x_BTC, cos, sin, idx_BTK, positions_1)
         return self.logits(x_BTC)
 
     def layer(self, layer, pages, buf: ResponseMLA, x_BTC, cos, sin, idx_BTK, positions_1):
@@ -159,6 +161,6 @@ class Glm52Decoder(StaticDecoder):
         topk_idx_Nk, topk_w_Nk = mlp.route_fn(mlp.gate, x_NC, positions_1)
         experts_fn = mlp.experts_fn
         if experts_fn is local_experts:
-            experts_fn = grouped_experts if self.grouped_experts else dense_experts
+            experts_fn = grouped_experts if self.experts_grouped else dense_experts
         y_NC = experts_fn(x_NC, topk_idx_Nk, topk_w_Nk, mlp.experts.gate_up_proj, mlp.experts.down_proj)
         return y_NC.view_as(x_BTC) + mlp.shared_experts(x_BTC)
