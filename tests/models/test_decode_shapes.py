@@ -70,3 +70,21 @@ def test_glm52_recording_step_compiles_once_whatever_the_layers_and_prompt_lengt
             assert all(torch.equal(a, b) for a, b in zip(*(r.tensors() for r in records)))
             graphs.append(counter.frame_count)
     assert graphs == [3, 3, 3], f"graphs compiled after each prompt length: {graphs}"
+
+
+@torch.no_grad()
+def test_glm52_layer_pattern_compiles_one_graph_per_kind_of_layer(fresh_dynamo):
+    """GLM-5's layer pattern (3 dense layers, then MoE, every indexer "full"; its widths do not matter to dynamo):
+    the decode step's layer function compiles 2 graphs, dense and MoE, whatever the depth, and the steps equal
+    eager's."""
+    model = build_model("glm52_tiny", seed=0, num_hidden_layers=7, first_k_dense_replace=3, indexer_types=None)
+    resident = model.capture(ids(300, 0), block_size=256)
+    eager, compiled = model.decoder(resident, 2, 4), model.decoder(resident, 2, 4)
+    counter = CompileCounter()
+    step = compiled.compiled(backend=counter)
+    for _ in range(2):
+        expected = eager.step()
+        assert torch.equal(step(), expected)
+        eager.tokens_B.copy_(expected.argmax(-1))
+        compiled.tokens_B.copy_(expected.argmax(-1))
+    assert counter.frame_count == 2

@@ -96,9 +96,9 @@ class Glm52Decoder(StaticDecoder):
     def compiled(self, **options):
         """The step with its layer function compiled by torch.compile (`options`: its keyword arguments), not the
         whole step: the layer's modules, pages and buffers are the compiled function's inputs, so one compiled
-        graph serves every layer of a kind (dense or MoE, "full" or "shared" indexer, the first layer with no
-        selection before it: three kinds in glm52's 78 layers and in glm52_mini's 12), and a first launch compiles
-        those, not the model's depth. The embedding and the logits run eagerly around them; the CUDA graph still
+        graph serves every layer of a kind (dense or MoE, "full" or "shared" indexer): two in glm52's 78 layers,
+        three in glm52_mini's 12 (tests/models/test_decode_shapes.py), and a first launch compiles those, not the
+        model's depth. The embedding and the logits run eagerly around them; the CUDA graph still
         replays the whole step."""
         self.layer_fn = torch.compile(type(self).layer, **options)
         return self.step
