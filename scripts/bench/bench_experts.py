@@ -11,8 +11,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from bench_topk import graph_ms
-from rows import emit
+from rows import emit, graph_ms
 
 from longstraw_cli.models.glm52.config import NAMED_CONFIGS
 from longstraw_cli.models.glm52.experts import dense_experts, grouped_experts

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from rows import emit, time_ms
+from rows import emit, graph_ms, time_ms
 
 from longstraw_kernels.dsa.topk import (
     tie_rule_positions,
@@ -38,19 +38,6 @@ def measure(S: int, k: int, repeats: int) -> dict:
             "topk_lowest_position_ms": time_ms(lambda: topk_lowest_position(scores_RS, k), repeats),
             "tie_rule_positions_ms": time_ms(lambda: tie_rule_positions(scores_RS, k), repeats),
             "torch_topk_ms": time_ms(lambda: scores_RS.topk(k + 1, dim=-1), repeats)}
-
-
-def graph_ms(fn, repeats: int = 100):
-    """(fn()'s output, the mean ms of one replay of a CUDA graph of it, over `repeats` replays)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    return out, time_ms(lambda: [graph.replay() for _ in range(repeats)], 1, warmup=0) / repeats
 
 
 def measure_decode(S: int, k: int) -> dict:

@@ -50,3 +50,19 @@ def time_ms(fn, repeats: int, warmup: int = 1) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def graph_ms(fn, repeats: int = 100):
+    """(fn()'s output, the mean ms of one replay of a CUDA graph of fn, over `repeats` replays), after three warm-up
+    calls (compilation, lazy allocations) and the capture: how a decode step's pieces run."""
+    import torch
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return out, time_ms(lambda: [graph.replay() for _ in range(repeats)], 1, warmup=0) / repeats
