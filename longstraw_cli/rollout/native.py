@@ -197,7 +197,8 @@ def _first_step(model, resident, num_responses: int, cfg: SamplingConfig, native
     """The decoder, its step function (a CUDA graph, compiled first, where the decoder allows) and the first step's
     logits. Where the compiled step fails on its first call (the compiler, or what it built), said once with the
     error, the decode starts again uncompiled from a fresh decoder (a failure part-way may have written some
-    layers' state); an uncompiled step's own errors raise."""
+    layers' state), built only after the failed one is let go (its response buffers, state copies and page
+    copies would otherwise be held twice); an uncompiled step's own errors raise."""
     def build():
         return model.decoder(resident, num_responses, cfg.max_new_tokens, page_budget=native.page_budget(),
                              response_chunk=native.response_chunk)
@@ -211,12 +212,18 @@ def _first_step(model, resident, num_responses: int, cfg: SamplingConfig, native
     except Exception as exc:  # noqa: BLE001 - any failure of the compiled step: the same step uncompiled
         if not compile:
             raise
-        inner = getattr(exc, "inner_exception", None) or exc
-        log.warning("decode step could not be compiled (%s: %s); decoding uncompiled", type(inner).__name__,
-                    (str(inner).splitlines() or [""])[0][:200])
+        _say_uncompiled(exc)
+    # nothing here holds the failed decoder now (the exception, whose traceback reaches it, is gone)
+    del decoder, step_fn
     decoder = build()
     step_fn = GraphedStep(decoder, compile=False)
     return decoder, step_fn, step_fn()
+
+
+def _say_uncompiled(exc: Exception) -> None:
+    inner = getattr(exc, "inner_exception", None) or exc
+    log.warning("decode step could not be compiled (%s: %s); decoding uncompiled", type(inner).__name__,
+                (str(inner).splitlines() or [""])[0][:200])
 
 
 def _generate(model, resident, num_responses: int, cfg: SamplingConfig, generator: torch.Generator | None,

@@ -1,6 +1,7 @@
 """Native rollout's sampling: stop tokens end each response, and a seed fixes the samples (decoding agrees with
 replay: test_model_contract.py)."""
 
+import pytest
 import torch
 
 from longstraw_cli.models import build_model
@@ -19,13 +20,15 @@ def test_stop_tokens_end_each_response_and_sampling_is_seeded():
         assert stops == [] and len(r) == 40 or stops == [len(r) - 1]
 
 
-def test_a_step_the_compiler_fails_on_runs_uncompiled_from_a_fresh_decoder(caplog, monkeypatch):
-    """The rollout's first step: where the compiled step fails (inductor's BackendCompilerFailed here), one warning
-    names the inner error and the decode starts again uncompiled from a fresh decoder; the uncompiled step's own
-    errors raise. (GraphedStep stands in for the CUDA graph: the decoders claim a CUDA device, nothing runs there.)"""
+@pytest.mark.parametrize("where", ["compiler", "compiled_step"])
+def test_a_step_the_compiler_fails_on_runs_uncompiled_from_a_fresh_decoder(caplog, monkeypatch, where):
+    """The rollout's first step: where the compiled step fails (inductor's BackendCompilerFailed, or an error raised
+    by what it built), one warning names the inner error and the decode starts again uncompiled from a fresh
+    decoder, built after the failed one is gone (its buffers are not held twice); the uncompiled step's own errors
+    raise. (GraphedStep stands in for the CUDA graph: the decoders claim a CUDA device, nothing runs there.)"""
     import logging
+    import weakref
 
-    import pytest
     from torch._dynamo.exc import BackendCompilerFailed
 
     from longstraw_cli.rollout import native
@@ -46,26 +49,36 @@ def test_a_step_the_compiler_fails_on_runs_uncompiled_from_a_fresh_decoder(caplo
             self.decoder, self.compile = decoder, compile
 
         def __call__(self):
-            if self.compile:
+            if self.compile and where == "compiler":
                 raise BackendCompilerFailed("inductor", RuntimeError("triton codegen failed\nmore"), None)
+            if self.compile:
+                # raised in a frame that holds the decoder: the traceback reaches it
+                decoder = self.decoder
+                raise RuntimeError(f"CUDA error: an illegal memory access in a step of {type(decoder).__name__}")
             return self.decoder.step()
 
     class Model:
         def __init__(self, fails=False):
-            self.built, self.fails = [], fails
+            self.built, self.alive_at_build, self.fails = [], [], fails
 
         def decoder(self, *args, **kwargs):
-            self.built.append(Decoder(self.fails))
-            return self.built[-1]
+            self.alive_at_build.append([ref() is not None for ref in self.built])
+            decoder = Decoder(self.fails)
+            self.built.append(weakref.ref(decoder))
+            return decoder
 
     monkeypatch.setattr(native, "GraphedStep", Graphed)
     model = Model()
     with caplog.at_level(logging.WARNING, logger="longstraw_cli.rollout.native"):
         decoder, step_fn, first = native._first_step(model, None, 2, native.SamplingConfig(), native.NativeConfig())
-    assert torch.equal(first, torch.ones(2, 3)) and len(model.built) == 2 and decoder is model.built[1]
+    assert torch.equal(first, torch.ones(2, 3)) and decoder is model.built[1]()
+    # the failed decoder was gone when the second was built
+    assert model.alive_at_build == [[], [False]]
     assert not step_fn.compile and step_fn.decoder is decoder
+    inner = {"compiler": "RuntimeError: triton codegen failed",
+             "compiled_step": "RuntimeError: CUDA error: an illegal memory access in a step of Decoder"}[where]
     assert [r.getMessage() for r in caplog.records if "could not be compiled" in r.getMessage()] == [
-        "decode step could not be compiled (RuntimeError: triton codegen failed); decoding uncompiled"]
+        f"decode step could not be compiled ({inner}); decoding uncompiled"]
     # not compiled (rollout.native.compile=false): the step's own error is the error
     with pytest.raises(ValueError, match="a bug of the step itself"):
         native._first_step(Model(fails=True), None, 2, native.SamplingConfig(), native.NativeConfig(compile=False))
