@@ -37,7 +37,7 @@ import importlib
 
 __all__ = ["capture_flops", "causal_pairs", "glm52_capture_flops", "qwen36_capture_flops", "selected_pairs"]
 
-# the chunk size of the chunked delta rule (kernels/gdn: gdn_forward's default, fla's too)
+# the chunk size of the chunked delta rule (longstraw_kernels/gdn: gdn_forward's default, fla's too)
 GDN_CHUNK = 64
 
 

@@ -66,7 +66,8 @@ from longstraw_cli.quantize import NF4_EXPERTS_PER_PASS, nf4_bytes
 
 # bytes per index-score element formed at once: the fp32 score and the top-k's temporaries (models/glm52/model.py)
 SCORE_BYTES = 12
-# the torch reference's sparse attention gathers this many (query, key) entries at once (kernels/mla/reference.py)
+# the torch reference's sparse attention gathers this many (query, key) entries at once
+# (longstraw_kernels/mla/reference.py)
 REFERENCE_GATHER = 1 << 20
 INT64 = 8
 

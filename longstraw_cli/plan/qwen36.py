@@ -45,7 +45,7 @@ Where the bytes come from (s: bytes per element of `dtype`, f: of the compute dt
   saves (`_gdn_graph`, `_attention_graph_per_token`): with kernels="reference" the torch chunked GDN (for
   qwen36_mini in bf16 295 KB per token per GDN layer and 162 KB per attention layer, the project's GraphMemory
   accounting to within 1%, tests/models/test_plan.py); with kernels="gpu" the GDN rule is the Triton op of
-  kernels/gdn/triton_chunk.py, which saves its inputs only and recomputes the chunked terms in its backward,
+  longstraw_kernels/gdn/triton_chunk.py, which saves its inputs only and recomputes the chunked terms in its backward,
   one layer at a time (counted once, as a transient).
 - capture activations: one block of `block_size` tokens through the heaviest layer, estimated as what that
   layer would save for backward (everything inside it coexists at some point, graph or not) plus the kernels'
@@ -85,7 +85,7 @@ from longstraw_cli.models.slots import response_capacities
 from longstraw_cli.plan.common import GIB, LOGIT_BYTES_REPLAY, Run, itemsize, rollout_copies, score_logits_bytes
 from longstraw_cli.quantize import nf4_bytes
 
-# the chunk length of kernels/gdn's chunked form
+# the chunk length of longstraw_kernels/gdn's chunked form
 GDN_CHUNK = 64
 # fp32 copies of a [heads, queries, keys] score block the reference attention holds at once
 SCORE_COPIES = 3
@@ -180,8 +180,8 @@ def _gdn_outside_kernel_per_token(cfg: Qwen36Config, s: int, f: int) -> float:
 
 
 def _gdn_rule_graph(cfg: Qwen36Config, tokens: int, f: int) -> float:
-    """Saved bytes of the gated delta rule itself in kernels/gdn's torch chunked form over `tokens` (also, as a
-    transient, what the Triton op's backward recomputes for one layer)."""
+    """Saved bytes of the gated delta rule itself in longstraw_kernels/gdn's torch chunked form over `tokens` (also,
+    as a transient, what the Triton op's backward recomputes for one layer)."""
     G, Dk, Dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     Vd, Ke = G * Dv, G * Dk  # Ke: keys repeated to the value heads
     # the chunked form pads the tokens to whole chunks
@@ -196,7 +196,7 @@ def _gdn_rule_graph(cfg: Qwen36Config, tokens: int, f: int) -> float:
 
 def _gdn_graph(cfg: Qwen36Config, tokens: int, s: int, f: int, kernels: str = "reference") -> float:
     """Saved bytes of a GDN layer over `tokens`. reference: the torch chunked rule's graph; gpu: the Triton op
-    (kernels/gdn/triton_chunk.py), which saves its inputs only (fp32 q and k, v, fp32 g and beta)."""
+    (longstraw_kernels/gdn/triton_chunk.py), which saves its inputs only (fp32 q and k, v, fp32 g and beta)."""
     outside = tokens * _gdn_outside_kernel_per_token(cfg, s, f)
     if kernels == "gpu":
         G, Kd = cfg.linear_num_value_heads, cfg.linear_num_key_heads * cfg.linear_key_head_dim

@@ -1,4 +1,4 @@
-"""DSA indexer scores on one GPU: the torch reference against the fused Triton kernel (kernels/dsa).
+"""DSA indexer scores on one GPU: the torch reference against the fused Triton kernel (longstraw_kernels/dsa).
 
 Capture-like: B = 1, the T queries are the last T of S positions (offset S - T, so the kernel skips the key
 tiles past each query tile's diagonal), keys shared [S, I], bf16 q and k, fp32 scores. First a correctness check

@@ -1,5 +1,5 @@
-"""GDN forward + backward on one GPU: the Triton chunked op (kernels/gdn/triton_chunk.py) against the torch chunked
-reference's autograd (gdn_chunked, what every gradient ran through before), at one model's GDN shape.
+"""GDN forward + backward on one GPU: the Triton chunked op (longstraw_kernels/gdn/triton_chunk.py) against the torch
+chunked reference's autograd (gdn_chunked, what every gradient ran through before), at one model's GDN shape.
 
 For every T: q, k (L2-normalised) and v in bf16, g, beta and the initial state in fp32, every input requiring grad,
 random cotangents on o and on the final state. Both paths are timed forward alone (building the graph) and

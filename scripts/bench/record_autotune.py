@@ -6,7 +6,7 @@ counts and dims, not the prompt's length): e.g. one qwen36_mini run with capture
 replay, decode and the exact walk) and one at another model shape. Run it with empty Triton caches
 (compile_cache_dir=<new dir>), or the autotuners read their choices from the disk cache: those are recorded too.
 
-    python scripts/bench/record_autotune.py --out kernels/autotuned/NVIDIA_H200.json -- model=qwen36_mini \\
+    python scripts/bench/record_autotune.py --out longstraw_kernels/autotuned/NVIDIA_H200.json -- model=qwen36_mini \\
         model.dtype=bfloat16 device=cuda prompt_tokens=16384 response_tokens=64 steps=1 checkpoint.enabled=false
 """
 

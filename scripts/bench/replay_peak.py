@@ -42,7 +42,7 @@ def live_at_peak(events, start_bytes):
 
 def where(frames) -> str:
     ours = [f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}" for f in frames
-            if "longstraw" in f["filename"] or "kernels" in f["filename"]]
+            if "longstraw" in f["filename"]]
     torch_fn = [f["name"] for f in frames if "torch" in f["filename"]][:2]
     return " <- ".join(ours[:3]) or " <- ".join(torch_fn) or "?"
 

@@ -17,6 +17,14 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
+def test_the_checkout_root_holds_no_top_level_module_but_ours():
+    """`python -m longstraw_cli ...` and `python -m pytest` from the checkout put its root first on sys.path, so a
+    package or module there named as another distribution's would replace it: the kernels' directory was `kernels/`,
+    which shadowed Hugging Face's `kernels` once transformers (5.25) imported it where installed."""
+    names = {p.name for p in REPO.iterdir() if (p / "__init__.py").is_file()} | {p.stem for p in REPO.glob("*.py")}
+    assert names and all(name.startswith("longstraw") for name in names), sorted(names)
+
+
 @pytest.mark.slow
 def test_wheel_installed_outside_the_checkout_trains(tmp_path):
     # build from a copy: a build/ directory left in the checkout could hold stale files
@@ -31,9 +39,8 @@ def test_wheel_installed_outside_the_checkout_trains(tmp_path):
     [wheel] = wheels.glob("longstraw-*.whl")
     # every package of the source tree is in the wheel: an editable install beside it would otherwise supply a
     # missing subpackage from the checkout and the run below would not notice
-    packages = {f"longstraw_cli/{p.relative_to(REPO / 'longstraw_cli')}" for p in (REPO / "longstraw_cli").rglob(
-        "__init__.py")} | {f"longstraw_kernels/{p.relative_to(REPO / 'kernels')}" for p in (REPO / "kernels").rglob(
-        "__init__.py")}
+    packages = {str(p.relative_to(REPO)) for name in ("longstraw_cli", "longstraw_kernels")
+                for p in (REPO / name).rglob("__init__.py")}
     with zipfile.ZipFile(wheel) as archive:
         missing = packages - set(archive.namelist())
     assert not missing, f"packages missing from the wheel (setup.cfg's packages): {sorted(missing)}"

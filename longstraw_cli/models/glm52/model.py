@@ -9,7 +9,7 @@ The walks through the layers are the shared `models.core.CausalLM`'s; each layer
 - `replay` / `decode_step`: tokens after the prompt in absorbed-MLA form (kv_b's key part folded into the query,
   its value part applied to the output): the indexer scores the queries against all prompt indexer keys plus
   the new tokens' own (causal), the top-k picks entries, sparse attention reads the selected prompt pages
-  (kernels/mla) and the new keys, merged by LSE. The pages are read, never written.
+  (longstraw_kernels/mla) and the new keys, merged by LSE. The pages are read, never written.
 - `replay_block`: one block of a response, its new keys the response's earlier blocks' (latent, rope and index
   keys) ahead of its own: blockwise replay and scoring (models/blockwise.py).
 Module names mirror HF's so a checkpoint loads as it is (experts: see hf.py).

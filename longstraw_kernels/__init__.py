@@ -1,4 +1,4 @@
-"""LongStraw kernels (imported as `longstraw_kernels`): each op's torch reference beside its GPU versions.
+"""LongStraw kernels: each op's torch reference beside its GPU versions.
 
 `compute_dtype` is the one precision rule of every op and of the model code: fp32 at least, wider when an input is
 (fp64 tests then test the algorithm, not fp32 rounding). The other helpers serve every op that has a Triton kernel:
