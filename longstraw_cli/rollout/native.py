@@ -23,6 +23,7 @@ import torch
 
 from longstraw_cli.models.slots import response_capacities
 from longstraw_cli.resident.offload import side_stream
+from longstraw_kernels.sampling import race_sample, race_tokens
 
 log = logging.getLogger(__name__)
 
@@ -61,20 +62,15 @@ class Rollout:
 
 
 def sample_tokens(logits_BV: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
-    if cfg.temperature == 0:
-        return logits_BV.argmax(-1)
-    probs_BV = torch.softmax(logits_BV / cfg.temperature, dim=-1)
-    if cfg.top_p < 1:
-        sorted_BV, order_BV = probs_BV.sort(dim=-1, descending=True)
-        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-        drop_BV = sorted_BV.cumsum(-1) - sorted_BV >= cfg.top_p
-        sorted_BV = sorted_BV.masked_fill(drop_BV, 0.0)
-        probs_BV = torch.zeros_like(probs_BV).scatter(-1, order_BV, sorted_BV)
-    # exponential race: argmax p_i / E_i with E_i ~ Exp(1) independent picks i with probability p_i / sum p (the
-    # minimum of independent exponentials of rates p_i). One elementwise pass and an argmax, no per-row scan;
-    # E is kept above 0 so that p = 0 never wins
-    race_BV = torch.empty_like(probs_BV).exponential_(1.0, generator=generator)
-    return (probs_BV / race_BV.clamp_min_(torch.finfo(race_BV.dtype).tiny)).argmax(-1)
+    """Each row's token by the exponential race (longstraw_kernels/sampling: `race_tokens`), its noise drawn from
+    `generator`."""
+    race_BV = None if cfg.temperature == 0 else torch.empty_like(logits_BV)
+    return race_tokens(logits_BV, _race_noise(race_BV, generator), cfg.temperature, cfg.top_p)
+
+
+def _race_noise(race_BV: torch.Tensor | None, generator: torch.Generator | None) -> torch.Tensor | None:
+    """race_BV filled with Exp(1) noise from `generator`; None (greedy: temperature 0) stays None."""
+    return None if race_BV is None else race_BV.exponential_(1.0, generator=generator)
 
 
 @dataclass(frozen=True)
@@ -239,6 +235,8 @@ def _generate(model, resident, num_responses: int, cfg: SamplingConfig, generato
     sampled_BR = torch.empty(B, R, dtype=torch.long, device=device)
     logp_BR = torch.empty(B, R, dtype=torch.promote_types(model.lm_head.weight.dtype, torch.float32), device=device)
     entropy_BR = torch.empty_like(logp_BR)
+    # the race's noise, drawn afresh each step into one buffer (none for greedy)
+    race_BV = None if cfg.temperature == 0 else torch.empty_like(first_BV)
     done_B = torch.zeros(B, dtype=torch.bool, device=device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -251,11 +249,9 @@ def _generate(model, resident, num_responses: int, cfg: SamplingConfig, generato
             if on_grow is not None:
                 on_grow(decoder.capacity)
         logits_BV = first_BV if step == 0 else step_fn()
-        tokens_B = sample_tokens(logits_BV, cfg, generator)
-        logp_BV = torch.log_softmax(logits_BV, -1)
-        sampled_BR[:, step] = tokens_B
-        logp_BR[:, step] = logp_BV.gather(-1, tokens_B[:, None])[:, 0]
-        entropy_BR[:, step] = -(logp_BV.exp() * logp_BV).sum(-1)
+        tokens_B = sampled_BR[:, step]
+        race_sample(logits_BV, _race_noise(race_BV, generator), cfg.temperature, cfg.top_p, tokens_B,
+                    logp_BR[:, step], entropy_BR[:, step])
         decoder.tokens_B.copy_(tokens_B)
         done_B |= torch.isin(tokens_B, stop_S)
         if on_token is not None:

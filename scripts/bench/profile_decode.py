@@ -18,7 +18,8 @@ from rows import emit, kernel_times, top_kernels  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from longstraw_cli.models import build_model  # noqa: E402
-from longstraw_cli.rollout.native import GraphedStep, SamplingConfig, sample_tokens  # noqa: E402
+from longstraw_cli.rollout.native import GraphedStep  # noqa: E402
+from longstraw_kernels.sampling import race_sample  # noqa: E402
 
 
 def timed(fn, n: int) -> float:
@@ -75,14 +76,15 @@ def main() -> None:
         graphed()
         row["graph_ms"] = timed(graphed, 50)
         logits = graphed()
-        cfg = SamplingConfig()
         g = torch.Generator("cuda").manual_seed(0)
+        race = torch.empty_like(logits)
+        tokens, logp, entropy = (torch.empty(args.group, dtype=t, device="cuda")
+                                 for t in (torch.long, logits.dtype, logits.dtype))
 
+        # what the rollout runs after each step: the race's noise, then its sampling (the Triton kernel on CUDA;
+        # LONGSTRAW_SAMPLE_KERNEL=torch for the reference)
         def sample():
-            tokens = sample_tokens(logits, cfg, g)
-            logp = torch.log_softmax(logits, -1)
-            logp.gather(-1, tokens[:, None])
-            (logp.exp() * logp).sum(-1)
+            race_sample(logits, race.exponential_(1.0, generator=g), 1.0, 1.0, tokens, logp, entropy)
 
         row["sample_ms"] = timed(sample, 50)
         if args.compile:

@@ -1,5 +1,6 @@
 """GPU paths against their torch references (skipped without CUDA): flash replay attention (outputs, LSE and
-gradients), fla's GDN forward, and the qwen36 model's capture + logprobs on CUDA in bf16."""
+gradients), the decode's response attention and sampling, fla's GDN forward, and the qwen36 model's capture +
+logprobs on CUDA in bf16."""
 
 import pytest
 import torch
@@ -134,6 +135,29 @@ def test_decode_response_attention_reads_the_filled_slots(filled):
     torch._dynamo.mark_dynamic(v, 1)
     c_out, c_lse = torch.compile(attention, fullgraph=True)(q, k, v)
     assert rel_err(c_out, ref_out) < 1e-2 and rel_err(c_lse, ref_lse) < 1e-4
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6, 0.0])
+def test_decode_sampling_kernel_equals_the_reference(temperature):
+    """The decode step's sampling at qwen36_mini's vocabulary (8 responses, 248,320 logits, fp32 as the step gives
+    them): the Triton kernel (dispatched on CUDA) picks the reference's token from the same noise and gives its
+    log-prob and the entropy, written into a column of [B, R] buffers."""
+    from longstraw_kernels import sampling
+
+    B, V = 8, 248_320
+    g = torch.Generator(device="cuda").manual_seed(int(temperature * 10))
+    logits = torch.randn(B, V, device="cuda", generator=g) * 4
+    race = None if temperature == 0 else torch.empty_like(logits).exponential_(generator=g)
+    assert sampling._kernel(logits, 1.0) is not None
+    outs = []
+    for run in (sampling.race_sample, lambda *a: sampling.race_sample_reference(*a)):
+        tokens, logp, entropy = (torch.zeros(B, 5, device="cuda", dtype=t) for t in (torch.long, torch.float32,
+                                                                                      torch.float32))
+        run(logits, race, temperature, 1.0, tokens[:, 2], logp[:, 2], entropy[:, 2])
+        outs.append((tokens, logp, entropy))
+    (tokens, logp, entropy), (want_tokens, want_logp, want_entropy) = outs
+    assert torch.equal(tokens, want_tokens)
+    assert rel_err(logp[:, 2], want_logp[:, 2]) < 1e-5 and rel_err(entropy[:, 2], want_entropy[:, 2]) < 1e-5
 
 
 @pytest.mark.parametrize("T, H, G", [(1000, 2, 4), (4096, 16, 48), (77, 8, 16)])
