@@ -185,7 +185,7 @@ def generate(model, resident, num_responses: int, cfg: SamplingConfig, generator
     recording = contextlib.nullcontext() if record is None else routing.recording(record, model)
     with recording:
         rollout = _generate(model, resident, num_responses, cfg, generator, native, on_grow, on_token)
-    rollout.routing = None if record is None else routing.offload(record)
+    rollout.routing = None if record is None else routing.offload(record, rollout.decode_steps)
     return rollout
 
 

@@ -16,7 +16,7 @@ from longstraw_cli.models.glm52.model import MoE, live_route, live_selection
 from longstraw_cli.models.glm52.routing import RoutingRecord, RoutingReplay, forcing, record_bytes
 from longstraw_cli.models.spec import family_of, get_family
 from longstraw_cli.rl.losses import LossConfig
-from longstraw_cli.rollout.native import SamplingConfig, generate
+from longstraw_cli.rollout.native import NativeConfig, SamplingConfig, generate
 from longstraw_cli.transaction import Transaction, TransactionConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -79,6 +79,19 @@ def test_forced_experts_replay_the_rollout_through_a_planted_router_tie(dtype):
     # the indexer was not touched: in fp64 no selection flips; in bf16 the decode step's and the replay's index
     # scores round apart and a few boundary keys do (the flips routing replay removes)
     assert flips["rollout/dsa_flip_frac"] == 0.0 if dtype == torch.float64 else flips["rollout/dsa_flip_frac"] < 0.1
+
+
+def test_the_rollout_keeps_the_slots_its_decode_wrote():
+    """Every id a stop token, checked every step: the decode runs one step in buffers of 32 slots, and the record
+    the rollout keeps (in host memory on a GPU) holds that one slot, as the replay reads it."""
+    model = random_model("glm52_tiny", torch.float64, seed=1)
+    resident = model.capture(ids(PROMPT, 2), block_size=16)
+    routing = RoutingReplay(force=True)
+    sampling = SamplingConfig(max_new_tokens=40, stop_token_ids=tuple(range(model.config.vocab_size)))
+    ro = generate(model, resident, G, sampling, torch.Generator().manual_seed(3), routing=routing,
+                  native=NativeConfig(stop_check_every=1, response_chunk=32))
+    assert ro.decode_steps == 1 and {t.shape[1] for t in ro.routing.tensors()} == {1}
+    assert worst(replayed(model, resident, ro, routing), ro.logprobs) < NOISE[torch.float64]
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)

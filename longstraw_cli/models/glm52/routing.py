@@ -79,6 +79,11 @@ class RoutingRecord:
         return RoutingRecord(self.first, {i: t[rows] for i, t in self.experts.items()},
                              {i: t[rows] for i, t in self.selections.items()})
 
+    def slots(self, count: int) -> RoutingRecord:
+        """The records of the first `count` slots (views): what a decode of `count` steps wrote."""
+        return RoutingRecord(self.first, {i: t[:, :count] for i, t in self.experts.items()},
+                             {i: t[:, :count] for i, t in self.selections.items()})
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.itemsize for t in self.tensors())
 
@@ -119,11 +124,15 @@ class RoutingRecord:
         return cls(first, experts, selections)
 
 
-def to_host(record: RoutingRecord) -> RoutingRecord:
-    """The record in pinned host memory; a record already on the host is returned as it is (no copy).
-    One synchronous copy: every tensor's device-to-host copy is queued on the current stream and waited for once,
-    so the device buffers are free the moment this returns (a side stream would keep them, and the rollout's
-    peak with them, until it finished, to hide a copy that takes well under 1% of the decode that wrote them)."""
+def to_host(record: RoutingRecord, slots: int | None = None) -> RoutingRecord:
+    """The record's first `slots` slots (all by default) in pinned host memory; a record already on the host gives
+    views, no copy. One synchronous copy: every tensor's device-to-host copy is queued on the current stream and
+    waited for once, so the device buffers are free the moment this returns (a side stream would keep them, and
+    the rollout's peak with them, until it finished, to hide a copy that takes well under 1% of the decode that
+    wrote them). Only the slots a decode wrote cross: its buffers hold at least `response_chunk` slots (1,024 by
+    default), 16 times the bytes of a 64-token decode."""
+    if slots is not None:
+        record = record.slots(slots)
     tensors = record.tensors()
     if not tensors or tensors[0].device.type == "cpu":
         return record
@@ -361,9 +370,10 @@ class RoutingReplay:
         """Zeroed records on the model's device (the decode's buffers), or, host=True, in host memory."""
         return RoutingRecord.empty(model, batch, capacity, resident.num_tokens, host=host)
 
-    def offload(self, record: RoutingRecord) -> RoutingRecord:
-        """The record in host memory, once its writer (the decode) is done with the device buffers: `to_host`."""
-        return to_host(record)
+    def offload(self, record: RoutingRecord, slots: int | None = None) -> RoutingRecord:
+        """The record's first `slots` slots (the decode's steps) in host memory, once its writer (the decode) is
+        done with the device buffers: `to_host`."""
+        return to_host(record, slots)
 
     def recording(self, record: RoutingRecord, model, rows: slice = slice(None)):
         """Calls in the block record their routing into `record` rows `rows`: directly where the record is on the
