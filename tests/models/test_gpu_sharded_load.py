@@ -3,6 +3,7 @@ onto one GPU as EP ranks would (skipped without CUDA): each rank's CUDA peak sta
 of its layers, and its loader opens only the files holding its tensors. The checkpoint is written here from a
 built model, per-expert keys in GLM-5's order over ~4 GB files."""
 
+import gc
 import json
 import re
 
@@ -65,7 +66,10 @@ def checkpoint(tmp_path_factory):
 
 
 def measured(make):
-    """(model, CUDA peak bytes above what was allocated before, its bytes, its largest layer's bytes)."""
+    """(model, CUDA peak bytes above what was allocated before, its bytes, its largest layer's bytes). Garbage of
+    earlier tests first (a failed test's traceback holds its frames' tensors in cycles): freed by the collector
+    during `make`, it would lower the peak below what the model allocated."""
+    gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
