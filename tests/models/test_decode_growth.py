@@ -98,13 +98,14 @@ def test_slots_double_at_their_capacity_and_keep_what_was_written(name):
 
 
 def test_a_short_rollout_records_the_first_chunk_only():
-    """Every response stops at its first token: the routing record (like the decoder's slots) never grows."""
+    """Every response stops at its first token: the routing record (like the decoder's slots) never grows, and the
+    rollout keeps the slots its two steps wrote."""
     model = random_model("glm52_tiny", torch.float64, seed=1)
     resident = model.capture(ids(PROMPT, 2), block_size=16)
     every = tuple(range(model.config.vocab_size))
     stopped, = rollouts(model, resident, (CHUNK,), RoutingReplay(), stop_token_ids=every, stop_check_every=2)
     assert stopped.decode_steps == 2 and all(len(r) == 1 for r in stopped.responses)
-    assert all(t.shape[1] == CHUNK for t in stopped.routing.tensors())
+    assert all(t.shape[1] == stopped.decode_steps for t in stopped.routing.tensors())
 
 
 @pytest.mark.parametrize("name", ["qwen36_tiny", "glm52_tiny"])
