@@ -94,7 +94,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.swiglu(self.gate_proj(x), self.up_proj(x))
+
+    def swiglu(self, gate, up):
+        """The MLP from its gate and up linears' outputs (the decode step computes them as one GEMM)."""
+        return self.down_proj(F.silu(gate) * up)
 
 
 @dataclass

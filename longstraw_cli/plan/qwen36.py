@@ -62,10 +62,12 @@ Where the bytes come from (s: bytes per element of `dtype`, f: of the compute dt
   in `dtype` and a copy of every GDN layer's conv and recurrent state; the slots start at
   rollout.native.response_chunk and double up to R (models/slots.py), so R is their worst, and while the last
   growth copies one buffer (one layer's keys or values) its old copy at the capacity before R coexists with it
-  (`decode_growth`). Beside them one step's fp32 logits and their softmax over G rows, and with the reference
-  kernels the pages' scores [G x heads, prompt] (SCORE_COPIES). offload=cpu: the phase counts the two staged layers
-  (the decode stages the layers it has not copied, as replay does); the copies of host pages that fit
-  (rollout.native.offload_copy_gib) take only free memory and come on top, in `rollout`, not in a phase.
+  (`decode_growth`). Beside them one step's fp32 logits and their softmax over G rows, with the reference
+  kernels the pages' scores [G x heads, prompt] (SCORE_COPIES), and the copies of each layer's input linears
+  concatenated where none is adapted (`decode_projections`: the whole model's without LoRA). offload=cpu: the
+  phase counts the two staged layers (the decode stages the layers it has not copied, as replay does); the copies
+  of host pages that fit (rollout.native.offload_copy_gib) take only free memory and come on top, in `rollout`,
+  not in a phase.
 - replay transient: the log-prob backward's one chunk of recomputed logits (fp32, turned into the gradient in
   place, plus a bf16 copy: LOGIT_BYTES_REPLAY per logit) plus one weight-sized gradient (the output layer's,
   accumulated over the chunks in one buffer before it is added into .grad).
@@ -131,6 +133,26 @@ def param_counts(cfg: Qwen36Config, lora_rank: int = 0, lora_targets=DEFAULT_TAR
             adapters += sum(lora_rank * (i + o) for name, (i, o) in linears.items() if name in lora_targets)
     return {"total": total, "lora": adapters, "largest_matrix": largest, "linears": linear_params,
             "largest_linear": largest_linear}
+
+
+# each layer's linears that read one input, which the decode runs as one GEMM (qwen36/decode.py `InProjections`)
+_INPUT_GROUPS = {"full_attention": (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")),
+                 "linear_attention": (("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"), ("gate_proj", "up_proj"))}
+
+
+def decode_projection_bytes(cfg: Qwen36Config, dtype: str, lora_rank: int = 0, quantize: str = "none",
+                            lora_targets=DEFAULT_TARGETS) -> int:
+    """Bytes of the decode's concatenated input linears, copied for the rollout: every group of a layer's linears
+    that read one input where none carries an adapter (LoRA) and the weights are not NF4."""
+    if quantize == "nf4":
+        return 0
+    total = 0
+    for layer_type in cfg.layer_types:
+        linears = _layer_linears(cfg, layer_type)
+        for group in _INPUT_GROUPS[layer_type]:
+            if lora_rank == 0 or not any(name in lora_targets for name in group):
+                total += sum(linears[name][0] * linears[name][1] for name in group)
+    return total * itemsize(dtype)
 
 
 def linear_bytes(cfg: Qwen36Config, dtype: str, quantize: str = "none") -> int:
@@ -360,13 +382,15 @@ def plan(cfg: Qwen36Config, run: Run) -> dict:
     capacities = response_capacities(R, run.response_chunk)
     decode_growth = G * capacities[-2] * cfg.num_key_value_heads * cfg.head_dim * s if len(capacities) > 1 else 0
     decode_step = 2 * G * V * f + _attention_scores(cfg, G, 1, captured, kernels)
-    decoding = decode + decode_growth + decode_step
+    projections = decode_projection_bytes(cfg, run.dtype, run.lora_rank, run.quantize)
+    decoding = decode + decode_growth + decode_step + projections
     phases["rollout"] = weights + optimizer + on_device + boundaries + tail + dequant + decoding
     # the offloaded rollout: no staged layer; the copies of host pages that fit (whole layers)
     rollout_base = weights + optimizer + resident["total"] - host + boundaries + tail + dequant + decoding
     copies = rollout_copies(run, rollout_base, [layer_pages] * num_attn) if host else 0
     notes = [f"rollout decode buffers {decode / GIB:.2f} GiB (K/V of {R} slots and GDN states per response; + "
-             f"{decode_growth / GIB:.2f} while the last growth copies one layer's)"]
+             f"{decode_growth / GIB:.2f} while the last growth copies one layer's), input linears concatenated "
+             f"{projections / GIB:.2f} GiB"]
     if exact:
         notes.append(f"exact: boundary states {boundaries / GIB:.2f}, state gradient {state_grad / GIB:.2f}, block "
                      f"graph {block_graph / GIB:.2f}, page gradient {page_grad_transient / GIB:.2f}")
@@ -393,6 +417,7 @@ def plan(cfg: Qwen36Config, run: Run) -> dict:
         "boundary_states": boundaries, "tail_states": tail, "state_grad": state_grad, "block_graph": block_graph,
         "page_grad_transient": page_grad_transient, "response_state": response_state,
         "decode_buffers": decode, "decode_growth": decode_growth, "decode_step": decode_step,
+        "decode_projections": projections,
         "phases": phases, "rollout_copies": copies, "rollout": rollout_base + copies,
         "bound": (weights + grads + optimizer + on_device + boundaries + tail + state_grad + response_state
                   + max(graph, block_graph)),

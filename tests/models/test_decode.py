@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from conftest import ids, random_model, rel_err
+from longstraw_cli.lora import LoraConfig, apply_lora
 from longstraw_cli.models import build_model
 from longstraw_cli.models.core import StepDecoder
 from longstraw_cli.models.glm52.experts import dense_experts, grouped_experts, local_experts, pairs_by_expert
+from longstraw_cli.models.qwen36.decode import EachLinear, InProjections
 from longstraw_cli.rollout.native import NativeConfig, SamplingConfig, generate, sample_tokens
 from longstraw_cli.tokenizer import ByteTokenizer
 from longstraw_kernels.attention.decode import cascade_decode_attention, decode_pages_attention
@@ -177,6 +179,29 @@ def test_exponential_race_samples_the_tempered_softmax(temperature):
                      torch.Generator().manual_seed(0))
     freq = torch.bincount(tokens, minlength=5).double() / tokens.numel()
     assert (freq - torch.softmax(logits.double() / temperature, -1)).abs().max() < 0.01
+
+
+@torch.no_grad()
+def test_qwen36_decode_runs_each_layers_input_linears_as_one_gemm_where_they_are_plain():
+    """Plain linears: each layer's mixer inputs and the MLP's gate and up are one product over concatenated weights,
+    equal to the linears one by one (the whole decode against the layers' own paths: the test below). LoRA's
+    wrapped linears run one by one."""
+    model = random_model("qwen36_tiny", torch.float64)
+    resident = model.capture(ids(50, 0), block_size=16)
+    decoder = model.decoder(resident, 2, 4)
+    x = torch.randn(2, 1, model.config.hidden_size, dtype=torch.float64)
+    for mixer_in, mlp_in in decoder.projections:
+        for fused in (mixer_in, mlp_in):
+            assert isinstance(fused, InProjections)
+            assert len(fused.sizes) in (2, 3, 4) and fused.weight_NC.shape[0] == sum(fused.sizes)
+    for layer, (mixer_in, mlp_in) in zip(model.model.layers, decoder.projections):
+        gate, up = mlp_in(x)
+        assert rel_err(gate, layer.mlp.gate_proj(x)) < 1e-14 and rel_err(up, layer.mlp.up_proj(x)) < 1e-14
+        first = layer.self_attn.q_proj if layer.is_attention else layer.linear_attn.in_proj_qkv
+        assert rel_err(mixer_in(x)[0], first(x)) < 1e-14
+    apply_lora(model, LoraConfig(rank=2))
+    decoder = model.decoder(resident, 2, 4)
+    assert all(isinstance(p, EachLinear) for pair in decoder.projections for p in pair)
 
 
 @pytest.mark.parametrize("name", ["qwen36_tiny", "glm52_tiny"])

@@ -315,7 +315,7 @@ def test_offloaded_rollout_copies_whole_layers_into_free_memory():
     assert auto["rollout_copies"] == auto["host"]
     # all copied: the rollout holds weights, optimizer, the whole resident state and the decode's buffers and step
     # (no grads, no graph)
-    decoding = auto["decode_buffers"] + auto["decode_growth"] + auto["decode_step"]
+    decoding = auto["decode_buffers"] + auto["decode_growth"] + auto["decode_step"] + auto["decode_projections"]
     assert auto["rollout"] == auto["weights"] + auto["optimizer"] + auto["resident"] + decoding
     # the copies take only free memory: they never move the peak (nor what fits)
     capped = plan("qwen36_mini", offload_copy_gib=0, **common)
@@ -349,3 +349,21 @@ def test_the_longest_prompt_stops_at_the_models_positions(capsys):
             "65520") in out
     assert "longest prompt that fits in 139 GiB: 65520 tokens (0.06M) (the model's 65536 positions" in out
     assert "offload=none: 65520 tokens" in out
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_plan_counts_the_decodes_concatenated_input_linears(lora_rank):
+    """`decode_projections` is what the decoder copies: every layer's input linears without LoRA, the groups
+    holding an adapted linear not at all under LoRA's default targets (GDN's b and a are not targets, but share a
+    GEMM with qkv and z)."""
+    from longstraw_cli.models.qwen36.decode import InProjections
+
+    model = build_model("qwen36_tiny", dtype=torch.bfloat16, device="cpu", seed=0)
+    if lora_rank:
+        apply_lora(model, LoraConfig(rank=lora_rank))
+    resident = model.capture(torch.arange(40) % 200, block_size=16)
+    decoder = model.decoder(resident, 2, 4)
+    copied = sum(p.weight_NC.numel() * p.weight_NC.itemsize for pair in decoder.projections for p in pair
+                 if isinstance(p, InProjections))
+    planned = plan("qwen36_tiny", prompt_tokens=40, group_size=2, response_tokens=4, lora_rank=lora_rank)
+    assert planned["decode_projections"] == copied and (copied > 0) == (lora_rank == 0)

@@ -19,6 +19,13 @@ as on the device); each step stages the other layers' pages one at a time from t
 overlapping the current layer), eagerly: a token then moves those layers' K/V over the host link (PCIe, ~50 GB/s
 at best on an H200 host), e.g. all 12 GiB of qwen36_mini's at 1M tokens when none fit, ~0.25 s a token.
 
+Each layer's linears that read the same input (GDN's in_proj_qkv / z / b / a, attention's q / k / v, the MLP's
+gate and up) run as one GEMM over their weights concatenated (`InProjections`), copied once per rollout: at 8 rows
+the step's GEMMs are small enough that each costs a launch and a partly idle GPU (qwen36_mini on an H200: its 186
+GEMMs 1.37 ms as one graph, the 96 of the concatenated form 1.04 ms; scripts/bench/bench_decode_gemms.py). The
+copies cost their bytes while the rollout runs (qwen36_mini 1.9 GB). Linears that are not plain (LoRA adapters,
+NF4 weights, sharded parameters) run one by one, as before.
+
 Legend: B responses, S response capacity, C hidden, Q query heads, K kv heads, D head dim, X conv channels,
 W conv window, G GDN value heads, Dk/Dv GDN head dims, V vocab.
 """
@@ -26,6 +33,8 @@ W conv window, G GDN value heads, Dk/Dv GDN head dims, V vocab.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from longstraw_cli.models.core import StaticDecoder
 from longstraw_cli.models.slots import ResponseSlots, slot_buffer
@@ -52,6 +61,35 @@ class ResponseRecurrent:
     def __init__(self, conv_CW: torch.Tensor, ssm_GKV: torch.Tensor, batch: int):
         self.conv_BXW = conv_CW.expand(batch, -1, -1).clone()
         self.ssm_BGKV = ssm_GKV.expand(batch, -1, -1, -1).clone()
+
+
+class InProjections:
+    """Linears that read the same input as one GEMM: their weights concatenated [sum N, C] (a copy, made when the
+    decoder is: the weights change every optimizer step). -> each linear's output, views of the one product."""
+
+    def __init__(self, linears: list[nn.Linear]):
+        self.weight_NC = torch.cat([m.weight.detach() for m in linears])
+        self.sizes = [m.out_features for m in linears]
+
+    def __call__(self, x_BTC: torch.Tensor) -> list[torch.Tensor]:
+        return F.linear(x_BTC, self.weight_NC).split(self.sizes, dim=-1)
+
+
+class EachLinear:
+    """The same contract, the linears called one by one (they are not plain: LoRA, NF4, sharded parameters)."""
+
+    def __init__(self, linears: list[nn.Module]):
+        self.linears = linears
+
+    def __call__(self, x_BTC: torch.Tensor) -> list[torch.Tensor]:
+        return [m(x_BTC) for m in self.linears]
+
+
+def in_projections(linears: list[nn.Module]) -> InProjections | EachLinear:
+    """One GEMM where every linear is a plain bias-free nn.Linear over an ordinary parameter of one dtype."""
+    plain = all(type(m) is nn.Linear and m.bias is None and type(m.weight) is nn.Parameter
+                and m.weight.dtype == linears[0].weight.dtype for m in linears)
+    return InProjections(linears) if plain else EachLinear(linears)
 
 
 class Qwen36Decoder(StaticDecoder):
@@ -81,22 +119,33 @@ class Qwen36Decoder(StaticDecoder):
                 torch._dynamo.maybe_mark_dynamic(pages.v_PKD, 0)
             else:
                 self.layers.append(ResponseRecurrent(state.conv_CW, state.ssm_GKV, batch))
+        # each layer's (mixer's input linears, the MLP's gate and up) as one GEMM each where they allow
+        self.projections = []
+        for layer in model.model.layers:
+            mixer = layer.mixer
+            inputs = ([mixer.q_proj, mixer.k_proj, mixer.v_proj] if layer.is_attention else
+                      [mixer.in_proj_qkv, mixer.in_proj_z, mixer.in_proj_b, mixer.in_proj_a])
+            self.projections.append((in_projections(inputs), in_projections([layer.mlp.gate_proj,
+                                                                              layer.mlp.up_proj])))
 
     def step(self) -> torch.Tensor:
         model = self.model
         x_BTC, positions_1 = self.embed()
         stage = stage_rollout_pages(self.pages, self.device, self.on_host)
-        for i, (layer, state) in enumerate(zip(model.model.layers, self.layers)):
+        for i, (layer, state, (mixer_in, mlp_in)) in enumerate(zip(model.model.layers, self.layers,
+                                                                  self.projections)):
             h_BTC = layer.input_layernorm(x_BTC)
             if layer.is_attention:
-                h_BTC = self._attention(layer.self_attn, h_BTC, positions_1, stage(i), state)
+                h_BTC = self._attention(layer.self_attn, mixer_in(h_BTC), positions_1, stage(i), state)
             else:
-                h_BTC = self._gdn(layer.linear_attn, h_BTC, state)
-            x_BTC = layer.mlp_residual(x_BTC, h_BTC)
+                h_BTC = self._gdn(layer.linear_attn, mixer_in(h_BTC), state)
+            # the layer's mlp_residual, its gate and up as one GEMM
+            x_BTC = x_BTC + h_BTC
+            x_BTC = x_BTC + layer.mlp.swiglu(*mlp_in(layer.post_attention_layernorm(x_BTC)))
         return self.logits(x_BTC)
 
-    def _attention(self, attn, x_BTC, positions_1, pages, kv: ResponseKV):
-        q_BTQD, k_BTKD, v_BTKD, gate_BTQD = attn.project(x_BTC, positions_1)
+    def _attention(self, attn, qkv: list[torch.Tensor], positions_1, pages, kv: ResponseKV):
+        q_BTQD, k_BTKD, v_BTKD, gate_BTQD = attn.project_from(*qkv, positions_1)
         kv.k_BSKD.index_copy_(1, self.step_1, k_BTKD.to(kv.k_BSKD.dtype))
         kv.v_BSKD.index_copy_(1, self.step_1, v_BTKD.to(kv.v_BSKD.dtype))
         o_BQD = cascade_decode_attention(q_BTQD[:, 0], pages.k_PKD, pages.v_PKD, kv.k_BSKD, kv.v_BSKD,
@@ -104,10 +153,10 @@ class Qwen36Decoder(StaticDecoder):
         return attn.output(o_BQD[:, None], gate_BTQD)
 
     @staticmethod
-    def _gdn(gdn, x_BTC, state: ResponseRecurrent):
-        mixed_BTX = gdn.in_proj_qkv(x_BTC)
-        y_BTC, window_BXW, ssm_BGKV = gdn.mix(x_BTC, mixed_BTX, state.conv_BXW.to(mixed_BTX.dtype),
-                                              state.ssm_BGKV, gdn_step)
+    def _gdn(gdn, inputs: list[torch.Tensor], state: ResponseRecurrent):
+        mixed_BTX, z_BTX, b_BTG, a_BTG = inputs
+        y_BTC, window_BXW, ssm_BGKV = gdn.mix_projected(mixed_BTX, z_BTX, b_BTG, a_BTG,
+                                                        state.conv_BXW.to(mixed_BTX.dtype), state.ssm_BGKV, gdn_step)
         state.conv_BXW.copy_(window_BXW)
         state.ssm_BGKV.copy_(ssm_BGKV)
         return y_BTC

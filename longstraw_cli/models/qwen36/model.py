@@ -113,11 +113,15 @@ class GatedAttention(nn.Module):
         self.decode_pages_fn = decode_pages_attention
 
     def project(self, x_BTC: torch.Tensor, positions_T: torch.Tensor):
-        B, T, _ = x_BTC.shape
-        q_BTQD, gate_BTQD = self.q_proj(x_BTC).view(B, T, self.num_q, 2 * self.head_dim).chunk(2, dim=-1)
+        return self.project_from(self.q_proj(x_BTC), self.k_proj(x_BTC), self.v_proj(x_BTC), positions_T)
+
+    def project_from(self, q_BTX, k_BTX, v_BTX, positions_T: torch.Tensor):
+        """`project` from its three linears' outputs (the decode step computes them as one GEMM)."""
+        B, T, _ = q_BTX.shape
+        q_BTQD, gate_BTQD = q_BTX.view(B, T, self.num_q, 2 * self.head_dim).chunk(2, dim=-1)
         q_BTQD = self.q_norm(q_BTQD)
-        k_BTKD = self.k_norm(self.k_proj(x_BTC).view(B, T, self.num_kv, self.head_dim))
-        v_BTKD = self.v_proj(x_BTC).view(B, T, self.num_kv, self.head_dim)
+        k_BTKD = self.k_norm(k_BTX.view(B, T, self.num_kv, self.head_dim))
+        v_BTKD = v_BTX.view(B, T, self.num_kv, self.head_dim)
         cos, sin = rope_cos_sin(positions_T, self.cfg.rotary_dim, self.cfg.rope_theta, q_BTQD.dtype)
         return apply_partial_rope(q_BTQD, cos, sin), apply_partial_rope(k_BTKD, cos, sin), v_BTKD, gate_BTQD
 
@@ -273,18 +277,23 @@ class GatedDeltaNet(nn.Module):
     def mix(self, x_BTC, mixed_BTX, window_BXW, ssm_BGKV, gdn_fn, grad_prefix: int = 0):
         """Conv over (window, mixed), gates, the gated delta rule from ssm, gated norm, out_proj.
         -> (y_BTC, the conv window after mixed (a view into the conv input), ssm_BGKV after mixed)."""
-        B, T, _ = x_BTC.shape
+        return self.mix_projected(mixed_BTX, self.in_proj_z(x_BTC), self.in_proj_b(x_BTC), self.in_proj_a(x_BTC),
+                                  window_BXW, ssm_BGKV, gdn_fn, grad_prefix)
+
+    def mix_projected(self, mixed_BTX, z_BTX, b_BTG, a_BTG, window_BXW, ssm_BGKV, gdn_fn, grad_prefix: int = 0):
+        """`mix` from its input linears' outputs (the decode step computes them as one GEMM)."""
+        B, T, _ = mixed_BTX.shape
         full_BXS = torch.cat([window_BXW, mixed_BTX.transpose(1, 2)], dim=-1)
         conv_BXT = F.silu(F.conv1d(full_BXS, self.conv1d.weight, groups=self.conv_dim))
         q, k, v = torch.split(conv_BXT.transpose(1, 2), [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q_BTHK = l2norm(at_least_fp32(q.reshape(B, T, self.num_k, self.dk)))
         k_BTHK = stop_grad_prefix(l2norm(at_least_fp32(k.reshape(B, T, self.num_k, self.dk))), grad_prefix)
         v_BTGV = stop_grad_prefix(v.reshape(B, T, self.num_v, self.dv), grad_prefix)
-        beta_BTG = stop_grad_prefix(self.in_proj_b(x_BTC).sigmoid(), grad_prefix)
-        g_BTG = -at_least_fp32(self.A_log).exp() * F.softplus(at_least_fp32(self.in_proj_a(x_BTC)) + self.dt_bias)
+        beta_BTG = stop_grad_prefix(b_BTG.sigmoid(), grad_prefix)
+        g_BTG = -at_least_fp32(self.A_log).exp() * F.softplus(at_least_fp32(a_BTG) + self.dt_bias)
         g_BTG = stop_grad_prefix(g_BTG, grad_prefix)
         o_BTGV, new_ssm_BGKV = gdn_fn(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, ssm_BGKV)
-        z_BTGV = self.in_proj_z(x_BTC).reshape(B, T, self.num_v, self.dv)
+        z_BTGV = z_BTX.reshape(B, T, self.num_v, self.dv)
         y_BTC = self.out_proj(self.norm(o_BTGV, z_BTGV).reshape(B, T, self.value_dim))
         return y_BTC, full_BXS[..., full_BXS.shape[-1] - self.window :], new_ssm_BGKV
 
