@@ -24,7 +24,8 @@ gate and up) run as one GEMM over their weights concatenated (`InProjections`), 
 the step's GEMMs are small enough that each costs a launch and a partly idle GPU (qwen36_mini on an H200: its 186
 GEMMs 1.37 ms as one graph, the 96 of the concatenated form 1.04 ms; scripts/bench/bench_decode_gemms.py). The
 copies cost their bytes while the rollout runs (qwen36_mini 1.9 GB). Linears that are not plain (LoRA adapters,
-NF4 weights, sharded parameters) run one by one, as before.
+NF4 weights, sharded parameters) run one by one, as before, and so do all over offloaded pages (the memory is the
+pages' there).
 
 Legend: B responses, S response capacity, C hidden, Q query heads, K kv heads, D head dim, X conv channels,
 W conv window, G GDN value heads, Dk/Dv GDN head dims, V vocab.
@@ -119,14 +120,16 @@ class Qwen36Decoder(StaticDecoder):
                 torch._dynamo.maybe_mark_dynamic(pages.v_PKD, 0)
             else:
                 self.layers.append(ResponseRecurrent(state.conv_CW, state.ssm_GKV, batch))
-        # each layer's (mixer's input linears, the MLP's gate and up) as one GEMM each where they allow
+        # each layer's (mixer's input linears, the MLP's gate and up) as one GEMM each where they allow; not over
+        # offloaded pages, whose rollout copies as many pages as the device's free memory holds (a page layer left
+        # on the host costs every token a transfer, far more than the GEMMs' launches)
+        fuse = in_projections if resident.offload is None else EachLinear
         self.projections = []
         for layer in model.model.layers:
             mixer = layer.mixer
             inputs = ([mixer.q_proj, mixer.k_proj, mixer.v_proj] if layer.is_attention else
                       [mixer.in_proj_qkv, mixer.in_proj_z, mixer.in_proj_b, mixer.in_proj_a])
-            self.projections.append((in_projections(inputs), in_projections([layer.mlp.gate_proj,
-                                                                              layer.mlp.up_proj])))
+            self.projections.append((fuse(inputs), fuse([layer.mlp.gate_proj, layer.mlp.up_proj])))
 
     def step(self) -> torch.Tensor:
         model = self.model
