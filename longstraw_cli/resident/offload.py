@@ -250,6 +250,14 @@ def stage_rollout_pages(pages: list, device, on_host: list[bool]):
     return LayerStager(pages, device, wanted=on_host.__getitem__).get
 
 
+def device_total_bytes(device) -> int | None:
+    """Total memory of a CUDA device; None for a CPU device (its memory is the host's)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).total_memory
+
+
 def device_free_bytes(device) -> int | None:
     """Free memory of a CUDA device; None for a CPU device (its memory is the host's)."""
     device = torch.device(device)

@@ -13,6 +13,7 @@ from longstraw_cli.lora import LoraConfig, apply_lora
 from longstraw_cli.models import build_model
 from longstraw_cli.models.core import StepDecoder
 from longstraw_cli.models.glm52.experts import dense_experts, grouped_experts, local_experts, pairs_by_expert
+from longstraw_cli.models.qwen36 import decode as qwen36_decode
 from longstraw_cli.models.qwen36.decode import EachLinear, InProjections
 from longstraw_cli.rollout.native import NativeConfig, SamplingConfig, generate, sample_tokens
 from longstraw_cli.tokenizer import ByteTokenizer
@@ -182,10 +183,11 @@ def test_exponential_race_samples_the_tempered_softmax(temperature):
 
 
 @torch.no_grad()
-def test_qwen36_decode_runs_each_layers_input_linears_as_one_gemm_where_they_are_plain():
+def test_qwen36_decode_runs_each_layers_input_linears_as_one_gemm_where_they_are_plain(monkeypatch):
     """Plain linears: each layer's mixer inputs and the MLP's gate and up are one product over concatenated weights,
     equal to the linears one by one (the whole decode against the layers' own paths: the test below). LoRA's
-    wrapped linears, and every linear over offloaded pages, run one by one."""
+    wrapped linears, every linear over offloaded pages, and all where the copies would pass a 16th of the device's
+    memory, run one by one."""
     model = random_model("qwen36_tiny", torch.float64)
     resident = model.capture(ids(50, 0), block_size=16)
     decoder = model.decoder(resident, 2, 4)
@@ -202,6 +204,12 @@ def test_qwen36_decode_runs_each_layers_input_linears_as_one_gemm_where_they_are
     # over offloaded pages the rollout's memory is the pages' copies': one by one
     offloaded = model.decoder(model.capture(ids(50, 0), block_size=16, offload="cpu"), 2, 4)
     assert all(isinstance(p, EachLinear) for pair in offloaded.projections for p in pair)
+    # copies past a 16th of the device's memory: none made (a CPU device has no limit of its own)
+    nbytes = qwen36_decode.fused_bytes(model)
+    assert nbytes == sum(p.weight_NC.nbytes for pair in decoder.projections for p in pair)
+    for total, fused in ((16 * nbytes, InProjections), (16 * nbytes - 1, EachLinear)):
+        monkeypatch.setattr(qwen36_decode, "device_total_bytes", lambda device, total=total: total)
+        assert all(isinstance(p, fused) for pair in model.decoder(resident, 2, 4).projections for p in pair)
     apply_lora(model, LoraConfig(rank=2))
     decoder = model.decoder(resident, 2, 4)
     assert all(isinstance(p, EachLinear) for pair in decoder.projections for p in pair)

@@ -371,6 +371,9 @@ def test_plan_counts_the_decodes_concatenated_input_linears(lora_rank):
                  if isinstance(p, InProjections))
     planned = plan("qwen36_tiny", prompt_tokens=40, group_size=2, response_tokens=4, lora_rank=lora_rank)
     assert planned["decode_projections"] == copied and (copied > 0) == (lora_rank == 0)
-    # none over offloaded pages (the decoder's own test: tests/models/test_decode.py)
+    # none over offloaded pages, none past a 16th of the GPU (the decoder's own test: tests/models/test_decode.py)
     assert plan("qwen36_tiny", prompt_tokens=40, group_size=2, response_tokens=4, lora_rank=lora_rank,
                 offload="cpu")["decode_projections"] == 0
+    small_gpu = 15.9 * copied / GIB
+    assert plan("qwen36_tiny", prompt_tokens=40, group_size=2, response_tokens=4, lora_rank=lora_rank,
+                gpu_mem_gib=small_gpu)["decode_projections"] == 0

@@ -23,9 +23,10 @@ Each layer's linears that read the same input (GDN's in_proj_qkv / z / b / a, at
 gate and up) run as one GEMM over their weights concatenated (`InProjections`), copied once per rollout: at 8 rows
 the step's GEMMs are small enough that each costs a launch and a partly idle GPU (qwen36_mini on an H200: its 186
 GEMMs 1.37 ms as one graph, the 96 of the concatenated form 1.04 ms; scripts/bench/bench_decode_gemms.py). The
-copies cost their bytes while the rollout runs (qwen36_mini 1.9 GB). Linears that are not plain (LoRA adapters,
-NF4 weights, sharded parameters) run one by one, as before, and so do all over offloaded pages (the memory is the
-pages' there).
+copies cost their bytes while the rollout runs (qwen36_mini 1.9 GB), so they are made only where they come to at
+most a 16th of the device's memory (`FUSED_SHARE`; not the 27B shape's 33 GB, whose full fine-tuning runs near the
+memory's limit) and not over offloaded pages (the free memory is the page copies' there). Otherwise, and for
+linears that are not plain (LoRA adapters, NF4 weights, sharded parameters), they run one by one, as before.
 
 Legend: B responses, S response capacity, C hidden, Q query heads, K kv heads, D head dim, X conv channels,
 W conv window, G GDN value heads, Dk/Dv GDN head dims, V vocab.
@@ -40,7 +41,7 @@ from torch import nn
 from longstraw_cli.models.core import StaticDecoder
 from longstraw_cli.models.slots import ResponseSlots, slot_buffer
 from longstraw_cli.resident import Resident
-from longstraw_cli.resident.offload import left_on_host, rollout_pages, stage_rollout_pages
+from longstraw_cli.resident.offload import device_total_bytes, left_on_host, rollout_pages, stage_rollout_pages
 from longstraw_kernels.attention.decode import cascade_decode_attention, decode_pages_attention
 from longstraw_kernels.gdn import gdn_step
 
@@ -86,11 +87,32 @@ class EachLinear:
         return [m(x_BTC) for m in self.linears]
 
 
-def in_projections(linears: list[nn.Module]) -> InProjections | EachLinear:
-    """One GEMM where every linear is a plain bias-free nn.Linear over an ordinary parameter of one dtype."""
-    plain = all(type(m) is nn.Linear and m.bias is None and type(m.weight) is nn.Parameter
-                and m.weight.dtype == linears[0].weight.dtype for m in linears)
-    return InProjections(linears) if plain else EachLinear(linears)
+# the most of a device's memory the concatenated input linears may take (a deterministic rule: the same choice, so
+# the same rounding, on every run of a model on a kind of GPU)
+FUSED_SHARE = 1 / 16
+
+
+def fusable(linears: list[nn.Module]) -> bool:
+    """Whether `linears` can run as one GEMM: plain bias-free nn.Linear over ordinary parameters of one dtype."""
+    return all(type(m) is nn.Linear and m.bias is None and type(m.weight) is nn.Parameter
+               and m.weight.dtype == linears[0].weight.dtype for m in linears)
+
+
+def input_linears(model) -> list[tuple[list[nn.Module], list[nn.Module]]]:
+    """Each layer's (mixer's input linears, the MLP's gate and up): the groups that read one input."""
+    groups = []
+    for layer in model.model.layers:
+        mixer = layer.mixer
+        inputs = ([mixer.q_proj, mixer.k_proj, mixer.v_proj] if layer.is_attention else
+                  [mixer.in_proj_qkv, mixer.in_proj_z, mixer.in_proj_b, mixer.in_proj_a])
+        groups.append((inputs, [layer.mlp.gate_proj, layer.mlp.up_proj]))
+    return groups
+
+
+def fused_bytes(model) -> int:
+    """Bytes of the concatenated input linears (every fusable group's weights)."""
+    return sum(m.weight.nbytes for layer in input_linears(model) for group in layer if fusable(group)
+               for m in group)
 
 
 class Qwen36Decoder(StaticDecoder):
@@ -120,16 +142,13 @@ class Qwen36Decoder(StaticDecoder):
                 torch._dynamo.maybe_mark_dynamic(pages.v_PKD, 0)
             else:
                 self.layers.append(ResponseRecurrent(state.conv_CW, state.ssm_GKV, batch))
-        # each layer's (mixer's input linears, the MLP's gate and up) as one GEMM each where they allow; not over
+        # each layer's (mixer's input linears, the MLP's gate and up) as one GEMM each where they allow: not over
         # offloaded pages, whose rollout copies as many pages as the device's free memory holds (a page layer left
-        # on the host costs every token a transfer, far more than the GEMMs' launches)
-        fuse = in_projections if resident.offload is None else EachLinear
-        self.projections = []
-        for layer in model.model.layers:
-            mixer = layer.mixer
-            inputs = ([mixer.q_proj, mixer.k_proj, mixer.v_proj] if layer.is_attention else
-                      [mixer.in_proj_qkv, mixer.in_proj_z, mixer.in_proj_b, mixer.in_proj_a])
-            self.projections.append((fuse(inputs), fuse([layer.mlp.gate_proj, layer.mlp.up_proj])))
+        # on the host costs every token a transfer, far more than the GEMMs' launches), nor past FUSED_SHARE
+        total = device_total_bytes(self.device)
+        fuse = resident.offload is None and (total is None or fused_bytes(model) <= FUSED_SHARE * total)
+        self.projections = [tuple(InProjections(group) if fuse and fusable(group) else EachLinear(group)
+                                  for group in layer) for layer in input_linears(model)]
 
     def step(self) -> torch.Tensor:
         model = self.model
