@@ -78,7 +78,8 @@ class InProjections:
 
 
 class EachLinear:
-    """The same contract, the linears called one by one (they are not plain: LoRA, NF4, sharded parameters)."""
+    """The same contract, the linears called one by one: not plain (LoRA, NF4, sharded parameters), or not to be
+    copied (offloaded pages, past FUSED_SHARE)."""
 
     def __init__(self, linears: list[nn.Module]):
         self.linears = linears
