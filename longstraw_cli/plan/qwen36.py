@@ -64,8 +64,8 @@ Where the bytes come from (s: bytes per element of `dtype`, f: of the compute dt
   growth copies one buffer (one layer's keys or values) its old copy at the capacity before R coexists with it
   (`decode_growth`). Beside them one step's fp32 logits and their softmax over G rows, with the reference
   kernels the pages' scores [G x heads, prompt] (SCORE_COPIES), and the copies of each layer's input linears
-  concatenated where none is adapted (`decode_projections`: the whole model's without LoRA; none offloaded, none
-  past a 16th of gpu_mem_gib).
+  concatenated where none is adapted (`decode_projections`: the whole model's without LoRA; none past a 16th of
+  gpu_mem_gib).
   offload=cpu: the phase counts the two staged layers (the decode stages the layers it has not copied, as replay
   does); the copies of host pages that fit (rollout.native.offload_copy_gib) take only free memory and come on
   top, in `rollout`, not in a phase.
@@ -384,9 +384,9 @@ def plan(cfg: Qwen36Config, run: Run) -> dict:
     capacities = response_capacities(R, run.response_chunk)
     decode_growth = G * capacities[-2] * cfg.num_key_value_heads * cfg.head_dim * s if len(capacities) > 1 else 0
     decode_step = 2 * G * V * f + _attention_scores(cfg, G, 1, captured, kernels)
-    # none over offloaded pages, nor past FUSED_SHARE of the GPU's memory (qwen36/decode.py)
+    # none past FUSED_SHARE of the GPU's memory (qwen36/decode.py)
     projections = decode_projection_bytes(cfg, run.dtype, run.lora_rank, run.quantize)
-    projections = 0 if host or projections > FUSED_SHARE * run.gpu_mem_gib * GIB else projections
+    projections = 0 if projections > FUSED_SHARE * run.gpu_mem_gib * GIB else projections
     decoding = decode + decode_growth + decode_step + projections
     phases["rollout"] = weights + optimizer + on_device + boundaries + tail + dequant + decoding
     # the offloaded rollout: no staged layer; the copies of host pages that fit (whole layers)

@@ -25,8 +25,8 @@ the step's GEMMs are small enough that each costs a launch and a partly idle GPU
 GEMMs 1.37 ms as one graph, the 96 of the concatenated form 1.04 ms; scripts/bench/bench_decode_gemms.py). The
 copies cost their bytes while the rollout runs (qwen36_mini 1.9 GB), so they are made only where they come to at
 most a 16th of the device's memory (`FUSED_SHARE`; not the 27B shape's 33 GB, whose full fine-tuning runs near the
-memory's limit) and not over offloaded pages (the free memory is the page copies' there). Otherwise, and for
-linears that are not plain (LoRA adapters, NF4 weights, sharded parameters), they run one by one, as before.
+memory's limit), and before an offloaded rollout's page copies, which take the free memory left. Otherwise, and
+for linears that are not plain (LoRA adapters, NF4 weights, sharded parameters), they run one by one, as before.
 
 Legend: B responses, S response capacity, C hidden, Q query heads, K kv heads, D head dim, X conv channels,
 W conv window, G GDN value heads, Dk/Dv GDN head dims, V vocab.
@@ -78,8 +78,8 @@ class InProjections:
 
 
 class EachLinear:
-    """The same contract, the linears called one by one: not plain (LoRA, NF4, sharded parameters), or not to be
-    copied (offloaded pages, past FUSED_SHARE)."""
+    """The same contract, the linears called one by one: not plain (LoRA, NF4, sharded parameters), or their copies
+    would pass FUSED_SHARE."""
 
     def __init__(self, linears: list[nn.Module]):
         self.linears = linears
@@ -123,6 +123,12 @@ class Qwen36Decoder(StaticDecoder):
                  response_chunk: int | None = None):
         super().__init__(model, resident, batch, max_new_tokens, response_chunk)
         cfg = model.config
+        # each layer's (mixer's input linears, the MLP's gate and up) as one GEMM each where they allow, up to
+        # FUSED_SHARE; made before the offloaded pages' copies below, which take what free memory is left
+        total = device_total_bytes(self.device)
+        fuse = total is None or fused_bytes(model) <= FUSED_SHARE * total
+        self.projections = [tuple(InProjections(group) if fuse and fusable(group) else EachLinear(group)
+                                  for group in layer) for layer in input_linears(model)]
         # offloaded pages: device copies of the layers that fit, made for the whole rollout; the rest staged per step
         self.pages = rollout_pages(resident, self.device, page_budget)
         self.on_host = left_on_host(resident, self.pages)
@@ -143,13 +149,6 @@ class Qwen36Decoder(StaticDecoder):
                 torch._dynamo.maybe_mark_dynamic(pages.v_PKD, 0)
             else:
                 self.layers.append(ResponseRecurrent(state.conv_CW, state.ssm_GKV, batch))
-        # each layer's (mixer's input linears, the MLP's gate and up) as one GEMM each where they allow: not over
-        # offloaded pages, whose rollout copies as many pages as the device's free memory holds (a page layer left
-        # on the host costs every token a transfer, far more than the GEMMs' launches), nor past FUSED_SHARE
-        total = device_total_bytes(self.device)
-        fuse = resident.offload is None and (total is None or fused_bytes(model) <= FUSED_SHARE * total)
-        self.projections = [tuple(InProjections(group) if fuse and fusable(group) else EachLinear(group)
-                                  for group in layer) for layer in input_linears(model)]
 
     def step(self) -> torch.Tensor:
         model = self.model
