@@ -23,7 +23,7 @@ import torch
 
 from longstraw_cli.models.slots import response_capacities
 from longstraw_cli.resident.offload import side_stream
-from longstraw_kernels.sampling import race_sample, race_tokens
+from longstraw_kernels.sampling import race_sample
 
 log = logging.getLogger(__name__)
 
@@ -59,18 +59,6 @@ class Rollout:
     # routing replay (rollout.replay_routing): what each response token was routed to, recorded by the decode
     # step, in host memory (the family's record, opaque here: models/glm52/routing.py); None where not recorded
     routing: object | None = None
-
-
-def sample_tokens(logits_BV: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
-    """Each row's token by the exponential race (longstraw_kernels/sampling: `race_tokens`), its noise drawn from
-    `generator`."""
-    race_BV = None if cfg.temperature == 0 else torch.empty_like(logits_BV)
-    return race_tokens(logits_BV, _race_noise(race_BV, generator), cfg.temperature, cfg.top_p)
-
-
-def _race_noise(race_BV: torch.Tensor | None, generator: torch.Generator | None) -> torch.Tensor | None:
-    """race_BV filled with Exp(1) noise from `generator`; None (greedy: temperature 0) stays None."""
-    return None if race_BV is None else race_BV.exponential_(1.0, generator=generator)
 
 
 @dataclass(frozen=True)
@@ -250,8 +238,9 @@ def _generate(model, resident, num_responses: int, cfg: SamplingConfig, generato
                 on_grow(decoder.capacity)
         logits_BV = first_BV if step == 0 else step_fn()
         tokens_B = sampled_BR[:, step]
-        race_sample(logits_BV, _race_noise(race_BV, generator), cfg.temperature, cfg.top_p, tokens_B,
-                    logp_BR[:, step], entropy_BR[:, step])
+        if race_BV is not None:
+            race_BV.exponential_(1.0, generator=generator)
+        race_sample(logits_BV, race_BV, cfg.temperature, cfg.top_p, tokens_B, logp_BR[:, step], entropy_BR[:, step])
         decoder.tokens_B.copy_(tokens_B)
         done_B |= torch.isin(tokens_B, stop_S)
         if on_token is not None:

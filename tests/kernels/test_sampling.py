@@ -1,8 +1,7 @@
 """The decode step's sampling kernel (`triton_race.race_sample_triton`, Triton's interpreter on CPU) against its torch
 reference: the same token from the same race noise, the same log-prob and entropy at temperature 1, written into
-one column of the rollout's [B, R] buffers (so the kernel samples what the reference samples: tests/models/
-test_decode.py checks the reference's frequencies). On CUDA, tests/kernels/test_gpu.py checks the compiled
-kernel at a real vocabulary."""
+one column of the rollout's [B, R] buffers (so the kernel samples what the reference samples, whose frequencies
+are checked here too). On CUDA, tests/kernels/test_gpu.py checks the compiled kernel at a real vocabulary."""
 
 import pytest
 import torch
@@ -52,6 +51,17 @@ def test_ties_go_to_the_first_index_across_blocks_and_chunks():
     logits[1, 10] = 1.0  # row 1: the next one, in the second block
     (tokens, _, _), (want, _, _) = sample_both(logits, None, 0.0, chunk=2048)
     assert tokens.tolist() == want.tolist() == [10, 1500]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_exponential_race_samples_the_tempered_softmax(temperature):
+    """The reference: argmax p / E, E ~ Exp(1): each token's frequency is its probability (50,000 draws: 4.5 sigma
+    at 0.01)."""
+    logits = torch.tensor([0.0, 1.0, 2.0, -1.0, 0.5]).expand(50_000, -1)
+    race = torch.empty(logits.shape).exponential_(generator=torch.Generator().manual_seed(0))
+    tokens = race_tokens(logits, race, temperature)
+    freq = torch.bincount(tokens, minlength=5).double() / tokens.numel()
+    assert (freq - torch.softmax(logits[0].double() / temperature, -1)).abs().max() < 0.01
 
 
 def test_top_p_and_cpu_logits_take_the_reference(monkeypatch):
