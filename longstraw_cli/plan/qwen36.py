@@ -84,7 +84,7 @@ import math
 
 from longstraw_cli.lora import DEFAULT_TARGETS
 from longstraw_cli.models.qwen36.config import Qwen36Config
-from longstraw_cli.models.qwen36.decode import FUSED_SHARE
+from longstraw_cli.models.qwen36.decode import FUSED_SHARE, INPUT_GROUPS
 from longstraw_cli.models.slots import response_capacities
 from longstraw_cli.plan.common import GIB, LOGIT_BYTES_REPLAY, Run, itemsize, rollout_copies, score_logits_bytes
 from longstraw_cli.quantize import nf4_bytes
@@ -137,21 +137,17 @@ def param_counts(cfg: Qwen36Config, lora_rank: int = 0, lora_targets=DEFAULT_TAR
             "largest_linear": largest_linear}
 
 
-# each layer's linears that read one input, which the decode runs as one GEMM (qwen36/decode.py `InProjections`)
-_INPUT_GROUPS = {"full_attention": (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")),
-                 "linear_attention": (("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"), ("gate_proj", "up_proj"))}
-
-
 def decode_projection_bytes(cfg: Qwen36Config, dtype: str, lora_rank: int = 0, quantize: str = "none",
                             lora_targets=DEFAULT_TARGETS) -> int:
     """Bytes of the decode's concatenated input linears, copied for the rollout: every group of a layer's linears
-    that read one input where none carries an adapter (LoRA) and the weights are not NF4."""
+    that read one input (qwen36/decode.py `INPUT_GROUPS`) where none carries an adapter (LoRA) and the weights are
+    not NF4."""
     if quantize == "nf4":
         return 0
     total = 0
     for layer_type in cfg.layer_types:
         linears = _layer_linears(cfg, layer_type)
-        for group in _INPUT_GROUPS[layer_type]:
+        for group in INPUT_GROUPS[layer_type]:
             if lora_rank == 0 or not any(name in lora_targets for name in group):
                 total += sum(linears[name][0] * linears[name][1] for name in group)
     return total * itemsize(dtype)

@@ -99,15 +99,16 @@ def fusable(linears: list[nn.Module]) -> bool:
                and m.weight.dtype == linears[0].weight.dtype for m in linears)
 
 
+# by layer type, the (mixer's, MLP's) linears that read one input: one GEMM each (plan/qwen36.py counts the same)
+INPUT_GROUPS = {"full_attention": (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")),
+                "linear_attention": (("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"), ("gate_proj", "up_proj"))}
+
+
 def input_linears(model) -> list[tuple[list[nn.Module], list[nn.Module]]]:
     """Each layer's (mixer's input linears, the MLP's gate and up): the groups that read one input."""
-    groups = []
-    for layer in model.model.layers:
-        mixer = layer.mixer
-        inputs = ([mixer.q_proj, mixer.k_proj, mixer.v_proj] if layer.is_attention else
-                  [mixer.in_proj_qkv, mixer.in_proj_z, mixer.in_proj_b, mixer.in_proj_a])
-        groups.append((inputs, [layer.mlp.gate_proj, layer.mlp.up_proj]))
-    return groups
+    mixer_names, mlp_names = zip(*(INPUT_GROUPS[layer.layer_type] for layer in model.model.layers))
+    return [([getattr(layer.mixer, n) for n in mixer], [getattr(layer.mlp, n) for n in mlp])
+            for layer, mixer, mlp in zip(model.model.layers, mixer_names, mlp_names)]
 
 
 def fused_bytes(model) -> int:
