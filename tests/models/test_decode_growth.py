@@ -13,7 +13,7 @@ from torch._dynamo.testing import CompileCounter
 
 from conftest import ids, random_model, rel_err
 from longstraw_cli.models.core import StepDecoder
-from longstraw_cli.models.glm52.routing import RoutingReplay
+from longstraw_cli.models.glm52.routing import RoutingRecord, RoutingReplay
 from longstraw_cli.models.slots import ResponseSlots, response_capacities
 from longstraw_cli.plan import plan
 from longstraw_cli.rollout.native import NativeConfig, SamplingConfig, generate
@@ -97,15 +97,25 @@ def test_slots_double_at_their_capacity_and_keep_what_was_written(name):
     assert nbytes(t for slots in decoder.response_slots() for t in slots.tensors()) == R * per_slot
 
 
-def test_a_short_rollout_records_the_first_chunk_only():
-    """Every response stops at its first token: the routing record (like the decoder's slots) never grows, and the
-    rollout keeps the slots its two steps wrote."""
+def test_a_short_rollout_records_the_first_chunk_only(monkeypatch):
+    """Every response stops at its first token: the routing record (like the decoder's slots) never grows past its
+    first chunk, and the rollout keeps the slots its two steps wrote."""
     model = random_model("glm52_tiny", torch.float64, seed=1)
     resident = model.capture(ids(PROMPT, 2), block_size=16)
     every = tuple(range(model.config.vocab_size))
+    growths, grow = [], RoutingRecord.grow
+
+    def counted(record, capacity):
+        growths.append(capacity)
+        grow(record, capacity)
+
+    monkeypatch.setattr(RoutingRecord, "grow", counted)
     stopped, = rollouts(model, resident, (CHUNK,), RoutingReplay(), stop_token_ids=every, stop_check_every=2)
     assert stopped.decode_steps == 2 and all(len(r) == 1 for r in stopped.responses)
-    assert all(t.shape[1] == stopped.decode_steps for t in stopped.routing.tensors())
+    assert growths == [] and all(t.shape[1] == stopped.decode_steps for t in stopped.routing.tensors())
+    # the same rollout to the end grows it at each chunk (what the check above would see)
+    rollouts(model, resident, (CHUNK,), RoutingReplay())
+    assert growths == response_capacities(R, CHUNK)[1:]
 
 
 @pytest.mark.parametrize("name", ["qwen36_tiny", "glm52_tiny"])

@@ -76,13 +76,15 @@ class RoutingRecord:
 
     def rows(self, rows: slice) -> RoutingRecord:
         """The records of responses `rows` (views)."""
-        return RoutingRecord(self.first, {i: t[rows] for i, t in self.experts.items()},
-                             {i: t[rows] for i, t in self.selections.items()})
+        return self._indexed(rows)
 
     def slots(self, count: int) -> RoutingRecord:
         """The records of the first `count` slots (views): what a decode of `count` steps wrote."""
-        return RoutingRecord(self.first, {i: t[:, :count] for i, t in self.experts.items()},
-                             {i: t[:, :count] for i, t in self.selections.items()})
+        return self._indexed((slice(None), slice(count)))
+
+    def _indexed(self, index) -> RoutingRecord:
+        return RoutingRecord(self.first, {i: t[index] for i, t in self.experts.items()},
+                             {i: t[index] for i, t in self.selections.items()})
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.itemsize for t in self.tensors())
