@@ -150,7 +150,7 @@ def test_decode_sampling_kernel_equals_the_reference(temperature):
     race = None if temperature == 0 else torch.empty_like(logits).exponential_(generator=g)
     assert sampling._kernel(logits, 1.0) is not None
     outs = []
-    for run in (sampling.race_sample, lambda *a: sampling.race_sample_reference(*a)):
+    for run in (sampling.race_sample, sampling.race_sample_reference):
         tokens, logp, entropy = (torch.zeros(B, 5, device="cuda", dtype=t) for t in (torch.long, torch.float32,
                                                                                       torch.float32))
         run(logits, race, temperature, 1.0, tokens[:, 2], logp[:, 2], entropy[:, 2])
