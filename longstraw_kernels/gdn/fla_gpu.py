@@ -1,13 +1,15 @@
-"""Gated DeltaNet on CUDA: fla's Triton kernels for graph-free work (the chunked kernel for capture and scoring,
-the fused recurrent kernel for one decode token, `gdn_step`), our own Triton chunked op (`triton_chunk.py`)
-where a gradient is needed.
+"""Gated DeltaNet on CUDA: fla's chunked Triton kernel for graph-free work over many tokens (capture, scoring), our
+own Triton chunked op (`triton_chunk.py`) where a gradient is needed, and the decode step's two launches a layer
+(`triton_step.py`: `conv_step`, the conv and its window; `gdn_decode`, norms, gates and the recurrence; each state
+advanced in place).
 
 fla's gated backward refuses on Hopper below Triton 3.7.1 (fla issue 640: wrong results there), so fla serves
 forwards only. For fla, q and k come in L2-normalised in fp32 and are cast to v's dtype for the kernel; g and
 beta stay fp32; states are fp32 [B, G, K, V], fla's layout.
 
-LONGSTRAW_GDN_KERNEL = auto (default) | torch: torch takes the torch reference `gdn_chunked` wherever a gradient
-is needed (A/B benchmarks, or a fallback should our kernel misbehave); graph-free work keeps fla either way.
+LONGSTRAW_GDN_KERNEL = auto (default) | torch: torch takes the torch references wherever our own kernels would run
+(`gdn_chunked` where a gradient is needed, `gdn_decode_reference` for the decode step: A/B benchmarks, or a fallback
+should our kernels misbehave); graph-free work over many tokens keeps fla either way.
 """
 
 import functools
@@ -15,7 +17,7 @@ import functools
 import torch
 
 from longstraw_kernels import kernel_choice, optional_module
-from longstraw_kernels.gdn.reference import gdn_chunked, gdn_recurrent
+from longstraw_kernels.gdn.reference import conv_step_reference, gdn_chunked, gdn_decode_reference
 
 
 @functools.lru_cache(maxsize=1)
@@ -41,29 +43,34 @@ def fla_forward():
     return None if ops is None else ops.chunk_gated_delta_rule
 
 
-def fla_recurrent():
-    """fla's fused_recurrent_gated_delta_rule (forward only), or None where fla or a GPU is missing."""
-    ops = fla_gdn()
-    return None if ops is None else ops.fused_recurrent_gated_delta_rule
-
-
 # opaque to torch.compile (the compiled decode step): inductor would re-trace the Triton kernel inside
 @torch.compiler.disable
-def gdn_step(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV, scale=None):
-    """gdn_recurrent's contract for a few tokens without gradient (decode: T = 1, one state per response): fla's
-    fused recurrent kernel on CUDA in bf16/fp16 (one launch, state read and written once), else the torch
-    recurrence. -> (o_BTGV in v's dtype, final state fp32 [B, G, K, V])."""
-    kernel = fla_recurrent() if v_BTGV.is_cuda and v_BTGV.dtype in (torch.bfloat16, torch.float16) else None
-    if kernel is None:
-        return gdn_recurrent(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV, scale)
-    dtype = v_BTGV.dtype
-    # trap: fla's recurrent signature has gk / gv between g and beta: beta goes by keyword
-    o_BTGV, final_BGKV = kernel(
-        q_BTHK.to(dtype), k_BTHK.to(dtype), v_BTGV, g=g_BTG.float(), beta=beta_BTG.to(dtype),
-        scale=q_BTHK.shape[-1] ** -0.5 if scale is None else scale,
-        initial_state=initial_state_BGKV.float().contiguous(), output_final_state=True,
-    )
-    return o_BTGV, final_BGKV
+def gdn_decode(q_BTHK, k_BTHK, v_BTGV, a_BTG, b_BTG, a_log_G, dt_bias_G, state_BGKV, scale=None):
+    """`gdn_decode_reference`'s contract (raw q, k, a, b; state_BGKV advanced in place; -> o_BTGV): one Triton launch
+    a layer on CUDA for one token (`triton_step.py`), the torch reference elsewhere or under
+    LONGSTRAW_GDN_KERNEL=torch."""
+    module = _step_module(v_BTGV)
+    if module is not None and module.supported(q_BTHK, v_BTGV, state_BGKV):
+        return module.gdn_decode_triton(q_BTHK, k_BTHK, v_BTGV, a_BTG, b_BTG, a_log_G, dt_bias_G, state_BGKV, scale)
+    return gdn_decode_reference(q_BTHK, k_BTHK, v_BTGV, a_BTG, b_BTG, a_log_G, dt_bias_G, state_BGKV, scale)
+
+
+# opaque to torch.compile, as gdn_decode
+@torch.compiler.disable
+def conv_step(mixed_BTX, window_BXW, weight_X1K):
+    """`conv_step_reference`'s contract (the window moved on in place; -> silu(conv) [B, T, X]): one Triton launch
+    on CUDA for one token (`triton_step.py`), the torch reference elsewhere or under LONGSTRAW_GDN_KERNEL=torch."""
+    module = _step_module(mixed_BTX)
+    if module is not None and module.conv_supported(mixed_BTX, window_BXW):
+        return module.conv_step_triton(mixed_BTX, window_BXW, weight_X1K)
+    return conv_step_reference(mixed_BTX, window_BXW, weight_X1K)
+
+
+def _step_module(x: torch.Tensor):
+    """triton_step where the decode's kernels serve x (CUDA, auto, Triton imports), else None."""
+    if kernel_choice("LONGSTRAW_GDN_KERNEL") != "auto" or not x.is_cuda:
+        return None
+    return optional_module("longstraw_kernels.gdn.triton_step")
 
 
 def triton_chunk():

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from longstraw_kernels import compute_dtype
+from longstraw_kernels import at_least_fp32, compute_dtype
 
 
 def prepare_inputs(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV, scale):
@@ -54,6 +54,42 @@ def prepare_inputs(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV, 
     else:
         state_BGKV = initial_state_BGKV.to(dtype)
     return q_BGTK, k_BGTK, v_BGTV, g_BGT, beta_BGT, state_BGKV
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / |x| over the last dim, as HF's Qwen3-Next normalises q and k (eps inside the root)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def gdn_decay(a_BTG: torch.Tensor, a_log_G: torch.Tensor, dt_bias_G: torch.Tensor) -> torch.Tensor:
+    """The log-decay g = -exp(A_log) softplus(a + dt_bias), in fp32 at least (HF computes it in fp32)."""
+    return -at_least_fp32(a_log_G).exp() * torch.nn.functional.softplus(at_least_fp32(a_BTG) + dt_bias_G)
+
+
+def causal_conv_silu(full_BXS: torch.Tensor, weight_X1K: torch.Tensor) -> torch.Tensor:
+    """GDN's short causal depthwise conv over full_BXS (the W = K - 1 tokens before, then the new ones; no padding)
+    and its SiLU -> [B, X, S - W]."""
+    return torch.nn.functional.silu(torch.nn.functional.conv1d(full_BXS, weight_X1K, groups=full_BXS.shape[1]))
+
+
+def conv_step_reference(mixed_BTX, window_BXW, weight_X1K):
+    """A few tokens of `causal_conv_silu` from the window state window_BXW, which then holds the last W inputs
+    (in place). -> [B, T, X] in mixed's dtype."""
+    full_BXS = torch.cat([window_BXW.to(mixed_BTX.dtype), mixed_BTX.transpose(1, 2)], dim=-1)
+    window_BXW.copy_(full_BXS[..., full_BXS.shape[-1] - window_BXW.shape[-1] :])
+    return causal_conv_silu(full_BXS, weight_X1K).transpose(1, 2)
+
+
+def gdn_decode_reference(q_BTHK, k_BTHK, v_BTGV, a_BTG, b_BTG, a_log_G, dt_bias_G, state_BGKV, scale=None):
+    """A few tokens per sequence from raw inputs, without gradient (the decode step: T = 1): q and k before their
+    L2 norm, a and b before the gates (g = `gdn_decay`, beta = sigmoid(b), both in the compute dtype), then
+    `gdn_recurrent` from state_BGKV, which is advanced in place. -> o_BTGV in v's dtype."""
+    q_BTHK, k_BTHK = l2norm(at_least_fp32(q_BTHK)), l2norm(at_least_fp32(k_BTHK))
+    beta_BTG = at_least_fp32(b_BTG).sigmoid()
+    o_BTGV, final_BGKV = gdn_recurrent(q_BTHK, k_BTHK, v_BTGV, gdn_decay(a_BTG, a_log_G, dt_bias_G), beta_BTG,
+                                       state_BGKV, scale)
+    state_BGKV.copy_(final_BGKV)
+    return o_BTGV
 
 
 def gdn_recurrent(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV=None, scale=None):

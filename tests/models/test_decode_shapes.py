@@ -37,7 +37,7 @@ def test_one_graph_for_every_prompt_length(fresh_dynamo, lengths):
             eager.tokens_B.copy_(expected.argmax(-1))
             compiled.tokens_B.copy_(expected.argmax(-1))
         graphs.append(counter.frame_count)
-    # the first prompt compiles the step's graphs (several: dynamo cuts the step at gdn_step, which it does not
+    # the first prompt compiles the step's graphs (several: dynamo cuts the step at gdn_decode, which it does not
     # trace); later prompt lengths compile nothing
     assert graphs == graphs[:1] * len(lengths), f"graphs compiled after each prompt of {lengths} tokens: {graphs}"
 

@@ -1,4 +1,4 @@
-"""Native decode on CUDA (skipped without it): the split-KV flash pages attention and fla's recurrent GDN step
+"""Native decode on CUDA (skipped without it): the split-KV flash pages attention and the one-launch GDN step
 against their torch references, the CUDA-graph decode against the same decode run eagerly (identical greedy
 tokens and log-probs, also across growths of the response slots) and against replay scoring (bf16 noise), for
 both families; and `longstraw train device=cuda` end to end for two steps with its importance ratio at 1 on the
@@ -16,9 +16,10 @@ import torch
 from conftest import rel_err
 from longstraw_cli.models import build_model
 from longstraw_cli.rollout.native import NativeConfig, SamplingConfig, generate
+from longstraw_kernels import optional_module
 from longstraw_kernels.attention.decode import decode_pages_attention
-from longstraw_kernels.gdn import gdn_step
-from longstraw_kernels.gdn.reference import gdn_recurrent
+from longstraw_kernels.gdn import conv_step, gdn_decode
+from longstraw_kernels.gdn.reference import conv_step_reference, gdn_decode_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -37,18 +38,40 @@ def test_flash_split_pages_attention_matches_fp64(B, Q, K, D, P):
     assert rel_err(lse.double(), ref_lse) < 1e-4
 
 
-def test_fla_recurrent_step_matches_torch_recurrence():
-    B, H, G, Dk, Dv = 8, 8, 16, 128, 128
-    q = torch.nn.functional.normalize(randn(B, 1, H, Dk, seed=0, dtype=torch.float32), dim=-1)
-    k = torch.nn.functional.normalize(randn(B, 1, H, Dk, seed=1, dtype=torch.float32), dim=-1)
-    v = randn(B, 1, G, Dv, seed=2)
-    g = -randn(B, 1, G, seed=3, dtype=torch.float32).abs()
-    beta = randn(B, 1, G, seed=4, dtype=torch.float32).sigmoid()
-    s0 = randn(B, G, Dk, Dv, seed=5, dtype=torch.float32)
-    o, s = gdn_step(q, k, v, g, beta, s0)
-    o_ref, s_ref = gdn_recurrent(q.bfloat16().double(), k.bfloat16().double(), v.double(), g.double(),
-                                 beta.bfloat16().double(), s0.double())
-    assert rel_err(o.double(), o_ref) < 1e-2 and rel_err(s.double(), s_ref) < 1e-3
+def test_decode_gdn_kernel_matches_the_fp64_recurrence():
+    """qwen36's GDN decode shape (8 responses, 16 key heads, 32 value heads of 128 x 128), raw bf16 inputs as the
+    conv gives them: our one-launch kernel (it must be the path taken) against the fp64 reference; the state in
+    place."""
+    kernels = optional_module("longstraw_kernels.gdn.triton_step")
+    assert kernels is not None, "the decode's GDN kernels must import"
+    B, H, G, Dk, Dv = 8, 16, 32, 128, 128
+    q, k = randn(B, 1, H, Dk, seed=0), randn(B, 1, H, Dk, seed=1)
+    v, a, b = randn(B, 1, G, Dv, seed=2), randn(B, 1, G, seed=3), randn(B, 1, G, seed=4)
+    a_log = torch.empty(G, device="cuda").uniform_(0.01, 16).log().bfloat16()
+    dt_bias = randn(G, seed=5)
+    s0 = randn(B, G, Dk, Dv, seed=6, dtype=torch.float32)
+    assert kernels.supported(q, v, s0)
+    state, ref_state = s0.clone(), s0.double()
+    o = gdn_decode(q, k, v, a, b, a_log, dt_bias, state)
+    o_ref = gdn_decode_reference(*(x.double() for x in (q, k, v, a, b, a_log, dt_bias)), ref_state)
+    assert o.dtype == torch.bfloat16 and rel_err(o.double(), o_ref) < 1e-2
+    assert rel_err(state.double(), ref_state) < 1e-5 and not torch.equal(state, s0)
+
+
+def test_decode_conv_step_kernel_matches_the_fp64_conv():
+    """qwen36_mini's conv at decode (8 responses, 8,192 channels, 4 taps), bf16, the input a strided slice as the
+    fused input GEMM gives it: our kernel (it must be the path taken) against fp64; the window moved on exactly."""
+    kernels = optional_module("longstraw_kernels.gdn.triton_step")
+    assert kernels is not None, "the decode's GDN kernels must import"
+    B, X, K = 8, 8192, 4
+    mixed = randn(B, 1, X + 4096, seed=0)[..., :X]
+    weight, window = randn(X, 1, K, seed=1), randn(B, X, K - 1, seed=2)
+    moved, ref_window = window.clone(), window.double()
+    assert kernels.conv_supported(mixed, moved)
+    out = conv_step(mixed, moved, weight)
+    want = conv_step_reference(mixed.double(), ref_window, weight.double())
+    assert out.dtype == torch.bfloat16 and rel_err(out.double(), want) < 1e-2
+    assert torch.equal(moved.double(), ref_window)
 
 
 def reduced(name):

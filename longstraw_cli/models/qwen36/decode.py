@@ -9,8 +9,11 @@ CUDA graph (rollout/native.py).
 
 Attention reads the prompt pages once per step for all responses (cascade attention: responses and a kv
 group's query heads are the rows of one call over the pages, merged by log-sum-exp with each response's own
-keys); GDN takes one fused recurrent step per response (fla's kernel on CUDA). The projections, norms, gates
-and MLP are the model's own modules, so decode computes what replay computes, in another order of summation.
+keys). GDN takes one recurrent step per response, on CUDA in two Triton launches a layer: the conv, moving its
+window on in place (`conv_step`), then the q/k norms, the gates and the recurrence, advancing the state in place
+(`gdn_decode`). The projections, norms and MLP are the model's own modules, so decode computes what replay
+computes, in another order of summation (and the conv and beta = sigmoid(b) in fp32 where the model's paths round
+them to the activations' dtype first, as HF does).
 
 Offloaded K/V pages (`capture.offload=cpu`): every decode token reads every attention layer's K/V in full (dense
 attention), so there is no subset to fetch. The decoder copies as many layers' pages to the device as fit in its
@@ -43,7 +46,7 @@ from longstraw_cli.models.slots import ResponseSlots, slot_buffer
 from longstraw_cli.resident import Resident
 from longstraw_cli.resident.offload import device_total_bytes, left_on_host, rollout_pages, stage_rollout_pages
 from longstraw_kernels.attention.decode import cascade_decode_attention, decode_pages_attention
-from longstraw_kernels.gdn import gdn_step
+from longstraw_kernels.gdn import conv_step, gdn_decode
 
 
 class ResponseKV(ResponseSlots):
@@ -178,8 +181,8 @@ class Qwen36Decoder(StaticDecoder):
     @staticmethod
     def _gdn(gdn, inputs: list[torch.Tensor], state: ResponseRecurrent):
         mixed_BTX, z_BTX, b_BTG, a_BTG = inputs
-        y_BTC, window_BXW, ssm_BGKV = gdn.mix_projected(mixed_BTX, z_BTX, b_BTG, a_BTG,
-                                                        state.conv_BXW.to(mixed_BTX.dtype), state.ssm_BGKV, gdn_step)
-        state.conv_BXW.copy_(window_BXW)
-        state.ssm_BGKV.copy_(ssm_BGKV)
-        return y_BTC
+        # on CUDA two launches: the conv (its window moved on in place), then the q/k norms, the gates and the
+        # recurrence (the state advanced in place)
+        q_BTHK, k_BTHK, v_BTGV = gdn.split_heads(conv_step(mixed_BTX, state.conv_BXW, gdn.conv1d.weight))
+        o_BTGV = gdn_decode(q_BTHK, k_BTHK, v_BTGV, a_BTG, b_BTG, gdn.A_log, gdn.dt_bias, state.ssm_BGKV)
+        return gdn.gated_output(o_BTGV, z_BTX)

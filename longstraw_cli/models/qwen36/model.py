@@ -35,6 +35,7 @@ from longstraw_kernels import at_least_fp32, compute_dtype
 from longstraw_kernels.attention import blockwise_causal_attention, replay_attention
 from longstraw_kernels.attention.decode import decode_pages_attention
 from longstraw_kernels.gdn import gdn_forward
+from longstraw_kernels.gdn.reference import causal_conv_silu, gdn_decay, l2norm
 
 
 class RMSNorm(nn.Module):
@@ -64,10 +65,6 @@ class GatedRMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         h = self.weight * h.to(x.dtype)
         return (h * F.silu(at_least_fp32(z))).to(x.dtype)
-
-
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
 def rope_cos_sin(positions_T: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype):
@@ -281,21 +278,34 @@ class GatedDeltaNet(nn.Module):
                                   window_BXW, ssm_BGKV, gdn_fn, grad_prefix)
 
     def mix_projected(self, mixed_BTX, z_BTX, b_BTG, a_BTG, window_BXW, ssm_BGKV, gdn_fn, grad_prefix: int = 0):
-        """`mix` from its input linears' outputs (the decode step computes them as one GEMM)."""
-        B, T, _ = mixed_BTX.shape
-        full_BXS = torch.cat([window_BXW, mixed_BTX.transpose(1, 2)], dim=-1)
-        conv_BXT = F.silu(F.conv1d(full_BXS, self.conv1d.weight, groups=self.conv_dim))
-        q, k, v = torch.split(conv_BXT.transpose(1, 2), [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q_BTHK = l2norm(at_least_fp32(q.reshape(B, T, self.num_k, self.dk)))
-        k_BTHK = stop_grad_prefix(l2norm(at_least_fp32(k.reshape(B, T, self.num_k, self.dk))), grad_prefix)
-        v_BTGV = stop_grad_prefix(v.reshape(B, T, self.num_v, self.dv), grad_prefix)
+        """`mix` from its input linears' outputs."""
+        q_BTHK, k_BTHK, v_BTGV, full_BXS = self.convolve(mixed_BTX, window_BXW)
+        q_BTHK = l2norm(at_least_fp32(q_BTHK))
+        k_BTHK = stop_grad_prefix(l2norm(at_least_fp32(k_BTHK)), grad_prefix)
+        v_BTGV = stop_grad_prefix(v_BTGV, grad_prefix)
         beta_BTG = stop_grad_prefix(b_BTG.sigmoid(), grad_prefix)
-        g_BTG = -at_least_fp32(self.A_log).exp() * F.softplus(at_least_fp32(a_BTG) + self.dt_bias)
-        g_BTG = stop_grad_prefix(g_BTG, grad_prefix)
+        g_BTG = stop_grad_prefix(gdn_decay(a_BTG, self.A_log, self.dt_bias), grad_prefix)
         o_BTGV, new_ssm_BGKV = gdn_fn(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, ssm_BGKV)
+        return self.gated_output(o_BTGV, z_BTX), full_BXS[..., full_BXS.shape[-1] - self.window :], new_ssm_BGKV
+
+    def convolve(self, mixed_BTX, window_BXW):
+        """The causal depthwise conv over (window, mixed) and its SiLU, split into heads.
+        -> (q_BTHK and k_BTHK before their norms, v_BTGV, the conv input full_BXS)."""
+        full_BXS = torch.cat([window_BXW, mixed_BTX.transpose(1, 2)], dim=-1)
+        return (*self.split_heads(causal_conv_silu(full_BXS, self.conv1d.weight).transpose(1, 2)), full_BXS)
+
+    def split_heads(self, conv_BTX):
+        """The conv's output [B, T, X] -> (q_BTHK, k_BTHK, v_BTGV), views."""
+        B, T, _ = conv_BTX.shape
+        q, k, v = torch.split(conv_BTX, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        return (q.reshape(B, T, self.num_k, self.dk), k.reshape(B, T, self.num_k, self.dk),
+                v.reshape(B, T, self.num_v, self.dv))
+
+    def gated_output(self, o_BTGV, z_BTX):
+        """The gated norm of the delta rule's output by z, then out_proj."""
+        B, T, _ = z_BTX.shape
         z_BTGV = z_BTX.reshape(B, T, self.num_v, self.dv)
-        y_BTC = self.out_proj(self.norm(o_BTGV, z_BTGV).reshape(B, T, self.value_dim))
-        return y_BTC, full_BXS[..., full_BXS.shape[-1] - self.window :], new_ssm_BGKV
+        return self.out_proj(self.norm(o_BTGV, z_BTGV).reshape(B, T, self.value_dim))
 
 
 class DecoderLayer(core.DecoderLayer):
