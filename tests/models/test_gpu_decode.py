@@ -1,4 +1,4 @@
-"""Native decode on CUDA (skipped without it): the split-KV flash pages attention and the one-launch GDN step
+"""Native decode on CUDA (skipped without it): the split-KV flash pages attention and the GDN step's two kernels
 against their torch references, the CUDA-graph decode against the same decode run eagerly (identical greedy
 tokens and log-probs, also across growths of the response slots) and against replay scoring (bf16 noise), for
 both families; and `longstraw train device=cuda` end to end for two steps with its importance ratio at 1 on the
