@@ -2,8 +2,10 @@
 tail, empty parts), the graph-safe DSA top-k and dense experts, the rollout loop's stop checks, and decoding of
 ids the tokenizer does not have."""
 
+import collections
 import functools
 import time
+import types
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ from longstraw_cli.tokenizer import ByteTokenizer
 from longstraw_kernels.attention.decode import cascade_decode_attention, decode_pages_attention
 from longstraw_kernels.attention.reference import naive_attention
 from longstraw_kernels.dsa.topk import topk_lowest_position, topk_lowest_position_static, two_topk_positions
+from longstraw_kernels.gdn import fla_gpu
 
 
 def randn(*shape, seed):
@@ -217,6 +220,35 @@ def test_static_decoder_equals_the_layer_paths_decode(name):
     assert [r.tolist() for r in static.responses] == [r.tolist() for r in eager.responses]
     for a, b in zip(static.logprobs, eager.logprobs):
         assert rel_err(a, b) < 1e-10
+
+
+def test_qwen36_decode_through_the_gdn_step_kernels_equals_the_references(monkeypatch):
+    """qwen36's decoder with GDN's two decode kernels (`triton_step.py`, Triton's interpreter on CPU: the dispatch
+    takes them as on CUDA), fed the model's own views (the fused input GEMM's split, the conv's split into heads,
+    the parameters), against the same decoder on the torch references: the same logits over a few steps (fp32),
+    and every kernel called once a GDN layer and step."""
+    model = random_model("qwen36_tiny", torch.float32)
+    resident = model.capture(ids(50, 0), block_size=16)
+    reference, kernels = model.decoder(resident, 3, 4), model.decoder(resident, 3, 4)
+    module = fla_gpu.optional_module("longstraw_kernels.gdn.triton_step")
+    calls = collections.Counter()
+
+    def counted(name):
+        fn = getattr(module, name)
+        return lambda *args, **kwargs: calls.update([name]) or fn(*args, **kwargs)
+
+    taking = types.SimpleNamespace(**{n: getattr(module, n) for n in ("supported", "conv_supported")},
+                                   **{n: counted(n) for n in ("gdn_decode_triton", "conv_step_triton")})
+    steps, gdn_layers = 3, sum(not layer.is_attention for layer in model.model.layers)
+    for _ in range(steps):
+        want = reference.step()
+        with monkeypatch.context() as patch:
+            patch.setattr(fla_gpu, "_step_module", lambda x: taking)
+            got = kernels.step()
+        assert rel_err(got, want) < 1e-5
+        for decoder in (reference, kernels):
+            decoder.tokens_B.copy_(want.argmax(-1))
+    assert calls == {"gdn_decode_triton": steps * gdn_layers, "conv_step_triton": steps * gdn_layers}
 
 
 def test_offloaded_decode_keeps_latent_pages_on_the_host_and_moves_index_keys_once():
