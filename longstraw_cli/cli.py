@@ -279,10 +279,10 @@ def _warn_if_planned_over(cfg, trainer) -> None:
     are prompt_tokens long; a config the planner cannot model is skipped, in the log."""
     if trainer.device.type != "cuda" or not trainer.task.uses_prompt_tokens:
         return
-    import torch
+    from longstraw_cli.resident.offload import device_total_bytes
 
     try:
-        line = preflight(cfg, torch.cuda.get_device_properties(trainer.device).total_memory)
+        line = preflight(cfg, device_total_bytes(trainer.device))
     except Exception as e:  # noqa: BLE001 - an estimate only: never stops a run
         from longstraw_cli.errors import first_line
 
