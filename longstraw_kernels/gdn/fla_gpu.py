@@ -13,11 +13,14 @@ should our kernels misbehave); graph-free work over many tokens keeps fla either
 """
 
 import functools
+import logging
 
 import torch
 
 from longstraw_kernels import kernel_choice, optional_module
 from longstraw_kernels.gdn.reference import conv_step_reference, gdn_chunked, gdn_decode_reference
+
+log = logging.getLogger(__name__)
 
 
 @functools.lru_cache(maxsize=1)
@@ -50,8 +53,12 @@ def gdn_decode(q_BTHK, k_BTHK, v_BTGV, a_BTG, b_BTG, a_log_G, dt_bias_G, state_B
     a layer on CUDA for one token (`triton_step.py`), the torch reference elsewhere or under
     LONGSTRAW_GDN_KERNEL=torch."""
     module = _step_module(v_BTGV)
-    if module is not None and module.supported(q_BTHK, v_BTGV, state_BGKV):
-        return module.gdn_decode_triton(q_BTHK, k_BTHK, v_BTGV, a_BTG, b_BTG, a_log_G, dt_bias_G, state_BGKV, scale)
+    if module is not None:
+        if module.supported(q_BTHK, v_BTGV, state_BGKV):
+            return module.gdn_decode_triton(q_BTHK, k_BTHK, v_BTGV, a_BTG, b_BTG, a_log_G, dt_bias_G, state_BGKV,
+                                            scale)
+        _say_decode_takes_the_reference("recurrence", f"q {tuple(q_BTHK.shape)} {q_BTHK.dtype}, state "
+                                        f"{state_BGKV.dtype}{'' if state_BGKV.is_contiguous() else ' strided'}")
     return gdn_decode_reference(q_BTHK, k_BTHK, v_BTGV, a_BTG, b_BTG, a_log_G, dt_bias_G, state_BGKV, scale)
 
 
@@ -61,9 +68,18 @@ def conv_step(mixed_BTX, window_BXW, weight_X1K):
     """`conv_step_reference`'s contract (the window moved on in place; -> silu(conv) [B, T, X]): one Triton launch
     on CUDA for one token (`triton_step.py`), the torch reference elsewhere or under LONGSTRAW_GDN_KERNEL=torch."""
     module = _step_module(mixed_BTX)
-    if module is not None and module.conv_supported(mixed_BTX, window_BXW):
-        return module.conv_step_triton(mixed_BTX, window_BXW, weight_X1K)
+    if module is not None:
+        if module.conv_supported(mixed_BTX, window_BXW):
+            return module.conv_step_triton(mixed_BTX, window_BXW, weight_X1K)
+        _say_decode_takes_the_reference("conv", f"input {tuple(mixed_BTX.shape)} {mixed_BTX.dtype}, window "
+                                        f"{window_BXW.dtype}{'' if window_BXW.is_contiguous() else ' strided'}")
     return conv_step_reference(mixed_BTX, window_BXW, weight_X1K)
+
+
+@functools.cache
+def _say_decode_takes_the_reference(part: str, inputs: str) -> None:
+    log.warning("GDN decode step: the Triton %s kernel does not take %s; the torch reference runs it (several small "
+                "kernels a layer; logged once)", part, inputs)
 
 
 def _step_module(x: torch.Tensor):

@@ -96,3 +96,26 @@ def test_conv_step_reference_is_the_model_conv_over_window_and_input():
     steps = [conv_step_reference(mixed[:, t : t + 1], window, weight) for t in range(2)]
     assert torch.allclose(torch.cat(steps, 1), want, rtol=0, atol=1e-12)
     assert torch.equal(window, full[..., -3:])
+
+
+def test_a_cuda_input_the_kernels_do_not_take_says_so_once_and_runs_the_reference(monkeypatch, caplog):
+    """The dispatch (`fla_gpu.gdn_decode` / `conv_step`) where the kernels would serve but refuse the inputs (here a
+    strided state and window, as seen from a CUDA device): the reference's result, one warning each, not repeated."""
+    from longstraw_kernels.gdn import fla_gpu, triton_step
+
+    monkeypatch.setattr(fla_gpu, "_step_module", lambda x: triton_step)
+    fla_gpu._say_decode_takes_the_reference.cache_clear()
+    args, state = inputs(2, 2, 4, 16, 16, torch.float32)
+    strided = state.transpose(-1, -2).contiguous().transpose(-1, -2)
+    window = torch.randn(2, 3, 12).transpose(1, 2)
+    mixed = torch.randn(2, 1, 12)
+    weight = torch.randn(12, 1, 4)
+    with caplog.at_level("WARNING", logger=fla_gpu.__name__):
+        for _ in range(2):
+            want = gdn_decode_reference(*args, strided.clone())
+            assert torch.equal(fla_gpu.gdn_decode(*args, strided.clone()), want)
+            ref_window = window.clone()
+            want = conv_step_reference(mixed, ref_window, weight)
+            assert torch.equal(fla_gpu.conv_step(mixed, window.clone(), weight), want)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and "recurrence" in said[0] and "strided" in said[0] and "conv" in said[1]
