@@ -22,7 +22,7 @@ from longstraw_cli.tokenizer import ByteTokenizer
 from longstraw_kernels.attention.decode import cascade_decode_attention, decode_pages_attention
 from longstraw_kernels.attention.reference import naive_attention
 from longstraw_kernels.dsa.topk import topk_lowest_position, topk_lowest_position_static, two_topk_positions
-from longstraw_kernels.gdn import fla_gpu
+from longstraw_kernels.gdn import fla_gpu, triton_step
 
 
 def randn(*shape, seed):
@@ -230,14 +230,13 @@ def test_qwen36_decode_through_the_gdn_step_kernels_equals_the_references(monkey
     model = random_model("qwen36_tiny", torch.float32)
     resident = model.capture(ids(50, 0), block_size=16)
     reference, kernels = model.decoder(resident, 3, 4), model.decoder(resident, 3, 4)
-    module = fla_gpu.optional_module("longstraw_kernels.gdn.triton_step")
     calls = collections.Counter()
 
     def counted(name):
-        fn = getattr(module, name)
+        fn = getattr(triton_step, name)
         return lambda *args, **kwargs: calls.update([name]) or fn(*args, **kwargs)
 
-    taking = types.SimpleNamespace(**{n: getattr(module, n) for n in ("supported", "conv_supported")},
+    taking = types.SimpleNamespace(**{n: getattr(triton_step, n) for n in ("supported", "conv_supported")},
                                    **{n: counted(n) for n in ("gdn_decode_triton", "conv_step_triton")})
     steps, gdn_layers = 3, sum(not layer.is_attention for layer in model.model.layers)
     for _ in range(steps):
