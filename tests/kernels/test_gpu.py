@@ -160,6 +160,39 @@ def test_decode_sampling_kernel_equals_the_reference(temperature):
     assert rel_err(logp[:, 2], want_logp[:, 2]) < 1e-5 and rel_err(entropy[:, 2], want_entropy[:, 2]) < 1e-5
 
 
+@pytest.mark.parametrize("N, K, norm, glu, residual", [
+    (6176, 2048, True, False, False),   # qwen36_mini's GDN input linears, after the input norm
+    (2048, 2048, False, False, True),   # GDN's out_proj, then the residual
+    (6144, 2048, True, True, False),    # the MLP's gate and up after the norm, silu(gate) * up
+    (2048, 6144, False, False, True),   # down, then the residual
+    (4096, 5120, True, False, False),   # a 27B-shaped input (K of 5,120: 20 K steps)
+])
+def test_decode_linear_kernel_is_as_close_to_fp64_as_the_modules(N, K, norm, glu, residual):
+    """The fused decode linear (dispatched on CUDA for 8 bf16 rows) against fp64: within the error of the model's
+    modules run one after another in bf16 (the reference), and at most one bf16 rounding from it."""
+    from longstraw_kernels import linear
+
+    g = torch.Generator(device="cuda").manual_seed(N + K)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device="cuda") * scale).to(torch.bfloat16)
+
+    x, w, up = randn(8, 1, K), randn(N, K, scale=K**-0.5), randn(N, K, scale=K**-0.5) if glu else None
+    norm_K, r = randn(K, scale=0.3) if norm else None, randn(8, 1, N) if residual else None
+    assert linear.kernel_serves(x, w)
+    got = linear.decode_linear(x, w, up_NK=up, norm_K=norm_K, residual=r)
+    want = linear.decode_linear_reference(x, w, up_NK=up, norm_K=norm_K, residual_MN=r)
+
+    def double(t):
+        return None if t is None else t.double()
+
+    oracle = linear.decode_linear_reference(double(x), double(w), up_NK=double(up), norm_K=double(norm_K),
+                                            residual_MN=double(r))
+    assert got.shape == want.shape == (8, 1, N)
+    assert rel_err(got, oracle) < 1.5 * rel_err(want, oracle) + 1e-3
+    assert rel_err(got, want) < 1e-2
+
+
 @pytest.mark.parametrize("T, H, G", [(1000, 2, 4), (4096, 16, 48), (77, 8, 16)])
 def test_fla_gdn_forward_matches_chunked_reference(T, H, G):
     from longstraw_kernels.gdn import gdn_chunked, gdn_forward

@@ -1,0 +1,39 @@
+"""The decode step's linears with their norm, silu * up and residual fused (reference.py: the torch reference;
+triton_skinny.py: one Triton launch a linear for a few rows, same contract).
+
+`decode_linear` takes the kernel for CUDA bf16/fp16 inputs of at most `MAX_ROWS` rows when Triton imports, the
+reference otherwise; LONGSTRAW_LINEAR_KERNEL=torch forces the reference (A/B runs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from longstraw_kernels import kernel_choice, optional_module
+from longstraw_kernels.linear.reference import decode_linear_reference, rms_norm_one_plus
+
+__all__ = ["decode_linear", "decode_linear_reference", "kernel_serves", "rms_norm_one_plus"]
+
+
+def _module():
+    if kernel_choice("LONGSTRAW_LINEAR_KERNEL") != "auto":
+        return None
+    return optional_module("longstraw_kernels.linear.triton_skinny")
+
+
+def kernel_serves(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether `decode_linear(x, *weights, ...)` runs the Triton kernel."""
+    if not x.is_cuda:
+        return False
+    module = _module()
+    return module is not None and module.supported(x, *weights)
+
+
+def decode_linear(x: torch.Tensor, weight_NK: torch.Tensor, *, up_NK: torch.Tensor | None = None,
+                  norm_K: torch.Tensor | None = None, eps: float = 1e-6,
+                  residual: torch.Tensor | None = None) -> torch.Tensor:
+    """[rmsnorm(x) or x] @ W^T; silu of it times [rmsnorm(x) or x] @ U^T where up_NK is given; + residual where
+    given (reference.py)."""
+    if kernel_serves(x, weight_NK, *([] if up_NK is None else [up_NK])):
+        return _module().decode_linear_triton(x, weight_NK, up_NK=up_NK, norm_K=norm_K, eps=eps, residual=residual)
+    return decode_linear_reference(x, weight_NK, up_NK=up_NK, norm_K=norm_K, eps=eps, residual_MN=residual)

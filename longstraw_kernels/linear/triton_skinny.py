@@ -1,0 +1,146 @@
+"""The decode step's linears at a few rows (M <= 64: one row per response), with their neighbours fused, for CUDA.
+
+At decode a linear multiplies B rows (the G responses) by a weight of N x K: it reads the weight once and does
+little else, so its time is the weight's bytes over the bandwidth plus what a launch costs. cuBLAS runs these at
+about half the bandwidth for qwen36_mini's per-layer weights (8-50 MB; docs/BENCHMARKS.md), and the norm before
+each input linear, the silu * up after the gate/up linear and the residual add after the output linears are each a
+kernel of their own around it. Here one launch does one linear with what surrounds it (reference.py, the contract):
+
+    prologue  RMSNorm of x scaled by (1 + g): x (1 + g) goes into the product, the rows' sum of squares is
+              gathered on the way (each program reads all of x: B x K, a few tens of KB), and the product is
+              scaled by rsqrt(mean + eps) at the end: a row's rsqrt is a common factor of its dot products
+    epilogue  glu: silu(x W^T) * (x U^T), the gate's and the up's weights read for the same columns (`up_NK`)
+              residual: residual + y
+
+A program owns BLOCK_N output columns (of both weights under glu) and walks K in BLOCK_K steps; the rows, padded
+to tl.dot's 16, are all M. No split over K, so nothing is reduced across programs and each output is written once.
+Rounding follows the modules (the norm's output, the product, silu's output and the sum in the activations'
+dtype); the norm's output is rounded before the rsqrt is applied, not after, which moves a product by about one
+rounding of the operand dtype.
+
+Checked against reference.py: tests/kernels/test_decode_linear.py (Triton's interpreter on CPU, where tl.dot runs
+in fp32) and tests/kernels/test_gpu.py (CUDA, bf16).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["MAX_ROWS", "decode_linear_triton", "launch_config", "supported"]
+
+# rows one program holds (a decode's responses on one rank); wider batches take cuBLAS
+MAX_ROWS = 64
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, w_ptr, u_ptr, g_ptr, r_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_un, stride_rm,
+                   stride_om, eps,
+                   NORM: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_M)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < N
+    dtype = out_ptr.dtype.element_ty
+    # transposed, [columns, rows]: the weight's tile is the product's left operand (the MMA's wide side), the few
+    # rows its right one
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
+    w_cols = w_ptr + cols[:, None].to(tl.int64) * stride_wn
+    u_cols = u_ptr + cols[:, None].to(tl.int64) * stride_un
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if NORM:
+            xf = x.to(tl.float32)
+            sumsq += tl.sum(xf * xf, 1)
+            g = tl.load(g_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+            x = (xf * (1.0 + g)[None, :]).to(dtype)
+        w = tl.load(w_cols + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if INTERPRETED:  # the interpreter's bf16 tl.dot is wrong: fp32 operands there
+            x, w = x.to(tl.float32), w.to(tl.float32)
+        x_t = tl.trans(x)
+        acc += tl.dot(w, x_t)
+        if GLU:
+            u = tl.load(u_cols + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            if INTERPRETED:
+                u = u.to(tl.float32)
+            acc_up += tl.dot(u, x_t)
+    if NORM:
+        rstd = tl.rsqrt(sumsq / K + eps)
+        acc = acc * rstd[None, :]
+        acc_up = acc_up * rstd[None, :]
+    y = acc.to(dtype).to(tl.float32)
+    if GLU:
+        up = acc_up.to(dtype).to(tl.float32)
+        y = (y * tl.sigmoid(y)).to(dtype).to(tl.float32) * up
+    mask = col_ok[:, None] & row_ok[None, :]
+    if RESIDUAL:
+        r = tl.load(r_ptr + rows[None, :].to(tl.int64) * stride_rm + cols[:, None], mask=mask, other=0.0)
+        y = y.to(dtype).to(tl.float32) + r.to(tl.float32)
+    tl.store(out_ptr + rows[None, :].to(tl.int64) * stride_om + cols[:, None], y.to(dtype), mask=mask)
+
+
+def launch_config(M: int, N: int, K: int, glu: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an M x K by N x K product (glu: two of them). Chosen on an
+    H200 (scripts/bench/bench_decode_linear.py): columns narrow enough for a program per SM or more, K in long
+    steps with several in flight, as a weight read at the bandwidth needs."""
+    return (64, 256, 4, 3) if N >= 4096 else (32, 256, 4, 4)
+
+
+def supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether the kernel takes this product: CUDA bf16/fp16, at most MAX_ROWS rows, rows and weights contiguous
+    in K."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    return (x.is_cuda and x.dtype in _DTYPES and 0 < rows <= MAX_ROWS and x.stride(-1) == 1
+            and all(w.dtype == x.dtype and w.stride(-1) == 1 for w in weights))
+
+
+def decode_linear_triton(x: torch.Tensor, weight_NK: torch.Tensor, *, up_NK: torch.Tensor | None = None,
+                         norm_K: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
+                         config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """reference.decode_linear_reference's contract, one launch. config: launch_config's tuple (benchmarks)."""
+    K, N = x.shape[-1], weight_NK.shape[0]
+    x_MK = x.reshape(-1, K)
+    M = x_MK.shape[0]
+    block_n, block_k, warps, stages = config or launch_config(M, N, K, up_NK is not None)
+    residual_MN = None if residual is None else residual.reshape(M, N)
+    with contextlib.nullcontext() if torch.compiler.is_compiling() else torch.cuda.device_of(x):
+        out = _linear_op(x_MK, weight_NK, up_NK, norm_K, residual_MN, eps, block_n, block_k, warps, stages)
+    return out.view(*x.shape[:-1], N)
+
+
+# an opaque torch op around the launch, so that the compiled decode step calls the kernel as it is. Not a
+# `triton_op`: inductor's own launch of it ran 2.3x slower than this one on an H200 (96 calls of qwen36_mini's step:
+# 2.71 ms against 1.20 ms eager; docs/BENCHMARKS.md)
+@torch.library.custom_op("longstraw::decode_linear", mutates_args=())
+def _linear_op(x_MK: torch.Tensor, weight_NK: torch.Tensor, up_NK: torch.Tensor | None, norm_K: torch.Tensor | None,
+               residual_MN: torch.Tensor | None, eps: float, block_n: int, block_k: int, warps: int,
+               stages: int) -> torch.Tensor:
+    M, K = x_MK.shape
+    N = weight_NK.shape[0]
+    out = x_MK.new_empty(M, N)
+    # an absent operand's pointer: any tensor (its loads are compiled out)
+    up = weight_NK if up_NK is None else up_NK
+    _skinny_kernel[(triton.cdiv(N, block_n),)](
+        x_MK, weight_NK, up, x_MK if norm_K is None else norm_K, out if residual_MN is None else residual_MN, out,
+        M, N, K, x_MK.stride(0), weight_NK.stride(0), up.stride(0), 0 if residual_MN is None else residual_MN.stride(0),
+        out.stride(0), eps, NORM=norm_K is not None, GLU=up_NK is not None, RESIDUAL=residual_MN is not None,
+        BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k,
+        INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps, num_stages=stages)
+    return out
+
+
+@_linear_op.register_fake
+def _(x_MK, weight_NK, up_NK, norm_K, residual_MN, eps, block_n, block_k, warps, stages):
+    return x_MK.new_empty(x_MK.shape[0], weight_NK.shape[0])

@@ -1,0 +1,74 @@
+"""The decode step's fused linear (`linear/triton_skinny.py`, Triton's interpreter on CPU) against its torch
+reference, which is the model's modules called one after another: the norm, the linear, silu(gate) * up, the
+residual add; rows and columns that are not multiples of the blocks, K walked in several steps with a ragged
+last one, strided rows. On CUDA, tests/kernels/test_gpu.py checks it at qwen36_mini's shapes in bf16."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import rel_err
+from longstraw_cli.models.qwen36.model import RMSNorm
+from longstraw_kernels.linear import decode_linear, decode_linear_reference
+from longstraw_kernels.linear.triton_skinny import decode_linear_triton, launch_config
+
+# small blocks, so that a few columns and 80 inputs take several programs and three K steps
+SMALL = (16, 32, 4, 1)
+
+
+def operands(M, N, K, dtype, glu=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(M, K + 7, generator=g).to(dtype)
+    x = rows[:, 3:K + 3]  # strided rows, as a split leaves them
+    weight = (torch.randn(2 * N if glu else N, K, generator=g) / K**0.5).to(dtype)
+    norm = (torch.randn(K, generator=g) * 0.3).to(dtype)
+    residual = torch.randn(M, N, generator=g).to(dtype)
+    # glu: the gate's and the up's weights, two views of one (as a concatenated weight gives them) or two tensors
+    return x, (weight[:N], weight[N:]) if glu else (weight, None), norm, residual
+
+
+# bf16 against the fp64 oracle: the interpreter rounds fp32 to bf16 toward zero (one unit in the last place, twice
+# what a GPU's round-to-nearest costs), so its bf16 outputs are up to ~2% off where the reference's are ~0.5%
+@pytest.mark.parametrize("dtype, bound", [(torch.float32, 2e-6), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("M, N, K", [(1, 16, 80), (3, 40, 80), (8, 33, 64), (17, 20, 96)])
+@pytest.mark.parametrize("norm, glu, residual", [(False, False, False), (True, False, False), (True, True, False),
+                                                 (False, False, True), (True, True, True)])
+def test_kernel_equals_the_reference(dtype, bound, M, N, K, norm, glu, residual):
+    x, (weight, up), norm_K, residual_MN = operands(M, N, K, dtype, glu)
+    if up is not None and M % 2:
+        up = up.clone()
+    kwargs = dict(up_NK=up, norm_K=norm_K if norm else None, eps=1e-6)
+    got = decode_linear_triton(x, weight, **kwargs, residual=residual_MN if residual else None, config=SMALL)
+    if dtype == torch.bfloat16:
+        x, weight, norm_K, residual_MN = (t.double() for t in (x, weight, norm_K, residual_MN))
+        kwargs.update(up_NK=None if up is None else up.double(), norm_K=norm_K if norm else None)
+    want = decode_linear_reference(x, weight, **kwargs, residual_MN=residual_MN if residual else None)
+    assert got.dtype == dtype and got.shape == (M, N)
+    assert rel_err(got, want) < bound
+
+
+def test_the_default_launch_and_a_row_batch_shape():
+    """[B, 1, K] in, [B, 1, N] out; the default blocks (K = 300: a ragged last K step)."""
+    x, (weight, up), norm_K, residual = operands(8, 50, 300, torch.float32, glu=True)
+    x_B1K = x.contiguous()[:, None]
+    got = decode_linear_triton(x_B1K, weight, up_NK=up, norm_K=norm_K, residual=residual[:, None])
+    want = decode_linear_reference(x_B1K, weight, up_NK=up, norm_K=norm_K, residual_MN=residual[:, None])
+    assert got.shape == (8, 1, 50) and rel_err(got, want) < 2e-6
+    assert 300 % launch_config(8, 50, 300, glu=True)[1]
+
+
+def test_the_reference_is_the_modules_one_after_another():
+    """fp64: the model's RMSNorm, the linear, silu * up, + residual, each a module or op of its own."""
+    x, (weight, up), norm_K, residual = operands(5, 12, 32, torch.float64, glu=True)
+    module = RMSNorm(32, eps=1e-6).double()
+    module.weight.data.copy_(norm_K)
+    h = module(x)
+    want = residual + F.silu(F.linear(h, weight)) * F.linear(h, up)
+    got = decode_linear_reference(x, weight, up_NK=up, norm_K=norm_K, eps=1e-6, residual_MN=residual)
+    assert torch.equal(got, want)
+
+
+def test_cpu_tensors_take_the_reference():
+    x, (weight, _), norm_K, residual = operands(4, 10, 24, torch.float32)
+    got = decode_linear(x, weight, norm_K=norm_K, residual=residual)
+    assert torch.equal(got, decode_linear_reference(x, weight, norm_K=norm_K, residual_MN=residual))
