@@ -250,6 +250,48 @@ def test_qwen36_decode_through_the_gdn_step_kernels_equals_the_references(monkey
     assert calls == {"gdn_decode_triton": steps * gdn_layers, "conv_step_triton": steps * gdn_layers}
 
 
+@pytest.mark.parametrize("copies", [True, False])
+def test_qwen36_decode_through_the_linear_kernel_equals_the_modules(monkeypatch, copies):
+    """qwen36's decoder with every layer's linears through the decode linear kernel (`linear/triton_skinny.py`,
+    Triton's interpreter on CPU, taken as on CUDA: norms in the input linears, silu * up and the residual adds in
+    their epilogues), against the same decoder on the modules: the same logits over a few steps (fp32); four
+    launches a layer where the input groups are concatenated copies, and where they are not, one per input linear
+    (GDN 4, attention 3) and three more."""
+    from longstraw_cli.models.qwen36 import decode as qwen36_decode
+    from longstraw_kernels.linear import triton_skinny
+
+    model = random_model("qwen36_tiny", torch.float32)
+    resident = model.capture(ids(50, 0), block_size=16)
+    if not copies:  # past FUSED_SHARE: each input linear reads its own weight
+        monkeypatch.setattr(qwen36_decode, "device_total_bytes", lambda device: 1)
+    reference = model.decoder(resident, 3, 4)
+    calls = collections.Counter()
+
+    def counted(x, w, **kwargs):
+        calls.update([tuple(k for k, v in kwargs.items() if v is not None and k != "eps")])
+        return triton_skinny.decode_linear_triton(x, w, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(qwen36_decode, "kernel_serves", lambda x, *weights: True)
+        kernels = model.decoder(resident, 3, 4)
+    assert all(isinstance(linears, qwen36_decode.KernelLinears) for linears in kernels.linears)
+    assert all(isinstance(linears, qwen36_decode.ModuleLinears) for linears in reference.linears)
+    steps = 3
+    for _ in range(steps):
+        want = reference.step()
+        with monkeypatch.context() as patch:
+            patch.setattr(qwen36_decode, "decode_linear", counted)
+            got = kernels.step()
+        assert rel_err(got, want) < 1e-5
+        for decoder in (reference, kernels):
+            decoder.tokens_B.copy_(want.argmax(-1))
+    layers = len(model.model.layers)
+    gdn = sum(not layer.is_attention for layer in model.model.layers)
+    inputs = layers if copies else 4 * gdn + 3 * (layers - gdn)
+    assert calls == {("norm_K",): steps * inputs, ("residual",): 2 * steps * layers,
+                     ("up_NK", "norm_K"): steps * layers}
+
+
 def test_offloaded_decode_keeps_latent_pages_on_the_host_and_moves_index_keys_once():
     """Decode over offloaded pages never stages whole layers: the decoder holds device copies of the index keys
     (made once) and the host's own latent and rope pages, from which sparse attention gathers selected rows."""

@@ -86,6 +86,10 @@ def test_graph_decode_equals_eager_decode_and_its_logprobs_are_replays(name):
     model = reduced(name)
     prompt = torch.randint(0, 250, (5000,), generator=torch.Generator().manual_seed(0)).cuda()
     resident = model.capture(prompt, block_size=2048)
+    if name == "qwen36_mini":  # its linears run through the decode linear kernel, in every path below
+        from longstraw_cli.models.qwen36.decode import KernelLinears
+
+        assert all(isinstance(linears, KernelLinears) for linears in model.decoder(resident, 4, 8).linears)
     snapshot = [t.clone() for t in resident.tensors()]
     greedy = SamplingConfig(temperature=0, max_new_tokens=40)
     # the graph replays exactly the eager step's kernels (compiled, the kernels differ: checked below)

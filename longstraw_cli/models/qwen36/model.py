@@ -36,6 +36,7 @@ from longstraw_kernels.attention import blockwise_causal_attention, replay_atten
 from longstraw_kernels.attention.decode import decode_pages_attention
 from longstraw_kernels.gdn import gdn_forward
 from longstraw_kernels.gdn.reference import causal_conv_silu, gdn_decay, l2norm
+from longstraw_kernels.linear import rms_norm_one_plus
 
 
 class RMSNorm(nn.Module):
@@ -47,9 +48,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = at_least_fp32(x)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + at_least_fp32(self.weight))).type_as(x)
+        # the decode linear kernel's reference norm (its prologue computes the same)
+        return rms_norm_one_plus(x, self.weight, self.eps)
 
 
 class GatedRMSNorm(nn.Module):
@@ -123,9 +123,12 @@ class GatedAttention(nn.Module):
         return apply_partial_rope(q_BTQD, cos, sin), apply_partial_rope(k_BTKD, cos, sin), v_BTKD, gate_BTQD
 
     def output(self, o_BTQD: torch.Tensor, gate_BTQD: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(self.gated(o_BTQD, gate_BTQD))
+
+    def gated(self, o_BTQD: torch.Tensor, gate_BTQD: torch.Tensor) -> torch.Tensor:
+        """The heads' outputs times their sigmoid gates, heads joined: o_proj's input [B, T, Q * D]."""
         B, T = o_BTQD.shape[:2]
-        o_BTC = (o_BTQD * torch.sigmoid(gate_BTQD)).reshape(B, T, -1)
-        return self.o_proj(o_BTC)
+        return (o_BTQD * torch.sigmoid(gate_BTQD)).reshape(B, T, -1)
 
     def forward(self, x_BTC, positions_T, grad_prefix: int = 0):
         """Full causal attention over x (keys and values of positions < grad_prefix carry no gradient)."""
@@ -303,9 +306,13 @@ class GatedDeltaNet(nn.Module):
 
     def gated_output(self, o_BTGV, z_BTX):
         """The gated norm of the delta rule's output by z, then out_proj."""
+        return self.out_proj(self.gated(o_BTGV, z_BTX))
+
+    def gated(self, o_BTGV, z_BTX):
+        """The gated norm of the delta rule's output by z, heads joined: out_proj's input [B, T, G * Dv]."""
         B, T, _ = z_BTX.shape
         z_BTGV = z_BTX.reshape(B, T, self.num_v, self.dv)
-        return self.out_proj(self.norm(o_BTGV, z_BTGV).reshape(B, T, self.value_dim))
+        return self.norm(o_BTGV, z_BTGV).reshape(B, T, self.value_dim)
 
 
 class DecoderLayer(core.DecoderLayer):
