@@ -12,7 +12,7 @@ import torch
 from longstraw_kernels import kernel_choice, optional_module
 from longstraw_kernels.linear.reference import decode_linear_reference, rms_norm_one_plus
 
-__all__ = ["decode_linear", "decode_linear_reference", "kernel_serves", "rms_norm_one_plus"]
+__all__ = ["decode_linear", "decode_linear_reference", "kernel_entry", "kernel_serves", "rms_norm_one_plus"]
 
 
 def _module():
@@ -21,12 +21,19 @@ def _module():
     return optional_module("longstraw_kernels.linear.triton_skinny")
 
 
+def kernel_entry(x: torch.Tensor, *weights: torch.Tensor):
+    """The Triton entry (`decode_linear_triton`) that `decode_linear(x, *weights, ...)` would take, or None. A
+    compiled step should hold it, asked for once outside the step: the module lookup is cached by functools, which
+    torch.compile warns about when it traces it."""
+    if not x.is_cuda:
+        return None
+    module = _module()
+    return module.decode_linear_triton if module is not None and module.supported(x, *weights) else None
+
+
 def kernel_serves(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether `decode_linear(x, *weights, ...)` runs the Triton kernel."""
-    if not x.is_cuda:
-        return False
-    module = _module()
-    return module is not None and module.supported(x, *weights)
+    return kernel_entry(x, *weights) is not None
 
 
 def decode_linear(x: torch.Tensor, weight_NK: torch.Tensor, *, up_NK: torch.Tensor | None = None,

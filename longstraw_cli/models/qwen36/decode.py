@@ -53,7 +53,7 @@ from longstraw_cli.resident import Resident
 from longstraw_cli.resident.offload import device_total_bytes, left_on_host, rollout_pages, stage_rollout_pages
 from longstraw_kernels.attention.decode import cascade_decode_attention, decode_pages_attention
 from longstraw_kernels.gdn import conv_step, gdn_decode
-from longstraw_kernels.linear import decode_linear, kernel_serves
+from longstraw_kernels.linear import kernel_entry
 
 
 class ResponseKV(ResponseSlots):
@@ -142,10 +142,11 @@ class ModuleLinears:
 class KernelLinears:
     """The same, four launches of the decode linear kernel (longstraw_kernels/linear): the norms in the input linears'
     prologue, silu * up and the residual adds in their epilogues. The input groups' weights: the concatenated copy
-    (`InProjections`) where the decoder made one, else each linear's own (one launch each)."""
+    (`InProjections`) where the decoder made one, else each linear's own (one launch each). `linear`: the kernel's
+    entry (`kernel_entry`), looked up once, outside the compiled step."""
 
-    def __init__(self, layer, mixer_in, mlp_in):
-        self.layer = layer
+    def __init__(self, layer, mixer_in, mlp_in, linear):
+        self.layer, self.linear = layer, linear
         self.mixer_weights, self.sizes = group_weights(mixer_in)
         weights, sizes = group_weights(mlp_in)
         # the gate's and the up's rows of the one copy, or their own weights
@@ -153,16 +154,16 @@ class KernelLinears:
 
     def mixer_inputs(self, x_BTC: torch.Tensor) -> list[torch.Tensor]:
         norm = self.layer.input_layernorm
-        outs = [decode_linear(x_BTC, w, norm_K=norm.weight, eps=norm.eps) for w in self.mixer_weights]
+        outs = [self.linear(x_BTC, w, norm_K=norm.weight, eps=norm.eps) for w in self.mixer_weights]
         return outs[0].split(self.sizes, dim=-1) if len(outs) == 1 else outs
 
     def mixer_residual(self, x_BTC: torch.Tensor, gated_BTX: torch.Tensor) -> torch.Tensor:
-        return decode_linear(gated_BTX, output_linear(self.layer).weight, residual=x_BTC)
+        return self.linear(gated_BTX, output_linear(self.layer).weight, residual=x_BTC)
 
     def mlp_residual(self, x_BTC: torch.Tensor) -> torch.Tensor:
         norm = self.layer.post_attention_layernorm
-        act_BTI = decode_linear(x_BTC, self.gate_NC, up_NK=self.up_NC, norm_K=norm.weight, eps=norm.eps)
-        return decode_linear(act_BTI, self.layer.mlp.down_proj.weight, residual=x_BTC)
+        act_BTI = self.linear(x_BTC, self.gate_NC, up_NK=self.up_NC, norm_K=norm.weight, eps=norm.eps)
+        return self.linear(act_BTI, self.layer.mlp.down_proj.weight, residual=x_BTC)
 
 
 def group_weights(group: InProjections | EachLinear) -> tuple[list[torch.Tensor], list[int]]:
@@ -177,15 +178,18 @@ def output_linear(layer) -> nn.Module:
     return layer.self_attn.o_proj if layer.is_attention else layer.linear_attn.out_proj
 
 
-def kernel_takes(layer, groups, example_BTC: torch.Tensor) -> bool:
-    """Whether the decode linear kernel serves every linear of `layer` for inputs like `example_BTC`: plain linears,
-    the model's RMSNorm before the input groups, and the kernel dispatched for each weight (CUDA, Triton, dtype)."""
+def layer_linears(layer, groups, projections, example_BTC: torch.Tensor) -> KernelLinears | ModuleLinears:
+    """`KernelLinears` where the decode linear kernel serves every linear of `layer` for inputs like `example_BTC`
+    (plain linears, the model's RMSNorm before the input groups, the kernel dispatched for each weight: CUDA,
+    Triton, dtype), else `ModuleLinears`."""
     from longstraw_cli.models.qwen36.model import RMSNorm
 
     linears = [output_linear(layer), layer.mlp.down_proj] + [m for group in groups for m in group]
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    return (fusable(linears) and all(type(n) is RMSNorm for n in norms)
-            and kernel_serves(example_BTC, *(m.weight for m in linears)))
+    entry = None
+    if fusable(linears) and all(type(n) is RMSNorm for n in norms):
+        entry = kernel_entry(example_BTC, *(m.weight for m in linears))
+    return ModuleLinears(layer, *projections) if entry is None else KernelLinears(layer, *projections, entry)
 
 
 def fused_bytes(model) -> int:
@@ -209,7 +213,7 @@ class Qwen36Decoder(StaticDecoder):
                                   for group in layer) for layer in input_linears(model)]
         # the decode linear kernel where it serves the layer (CUDA, Triton, plain linears), the modules elsewhere
         example_BTC = torch.empty(batch, 1, cfg.hidden_size, dtype=model.lm_head.weight.dtype, device=self.device)
-        self.linears = [(KernelLinears if kernel_takes(layer, groups, example_BTC) else ModuleLinears)(layer, *proj)
+        self.linears = [layer_linears(layer, groups, proj, example_BTC)
                         for layer, groups, proj in zip(model.model.layers, input_linears(model), self.projections)]
         # offloaded pages: device copies of the layers that fit, made for the whole rollout; the rest staged per step
         self.pages = rollout_pages(resident, self.device, page_budget)
