@@ -1,4 +1,4 @@
-"""The decode step's linears at a few rows (M <= 64: one row per response), with their neighbours fused, for CUDA.
+"""The decode step's linears at a few rows (M <= 16: one row per response), with their neighbours fused, for CUDA.
 
 At decode a linear multiplies B rows (the G responses) by a weight of N x K: it reads the weight once and does
 little else, so its time is the weight's bytes over the bandwidth plus what a launch costs. cuBLAS runs these at
@@ -111,10 +111,14 @@ def decode_linear_triton(x: torch.Tensor, weight_NK: torch.Tensor, *, up_NK: tor
                          config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """reference.decode_linear_reference's contract, one launch. config: launch_config's tuple (benchmarks)."""
     K, N = x.shape[-1], weight_NK.shape[0]
+    # the kernel walks K with unit stride (a view may not: the decoder checked an example, not every input)
     x_MK = x.reshape(-1, K)
+    x_MK = x_MK if x_MK.stride(-1) == 1 else x_MK.contiguous()
     M = x_MK.shape[0]
     block_n, block_k, warps, stages = config or launch_config(M, N, K, up_NK is not None)
     residual_MN = None if residual is None else residual.reshape(M, N)
+    if residual_MN is not None and residual_MN.stride(-1) != 1:
+        residual_MN = residual_MN.contiguous()
     with contextlib.nullcontext() if torch.compiler.is_compiling() else torch.cuda.device_of(x):
         out = _linear_op(x_MK, weight_NK, up_NK, norm_K, residual_MN, eps, block_n, block_k, warps, stages)
     return out.view(*x.shape[:-1], N)

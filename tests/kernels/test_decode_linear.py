@@ -72,3 +72,13 @@ def test_cpu_tensors_take_the_reference():
     x, (weight, _), norm_K, residual = operands(4, 10, 24, torch.float32)
     got = decode_linear(x, weight, norm_K=norm_K, residual=residual)
     assert torch.equal(got, decode_linear_reference(x, weight, norm_K=norm_K, residual_MN=residual))
+
+
+def test_rows_strided_in_k_are_read_right():
+    """An input whose K is not its unit-stride axis (a transposed view) and a strided residual: copied first."""
+    x, (weight, _), norm_K, residual = operands(6, 24, 40, torch.float32)
+    x_t = x.t().contiguous().t()
+    res_t = residual.t().contiguous().t()
+    assert x_t.stride(-1) != 1 and res_t.stride(-1) != 1
+    got = decode_linear_triton(x_t, weight, norm_K=norm_K, residual=res_t, config=SMALL)
+    assert rel_err(got, decode_linear_reference(x, weight, norm_K=norm_K, residual_MN=residual)) < 2e-6
