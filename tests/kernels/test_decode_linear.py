@@ -35,7 +35,7 @@ def operands(M, N, K, dtype, glu=False, seed=0):
                                                  (False, False, True), (True, True, True)])
 def test_kernel_equals_the_reference(dtype, bound, M, N, K, norm, glu, residual):
     x, (weight, up), norm_K, residual_MN = operands(M, N, K, dtype, glu)
-    if up is not None and M % 2:
+    if up is not None and M % 2:  # odd M: the up's weight a tensor of its own, not a view beside the gate's
         up = up.clone()
     kwargs = dict(up_NK=up, norm_K=norm_K if norm else None, eps=1e-6)
     got = decode_linear_triton(x, weight, **kwargs, residual=residual_MN if residual else None, config=SMALL)

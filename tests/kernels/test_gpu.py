@@ -1,5 +1,5 @@
 """GPU paths against their torch references (skipped without CUDA): flash replay attention (outputs, LSE and
-gradients), the decode's response attention and sampling, fla's GDN forward, and the qwen36 model's capture +
+gradients), the decode's response attention, linears and sampling, fla's GDN forward, and the qwen36 model's capture +
 logprobs on CUDA in bf16."""
 
 import pytest
