@@ -178,16 +178,16 @@ def output_linear(layer) -> nn.Module:
     return layer.self_attn.o_proj if layer.is_attention else layer.linear_attn.out_proj
 
 
-def layer_linears(layer, groups, projections, example_BTC: torch.Tensor) -> KernelLinears | ModuleLinears:
+def layer_linears(layer, groups, projections, example_BTC: torch.Tensor,
+                  norm_type: type) -> KernelLinears | ModuleLinears:
     """`KernelLinears` where the decode linear kernel serves every linear of `layer` for inputs like `example_BTC`
-    (plain linears, the model's RMSNorm before the input groups, the kernel dispatched for each weight: CUDA,
-    Triton, dtype), else `ModuleLinears`."""
-    from longstraw_cli.models.qwen36.model import RMSNorm
-
+    (plain linears, norms of `norm_type` before the input groups, the kernel dispatched for each weight: CUDA,
+    Triton, dtype), else `ModuleLinears`. norm_type: the model's RMSNorm (its final norm's class: this module does
+    not import the model's), whose (1 + g) scaling the kernel's prologue computes."""
     linears = [output_linear(layer), layer.mlp.down_proj] + [m for group in groups for m in group]
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     entry = None
-    if fusable(linears) and all(type(n) is RMSNorm for n in norms):
+    if fusable(linears) and all(type(n) is norm_type for n in norms):
         entry = kernel_entry(example_BTC, *(m.weight for m in linears))
     return ModuleLinears(layer, *projections) if entry is None else KernelLinears(layer, *projections, entry)
 
@@ -213,7 +213,7 @@ class Qwen36Decoder(StaticDecoder):
                                   for group in layer) for layer in input_linears(model)]
         # the decode linear kernel where it serves the layer (CUDA, Triton, plain linears), the modules elsewhere
         example_BTC = torch.empty(batch, 1, cfg.hidden_size, dtype=model.lm_head.weight.dtype, device=self.device)
-        self.linears = [layer_linears(layer, groups, proj, example_BTC)
+        self.linears = [layer_linears(layer, groups, proj, example_BTC, type(model.model.norm))
                         for layer, groups, proj in zip(model.model.layers, input_linears(model), self.projections)]
         # offloaded pages: device copies of the layers that fit, made for the whole rollout; the rest staged per step
         self.pages = rollout_pages(resident, self.device, page_budget)
