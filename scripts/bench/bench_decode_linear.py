@@ -14,10 +14,11 @@ from __future__ import annotations
 import argparse
 
 import torch
+import torch.nn.functional as F
 from rows import emit, graph_ms
 
 from longstraw_cli.models.qwen36.config import NAMED_CONFIGS
-from longstraw_kernels.linear import decode_linear_reference
+from longstraw_kernels.linear import decode_linear_reference, rms_norm_one_plus
 from longstraw_kernels.linear.triton_skinny import decode_linear_triton, launch_config
 
 EPS = 1e-6
@@ -54,6 +55,12 @@ def rel(y: torch.Tensor, oracle: torch.Tensor) -> float:
     return ((y.double() - oracle).norm() / oracle.norm()).item()
 
 
+def gemm_weights(w: torch.Tensor, up: torch.Tensor | None) -> list[torch.Tensor]:
+    """What the modules' decode multiplies by: gate and up as one GEMM over their concatenated weight (the decoder's
+    copy; here the two are views of it), any other linear its own weight."""
+    return [w if up is None else w._base]
+
+
 def run_all(layers, inputs, norm_K, form, configs=None, only=None):
     outs = []
     for layer, layer_inputs in zip(layers, inputs):
@@ -62,7 +69,10 @@ def run_all(layers, inputs, norm_K, form, configs=None, only=None):
                 continue
             x, r = layer_inputs[name]
             kwargs = dict(up_NK=up, norm_K=norm_K if norm else None, eps=EPS)
-            if form == "torch":
+            if form == "torch" and up is not None:  # as the modules run it: one GEMM, then silu(gate) * up
+                gate, up_out = F.linear(rms_norm_one_plus(x, norm_K, EPS), gemm_weights(w, up)[0]).chunk(2, dim=-1)
+                outs.append(F.silu(gate) * up_out)
+            elif form == "torch":
                 outs.append(decode_linear_reference(x, w, **kwargs, residual_MN=r if residual else None))
             else:
                 config = None if configs is None else configs.get(name)
@@ -115,9 +125,9 @@ def main(argv=None):
         row = {**base, "kind": name, "layers": sum(name in layer for layer in layers), "weights_mb": weights / 1e6,
                "bound_ms": weights / (args.rate * 1e9), "torch_eager_ms": torch_ms}
         # the GEMMs alone (cuBLAS), without what surrounds them
-        gemms = [(w, xs[name][0]) for layer, xs in zip(layers, inputs) if name in layer
-                 for w in layer[name][:2] if w is not None]
-        _, row["cublas_ms"] = graph_ms(lambda g=gemms: [torch.nn.functional.linear(x, w) for w, x in g], 50)
+        gemms = [(weight, xs[name][0]) for layer, xs in zip(layers, inputs) if name in layer
+                 for weight in gemm_weights(*layer[name][:2])]
+        _, row["cublas_ms"] = graph_ms(lambda g=gemms: [F.linear(x, w) for w, x in g], 50)
         for spec in args.sweep.split(","):
             config = tuple(int(v) for v in spec.split("x"))
             try:
