@@ -33,8 +33,9 @@ import triton.language as tl
 
 __all__ = ["MAX_ROWS", "decode_linear_triton", "launch_config", "supported"]
 
-# rows one program holds (a decode's responses on one rank); wider batches take cuBLAS
-MAX_ROWS = 64
+# rows one program holds (a decode's responses on one rank), one MMA's 16; wider batches take the modules (cuBLAS):
+# the launch configs were chosen at 8 rows, and more rows' tiles would not fit them in shared memory
+MAX_ROWS = 16
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
