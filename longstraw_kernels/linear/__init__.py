@@ -7,12 +7,17 @@ reference otherwise; LONGSTRAW_LINEAR_KERNEL=torch forces the reference (A/B run
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 
 from longstraw_kernels import kernel_choice, optional_module
 from longstraw_kernels.linear.reference import decode_linear_reference, rms_norm_one_plus
 
 __all__ = ["decode_linear", "decode_linear_reference", "kernel_entry", "kernel_serves", "rms_norm_one_plus"]
+
+log = logging.getLogger(__name__)
 
 
 def _module():
@@ -28,7 +33,20 @@ def kernel_entry(x: torch.Tensor, *weights: torch.Tensor):
     if not x.is_cuda:
         return None
     module = _module()
-    return module.decode_linear_triton if module is not None and module.supported(x, *weights) else None
+    if module is None:  # torch chosen, or no Triton (said at the run's start: FAST_PATHS)
+        return None
+    if not module.supported(x, *weights):
+        rows = x.numel() // max(x.shape[-1], 1)
+        _say_the_modules_run(rows, x.dtype, tuple(sorted({str(w.dtype) for w in weights})), module.MAX_ROWS)
+        return None
+    return module.decode_linear_triton
+
+
+@functools.cache
+def _say_the_modules_run(rows: int, dtype: torch.dtype, weight_dtypes: tuple, max_rows: int) -> None:
+    log.warning("decode linear kernel: %d rows of %s (weights %s) are not what it takes (at most %d rows, bf16/fp16, "
+                "contiguous in K); the modules run the decode's linears (cuBLAS and a kernel per norm, silu and add; "
+                "logged once)", rows, dtype, ", ".join(weight_dtypes), max_rows)
 
 
 def kernel_serves(x: torch.Tensor, *weights: torch.Tensor) -> bool:

@@ -82,3 +82,29 @@ def test_rows_strided_in_k_are_read_right():
     assert x_t.stride(-1) != 1 and res_t.stride(-1) != 1
     got = decode_linear_triton(x_t, weight, norm_K=norm_K, residual=res_t, config=SMALL)
     assert rel_err(got, decode_linear_reference(x, weight, norm_K=norm_K, residual_MN=residual)) < 2e-6
+
+
+def test_a_cuda_input_the_kernel_refuses_is_said_once(monkeypatch, caplog):
+    """On CUDA with Triton, an input the kernel does not take (here: more rows than MAX_ROWS) leaves the decode to
+    the modules, and says so once; torch chosen (or no Triton) says nothing here (the run's start does)."""
+    import types
+
+    from longstraw_kernels import linear
+    from longstraw_kernels.linear import triton_skinny
+
+    x = types.SimpleNamespace(is_cuda=True, shape=(32, 1, 64), dtype=torch.bfloat16, numel=lambda: 32 * 64)
+    weight = torch.zeros(16, 64, dtype=torch.bfloat16)
+    module = types.SimpleNamespace(supported=lambda x, *w: False, MAX_ROWS=triton_skinny.MAX_ROWS,
+                                   decode_linear_triton=triton_skinny.decode_linear_triton)
+    monkeypatch.setattr(linear, "_module", lambda: module)
+    linear._say_the_modules_run.cache_clear()
+    with caplog.at_level("WARNING", logger="longstraw_kernels.linear"):
+        assert linear.kernel_entry(x, weight) is None
+        assert linear.kernel_entry(x, weight) is None
+    said = [r.getMessage() for r in caplog.records if "decode linear kernel" in r.getMessage()]
+    assert len(said) == 1 and "32 rows" in said[0] and "at most 16 rows" in said[0]
+    module.supported = lambda x, *w: True
+    assert linear.kernel_entry(x, weight) is triton_skinny.decode_linear_triton
+    monkeypatch.setattr(linear, "_module", lambda: None)
+    caplog.clear()
+    assert linear.kernel_entry(x, weight) is None and not caplog.records
