@@ -86,6 +86,10 @@ class InProjections:
     def __call__(self, x_BTC: torch.Tensor) -> list[torch.Tensor]:
         return F.linear(x_BTC, self.weight_NC).split(self.sizes, dim=-1)
 
+    def weights(self) -> tuple[list[torch.Tensor], list[int]]:
+        """(the weights the products read: the one copy; each linear's out size)."""
+        return [self.weight_NC], self.sizes
+
 
 class EachLinear:
     """The same contract, the linears called one by one: not plain (LoRA, NF4, sharded parameters), or their copies
@@ -96,6 +100,10 @@ class EachLinear:
 
     def __call__(self, x_BTC: torch.Tensor) -> list[torch.Tensor]:
         return [m(x_BTC) for m in self.linears]
+
+    def weights(self) -> tuple[list[torch.Tensor], list[int]]:
+        """(each linear's weight; its out size)."""
+        return [m.weight.detach() for m in self.linears], [m.out_features for m in self.linears]
 
 
 # the most of a device's memory the concatenated input linears may take (a deterministic rule: the same choice, so
@@ -147,8 +155,8 @@ class KernelLinears:
 
     def __init__(self, layer, mixer_in, mlp_in, linear):
         self.layer, self.linear = layer, linear
-        self.mixer_weights, self.sizes = group_weights(mixer_in)
-        weights, sizes = group_weights(mlp_in)
+        self.mixer_weights, self.sizes = mixer_in.weights()
+        weights, sizes = mlp_in.weights()
         # the gate's and the up's rows of the one copy, or their own weights
         self.gate_NC, self.up_NC = weights[0].split(sizes) if len(weights) == 1 else weights
 
@@ -164,13 +172,6 @@ class KernelLinears:
         norm = self.layer.post_attention_layernorm
         act_BTI = self.linear(x_BTC, self.gate_NC, up_NK=self.up_NC, norm_K=norm.weight, eps=norm.eps)
         return self.linear(act_BTI, self.layer.mlp.down_proj.weight, residual=x_BTC)
-
-
-def group_weights(group: InProjections | EachLinear) -> tuple[list[torch.Tensor], list[int]]:
-    """(the weights a group's products read: its one concatenated copy, or each linear's; each linear's out size)."""
-    if isinstance(group, InProjections):
-        return [group.weight_NC], group.sizes
-    return [m.weight.detach() for m in group.linears], [m.out_features for m in group.linears]
 
 
 def output_linear(layer) -> nn.Module:
