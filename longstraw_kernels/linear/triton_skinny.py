@@ -12,8 +12,11 @@ kernel of their own around it. Here one launch does one linear with what surroun
     epilogue  glu: silu(x W^T) * (x U^T), the gate's and the up's weights read for the same columns (`up_NK`)
               residual: residual + y
 
-A program owns BLOCK_N output columns (of both weights under glu) and walks K in BLOCK_K steps; the rows, padded
-to tl.dot's 16, are all M. No split over K, so nothing is reduced across programs and each output is written once.
+A program owns BLOCK_N output columns (of both weights under glu) and walks K (or one of SPLIT parts of K) in
+BLOCK_K steps; the rows, padded to tl.dot's 16, are all M. Split over K (where the columns alone give too few
+programs), each part writes its fp32 sums to a workspace and counts itself in with an atomic add; the tile's last
+part adds the parts in order (deterministic: the same bits whichever part arrives last), applies the epilogue and
+sets the count back to zero.
 Rounding follows the modules (the norm's output, the product, silu's output and the sum in the activations'
 dtype); the norm's output is rounded before the rsqrt is applied, not after, which moves a product by about one
 rounding of the operand dtype.
@@ -40,11 +43,33 @@ _DTYPES = (torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, w_ptr, u_ptr, g_ptr, r_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_un, stride_rm,
-                   stride_om, eps,
+def _finish(acc, acc_up, sumsq, r_ptr, out_ptr, rows, cols, row_ok, col_ok, K, stride_rm, stride_om, eps,
+            NORM: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr):
+    """A tile's product [BLOCK_N, BLOCK_M] (fp32, over all of K) to its outputs: the norm's rsqrt, silu * up, the
+    residual, rounded as the modules round."""
+    dtype = out_ptr.dtype.element_ty
+    if NORM:
+        rstd = tl.rsqrt(sumsq / K + eps)
+        acc = acc * rstd[None, :]
+        acc_up = acc_up * rstd[None, :]
+    y = acc.to(dtype).to(tl.float32)
+    if GLU:
+        up = acc_up.to(dtype).to(tl.float32)
+        y = (y * tl.sigmoid(y)).to(dtype).to(tl.float32) * up
+    mask = col_ok[:, None] & row_ok[None, :]
+    if RESIDUAL:
+        r = tl.load(r_ptr + rows[None, :].to(tl.int64) * stride_rm + cols[:, None], mask=mask, other=0.0)
+        y = y.to(dtype).to(tl.float32) + r.to(tl.float32)
+    tl.store(out_ptr + rows[None, :].to(tl.int64) * stride_om + cols[:, None], y.to(dtype), mask=mask)
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, w_ptr, u_ptr, g_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_PART, stride_xm,
+                   stride_wn, stride_un, stride_rm, stride_om, eps,
                    NORM: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, INTERPRETED: tl.constexpr):
     pid = tl.program_id(0)
+    part = tl.program_id(1)  # which of the SPLIT parts of K: [part K_PART, (part + 1) K_PART)
     rows = tl.arange(0, BLOCK_M)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
@@ -58,9 +83,11 @@ def _skinny_kernel(x_ptr, w_ptr, u_ptr, g_ptr, r_ptr, out_ptr, M, N, K, stride_x
     x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
     w_cols = w_ptr + cols[:, None].to(tl.int64) * stride_wn
     u_cols = u_ptr + cols[:, None].to(tl.int64) * stride_un
-    for k0 in range(0, K, BLOCK_K):
+    k_begin = part * K_PART
+    k_end = tl.minimum(K, k_begin + K_PART)
+    for k0 in range(k_begin, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
+        k_ok = ks < k_end
         x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if NORM:
             xf = x.to(tl.float32)
@@ -77,26 +104,50 @@ def _skinny_kernel(x_ptr, w_ptr, u_ptr, g_ptr, r_ptr, out_ptr, M, N, K, stride_x
             if INTERPRETED:
                 u = u.to(tl.float32)
             acc_up += tl.dot(u, x_t)
-    if NORM:
-        rstd = tl.rsqrt(sumsq / K + eps)
-        acc = acc * rstd[None, :]
-        acc_up = acc_up * rstd[None, :]
-    y = acc.to(dtype).to(tl.float32)
-    if GLU:
-        up = acc_up.to(dtype).to(tl.float32)
-        y = (y * tl.sigmoid(y)).to(dtype).to(tl.float32) * up
-    mask = col_ok[:, None] & row_ok[None, :]
-    if RESIDUAL:
-        r = tl.load(r_ptr + rows[None, :].to(tl.int64) * stride_rm + cols[:, None], mask=mask, other=0.0)
-        y = y.to(dtype).to(tl.float32) + r.to(tl.float32)
-    tl.store(out_ptr + rows[None, :].to(tl.int64) * stride_om + cols[:, None], y.to(dtype), mask=mask)
+    if SPLIT == 1:
+        _finish(acc, acc_up, sumsq, r_ptr, out_ptr, rows, cols, row_ok, col_ok, K, stride_rm, stride_om, eps,
+                NORM, GLU, RESIDUAL)
+    else:
+        # each part leaves its fp32 sums in the workspace, [parts, tiles, (acc, acc_up, sumsq)]; the tile's last
+        # part to arrive (its counter) adds all of them in part order (the same sum whichever arrives last), writes
+        # the outputs and sets the counter back to 0 for the next launch
+        TILE: tl.constexpr = BLOCK_N * BLOCK_M
+        STRIDE: tl.constexpr = (2 * TILE if GLU else TILE) + BLOCK_M
+        tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + rows[None, :]
+        tiles = tl.num_programs(0)
+        mine = part_ptr + (part * tiles + pid).to(tl.int64) * STRIDE
+        tl.store(mine + tile, acc)
+        if GLU:
+            tl.store(mine + TILE + tile, acc_up)
+        if NORM:
+            tl.store(mine + STRIDE - BLOCK_M + rows, sumsq)
+        # every thread's stores issued before the (one-thread) release: CUTLASS's semaphore pattern
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for p in tl.static_range(SPLIT):
+                theirs = part_ptr + (p * tiles + pid).to(tl.int64) * STRIDE
+                # .cg: from L2, where the other parts' stores are, not a stale L1 line
+                acc += tl.load(theirs + tile, cache_modifier=".cg")
+                if GLU:
+                    acc_up += tl.load(theirs + TILE + tile, cache_modifier=".cg")
+                if NORM:
+                    sumsq += tl.load(theirs + STRIDE - BLOCK_M + rows, cache_modifier=".cg")
+            tl.atomic_xchg(count_ptr + pid, 0, sem="relaxed", scope="gpu")
+            _finish(acc, acc_up, sumsq, r_ptr, out_ptr, rows, cols, row_ok, col_ok, K, stride_rm, stride_om, eps,
+                    NORM, GLU, RESIDUAL)
 
 
-def launch_config(M: int, N: int, K: int, glu: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an M x K by N x K product (glu: two of them). Chosen on an
-    H200 (scripts/bench/bench_decode_linear.py): columns narrow enough for a program per SM or more, K in long
-    steps with several in flight, as a weight read at the bandwidth needs."""
-    return (64, 256, 4, 3) if N >= 4096 else (32, 256, 4, 4)
+def launch_config(M: int, N: int, K: int, glu: bool) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT) for an M x K by N x K product (glu: two of them). Chosen on
+    an H200 (scripts/bench/bench_decode_linear.py): columns narrow enough for a program per SM or more, K in long
+    steps with several in flight, as a weight read at the bandwidth needs; K split into 4 parts where the columns'
+    tiles alone would leave most SMs idle (qwen36_mini's N = 2,048: 32 tiles; 128 programs with the parts, 1.3-1.5x
+    faster). At N = 6,144 (97 tiles) parts made it slower (1.3x at 2 parts): a wave and a half of programs."""
+    return (64, 256, 4, 3, 1) if N > 3072 else (64, 128, 4, 4, 4)
 
 
 def supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -109,20 +160,32 @@ def supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
 
 def decode_linear_triton(x: torch.Tensor, weight_NK: torch.Tensor, *, up_NK: torch.Tensor | None = None,
                          norm_K: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
-                         config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                         config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """reference.decode_linear_reference's contract, one launch. config: launch_config's tuple (benchmarks)."""
     K, N = x.shape[-1], weight_NK.shape[0]
     # the kernel walks K with unit stride (a view may not: the decoder checked an example, not every input)
     x_MK = x.reshape(-1, K)
     x_MK = x_MK if x_MK.stride(-1) == 1 else x_MK.contiguous()
     M = x_MK.shape[0]
-    block_n, block_k, warps, stages = config or launch_config(M, N, K, up_NK is not None)
+    block_n, block_k, warps, stages, split = config or launch_config(M, N, K, up_NK is not None)
     residual_MN = None if residual is None else residual.reshape(M, N)
     if residual_MN is not None and residual_MN.stride(-1) != 1:
         residual_MN = residual_MN.contiguous()
     with contextlib.nullcontext() if torch.compiler.is_compiling() else torch.cuda.device_of(x):
-        out = _linear_op(x_MK, weight_NK, up_NK, norm_K, residual_MN, eps, block_n, block_k, warps, stages)
+        out = _linear_op(x_MK, weight_NK, up_NK, norm_K, residual_MN, eps, block_n, block_k, warps, stages, split)
     return out.view(*x.shape[:-1], N)
+
+
+# each column tile's count of the K parts done (split launches), per device: zero between launches (the last part
+# of a tile sets it back), so one buffer serves every launch on the device's stream and every CUDA graph replay
+_COUNTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counts(device: torch.device, tiles: int) -> torch.Tensor:
+    counts = _COUNTS.get(device)
+    if counts is None or counts.numel() < tiles:
+        counts = _COUNTS[device] = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
+    return counts
 
 
 # an opaque torch op around the launch, so that the compiled decode step calls the kernel as it is. Not a
@@ -131,21 +194,32 @@ def decode_linear_triton(x: torch.Tensor, weight_NK: torch.Tensor, *, up_NK: tor
 @torch.library.custom_op("longstraw::decode_linear", mutates_args=())
 def _linear_op(x_MK: torch.Tensor, weight_NK: torch.Tensor, up_NK: torch.Tensor | None, norm_K: torch.Tensor | None,
                residual_MN: torch.Tensor | None, eps: float, block_n: int, block_k: int, warps: int,
-               stages: int) -> torch.Tensor:
+               stages: int, split: int) -> torch.Tensor:
     M, K = x_MK.shape
     N = weight_NK.shape[0]
     out = x_MK.new_empty(M, N)
     # an absent operand's pointer: any tensor (its loads are compiled out)
     up = weight_NK if up_NK is None else up_NK
-    _skinny_kernel[(triton.cdiv(N, block_n),)](
+    tiles, block_m = triton.cdiv(N, block_n), max(16, triton.next_power_of_2(M))
+    # K in `split` parts of whole BLOCK_K steps; fewer parts where K has fewer steps
+    k_part = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
+    split = triton.cdiv(K, k_part)
+    if split > 1:
+        part_floats = (2 if up_NK is not None else 1) * block_n * block_m + block_m
+        parts = torch.empty(split * tiles * part_floats, dtype=torch.float32, device=x_MK.device)
+        counts = _counts(x_MK.device, tiles)
+    else:
+        parts = counts = out  # not read
+    _skinny_kernel[(tiles, split)](
         x_MK, weight_NK, up, x_MK if norm_K is None else norm_K, out if residual_MN is None else residual_MN, out,
-        M, N, K, x_MK.stride(0), weight_NK.stride(0), up.stride(0), 0 if residual_MN is None else residual_MN.stride(0),
-        out.stride(0), eps, NORM=norm_K is not None, GLU=up_NK is not None, RESIDUAL=residual_MN is not None,
-        BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k,
-        INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps, num_stages=stages)
+        parts, counts, M, N, K, k_part, x_MK.stride(0), weight_NK.stride(0), up.stride(0),
+        0 if residual_MN is None else residual_MN.stride(0), out.stride(0), eps,
+        NORM=norm_K is not None, GLU=up_NK is not None, RESIDUAL=residual_MN is not None, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
+        num_warps=warps, num_stages=stages)
     return out
 
 
 @_linear_op.register_fake
-def _(x_MK, weight_NK, up_NK, norm_K, residual_MN, eps, block_n, block_k, warps, stages):
+def _(x_MK, weight_NK, up_NK, norm_K, residual_MN, eps, block_n, block_k, warps, stages, split):
     return x_MK.new_empty(x_MK.shape[0], weight_NK.shape[0])

@@ -25,8 +25,9 @@ EPS = 1e-6
 
 
 def layer_linears(cfg) -> list[dict]:
-    """Each layer's four fused linears: name -> (weight, up's weight or None, norm, residual) as the decode step runs
-    them."""
+    """Each layer's four fused linears: name -> (weight, up's weight or None, norm, residual, the modules' GEMM weight)
+    as the decode step runs them; the modules run gate and up as one GEMM over their concatenated weight (the
+    decoder's copy; here gate and up are two views of it)."""
     C, bf16 = cfg.hidden_size, {"device": "cuda", "dtype": torch.bfloat16}
     layers = []
     for kind in cfg.layer_types:
@@ -36,11 +37,14 @@ def layer_linears(cfg) -> list[dict]:
         else:
             q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
             mixer_in, mixer_out = 2 * q + 2 * kv, q
+        w_in, w_out = torch.randn(mixer_in, C, **bf16) * 0.02, torch.randn(C, mixer_out, **bf16) * 0.02
+        gate_up = torch.randn(2 * cfg.intermediate_size, C, **bf16) * 0.02
+        down = torch.randn(C, cfg.intermediate_size, **bf16) * 0.02
         layers.append({
-            f"{kind}.in": (torch.randn(mixer_in, C, **bf16) * 0.02, None, True, False),
-            f"{kind}.out": (torch.randn(C, mixer_out, **bf16) * 0.02, None, False, True),
-            "mlp.gate_up": (*torch.randn(2 * cfg.intermediate_size, C, **bf16).mul_(0.02).chunk(2), True, False),
-            "mlp.down": (torch.randn(C, cfg.intermediate_size, **bf16) * 0.02, None, False, True),
+            f"{kind}.in": (w_in, None, True, False, w_in),
+            f"{kind}.out": (w_out, None, False, True, w_out),
+            "mlp.gate_up": (*gate_up.chunk(2), True, False, gate_up),
+            "mlp.down": (down, None, False, True, down),
         })
     return layers
 
@@ -55,22 +59,16 @@ def rel(y: torch.Tensor, oracle: torch.Tensor) -> float:
     return ((y.double() - oracle).norm() / oracle.norm()).item()
 
 
-def gemm_weights(w: torch.Tensor, up: torch.Tensor | None) -> list[torch.Tensor]:
-    """What the modules' decode multiplies by: gate and up as one GEMM over their concatenated weight (the decoder's
-    copy; here the two are views of it), any other linear its own weight."""
-    return [w if up is None else w._base]
-
-
 def run_all(layers, inputs, norm_K, form, configs=None, only=None):
     outs = []
     for layer, layer_inputs in zip(layers, inputs):
-        for name, (w, up, norm, residual) in layer.items():
+        for name, (w, up, norm, residual, gemm) in layer.items():
             if only is not None and name != only:
                 continue
             x, r = layer_inputs[name]
             kwargs = dict(up_NK=up, norm_K=norm_K if norm else None, eps=EPS)
             if form == "torch" and up is not None:  # as the modules run it: one GEMM, then silu(gate) * up
-                gate, up_out = F.linear(rms_norm_one_plus(x, norm_K, EPS), gemm_weights(w, up)[0]).chunk(2, dim=-1)
+                gate, up_out = F.linear(rms_norm_one_plus(x, norm_K, EPS), gemm).chunk(2, dim=-1)
                 outs.append(F.silu(gate) * up_out)
             elif form == "torch":
                 outs.append(decode_linear_reference(x, w, **kwargs, residual_MN=r if residual else None))
@@ -85,8 +83,10 @@ def main(argv=None):
     p.add_argument("--shape", default="qwen36_mini")
     p.add_argument("--tokens", type=int, default=8)
     p.add_argument("--rate", type=float, default=4.09, help="TB/s for bound_ms")
-    p.add_argument("--sweep", default="64x256x4x3,64x256x4x4,64x512x4x2,64x512x4x3,32x512x4x3,32x256x4x5,16x512x4x3,"
-                                       "64x256x8x3,128x256x8x3,32x256x4x4", help="BLOCK_N x BLOCK_K x warps x stages")
+    p.add_argument("--sweep", default="64x256x4x3,32x256x4x4,32x256x4x4x2,32x256x4x4x3,32x256x4x4x4,32x256x4x4x6,"
+                                       "64x256x4x3x2,64x256x4x3x3,64x256x4x3x4,16x256x4x4x4,32x128x4x4x4,"
+                                       "64x128x4x4x4,32x256x4x3x8,128x256x4x3x4",
+                   help="BLOCK_N x BLOCK_K x warps x stages [x SPLIT: parts of K, 1 when left out]")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     torch.manual_seed(0)
@@ -100,7 +100,7 @@ def main(argv=None):
     # error against fp64, one layer of each kind
     seen = set()
     for layer, layer_inputs in zip(layers, inputs):
-        for name, (w, up, norm, residual) in layer.items():
+        for name, (w, up, norm, residual, _) in layer.items():
             if name in seen:
                 continue
             seen.add(name)
@@ -125,11 +125,10 @@ def main(argv=None):
         row = {**base, "kind": name, "layers": sum(name in layer for layer in layers), "weights_mb": weights / 1e6,
                "bound_ms": weights / (args.rate * 1e9), "torch_eager_ms": torch_ms}
         # the GEMMs alone (cuBLAS), without what surrounds them
-        gemms = [(weight, xs[name][0]) for layer, xs in zip(layers, inputs) if name in layer
-                 for weight in gemm_weights(*layer[name][:2])]
+        gemms = [(layer[name][-1], xs[name][0]) for layer, xs in zip(layers, inputs) if name in layer]
         _, row["cublas_ms"] = graph_ms(lambda g=gemms: [F.linear(x, w) for w, x in g], 50)
         for spec in args.sweep.split(","):
-            config = tuple(int(v) for v in spec.split("x"))
+            config = (*(int(v) for v in spec.split("x")), 1)[:5]
             try:
                 _, row[f"kernel_{spec}_ms"] = graph_ms(
                     lambda n=name, c=config: run_all(layers, inputs, norm_K, "kernel", {n: c}, only=n), 50)

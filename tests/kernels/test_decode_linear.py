@@ -12,8 +12,10 @@ from longstraw_cli.models.qwen36.model import RMSNorm
 from longstraw_kernels.linear import decode_linear, decode_linear_reference
 from longstraw_kernels.linear.triton_skinny import decode_linear_triton, launch_config
 
-# small blocks, so that a few columns and 80 inputs take several programs and three K steps
-SMALL = (16, 32, 4, 1)
+# small blocks, so that a few columns and 80 inputs take several programs and three K steps; K in one part, or
+# split into two and three parts (the counted, last-part reduction), the last of them ragged or empty of steps
+SMALL = (16, 32, 4, 1, 1)
+SPLITS = [SMALL, (16, 32, 4, 1, 2), (16, 32, 4, 1, 3)]
 
 
 def operands(M, N, K, dtype, glu=False, seed=0):
@@ -33,12 +35,13 @@ def operands(M, N, K, dtype, glu=False, seed=0):
 @pytest.mark.parametrize("M, N, K", [(1, 16, 80), (3, 40, 80), (8, 33, 64), (17, 20, 96)])
 @pytest.mark.parametrize("norm, glu, residual", [(False, False, False), (True, False, False), (True, True, False),
                                                  (False, False, True), (True, True, True)])
-def test_kernel_equals_the_reference(dtype, bound, M, N, K, norm, glu, residual):
+@pytest.mark.parametrize("config", SPLITS, ids=lambda c: f"split{c[-1]}")
+def test_kernel_equals_the_reference(dtype, bound, M, N, K, norm, glu, residual, config):
     x, (weight, up), norm_K, residual_MN = operands(M, N, K, dtype, glu)
     if up is not None and M % 2:  # odd M: the up's weight a tensor of its own, not a view beside the gate's
         up = up.clone()
     kwargs = dict(up_NK=up, norm_K=norm_K if norm else None, eps=1e-6)
-    got = decode_linear_triton(x, weight, **kwargs, residual=residual_MN if residual else None, config=SMALL)
+    got = decode_linear_triton(x, weight, **kwargs, residual=residual_MN if residual else None, config=config)
     if dtype == torch.bfloat16:
         x, weight, norm_K, residual_MN = (t.double() for t in (x, weight, norm_K, residual_MN))
         kwargs.update(up_NK=None if up is None else up.double(), norm_K=norm_K if norm else None)
@@ -108,3 +111,16 @@ def test_a_cuda_input_the_kernel_refuses_is_said_once(monkeypatch, caplog):
     monkeypatch.setattr(linear, "_module", lambda: None)
     caplog.clear()
     assert linear.kernel_entry(x, weight) is None and not caplog.records
+
+
+def test_split_launches_leave_their_counts_at_zero():
+    """The K parts' counters are shared by every launch on a device: each split launch sets its tiles' back to 0, so
+    the next launch (or a CUDA graph's next replay) reduces as the first did, bit for bit."""
+    from longstraw_kernels.linear import triton_skinny
+
+    x, (weight, up), norm_K, residual = operands(5, 40, 96, torch.float32, glu=True)
+    kwargs = dict(up_NK=up, norm_K=norm_K, residual=residual, config=SPLITS[-1])
+    first = decode_linear_triton(x, weight, **kwargs)
+    assert not triton_skinny._COUNTS[x.device].any()
+    assert torch.equal(decode_linear_triton(x, weight, **kwargs), first)
+    assert rel_err(first, decode_linear_reference(x, weight, up_NK=up, norm_K=norm_K, residual_MN=residual)) < 2e-6

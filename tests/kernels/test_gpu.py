@@ -193,6 +193,37 @@ def test_decode_linear_kernel_is_as_close_to_fp64_as_the_modules(N, K, norm, glu
     assert rel_err(got, want) < 1e-2
 
 
+@pytest.mark.parametrize("N, K, norm, glu, residual", [
+    (2048, 6144, False, False, True),   # down, then the residual
+    (6144, 2048, True, True, False),    # gate and up after the norm (its sums of squares split too)
+    (6176, 2048, True, False, False),   # the GDN input linears after the norm
+])
+def test_decode_linear_split_over_k_is_exact_and_the_same_every_launch(N, K, norm, glu, residual):
+    """K in 2 to 8 parts, each tile's parts added by the last to arrive (an atomic count): within the modules' error
+    of fp64, and bit for bit the same over repeated launches (the parts are added in order, whichever is last)."""
+    from longstraw_kernels import linear
+    from longstraw_kernels.linear.triton_skinny import decode_linear_triton
+
+    g = torch.Generator(device="cuda").manual_seed(N * K)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device="cuda") * scale).to(torch.bfloat16)
+
+    x, w, up = randn(8, 1, K), randn(N, K, scale=K**-0.5), randn(N, K, scale=K**-0.5) if glu else None
+    norm_K, r = randn(K, scale=0.3) if norm else None, randn(8, 1, N) if residual else None
+    want = linear.decode_linear_reference(x, w, up_NK=up, norm_K=norm_K, residual_MN=r)
+    oracle = linear.decode_linear_reference(*(None if t is None else t.double() for t in (x, w)),
+                                            up_NK=None if up is None else up.double(),
+                                            norm_K=None if norm_K is None else norm_K.double(),
+                                            residual_MN=None if r is None else r.double())
+    for split in (2, 3, 4, 8):
+        config = (32, 256, 4, 4, split)
+        got = decode_linear_triton(x, w, up_NK=up, norm_K=norm_K, residual=r, config=config)
+        assert rel_err(got, oracle) < 1.5 * rel_err(want, oracle) + 1e-3, split
+        for _ in range(20):
+            assert torch.equal(decode_linear_triton(x, w, up_NK=up, norm_K=norm_K, residual=r, config=config), got)
+
+
 @pytest.mark.parametrize("T, H, G", [(1000, 2, 4), (4096, 16, 48), (77, 8, 16)])
 def test_fla_gdn_forward_matches_chunked_reference(T, H, G):
     from longstraw_kernels.gdn import gdn_chunked, gdn_forward
