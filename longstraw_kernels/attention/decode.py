@@ -26,8 +26,11 @@ from longstraw_kernels.attention.flash import FLASH_DTYPES
 
 __all__ = ["decode_pages_attention", "response_partials", "merge_partials", "cascade_decode_attention"]
 
-# thread blocks to aim for in one pages call: a few per SM of an H100/H200 (132 SMs)
-TARGET_BLOCKS = 512
+# thread blocks to aim for in one pages call. Fewer than an H200's 132 SMs: each block streams its range at the
+# bandwidth, and every split is a partial to write and merge. qwen36_mini's layer (262,144 pages, 2 kv heads, 64
+# rows), one CUDA graph of the compiled call on an H200: 256 splits (a target of 512) 0.183 ms, 128 0.149, 64 0.156,
+# 32 0.147, 16 0.153 (scripts/bench/bench_decode_pages.py; docs/BENCHMARKS.md)
+TARGET_BLOCKS = 64
 MIN_SPLIT = 1024
 
 

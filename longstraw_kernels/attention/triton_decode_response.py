@@ -33,7 +33,7 @@ __all__ = ["response_partials"]
 
 LOG2E = 1.4426950408889634
 BLOCK_S = 64
-# thread blocks to aim for: a few per SM of an H100/H200 (132 SMs), as decode.TARGET_BLOCKS for the pages
+# thread blocks to aim for: a few per SM of an H100/H200 (132 SMs)
 TARGET_PROGRAMS = 512
 
 
@@ -98,9 +98,10 @@ def response_partials(q_BQD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.T
         return _response_op(q_BQD.contiguous(), k_BSKD, v_BSKD, filled_1, scale, splits)
 
 
-# a torch op around the launch, so that the compiled decode step (qwen36/decode.py) takes the kernel as it is,
-# with the capacity S a dynamic size, instead of tracing into it
-@torch.library.triton_op("longstraw::decode_response_partials", mutates_args=())
+# an opaque torch op around the launch, so that the compiled decode step (qwen36/decode.py) calls the kernel as it
+# is, with the capacity S a dynamic size. Not a `triton_op`: inductor's own launch of the decode linear kernel ran
+# 2.3x slower than the opaque op's (linear/triton_skinny.py)
+@torch.library.custom_op("longstraw::decode_response_partials", mutates_args=())
 def _response_op(q_BQD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Tensor, filled_1: torch.Tensor,
                  scale: float, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
     B, Q, D = q_BQD.shape
@@ -110,10 +111,16 @@ def _response_op(q_BQD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKD: torch.Tensor
     slots_per_split = triton.cdiv(triton.cdiv(S, splits), BLOCK_S) * BLOCK_S
     out = q_BQD.new_empty(splits, B, Q, D, dtype=torch.float32)
     lse = q_BQD.new_empty(splits, B, Q, dtype=torch.float32)
-    torch.library.wrap_triton(_response_kernel)[(B * K, splits)](
+    _response_kernel[(B * K, splits)](
         q_BQD, k_BSKD, v_BSKD, filled_1, out, lse, K, G, slots_per_split,
         q_BQD.stride(0), q_BQD.stride(1), k_BSKD.stride(0), k_BSKD.stride(1), k_BSKD.stride(2),
         out.stride(0), lse.stride(0), scale * LOG2E,
         D=D, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_S=BLOCK_S,
         INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=4)
     return out, lse
+
+
+@_response_op.register_fake
+def _(q_BQD, k_BSKD, v_BSKD, filled_1, scale, splits):
+    B, Q, D = q_BQD.shape
+    return (q_BQD.new_empty(splits, B, Q, D, dtype=torch.float32), q_BQD.new_empty(splits, B, Q, dtype=torch.float32))
