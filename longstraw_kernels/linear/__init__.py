@@ -13,9 +13,10 @@ import logging
 import torch
 
 from longstraw_kernels import kernel_choice, optional_module
-from longstraw_kernels.linear.reference import decode_linear_reference, rms_norm_one_plus
+from longstraw_kernels.linear.reference import decode_linear_reference, gated_rms_norm, rms_norm_one_plus
 
-__all__ = ["decode_linear", "decode_linear_reference", "kernel_entry", "kernel_serves", "rms_norm_one_plus"]
+__all__ = ["decode_linear", "decode_linear_reference", "gate_serves", "gated_rms_norm", "kernel_entry",
+           "kernel_serves", "rms_norm_one_plus"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,13 @@ def _say_the_modules_run(rows: int, dtype: torch.dtype, weight_dtypes: tuple, ma
 def kernel_serves(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether `decode_linear(x, *weights, ...)` runs the Triton kernel."""
     return kernel_entry(x, *weights) is not None
+
+
+def gate_serves(K: int, gate_norm_V: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the kernel takes a gated norm with weight gate_norm_V (over heads of its length) before a linear of K
+    inputs of `dtype` (triton_skinny.gate_supported), where the kernel runs at all."""
+    module = _module()
+    return module is not None and module.gate_supported(K, gate_norm_V, dtype)
 
 
 def decode_linear(x: torch.Tensor, weight_NK: torch.Tensor, *, up_NK: torch.Tensor | None = None,

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["MAX_ROWS", "decode_linear_triton", "launch_config", "supported"]
+__all__ = ["MAX_ROWS", "decode_linear_triton", "gate_supported", "launch_config", "supported"]
 
 # rows one program holds (a decode's responses on one rank), one MMA's 16; wider batches take the modules (cuBLAS):
 # the launch configs were chosen at 8 rows, and more rows' tiles would not fit them in shared memory
@@ -64,10 +64,11 @@ def _finish(acc, acc_up, sumsq, r_ptr, out_ptr, rows, cols, row_ok, col_ok, K, s
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, w_ptr, u_ptr, g_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_PART, stride_xm,
-                   stride_wn, stride_un, stride_rm, stride_om, eps,
-                   NORM: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, INTERPRETED: tl.constexpr):
+def _skinny_kernel(x_ptr, w_ptr, u_ptr, g_ptr, z_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_PART,
+                   stride_xm, stride_wn, stride_un, stride_zm, stride_rm, stride_om, eps,
+                   NORM: tl.constexpr, GATED: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                   INTERPRETED: tl.constexpr):
     pid = tl.program_id(0)
     part = tl.program_id(1)  # which of the SPLIT parts of K: [part K_PART, (part + 1) K_PART)
     rows = tl.arange(0, BLOCK_M)
@@ -83,6 +84,7 @@ def _skinny_kernel(x_ptr, w_ptr, u_ptr, g_ptr, r_ptr, out_ptr, part_ptr, count_p
     x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
     w_cols = w_ptr + cols[:, None].to(tl.int64) * stride_wn
     u_cols = u_ptr + cols[:, None].to(tl.int64) * stride_un
+    z_rows = z_ptr + rows[:, None].to(tl.int64) * stride_zm
     k_begin = part * K_PART
     k_end = tl.minimum(K, k_begin + K_PART)
     for k0 in range(k_begin, k_end, BLOCK_K):
@@ -94,6 +96,13 @@ def _skinny_kernel(x_ptr, w_ptr, u_ptr, g_ptr, r_ptr, out_ptr, part_ptr, count_p
             sumsq += tl.sum(xf * xf, 1)
             g = tl.load(g_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
             x = (xf * (1.0 + g)[None, :]).to(dtype)
+        if GATED:  # one head a step (BLOCK_K is the head's size): its norm, w, silu(z), rounded as the module
+            xf = x.to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(xf * xf, 1) / BLOCK_K + eps)
+            h = (xf * rstd[:, None]).to(dtype).to(tl.float32)
+            h = (tl.load(g_ptr + tl.arange(0, BLOCK_K)).to(tl.float32)[None, :] * h).to(dtype).to(tl.float32)
+            z = tl.load(z_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            x = (h * (z * tl.sigmoid(z))).to(dtype)
         w = tl.load(w_cols + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         if INTERPRETED:  # the interpreter's bf16 tl.dot is wrong: fp32 operands there
             x, w = x.to(tl.float32), w.to(tl.float32)
@@ -158,21 +167,40 @@ def supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
             and all(w.dtype == x.dtype and w.stride(-1) == 1 for w in weights))
 
 
+def gate_supported(K: int, gate_norm_V: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the kernel takes a gated norm over heads of V = len(gate_norm_V) features before a linear of K inputs:
+    V a power of two in [16, 256] (a head is one K step) that divides K, the norm's weight in the rows' dtype."""
+    V = gate_norm_V.shape[0]
+    return 16 <= V <= 256 and V & (V - 1) == 0 and K % V == 0 and gate_norm_V.dtype == dtype
+
+
 def decode_linear_triton(x: torch.Tensor, weight_NK: torch.Tensor, *, up_NK: torch.Tensor | None = None,
                          norm_K: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
+                         gate: torch.Tensor | None = None, gate_norm_V: torch.Tensor | None = None,
                          config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
-    """reference.decode_linear_reference's contract, one launch. config: launch_config's tuple (benchmarks)."""
+    """reference.decode_linear_reference's contract (gate: its gate_MK), one launch. config: launch_config's tuple
+    (benchmarks); under a gated norm its BLOCK_K is the head's size."""
     K, N = x.shape[-1], weight_NK.shape[0]
     # the kernel walks K with unit stride (a view may not: the decoder checked an example, not every input)
     x_MK = x.reshape(-1, K)
     x_MK = x_MK if x_MK.stride(-1) == 1 else x_MK.contiguous()
     M = x_MK.shape[0]
     block_n, block_k, warps, stages, split = config or launch_config(M, N, K, up_NK is not None)
+    gate_MK = None
+    if gate is not None or gate_norm_V is not None:
+        if gate is None or gate_norm_V is None or norm_K is not None or not gate_supported(K, gate_norm_V, x.dtype):
+            raise ValueError(f"the gated norm takes gate and gate_norm_V together, no norm_K, and heads of a power of "
+                             f"two in [16, 256] dividing K = {K}, the norm in the rows' dtype; got gate_norm_V "
+                             f"{None if gate_norm_V is None else (tuple(gate_norm_V.shape), gate_norm_V.dtype)}")
+        gate_MK = gate.reshape(M, K)
+        gate_MK = gate_MK if gate_MK.stride(-1) == 1 else gate_MK.contiguous()
+        block_k = gate_norm_V.shape[0]
     residual_MN = None if residual is None else residual.reshape(M, N)
     if residual_MN is not None and residual_MN.stride(-1) != 1:
         residual_MN = residual_MN.contiguous()
     with contextlib.nullcontext() if torch.compiler.is_compiling() else torch.cuda.device_of(x):
-        out = _linear_op(x_MK, weight_NK, up_NK, norm_K, residual_MN, eps, block_n, block_k, warps, stages, split)
+        out = _linear_op(x_MK, weight_NK, up_NK, norm_K if gate_MK is None else gate_norm_V, gate_MK, residual_MN,
+                         eps, block_n, block_k, warps, stages, split)
     return out.view(*x.shape[:-1], N)
 
 
@@ -193,8 +221,9 @@ def _counts(device: torch.device, tiles: int) -> torch.Tensor:
 # 2.71 ms against 1.20 ms eager; docs/BENCHMARKS.md)
 @torch.library.custom_op("longstraw::decode_linear", mutates_args=())
 def _linear_op(x_MK: torch.Tensor, weight_NK: torch.Tensor, up_NK: torch.Tensor | None, norm_K: torch.Tensor | None,
-               residual_MN: torch.Tensor | None, eps: float, block_n: int, block_k: int, warps: int,
-               stages: int, split: int) -> torch.Tensor:
+               gate_MK: torch.Tensor | None, residual_MN: torch.Tensor | None, eps: float, block_n: int,
+               block_k: int, warps: int, stages: int, split: int) -> torch.Tensor:
+    """norm_K: the input norm's weight, or with gate_MK the gated norm's [V]."""
     M, K = x_MK.shape
     N = weight_NK.shape[0]
     out = x_MK.new_empty(M, N)
@@ -210,16 +239,19 @@ def _linear_op(x_MK: torch.Tensor, weight_NK: torch.Tensor, up_NK: torch.Tensor 
         counts = _counts(x_MK.device, tiles)
     else:
         parts = counts = out  # not read
+    gated = gate_MK is not None
     _skinny_kernel[(tiles, split)](
-        x_MK, weight_NK, up, x_MK if norm_K is None else norm_K, out if residual_MN is None else residual_MN, out,
-        parts, counts, M, N, K, k_part, x_MK.stride(0), weight_NK.stride(0), up.stride(0),
+        x_MK, weight_NK, up, x_MK if norm_K is None else norm_K, gate_MK if gated else x_MK,
+        out if residual_MN is None else residual_MN, out, parts, counts, M, N, K, k_part, x_MK.stride(0),
+        weight_NK.stride(0), up.stride(0), gate_MK.stride(0) if gated else 0,
         0 if residual_MN is None else residual_MN.stride(0), out.stride(0), eps,
-        NORM=norm_K is not None, GLU=up_NK is not None, RESIDUAL=residual_MN is not None, BLOCK_M=block_m,
+        NORM=norm_K is not None and not gated, GATED=gated, GLU=up_NK is not None, RESIDUAL=residual_MN is not None,
+        BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=warps, num_stages=stages)
     return out
 
 
 @_linear_op.register_fake
-def _(x_MK, weight_NK, up_NK, norm_K, residual_MN, eps, block_n, block_k, warps, stages, split):
+def _(x_MK, weight_NK, up_NK, norm_K, gate_MK, residual_MN, eps, block_n, block_k, warps, stages, split):
     return x_MK.new_empty(x_MK.shape[0], weight_NK.shape[0])

@@ -124,3 +124,47 @@ def test_split_launches_leave_their_counts_at_zero():
     assert not triton_skinny._COUNTS[x.device].any()
     assert torch.equal(decode_linear_triton(x, weight, **kwargs), first)
     assert rel_err(first, decode_linear_reference(x, weight, up_NK=up, norm_K=norm_K, residual_MN=residual)) < 2e-6
+
+
+@pytest.mark.parametrize("dtype, bound", [(torch.float32, 2e-6), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("M, N, K", [(1, 16, 64), (3, 40, 80), (8, 33, 96)])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("config", SPLITS, ids=lambda c: f"split{c[-1]}")
+def test_gated_norm_prologue_equals_the_reference(dtype, bound, M, N, K, residual, config):
+    """GDN's output norm (each head of 16 features normalised, scaled by w, times silu(z)) in the prologue of its
+    output linear, one head a K step; z's rows strided, as a split of the input linears' product leaves them."""
+    x, (weight, _), _, residual_MN = operands(M, N, K, dtype, seed=1)
+    g = torch.Generator().manual_seed(2)
+    z = torch.randn(M, 2 * K, generator=g).to(dtype)[:, K // 2:K // 2 + K]
+    w = (1 + 0.3 * torch.randn(16, generator=g)).to(dtype)
+    got = decode_linear_triton(x, weight, gate=z, gate_norm_V=w, residual=residual_MN if residual else None,
+                               config=config)
+    wide = (lambda t: t.double()) if dtype == torch.bfloat16 else (lambda t: t)
+    want = decode_linear_reference(wide(x), wide(weight), gate_MK=wide(z), gate_norm_V=wide(w),
+                                   residual_MN=wide(residual_MN) if residual else None)
+    assert got.dtype == dtype and got.shape == (M, N)
+    assert rel_err(got, want) < bound
+
+
+def test_the_gated_reference_is_the_models_norm_then_the_linear():
+    """fp64: qwen36's GatedRMSNorm over [M, heads, V], heads joined, then the linear and the residual."""
+    from longstraw_cli.models.qwen36.model import GatedRMSNorm
+
+    x, (weight, _), _, residual = operands(4, 12, 64, torch.float64)
+    z = torch.randn(4, 64, dtype=torch.float64)
+    module = GatedRMSNorm(16, eps=1e-6).double()
+    module.weight.data.normal_()
+    want = residual + F.linear(module(x.reshape(4, 4, 16), z.reshape(4, 4, 16)).reshape(4, 64), weight)
+    got = decode_linear_reference(x, weight, gate_MK=z, gate_norm_V=module.weight.data, eps=1e-6, residual_MN=residual)
+    assert torch.equal(got, want)
+
+
+def test_a_gated_norm_the_kernel_does_not_take_is_refused():
+    x, (weight, _), norm_K, _ = operands(2, 8, 48, torch.float32)
+    z = torch.randn(2, 48)
+    with pytest.raises(ValueError, match="gated norm"):  # heads of 24: not a power of two
+        decode_linear_triton(x, weight, gate=z, gate_norm_V=torch.ones(24))
+    with pytest.raises(ValueError, match="gated norm"):  # beside the input norm
+        decode_linear_triton(x, weight, gate=z, gate_norm_V=torch.ones(16), norm_K=norm_K)
+    with pytest.raises(ValueError, match="gated norm"):
+        decode_linear_reference(x, weight, gate_MK=z)

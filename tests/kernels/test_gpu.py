@@ -224,6 +224,29 @@ def test_decode_linear_split_over_k_is_exact_and_the_same_every_launch(N, K, nor
             assert torch.equal(decode_linear_triton(x, w, up_NK=up, norm_K=norm_K, residual=r, config=config), got)
 
 
+@pytest.mark.parametrize("config", [None, (64, 128, 4, 4, 1)])
+def test_decode_linear_gated_norm_prologue_is_as_close_to_fp64_as_the_modules(config):
+    """qwen36_mini's GDN output: the gated norm (16 heads of 128) in out_proj's prologue, the residual after, at the
+    default launch (K in parts) and unsplit."""
+    from longstraw_kernels import linear
+    from longstraw_kernels.linear.triton_skinny import decode_linear_triton
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device="cuda") * scale).to(torch.bfloat16)
+
+    x, z, r = randn(8, 1, 2048), randn(8, 1, 4096)[..., 1024:3072], randn(8, 1, 2048)
+    w, norm = randn(2048, 2048, scale=2048**-0.5), 1 + randn(128, scale=0.3)
+    assert linear.gate_serves(2048, norm, torch.bfloat16)
+    got = decode_linear_triton(x, w, gate=z, gate_norm_V=norm, residual=r, config=config)
+    want = linear.decode_linear_reference(x, w, gate_MK=z, gate_norm_V=norm, residual_MN=r)
+    oracle = linear.decode_linear_reference(x.double(), w.double(), gate_MK=z.double(), gate_norm_V=norm.double(),
+                                            residual_MN=r.double())
+    assert rel_err(got, oracle) < 1.5 * rel_err(want, oracle) + 1e-3
+    assert rel_err(got, want) < 1e-2
+
+
 @pytest.mark.parametrize("T, H, G", [(1000, 2, 4), (4096, 16, 48), (77, 8, 16)])
 def test_fla_gdn_forward_matches_chunked_reference(T, H, G):
     from longstraw_kernels.gdn import gdn_chunked, gdn_forward

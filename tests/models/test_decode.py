@@ -254,9 +254,9 @@ def test_qwen36_decode_through_the_gdn_step_kernels_equals_the_references(monkey
 def test_qwen36_decode_through_the_linear_kernel_equals_the_modules(monkeypatch, copies):
     """qwen36's decoder with every layer's linears through the decode linear kernel (`linear/triton_skinny.py`,
     Triton's interpreter on CPU, taken as on CUDA: norms in the input linears, silu * up and the residual adds in
-    their epilogues), against the same decoder on the modules: the same logits over a few steps (fp32); four
-    launches a layer where the input groups are concatenated copies, and where they are not, one per input linear
-    (GDN 4, attention 3) and three more."""
+    their epilogues, GDN's gated output norm in its out_proj's prologue), against the same decoder on the modules:
+    the same logits over a few steps (fp32); four launches a layer where the input groups are concatenated copies,
+    and where they are not, one per input linear (GDN 4, attention 3) and three more."""
     from longstraw_cli.models.qwen36 import decode as qwen36_decode
     from longstraw_kernels.linear import triton_skinny
 
@@ -285,8 +285,10 @@ def test_qwen36_decode_through_the_linear_kernel_equals_the_modules(monkeypatch,
     layers = len(model.model.layers)
     gdn = sum(not layer.is_attention for layer in model.model.layers)
     inputs = layers if copies else 4 * gdn + 3 * (layers - gdn)
-    assert calls == {("norm_K",): steps * inputs, ("residual",): 2 * steps * layers,
-                     ("up_NK", "norm_K"): steps * layers}
+    # GDN's output norm in its out_proj's prologue (heads of 16 at qwen36_tiny)
+    assert all(linears.gated is not layer.is_attention for linears, layer in zip(kernels.linears, model.model.layers))
+    assert calls == {("norm_K",): steps * inputs, ("residual",): steps * (2 * layers - gdn),
+                     ("gate", "gate_norm_V", "residual"): steps * gdn, ("up_NK", "norm_K"): steps * layers}
 
 
 def test_offloaded_decode_keeps_latent_pages_on_the_host_and_moves_index_keys_once():

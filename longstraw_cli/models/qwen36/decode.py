@@ -53,7 +53,7 @@ from longstraw_cli.resident import Resident
 from longstraw_cli.resident.offload import device_total_bytes, left_on_host, rollout_pages, stage_rollout_pages
 from longstraw_kernels.attention.decode import cascade_decode_attention, decode_pages_attention
 from longstraw_kernels.gdn import conv_step, gdn_decode
-from longstraw_kernels.linear import kernel_entry
+from longstraw_kernels.linear import gate_serves, kernel_entry
 
 
 class ResponseKV(ResponseSlots):
@@ -143,18 +143,23 @@ class ModuleLinears:
     def mixer_residual(self, x_BTC: torch.Tensor, gated_BTX: torch.Tensor) -> torch.Tensor:
         return x_BTC + output_linear(self.layer)(gated_BTX)
 
+    def gdn_residual(self, x_BTC: torch.Tensor, o_BTGV: torch.Tensor, z_BTX: torch.Tensor) -> torch.Tensor:
+        """GDN's output: its gated norm of the recurrence's output by z, out_proj, the residual add."""
+        return self.mixer_residual(x_BTC, self.layer.linear_attn.gated(o_BTGV, z_BTX))
+
     def mlp_residual(self, x_BTC: torch.Tensor) -> torch.Tensor:
         return x_BTC + self.layer.mlp.swiglu(*self.mlp_in(self.layer.post_attention_layernorm(x_BTC)))
 
 
 class KernelLinears:
     """The same, four launches of the decode linear kernel (longstraw_kernels/linear): the norms in the input linears'
-    prologue, silu * up and the residual adds in their epilogues. The input groups' weights: the concatenated copy
-    (`InProjections`) where the decoder made one, else each linear's own (one launch each). `linear`: the kernel's
-    entry (`kernel_entry`), looked up once, outside the compiled step."""
+    prologue (GDN's gated output norm too, where `gated` says the kernel takes it), silu * up and the residual adds
+    in their epilogues. The input groups' weights: the concatenated copy (`InProjections`) where the decoder made
+    one, else each linear's own (one launch each). `linear`: the kernel's entry (`kernel_entry`), looked up once,
+    outside the compiled step."""
 
-    def __init__(self, layer, mixer_in, mlp_in, linear):
-        self.layer, self.linear = layer, linear
+    def __init__(self, layer, mixer_in, mlp_in, linear, gated: bool = False):
+        self.layer, self.linear, self.gated = layer, linear, gated
         self.mixer_weights, self.sizes = mixer_in.weights()
         weights, sizes = mlp_in.weights()
         # the gate's and the up's rows of the one copy, or their own weights
@@ -167,6 +172,14 @@ class KernelLinears:
 
     def mixer_residual(self, x_BTC: torch.Tensor, gated_BTX: torch.Tensor) -> torch.Tensor:
         return self.linear(gated_BTX, output_linear(self.layer).weight, residual=x_BTC)
+
+    def gdn_residual(self, x_BTC: torch.Tensor, o_BTGV: torch.Tensor, z_BTX: torch.Tensor) -> torch.Tensor:
+        gdn = self.layer.linear_attn
+        if not self.gated:
+            return self.mixer_residual(x_BTC, gdn.gated(o_BTGV, z_BTX))
+        B, T = z_BTX.shape[:2]
+        return self.linear(o_BTGV.reshape(B, T, -1), gdn.out_proj.weight, gate=z_BTX, gate_norm_V=gdn.norm.weight,
+                           eps=gdn.norm.eps, residual=x_BTC)
 
     def mlp_residual(self, x_BTC: torch.Tensor) -> torch.Tensor:
         norm = self.layer.post_attention_layernorm
@@ -190,7 +203,12 @@ def layer_linears(layer, groups, projections, example_BTC: torch.Tensor,
     entry = None
     if fusable(linears) and all(type(n) is norm_type for n in norms):
         entry = kernel_entry(example_BTC, *(m.weight for m in linears))
-    return ModuleLinears(layer, *projections) if entry is None else KernelLinears(layer, *projections, entry)
+    if entry is None:
+        return ModuleLinears(layer, *projections)
+    # GDN's output norm in out_proj's prologue where the kernel takes its heads
+    gated = not layer.is_attention and gate_serves(output_linear(layer).in_features, layer.linear_attn.norm.weight,
+                                                   example_BTC.dtype)
+    return KernelLinears(layer, *projections, entry, gated)
 
 
 def fused_bytes(model) -> int:
@@ -244,11 +262,11 @@ class Qwen36Decoder(StaticDecoder):
         for i, (layer, state, linears) in enumerate(zip(model.model.layers, self.layers, self.linears)):
             inputs = linears.mixer_inputs(x_BTC)
             if layer.is_attention:
-                gated_BTX = self._attention(layer.self_attn, inputs, positions_1, stage(i), state)
+                x_BTC = linears.mixer_residual(
+                    x_BTC, self._attention(layer.self_attn, inputs, positions_1, stage(i), state))
             else:
-                gated_BTX = self._gdn(layer.linear_attn, inputs, state)
-            # the layer's mlp_residual
-            x_BTC = linears.mlp_residual(linears.mixer_residual(x_BTC, gated_BTX))
+                x_BTC = linears.gdn_residual(x_BTC, *self._gdn(layer.linear_attn, inputs, state))
+            x_BTC = linears.mlp_residual(x_BTC)
         return self.logits(x_BTC)
 
     def _attention(self, attn, qkv: list[torch.Tensor], positions_1, pages, kv: ResponseKV):
@@ -261,9 +279,9 @@ class Qwen36Decoder(StaticDecoder):
 
     @staticmethod
     def _gdn(gdn, inputs: list[torch.Tensor], state: ResponseRecurrent):
+        """-> (the recurrence's output o_BTGV, the gate z_BTX of its output norm)."""
         mixed_BTX, z_BTX, b_BTG, a_BTG = inputs
         # on CUDA two launches: the conv (its window moved on in place), then the q/k norms, the gates and the
         # recurrence (the state advanced in place)
         q_BTHK, k_BTHK, v_BTGV = gdn.split_heads(conv_step(mixed_BTX, state.conv_BXW, gdn.conv1d.weight))
-        o_BTGV = gdn_decode(q_BTHK, k_BTHK, v_BTGV, a_BTG, b_BTG, gdn.A_log, gdn.dt_bias, state.ssm_BGKV)
-        return gdn.gated(o_BTGV, z_BTX)
+        return gdn_decode(q_BTHK, k_BTHK, v_BTGV, a_BTG, b_BTG, gdn.A_log, gdn.dt_bias, state.ssm_BGKV), z_BTX

@@ -36,7 +36,7 @@ from longstraw_kernels.attention import blockwise_causal_attention, replay_atten
 from longstraw_kernels.attention.decode import decode_pages_attention
 from longstraw_kernels.gdn import gdn_forward
 from longstraw_kernels.gdn.reference import causal_conv_silu, gdn_decay, l2norm
-from longstraw_kernels.linear import rms_norm_one_plus
+from longstraw_kernels.linear import gated_rms_norm, rms_norm_one_plus
 
 
 class RMSNorm(nn.Module):
@@ -61,10 +61,7 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        h = at_least_fp32(x)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = self.weight * h.to(x.dtype)
-        return (h * F.silu(at_least_fp32(z))).to(x.dtype)
+        return gated_rms_norm(x, z, self.weight, self.eps)
 
 
 def rope_cos_sin(positions_T: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype):
