@@ -63,10 +63,13 @@ def gate_serves(K: int, gate_norm_V: torch.Tensor, dtype: torch.dtype) -> bool:
 
 
 def decode_linear(x: torch.Tensor, weight_NK: torch.Tensor, *, up_NK: torch.Tensor | None = None,
-                  norm_K: torch.Tensor | None = None, eps: float = 1e-6,
-                  residual: torch.Tensor | None = None) -> torch.Tensor:
-    """[rmsnorm(x) or x] @ W^T; silu of it times [rmsnorm(x) or x] @ U^T where up_NK is given; + residual where
-    given (reference.py)."""
-    if kernel_serves(x, weight_NK, *([] if up_NK is None else [up_NK])):
-        return _module().decode_linear_triton(x, weight_NK, up_NK=up_NK, norm_K=norm_K, eps=eps, residual=residual)
-    return decode_linear_reference(x, weight_NK, up_NK=up_NK, norm_K=norm_K, eps=eps, residual_MN=residual)
+                  norm_K: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
+                  gate: torch.Tensor | None = None, gate_norm_V: torch.Tensor | None = None) -> torch.Tensor:
+    """[rmsnorm(x) or gatednorm(x, gate) or x] @ W^T; silu of it times the same @ U^T where up_NK is given;
+    + residual where given (reference.py)."""
+    serves = kernel_serves(x, weight_NK, *([] if up_NK is None else [up_NK]))
+    if serves and (gate_norm_V is None or gate_serves(x.shape[-1], gate_norm_V, x.dtype)):
+        return _module().decode_linear_triton(x, weight_NK, up_NK=up_NK, norm_K=norm_K, eps=eps, residual=residual,
+                                              gate=gate, gate_norm_V=gate_norm_V)
+    return decode_linear_reference(x, weight_NK, up_NK=up_NK, norm_K=norm_K, eps=eps, residual_MN=residual,
+                                   gate_MK=gate, gate_norm_V=gate_norm_V)

@@ -9,6 +9,8 @@ kernel of their own around it. Here one launch does one linear with what surroun
     prologue  RMSNorm of x scaled by (1 + g): x (1 + g) goes into the product, the rows' sum of squares is
               gathered on the way (each program reads all of x: B x K, a few tens of KB), and the product is
               scaled by rsqrt(mean + eps) at the end: a row's rsqrt is a common factor of its dot products
+              or GDN's gated output norm (gated_rms_norm): each K step is one head, normalised, scaled by the
+              norm's weight, times silu(z), before it goes into the product
     epilogue  glu: silu(x W^T) * (x U^T), the gate's and the up's weights read for the same columns (`up_NK`)
               residual: residual + y
 
@@ -154,8 +156,9 @@ def launch_config(M: int, N: int, K: int, glu: bool) -> tuple[int, int, int, int
     """(BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT) for an M x K by N x K product (glu: two of them). Chosen on
     an H200 (scripts/bench/bench_decode_linear.py): columns narrow enough for a program per SM or more, K in long
     steps with several in flight, as a weight read at the bandwidth needs; K split into 4 parts where the columns'
-    tiles alone would leave most SMs idle (qwen36_mini's N = 2,048: 32 tiles; 128 programs with the parts, 1.3-1.5x
-    faster). At N = 6,144 (97 tiles) parts made it slower (1.3x at 2 parts): a wave and a half of programs."""
+    tiles alone would leave most SMs idle (qwen36_mini's N = 2,048: 32 tiles; 128 programs with the parts, 1.2-1.5x
+    faster). At N of 6,144-9,216 (96-144 tiles) parts were slower in every config tried but one, unadopted (the
+    attention's input linears, 0.116 -> 0.085 ms at 64 x 64 and 3 parts)."""
     return (64, 256, 4, 3, 1) if N > 3072 else (64, 128, 4, 4, 4)
 
 
@@ -207,11 +210,15 @@ def decode_linear_triton(x: torch.Tensor, weight_NK: torch.Tensor, *, up_NK: tor
 # each column tile's count of the K parts done (split launches), per device: zero between launches (the last part
 # of a tile sets it back), so one buffer serves every launch on the device's stream and every CUDA graph replay
 _COUNTS: dict[torch.device, torch.Tensor] = {}
+# buffers a larger one replaced: a captured graph may still count in them, so they are never freed
+_REPLACED: list[torch.Tensor] = []
 
 
 def _counts(device: torch.device, tiles: int) -> torch.Tensor:
     counts = _COUNTS.get(device)
     if counts is None or counts.numel() < tiles:
+        if counts is not None:
+            _REPLACED.append(counts)
         counts = _COUNTS[device] = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
     return counts
 
@@ -246,9 +253,8 @@ def _linear_op(x_MK: torch.Tensor, weight_NK: torch.Tensor, up_NK: torch.Tensor 
         weight_NK.stride(0), up.stride(0), gate_MK.stride(0) if gated else 0,
         0 if residual_MN is None else residual_MN.stride(0), out.stride(0), eps,
         NORM=norm_K is not None and not gated, GATED=gated, GLU=up_NK is not None, RESIDUAL=residual_MN is not None,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1",
-        num_warps=warps, num_stages=stages)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split,
+        INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps, num_stages=stages)
     return out
 
 

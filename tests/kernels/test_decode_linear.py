@@ -168,3 +168,10 @@ def test_a_gated_norm_the_kernel_does_not_take_is_refused():
         decode_linear_triton(x, weight, gate=z, gate_norm_V=torch.ones(16), norm_K=norm_K)
     with pytest.raises(ValueError, match="gated norm"):
         decode_linear_reference(x, weight, gate_MK=z)
+
+
+def test_the_dispatch_takes_the_gated_norm_to_the_reference_on_cpu():
+    x, (weight, _), _, residual = operands(3, 10, 32, torch.float32)
+    z, w = torch.randn(3, 32), torch.randn(16)
+    got = decode_linear(x, weight, gate=z, gate_norm_V=w, residual=residual)
+    assert torch.equal(got, decode_linear_reference(x, weight, gate_MK=z, gate_norm_V=w, residual_MN=residual))
