@@ -57,9 +57,22 @@ def kernel_serves(x: torch.Tensor, *weights: torch.Tensor) -> bool:
 
 def gate_serves(K: int, gate_norm_V: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether the kernel takes a gated norm with weight gate_norm_V (over heads of its length) before a linear of K
-    inputs of `dtype` (triton_skinny.gate_supported), where the kernel runs at all."""
+    inputs of `dtype` (triton_skinny.gate_supported), where the kernel runs at all; a norm it does not take says
+    once that the norm runs as its own kernels."""
     module = _module()
-    return module is not None and module.gate_supported(K, gate_norm_V, dtype)
+    if module is None:
+        return False
+    if not module.gate_supported(K, gate_norm_V, dtype):
+        _say_the_gated_norm_runs_apart(gate_norm_V.shape[0], K, str(gate_norm_V.dtype), str(dtype))
+        return False
+    return True
+
+
+@functools.cache
+def _say_the_gated_norm_runs_apart(V: int, K: int, norm_dtype: str, dtype: str) -> None:
+    log.warning("decode linear kernel: a gated norm over heads of %d (K = %d, norm %s, rows %s) is not what it takes "
+                "(heads a power of two in [16, 256] dividing K, the norm in the rows' dtype); the norm runs as its own "
+                "kernels before the linear (logged once)", V, K, norm_dtype, dtype)
 
 
 def decode_linear(x: torch.Tensor, weight_NK: torch.Tensor, *, up_NK: torch.Tensor | None = None,

@@ -175,3 +175,22 @@ def test_the_dispatch_takes_the_gated_norm_to_the_reference_on_cpu():
     z, w = torch.randn(3, 32), torch.randn(16)
     got = decode_linear(x, weight, gate=z, gate_norm_V=w, residual=residual)
     assert torch.equal(got, decode_linear_reference(x, weight, gate_MK=z, gate_norm_V=w, residual_MN=residual))
+
+
+def test_a_gated_norm_the_kernel_does_not_take_is_said_once(monkeypatch, caplog):
+    """Where the kernel runs but not the gated norm (heads of 24 here), the decoder runs the norm apart and says so
+    once; torch chosen says nothing here."""
+    from longstraw_kernels import linear
+    from longstraw_kernels.linear import triton_skinny
+
+    monkeypatch.setattr(linear, "_module", lambda: triton_skinny)
+    linear._say_the_gated_norm_runs_apart.cache_clear()
+    with caplog.at_level("WARNING", logger="longstraw_kernels.linear"):
+        assert not linear.gate_serves(96, torch.ones(24, dtype=torch.bfloat16), torch.bfloat16)
+        assert not linear.gate_serves(96, torch.ones(24, dtype=torch.bfloat16), torch.bfloat16)
+        assert linear.gate_serves(96, torch.ones(16, dtype=torch.bfloat16), torch.bfloat16)
+    said = [r.getMessage() for r in caplog.records if "gated norm" in r.getMessage()]
+    assert len(said) == 1 and "heads of 24" in said[0]
+    monkeypatch.setattr(linear, "_module", lambda: None)
+    caplog.clear()
+    assert not linear.gate_serves(96, torch.ones(16), torch.float32) and not caplog.records

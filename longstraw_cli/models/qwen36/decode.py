@@ -33,9 +33,11 @@ for linears that are not plain (LoRA adapters, NF4 weights, sharded parameters),
 
 On CUDA with Triton, a layer whose linears are all plain runs them as four launches of the decode linear kernel
 (`KernelLinears`, longstraw_kernels/linear): the input norm inside the mixer's input GEMM, the output linear with
-the residual add, the post-attention norm, gate, up and silu * up in one, down with the residual add (qwen36_mini
-on an H200: the compiled step 451 -> 301 launches, the trainer's decode loop 3.35 -> 3.20 ms a step). Elsewhere
-the modules run (`ModuleLinears`); LONGSTRAW_LINEAR_KERNEL=torch forces them.
+the residual add (GDN's gated output norm inside it too, where the kernel takes its heads), the post-attention
+norm, gate, up and silu * up in one, down with the residual add (qwen36_mini on an H200: the compiled step 451 ->
+301 launches, the trainer's decode loop 3.35 -> 3.20 ms a step; with K split for the narrow linears, the pages in
+fewer splits and the gated norm, 2.90 ms). Elsewhere the modules run (`ModuleLinears`);
+LONGSTRAW_LINEAR_KERNEL=torch forces them.
 
 Legend: B responses, S response capacity, C hidden, Q query heads, K kv heads, D head dim, X conv channels,
 W conv window, G GDN value heads, Dk/Dv GDN head dims, V vocab.
