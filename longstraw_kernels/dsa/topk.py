@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from longstraw_kernels import kernel_choice, optional_module
+
 __all__ = ["topk_lowest_position", "topk_lowest_position_static"]
 
 
@@ -66,19 +68,44 @@ def topk_lowest_position(scores__S: torch.Tensor, k: int) -> torch.Tensor:
 
 def topk_lowest_position_static(scores__S: torch.Tensor, k: int) -> torch.Tensor:
     """`topk_lowest_position`, the same positions, with no host synchronisation and no scan over the keys (a CUDA
-    graph replays it in the decode step, a few rows against every key). Scores of 32 bits or fewer: one top-k over
-    int64 keys that order as the rule does (`_rule_keys`); wider ones (fp64, the CPU tests): two top-k's
-    (`two_topk_positions`)."""
+    graph replays it in the decode step, a few rows against every key). On CUDA, scores of 32 bits or fewer: a
+    radix select in Triton (`triton_topk.py`), behind one opaque op inside a compiled step; elsewhere (or without
+    Triton, or LONGSTRAW_DSA_KERNEL=torch) one top-k over int64 keys that order as the rule does (`_rule_keys`);
+    wider scores (fp64, the CPU tests): two top-k's (`two_topk_positions`)."""
     k = _check(scores__S, k)
     S = scores__S.shape[-1]
     if k == 0 or scores__S.numel() == 0:
         return torch.empty(scores__S.shape[:-1] + (k,), dtype=torch.long, device=scores__S.device)
     if scores__S.dtype.itemsize > 4:
         return two_topk_positions(scores__S, k)
-    # one top-k (H200, 8 rows of 263K keys, compiled and graph-replayed: 0.165 ms, against 0.206 for
-    # `two_topk_positions`; scripts/bench/bench_topk.py --decode); a key's low 32 bits give its position back
+    if scores__S.is_cuda:
+        return _static_topk_op(scores__S.reshape(-1, S), k).view(scores__S.shape[:-1] + (k,))
+    return _packed_key_positions(scores__S, k)
+
+
+def _packed_key_positions(scores__S: torch.Tensor, k: int) -> torch.Tensor:
+    """The static rule by one top-k over `_rule_keys` (H200, 8 rows of 263K keys, compiled and graph-replayed: 0.165
+    ms, against 0.206 for `two_topk_positions`; scripts/bench/bench_topk.py --decode); a key's low 32 bits give its
+    position back."""
+    S = scores__S.shape[-1]
     top = _rule_keys(scores__S).topk(k, dim=-1, sorted=False).values
     return (S - 1 - (top & 0xFFFFFFFF)).sort(dim=-1).values
+
+
+# the decode step's selection on CUDA: the Triton radix select where it serves, else the packed keys; opaque to
+# torch.compile (the page count stays a dynamic size across it, and inductor does not re-trace the kernels)
+@torch.library.custom_op("longstraw::dsa_static_topk", mutates_args=())
+def _static_topk_op(scores_RS: torch.Tensor, k: int) -> torch.Tensor:
+    module = optional_module("longstraw_kernels.dsa.triton_topk") if kernel_choice(
+        "LONGSTRAW_DSA_KERNEL") == "auto" else None
+    if module is not None and module.supported(scores_RS):
+        return module.topk_positions_triton(scores_RS, k)
+    return _packed_key_positions(scores_RS, k)
+
+
+@_static_topk_op.register_fake
+def _(scores_RS, k):
+    return scores_RS.new_empty(scores_RS.shape[0], k, dtype=torch.long)
 
 
 def two_topk_positions(scores__S: torch.Tensor, k: int) -> torch.Tensor:

@@ -9,8 +9,9 @@ same positions (fails loudly), then one JSON row of median ms (CUDA events).
 
 `--decode`: the decode step's static selection instead (`topk_lowest_position_static`, no host synchronisation),
 8 rows of S keys (a prompt's and 1,024 response slots' keys, the last 1,000 masked, some rows all ties), each
-variant compiled by torch.compile and replayed as a CUDA graph as the decode step runs it: the one top-k over
-packed int64 keys (fp32 scores) against the two top-k's that wider scores take (`two_topk_positions`).
+variant compiled by torch.compile and replayed as a CUDA graph as the decode step runs it: the radix select
+(`triton_topk.py`, what the rule takes on CUDA), the one top-k over packed int64 keys (fp32 scores, before it) and
+the two top-k's that wider scores take (`two_topk_positions`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from rows import emit, graph_ms, time_ms
 
 from longstraw_kernels.dsa.topk import (
+    _packed_key_positions,
     tie_rule_positions,
     topk_lowest_position,
     topk_lowest_position_static,
@@ -48,7 +50,8 @@ def measure_decode(S: int, k: int) -> dict:
     scores_B1S[1, 0, 64 * k:] = float("-inf")
     expected = topk_lowest_position(scores_B1S, k)
     row = {"mode": "decode", "keys": S, "rows": 8, "k": k, "gpu": torch.cuda.get_device_name()}
-    for name, fn in (("packed_keys", topk_lowest_position_static), ("two_topk", two_topk_positions)):
+    for name, fn in (("radix", topk_lowest_position_static), ("packed_keys", _packed_key_positions),
+                     ("two_topk", two_topk_positions)):
         compiled = torch.compile(fn, dynamic=False)
         out, row[f"{name}_ms"] = graph_ms(lambda compiled=compiled: compiled(scores_B1S, k))
         if not torch.equal(out, expected):

@@ -1,0 +1,68 @@
+"""The decode's DSA top-k as a radix select (`dsa/triton_topk.py`; Triton's interpreter on CPU, compiled on a GPU)
+against the rule's reference (`topk_lowest_position`): the same positions, ascending, on exact ties across chunk
+boundaries, -0.0 beside +0.0, negatives, infinities and masked (-inf) keys."""
+
+import pytest
+import torch
+
+from longstraw_kernels.dsa.topk import topk_lowest_position, topk_lowest_position_static
+
+pytest.importorskip("triton")
+from longstraw_kernels.dsa import triton_topk  # noqa: E402
+from longstraw_kernels.dsa.triton_topk import CHUNK, topk_positions_triton  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def tricky_rows(S: int, seed: int) -> torch.Tensor:
+    """Six rows of S fp32 scores, each a way for the k-th place to fall: distinct values; few values (ties
+    everywhere, across chunks); zeros of both signs around the k-th place; negatives and -inf (fewer visible keys
+    than k); huge values and +inf; a row all -inf."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.rand(6, S, generator=g)
+    rows[1] = torch.randint(-2, 3, (S,), generator=g).float()
+    rows[2] = 0.0
+    rows[2, ::5] = -0.0
+    rows[2, : S // 50] = 1.0
+    rows[3] = -torch.rand(S, generator=g)
+    rows[3, S // 3:] = float("-inf")
+    rows[4] = torch.randn(S, generator=g) * 1e30
+    rows[4, ::11] = float("inf")
+    rows[5] = float("-inf")
+    return rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("S", [CHUNK * 2 + 777, 300])
+def test_radix_select_is_the_rule(S, dtype):
+    scores = tricky_rows(S, seed=S).to(dtype)
+    for k in (1, 64, S // 3 + 5, S // 2, S):  # S // 3 + 5: the k-th place of row 3 among its -inf keys
+        want = topk_lowest_position(scores, k)
+        got = topk_positions_triton(scores.to(DEVICE), k).cpu()
+        assert torch.equal(got, want), (k, (got != want).any(-1).nonzero().flatten().tolist())
+
+
+def test_rows_strided_and_errors():
+    scores = tricky_rows(CHUNK + 100, seed=1)
+    wide = torch.zeros(6, CHUNK + 300)
+    wide[:, : CHUNK + 100] = scores
+    view = wide[:, : CHUNK + 100]  # rows a stride apart that is not S
+    assert torch.equal(topk_positions_triton(view.to(DEVICE), 500).cpu(), topk_lowest_position(scores, 500))
+    for k in (0, CHUNK + 101):
+        with pytest.raises(ValueError, match="k must be in"):
+            topk_positions_triton(scores.to(DEVICE), k)
+
+
+def test_static_rule_on_cuda_takes_the_kernel_behind_one_op(monkeypatch):
+    """`topk_lowest_position_static` on CUDA goes through the opaque op to the kernel (or the packed keys where the
+    environment chooses torch); on CPU it stays the packed keys."""
+    calls = []
+    real = triton_topk.topk_positions_triton
+    monkeypatch.setattr(triton_topk, "topk_positions_triton", lambda s, k: calls.append(k) or real(s, k))
+    scores = tricky_rows(700, seed=2).view(2, 3, 700)
+    want = topk_lowest_position(scores, 100)
+    assert torch.equal(topk_lowest_position_static(scores, 100), want) and not calls
+    if torch.cuda.is_available():
+        assert torch.equal(topk_lowest_position_static(scores.cuda(), 100).cpu(), want) and calls == [100]
+        monkeypatch.setenv("LONGSTRAW_DSA_KERNEL", "torch")
+        assert torch.equal(topk_lowest_position_static(scores.cuda(), 100).cpu(), want) and calls == [100]
