@@ -19,6 +19,14 @@ BLOCK_K steps; the rows, padded to tl.dot's 16, are all M. Split over K (where t
 programs), each part writes its fp32 sums to a workspace and counts itself in with an atomic add; the tile's last
 part adds the parts in order (deterministic: the same bits whichever part arrives last), applies the epilogue and
 sets the count back to zero.
+On sm90+ a launch is a programmatic dependent launch (PDL): the kernel lets the next linear's programs start as
+soon as all of its own have (`gdc_launch_dependents`), and a program first asks L2 for the start of its weight
+slab (PREFETCH elements of each of its rows: weights no kernel of the step writes), then waits for the previous
+kernel to finish (`gdc_wait`) before it reads anything that kernel may write: the next weight's read overlaps this
+linear's tail and the launch between them (CUTLASS's example 63, "GEMM with weight prefetch", does the same). On
+an H200 (bench_decode_linear.py, qwen36_mini's 96 linears as one graph) this took 1.070 ms to 1.019; the gate/up
+linear (glu) is launched plainly, as it ran slower programmatically (with it: 1.025-1.088 ms, by prefetch and
+trigger), and larger prefetches were slower (512 elements: 1.088 ms with glu, 256: 1.043 without).
 Rounding follows the modules (the norm's output, the product, silu's output and the sum in the activations'
 dtype); the norm's output is rounded before the rsqrt is applied, not after, which moves a product by about one
 rounding of the operand dtype.
@@ -30,18 +38,22 @@ in fp32) and tests/kernels/test_gpu.py (CUDA, bf16).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["MAX_ROWS", "decode_linear_triton", "gate_supported", "launch_config", "supported"]
+__all__ = ["MAX_ROWS", "PREFETCH", "decode_linear_triton", "gate_supported", "launch_config", "programmatic_launch",
+           "supported"]
 
 # rows one program holds (a decode's responses on one rank), one MMA's 16; wider batches take the modules (cuBLAS):
 # the launch configs were chosen at 8 rows, and more rows' tiles would not fit them in shared memory
 MAX_ROWS = 16
 _DTYPES = (torch.bfloat16, torch.float16)
+# elements of each weight row a program asks of L2 before it waits for the previous kernel (a power of two, or 0)
+PREFETCH = 128
 
 
 @triton.jit
@@ -66,17 +78,41 @@ def _finish(acc, acc_up, sumsq, r_ptr, out_ptr, rows, cols, row_ok, col_ok, K, s
 
 
 @triton.jit
+def _prefetch_l2(w_cols, k_begin, k_end, LINES: tl.constexpr, LINE: tl.constexpr):
+    """Ask L2 for the first LINES lines (LINE elements each) of K from k_begin of each row of a weight tile (rows
+    past the weight clamped to its last, in the caller's w_cols), for the loop to find there; nothing is loaded
+    into registers."""
+    ks = tl.minimum(k_begin + tl.arange(0, LINES) * LINE, k_end - 1)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0 unused", "=r,l", [w_cols + ks[None, :]],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _skinny_kernel(x_ptr, w_ptr, u_ptr, g_ptr, z_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_PART,
                    stride_xm, stride_wn, stride_un, stride_zm, stride_rm, stride_om, eps,
                    NORM: tl.constexpr, GATED: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                   INTERPRETED: tl.constexpr):
+                   PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, INTERPRETED: tl.constexpr):
     pid = tl.program_id(0)
     part = tl.program_id(1)  # which of the SPLIT parts of K: [part K_PART, (part + 1) K_PART)
     rows = tl.arange(0, BLOCK_M)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
     col_ok = cols < N
+    k_begin = part * K_PART
+    k_end = tl.minimum(K, k_begin + K_PART)
+    if PDL:
+        # the next kernel may start once every program of this one has (it waits for this one's end before it
+        # reads what this one writes); the weights are read by no kernel of the step that writes them, so their
+        # first lines are asked for before the wait for the previous kernel, whose outputs (x, the residual, the
+        # counts and the workspace it may have used) are touched only after it
+        tl.extra.cuda.gdc_launch_dependents()
+        if PREFETCH_LINES > 0:
+            last = tl.minimum(cols, N - 1)[:, None].to(tl.int64)
+            _prefetch_l2(w_ptr + last * stride_wn, k_begin, k_end, PREFETCH_LINES, LINE)
+            if GLU:
+                _prefetch_l2(u_ptr + last * stride_un, k_begin, k_end, PREFETCH_LINES, LINE)
+        tl.extra.cuda.gdc_wait()
     dtype = out_ptr.dtype.element_ty
     # transposed, [columns, rows]: the weight's tile is the product's left operand (the MMA's wide side), the few
     # rows its right one
@@ -87,8 +123,6 @@ def _skinny_kernel(x_ptr, w_ptr, u_ptr, g_ptr, z_ptr, r_ptr, out_ptr, part_ptr, 
     w_cols = w_ptr + cols[:, None].to(tl.int64) * stride_wn
     u_cols = u_ptr + cols[:, None].to(tl.int64) * stride_un
     z_rows = z_ptr + rows[:, None].to(tl.int64) * stride_zm
-    k_begin = part * K_PART
-    k_end = tl.minimum(K, k_begin + K_PART)
     for k0 in range(k_begin, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k_end
@@ -152,14 +186,15 @@ def _skinny_kernel(x_ptr, w_ptr, u_ptr, g_ptr, z_ptr, r_ptr, out_ptr, part_ptr, 
                     NORM, GLU, RESIDUAL)
 
 
-def launch_config(M: int, N: int, K: int, glu: bool) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT) for an M x K by N x K product (glu: two of them). Chosen on
-    an H200 (scripts/bench/bench_decode_linear.py): columns narrow enough for a program per SM or more, K in long
-    steps with several in flight, as a weight read at the bandwidth needs; K split into 4 parts where the columns'
-    tiles alone would leave most SMs idle (qwen36_mini's N = 2,048: 32 tiles; 128 programs with the parts, 1.2-1.5x
-    faster). At N of 6,144-9,216 (96-144 tiles) parts were slower in every config tried but one, unadopted (the
-    attention's input linears, 0.116 -> 0.085 ms at 64 x 64 and 3 parts)."""
-    return (64, 256, 4, 3, 1) if N > 3072 else (64, 128, 4, 4, 4)
+def launch_config(M: int, N: int, K: int, glu: bool) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT, PREFETCH) for an M x K by N x K product (glu: two of them).
+    Chosen on an H200 (scripts/bench/bench_decode_linear.py): columns narrow enough for a program per SM or more, K
+    in long steps with several in flight, as a weight read at the bandwidth needs; K split into 4 parts where the
+    columns' tiles alone would leave most SMs idle (qwen36_mini's N = 2,048: 32 tiles; 128 programs with the parts,
+    1.2-1.5x faster). At N of 6,144-9,216 (96-144 tiles) parts were slower in every config tried but one, unadopted
+    (the attention's input linears, 0.116 -> 0.085 ms at 64 x 64 and 3 parts). PREFETCH: the elements of each
+    weight row asked of L2 before waiting for the previous kernel (sm90+, see the module's note)."""
+    return (64, 256, 4, 3, 1, PREFETCH) if N > 3072 else (64, 128, 4, 4, 4, PREFETCH)
 
 
 def supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -180,15 +215,15 @@ def gate_supported(K: int, gate_norm_V: torch.Tensor, dtype: torch.dtype) -> boo
 def decode_linear_triton(x: torch.Tensor, weight_NK: torch.Tensor, *, up_NK: torch.Tensor | None = None,
                          norm_K: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
                          gate: torch.Tensor | None = None, gate_norm_V: torch.Tensor | None = None,
-                         config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+                         config: tuple[int, ...] | None = None) -> torch.Tensor:
     """reference.decode_linear_reference's contract (gate: its gate_MK), one launch. config: launch_config's tuple
-    (benchmarks); under a gated norm its BLOCK_K is the head's size."""
+    (benchmarks; PREFETCH may be left out: none); under a gated norm its BLOCK_K is the head's size."""
     K, N = x.shape[-1], weight_NK.shape[0]
     # the kernel walks K with unit stride (a view may not: the decoder checked an example, not every input)
     x_MK = x.reshape(-1, K)
     x_MK = x_MK if x_MK.stride(-1) == 1 else x_MK.contiguous()
     M = x_MK.shape[0]
-    block_n, block_k, warps, stages, split = config or launch_config(M, N, K, up_NK is not None)
+    block_n, block_k, warps, stages, split, prefetch = (*(config or launch_config(M, N, K, up_NK is not None)), 0)[:6]
     gate_MK = None
     if gate is not None or gate_norm_V is not None:
         if gate is None or gate_norm_V is None or norm_K is not None or not gate_supported(K, gate_norm_V, x.dtype):
@@ -203,8 +238,16 @@ def decode_linear_triton(x: torch.Tensor, weight_NK: torch.Tensor, *, up_NK: tor
         residual_MN = residual_MN.contiguous()
     with contextlib.nullcontext() if torch.compiler.is_compiling() else torch.cuda.device_of(x):
         out = _linear_op(x_MK, weight_NK, up_NK, norm_K if gate_MK is None else gate_norm_V, gate_MK, residual_MN,
-                         eps, block_n, block_k, warps, stages, split)
+                         eps, block_n, block_k, warps, stages, split, prefetch)
     return out.view(*x.shape[:-1], N)
+
+
+@functools.cache
+def programmatic_launch(device: torch.device) -> bool:
+    """Whether launches on `device` are programmatic dependent launches (module note): CUDA sm90 or later, not
+    Triton's interpreter, and LONGSTRAW_DECODE_PDL not 0 (A/B runs)."""
+    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+            and os.environ.get("LONGSTRAW_DECODE_PDL", "1") != "0" and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 # each column tile's count of the K parts done (split launches), per device: zero between launches (the last part
@@ -229,8 +272,8 @@ def _counts(device: torch.device, tiles: int) -> torch.Tensor:
 @torch.library.custom_op("longstraw::decode_linear", mutates_args=())
 def _linear_op(x_MK: torch.Tensor, weight_NK: torch.Tensor, up_NK: torch.Tensor | None, norm_K: torch.Tensor | None,
                gate_MK: torch.Tensor | None, residual_MN: torch.Tensor | None, eps: float, block_n: int,
-               block_k: int, warps: int, stages: int, split: int) -> torch.Tensor:
-    """norm_K: the input norm's weight, or with gate_MK the gated norm's [V]."""
+               block_k: int, warps: int, stages: int, split: int, prefetch: int) -> torch.Tensor:
+    """norm_K: the input norm's weight, or with gate_MK the gated norm's [V]; prefetch: launch_config's PREFETCH."""
     M, K = x_MK.shape
     N = weight_NK.shape[0]
     out = x_MK.new_empty(M, N)
@@ -247,17 +290,21 @@ def _linear_op(x_MK: torch.Tensor, weight_NK: torch.Tensor, up_NK: torch.Tensor 
     else:
         parts = counts = out  # not read
     gated = gate_MK is not None
+    # not the gate/up linear (glu): launched programmatically it ran slower (module note)
+    pdl = programmatic_launch(x_MK.device) and up_NK is None
+    line = 128 // x_MK.element_size()  # elements in an L2 line
+    lines = triton.next_power_of_2(triton.cdiv(prefetch, line)) if pdl and prefetch > 0 else 0
     _skinny_kernel[(tiles, split)](
         x_MK, weight_NK, up, x_MK if norm_K is None else norm_K, gate_MK if gated else x_MK,
         out if residual_MN is None else residual_MN, out, parts, counts, M, N, K, k_part, x_MK.stride(0),
         weight_NK.stride(0), up.stride(0), gate_MK.stride(0) if gated else 0,
         0 if residual_MN is None else residual_MN.stride(0), out.stride(0), eps,
         NORM=norm_K is not None and not gated, GATED=gated, GLU=up_NK is not None, RESIDUAL=residual_MN is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split,
-        INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps, num_stages=stages)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, PDL=pdl, PREFETCH_LINES=lines, LINE=line,
+        INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps, num_stages=stages, launch_pdl=pdl)
     return out
 
 
 @_linear_op.register_fake
-def _(x_MK, weight_NK, up_NK, norm_K, gate_MK, residual_MN, eps, block_n, block_k, warps, stages, split):
+def _(x_MK, weight_NK, up_NK, norm_K, gate_MK, residual_MN, eps, block_n, block_k, warps, stages, split, prefetch):
     return x_MK.new_empty(x_MK.shape[0], weight_NK.shape[0])

@@ -19,7 +19,7 @@ from rows import emit, graph_ms
 
 from longstraw_cli.models.qwen36.config import NAMED_CONFIGS
 from longstraw_kernels.linear import decode_linear_reference, rms_norm_one_plus
-from longstraw_kernels.linear.triton_skinny import decode_linear_triton, launch_config
+from longstraw_kernels.linear.triton_skinny import decode_linear_triton, launch_config, programmatic_launch
 
 EPS = 1e-6
 
@@ -86,7 +86,9 @@ def main(argv=None):
     p.add_argument("--sweep", default="64x256x4x3,32x256x4x4,32x256x4x4x2,32x256x4x4x3,32x256x4x4x4,32x256x4x4x6,"
                                        "64x256x4x3x2,64x256x4x3x3,64x256x4x3x4,16x256x4x4x4,32x128x4x4x4,"
                                        "64x128x4x4x4,32x256x4x3x8,128x256x4x3x4",
-                   help="BLOCK_N x BLOCK_K x warps x stages [x SPLIT: parts of K, 1 when left out]")
+                   help="BLOCK_N x BLOCK_K x warps x stages [x SPLIT: parts of K, 1 when left out [x PREFETCH: "
+                        "elements of each weight row asked of L2 before the wait (sm90 with LONGSTRAW_DECODE_PDL not "
+                        "0), 0 when left out]]")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     torch.manual_seed(0)
@@ -95,7 +97,8 @@ def main(argv=None):
     layers = layer_linears(cfg)
     norm_K = torch.randn(cfg.hidden_size, device="cuda", dtype=torch.bfloat16) * 0.3
     inputs = [{name: operands(B, w) for name, (w, *_) in layer.items()} for layer in layers]
-    base = {"shape": args.shape, "tokens": B, "gpu": torch.cuda.get_device_name()}
+    base = {"shape": args.shape, "tokens": B, "gpu": torch.cuda.get_device_name(),
+            "pdl": programmatic_launch(torch.device("cuda"))}
 
     # error against fp64, one layer of each kind
     seen = set()
@@ -128,7 +131,8 @@ def main(argv=None):
         gemms = [(layer[name][-1], xs[name][0]) for layer, xs in zip(layers, inputs) if name in layer]
         _, row["cublas_ms"] = graph_ms(lambda g=gemms: [F.linear(x, w) for w, x in g], 50)
         for spec in args.sweep.split(","):
-            config = (*(int(v) for v in spec.split("x")), 1)[:5]
+            values = [int(v) for v in spec.split("x")]
+            config = tuple(values + [1, 0][len(values) - 4:])
             try:
                 _, row[f"kernel_{spec}_ms"] = graph_ms(
                     lambda n=name, c=config: run_all(layers, inputs, norm_K, "kernel", {n: c}, only=n), 50)
