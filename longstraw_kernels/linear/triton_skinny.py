@@ -107,11 +107,9 @@ def _skinny_kernel(x_ptr, w_ptr, u_ptr, g_ptr, z_ptr, r_ptr, out_ptr, part_ptr, 
         # first lines are asked for before the wait for the previous kernel, whose outputs (x, the residual, the
         # counts and the workspace it may have used) are touched only after it
         tl.extra.cuda.gdc_launch_dependents()
-        if PREFETCH_LINES > 0:
+        if PREFETCH_LINES > 0:  # (glu's launches are plain: its second weight is not asked for)
             last = tl.minimum(cols, N - 1)[:, None].to(tl.int64)
             _prefetch_l2(w_ptr + last * stride_wn, k_begin, k_end, PREFETCH_LINES, LINE)
-            if GLU:
-                _prefetch_l2(u_ptr + last * stride_un, k_begin, k_end, PREFETCH_LINES, LINE)
         tl.extra.cuda.gdc_wait()
     dtype = out_ptr.dtype.element_ty
     # transposed, [columns, rows]: the weight's tile is the product's left operand (the MMA's wide side), the few
