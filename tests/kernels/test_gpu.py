@@ -248,11 +248,13 @@ def test_decode_linear_gated_norm_prologue_is_as_close_to_fp64_as_the_modules(co
 
 
 def test_decode_linear_programmatic_launch_in_a_graph_equals_plain_launches(monkeypatch):
-    """A chain of dependent linears (each one's input the last one's output, K split and not, glu, residuals, the
-    weights prefetched before the wait) replayed as a CUDA graph with programmatic dependent launches gives the bits
-    that plain launches give, eagerly: a program reading its input before the previous kernel finished would not."""
+    """A chain of dependent linears (each one's input the last one's output: up then down with the residual, both
+    programmatic, so that each lets the next start early; one glu layer, launched plainly, among them; K split and
+    not; the weights prefetched before the wait) replayed as a CUDA graph gives the bits that plain launches give,
+    eagerly, for each of several inputs in turn: a program reading its input before the previous kernel finished
+    would read the previous input's values, left in the graph's buffers."""
     from longstraw_kernels.linear import triton_skinny
-    from longstraw_kernels.linear.triton_skinny import decode_linear_triton
+    from longstraw_kernels.linear.triton_skinny import decode_linear_triton, launch_config
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs sm90")
@@ -262,40 +264,42 @@ def test_decode_linear_programmatic_launch_in_a_graph_equals_plain_launches(monk
         return (torch.randn(*shape, generator=g, device="cuda") * scale).to(torch.bfloat16)
 
     C, F = 2048, 6144
-    layers = [(randn(F, C, scale=C**-0.5), randn(F, C, scale=C**-0.5), randn(C, F, scale=F**-0.5),
-               randn(C, scale=0.3)) for _ in range(6)]
-    x0 = randn(8, 1, C)
+    layers = [(randn(F, C, scale=C**-0.5), randn(F, C, scale=C**-0.5) if i == 2 else None,
+               randn(C, F, scale=F**-0.5), randn(C, scale=0.3)) for i in range(6)]
+    inputs = [randn(8, 1, C) for _ in range(3)]
 
-    def chain(prefetch):
-        x = x0
-        for gate, up, down, norm in layers:
-            h = decode_linear_triton(x, gate, up_NK=up, norm_K=norm, config=(*triton_skinny.launch_config(
-                8, F, C, True)[:5], prefetch))
-            x = decode_linear_triton(h, down, residual=x, config=(*triton_skinny.launch_config(8, C, F, False)[:5],
-                                                                   prefetch))
+    def chain(x, prefetch):
+        for w, up, down, norm in layers:
+            h = decode_linear_triton(x, w, up_NK=up, norm_K=norm,
+                                     config=(*launch_config(8, F, C, up is not None)[:5], prefetch))
+            x = decode_linear_triton(h, down, residual=x, config=(*launch_config(8, C, F, False)[:5], prefetch))
         return x
 
     def with_pdl(on):
         monkeypatch.setenv("LONGSTRAW_DECODE_PDL", "1" if on else "0")
         triton_skinny.programmatic_launch.cache_clear()
-        return triton_skinny.programmatic_launch(x0.device)
+        return triton_skinny.programmatic_launch(inputs[0].device)
 
     try:
         assert not with_pdl(False)
-        want = chain(0)
+        wants = [chain(x, 0) for x in inputs]
         assert with_pdl(True)
         for prefetch in (0, 512, 8192):
-            assert torch.equal(chain(prefetch), want), prefetch  # eager, with PDL
-            graph, warm = torch.cuda.CUDAGraph(), chain(prefetch)
+            for x, want in zip(inputs, wants):
+                assert torch.equal(chain(x, prefetch), want), prefetch  # eager, programmatic
+            graph, x_static = torch.cuda.CUDAGraph(), inputs[0].clone()
+            chain(x_static, prefetch)
             with torch.cuda.graph(graph):
-                out = chain(prefetch)
-            for _ in range(10):
-                graph.replay()
-                assert torch.equal(out, want), prefetch
-            assert torch.equal(warm, want)
+                out = chain(x_static, prefetch)
+            for _ in range(3):
+                for x, want in zip(inputs, wants):
+                    x_static.copy_(x)
+                    graph.replay()
+                    assert torch.equal(out, want), prefetch
     finally:
         monkeypatch.undo()
         triton_skinny.programmatic_launch.cache_clear()
+
 
 @pytest.mark.parametrize("T, H, G", [(1000, 2, 4), (4096, 16, 48), (77, 8, 16)])
 def test_fla_gdn_forward_matches_chunked_reference(T, H, G):
