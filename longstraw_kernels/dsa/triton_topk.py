@@ -13,10 +13,10 @@ rule's functions return them. Six launches, each reading the row's scores (8 row
 from L2 after the first), and a memset of the histograms.
 
 Measured on an H200 (8 rows of 263,168 fp32 keys, k = 2,048, compiled and graph-replayed; docs/BENCHMARKS.md):
-0.068 ms against 0.204 for the packed-key torch.topk it replaced on CUDA. Triton's histogram costs about
-bins / 32 x bits operations a key and lane: 11-bit digits (three levels) took 0.249 ms, 6-bit ones (six levels)
-0.078. At capture's sizes (2^27 scores a call, thousands of rows) it is slower than torch.topk (3.4-3.5 against
-2.8 ms): the capture keeps `topk_lowest_position`.
+0.070 ms (0.068 at 4 warps) against 0.204 for the packed-key torch.topk it replaced on CUDA. Triton's histogram
+costs about bins / 32 x bits operations a key and lane: 11-bit digits (three levels) took 0.249 ms, 6-bit ones
+(six levels) 0.078. At capture's sizes (2^27 scores a call, thousands of rows) it is slower than torch.topk
+(3.4-3.5 against 2.8 ms): the capture keeps `topk_lowest_position`.
 
 Exact: the same positions as `topk_lowest_position` (tests/kernels/test_dsa_topk.py, Triton's interpreter on CPU
 and the GPU): keys are integers, counts are integers, nothing is rounded.
@@ -151,8 +151,8 @@ def _write_kernel(s_ptr, hist_ptr, count_ptr, out_ptr, S, stride_r, stride_o, k,
 
 
 def supported(scores_RS: torch.Tensor) -> bool:
-    """CUDA rows of fp32 / bf16 / fp16 scores, unit stride along the keys."""
-    return scores_RS.is_cuda and scores_RS.dtype in _DTYPES and scores_RS.stride(-1) == 1
+    """CUDA rows of fp32 / bf16 / fp16 scores (rows that are not contiguous along the keys are made so)."""
+    return scores_RS.is_cuda and scores_RS.dtype in _DTYPES
 
 
 def topk_positions_triton(scores_RS: torch.Tensor, k: int, config: tuple[int, int, int] | None = None) -> torch.Tensor:

@@ -67,3 +67,16 @@ def test_static_rule_on_cuda_takes_the_kernel_behind_one_op(monkeypatch):
         assert torch.equal(topk_lowest_position_static(scores.cuda(), 100).cpu(), want) and calls == [100]
         monkeypatch.setenv("LONGSTRAW_DSA_KERNEL", "torch")
         assert torch.equal(topk_lowest_position_static(scores.cuda(), 100).cpu(), want) and calls == [100]
+
+
+def test_scores_the_kernel_does_not_take_fall_back_saying_so_once(monkeypatch, caplog):
+    from longstraw_kernels.dsa import topk
+
+    monkeypatch.setattr(triton_topk, "supported", lambda scores: False)
+    topk._say_the_packed_keys_run.cache_clear()
+    scores = tricky_rows(500, seed=3)
+    with caplog.at_level("WARNING", logger="longstraw_kernels.dsa.topk"):
+        for _ in range(2):
+            assert torch.equal(topk._static_topk_op(scores, 50), topk_lowest_position(scores, 50))
+    assert sum("radix-select kernel" in r.getMessage() for r in caplog.records) == 1
+    topk._say_the_packed_keys_run.cache_clear()
