@@ -64,14 +64,15 @@ def test_compiled_decode_records_the_routing_it_took(setup):
             assert rel_err(model.logprobs(resident, response), logp) < 2e-2
 
 
-def test_recording_costs_the_decode_step_at_most_a_tenth_of_a_millisecond(setup):
+def test_recording_adds_at_most_0_075_ms_to_a_decode_step(setup):
     """The decode's time with recording against without, as the trainer decodes (compiled, then a CUDA graph; the
     eager graph's ~20 extra small launches a step cost it 6-12% on this 4-layer model, which compiled fuse into
     their neighbours): each rollout's wall time less its setup (the first step, with the CUDA graph's capture,
     which the rollout reports as `setup_s`: a fixed cost a rollout, not a step's); the record's allocation and its
     copy to the host stay in. Five rollouts each, after one to warm up (and compile). The bound is the time added
-    to a step, not a share of it: on an H200 recording added 0.063-0.070 ms a step both before and after the
-    decode's top-k became a Triton kernel, 1.048x a 1.50 ms step before, 1.053x a 1.20 ms step after (2026-12-04)."""
+    to a step, not a share of it: the 0.075 ms that the earlier bound (5% of the step) allowed when the step took
+    1.50 ms; on an H200 recording added 0.064-0.070 ms a step both before and after the decode's top-k became a
+    Triton kernel and the step 1.20 ms, which made the share 1.048x -> 1.053-1.057x (2026-12-04)."""
     model, resident = setup
 
     def seconds(routing, reps=5):
@@ -90,4 +91,4 @@ def test_recording_costs_the_decode_step_at_most_a_tenth_of_a_millisecond(setup)
     plain, recorded = seconds(None), seconds(RoutingReplay(force=True))
     print(f"decode of {G} x {RESPONSE} tokens at {PROMPT}, less setup: {plain / 5:.4f} s plain, {recorded / 5:.4f} s "
           f"recording ({recorded / plain:.3f}x, {1e3 * (recorded - plain) / (5 * RESPONSE):.4f} ms a step added)")
-    assert (recorded - plain) / (5 * RESPONSE) <= 1e-4
+    assert (recorded - plain) / (5 * RESPONSE) <= 0.075e-3
