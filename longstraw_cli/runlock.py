@@ -55,7 +55,8 @@ def _read(f) -> dict:
 
 
 def holder(run_dir: str | Path) -> dict | None:
-    """Who holds run_dir's lock ({} while the holder is still writing its name), or None if it is free."""
+    """Who holds run_dir's lock, or None if it is free; {} if the holder has not written its name within
+    _ACQUIRE_S of being asked."""
     path = Path(run_dir) / LOCK_FILE
     try:
         f = open(path)
@@ -65,7 +66,14 @@ def holder(run_dir: str | Path) -> dict | None:
         try:
             fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            return _read(f)
+            # the holder writes its name just after it takes the lock: a rank of its own launch that asks in
+            # between would read nothing, take it for another launch's, and refuse to start
+            deadline = time.monotonic() + _ACQUIRE_S
+            info = _read(f)
+            while not info and time.monotonic() < deadline:
+                time.sleep(0.02)
+                info = _read(f)
+            return info
         fcntl.flock(f, fcntl.LOCK_UN)
         return None
 

@@ -2,17 +2,20 @@
 pid and touches nothing there), the lock ends with its holder however it ends, and default run ids differ even for
 two launches in the same second."""
 
+import fcntl
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from datetime import datetime
 
 import pytest
 
 from conftest import rows
-from longstraw_cli import cli
+from longstraw_cli import cli, runlock
 
 SMALL = ["prompt_tokens=64", "response_tokens=4", "group_size=2", "logger.backends=[jsonl]"]
 
@@ -64,3 +67,30 @@ def test_default_run_ids_differ_within_one_second(monkeypatch):
     first, second = cli._run_id(), cli._run_id()
     assert first.startswith("20260102-030405") and second.startswith("20260102-030405")
     assert first != second
+
+
+def test_a_rank_that_asks_while_its_launch_writes_the_lock_waits_for_the_name(tmp_path, monkeypatch):
+    """Rank 0 takes the lock, then writes its name; a rank of the same launch that asks in between read an empty
+    file, took it for another launch's lock and refused to start (a CI failure of the torchrun resume test)."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "launch-1")
+    with open(tmp_path / runlock.LOCK_FILE, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+        def write(launch):
+            time.sleep(0.3)
+            f.seek(0)
+            f.truncate()
+            f.write(json.dumps({"pid": 1234, "host": "h", "launch": launch, "since": "s"}))
+            f.flush()
+
+        writer = threading.Thread(target=write, args=("launch-1",))
+        writer.start()
+        assert runlock.check(tmp_path) is None
+        writer.join()
+        # another launch's lock, whose name comes late, is still refused and named
+        writer = threading.Thread(target=write, args=("launch-2",))
+        f.seek(0)
+        f.truncate()
+        writer.start()
+        assert "in use by another longstraw train (pid 1234 on h" in runlock.check(tmp_path)
+        writer.join()
