@@ -54,9 +54,10 @@ def _read(f) -> dict:
         return {}
 
 
-def holder(run_dir: str | Path) -> dict | None:
+def holder(run_dir: str | Path, launch: str | None = None) -> dict | None:
     """Who holds run_dir's lock, or None if it is free; {} if the holder has not written its name within
-    _ACQUIRE_S of being asked."""
+    _ACQUIRE_S of being asked. With `launch` (this torchrun launch's id), a name of another launch is read again
+    for up to _ACQUIRE_S: this launch's rank 0 may have taken the lock over a stale name it has yet to replace."""
     path = Path(run_dir) / LOCK_FILE
     try:
         f = open(path)
@@ -67,10 +68,11 @@ def holder(run_dir: str | Path) -> dict | None:
             fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
             # the holder writes its name just after it takes the lock: a rank of its own launch that asks in
-            # between would read nothing, take it for another launch's, and refuse to start
+            # between reads nothing (or the last launch's name), and would refuse to start
             deadline = time.monotonic() + _ACQUIRE_S
             info = _read(f)
-            while not info and time.monotonic() < deadline:
+            while (not info or (launch is not None and info.get("launch") != launch)) \
+                    and time.monotonic() < deadline:
                 time.sleep(0.02)
                 info = _read(f)
             return info
@@ -80,8 +82,9 @@ def holder(run_dir: str | Path) -> dict | None:
 
 def check(run_dir: str | Path) -> str | None:
     """One line if another launch holds run_dir, else None (a lock held by this torchrun launch is its own)."""
-    info = holder(run_dir)
-    if info is None or (info.get("launch") is not None and info.get("launch") == _launch()):
+    launch = _launch()
+    info = holder(run_dir, launch)
+    if info is None or (launch is not None and info.get("launch") == launch):
         return None
     return _describe(Path(run_dir), info)
 

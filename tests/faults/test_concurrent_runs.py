@@ -71,7 +71,8 @@ def test_default_run_ids_differ_within_one_second(monkeypatch):
 
 def test_a_rank_that_asks_while_its_launch_writes_the_lock_waits_for_the_name(tmp_path, monkeypatch):
     """Rank 0 takes the lock, then writes its name; a rank of the same launch that asks in between read an empty
-    file, took it for another launch's lock and refused to start (a CI failure of the torchrun resume test)."""
+    file (or the last launch's name), took it for another launch's lock and refused to start (a CI failure of the
+    torchrun resume test)."""
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "launch-1")
     with open(tmp_path / runlock.LOCK_FILE, "a+") as f:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -83,6 +84,15 @@ def test_a_rank_that_asks_while_its_launch_writes_the_lock_waits_for_the_name(tm
             f.write(json.dumps({"pid": 1234, "host": "h", "launch": launch, "since": "s"}))
             f.flush()
 
+        writer = threading.Thread(target=write, args=("launch-1",))
+        writer.start()
+        assert runlock.check(tmp_path) is None
+        writer.join()
+        # a resumed launch's rank 0 takes the lock over the last launch's name, then replaces it
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps({"pid": 99, "host": "h", "launch": "launch-0", "since": "s"}))
+        f.flush()
         writer = threading.Thread(target=write, args=("launch-1",))
         writer.start()
         assert runlock.check(tmp_path) is None
