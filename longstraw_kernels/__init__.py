@@ -73,8 +73,8 @@ FAST_PATHS = {
         "a Triton GDN kernel at 64K tokens, forward + backward); pip install flash-linear-attention")),
     "triton": FastPath("triton", (
         "Triton does not import: LongStraw's Triton kernels (GDN replay backward, prompt-page dq, sparse MLA, DSA "
-        "scores, NF4, the decode's response attention, linears, sampling and GDN step) run on their torch "
-        "references (the GDN backward measured 27x slower at 64K tokens) and the decode step is not compiled; "
+        "scores, NF4, the decode's response attention, linears, sampling, GDN step and DSA top-k) run on their "
+        "torch references (the GDN backward measured 27x slower at 64K tokens) and the decode step is not compiled; "
         "install the Triton build that matches this torch")),
 }
 
