@@ -27,6 +27,10 @@ linear's tail and the launch between them (CUTLASS's example 63, "GEMM with weig
 an H200 (bench_decode_linear.py, qwen36_mini's 96 linears as one graph) this took 1.070 ms to 1.019; the gate/up
 linear (glu) is launched plainly, as it ran slower programmatically (with it: 1.025-1.088 ms, by prefetch and
 trigger), and larger prefetches were slower (512 elements: 1.088 ms with glu, 256: 1.043 without).
+With an expert axis (`decode_experts_triton`, glm52's routed experts at decode: EXPERTS) the grid's third axis is
+the expert: its weights, its rows (shared or its own) and its outputs; an expert that no token chose takes no step
+of K, so its weights are not read and its outputs are zeros (opt in: LONGSTRAW_DECODE_EXPERTS=skinny; not yet
+run on a GPU).
 Rounding follows the modules (the norm's output, the product, silu's output and the sum in the activations'
 dtype); the norm's output is rounded before the rsqrt is applied, not after, which moves a product by about one
 rounding of the operand dtype.
@@ -45,8 +49,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["MAX_ROWS", "PREFETCH", "decode_linear_triton", "gate_supported", "launch_config", "programmatic_launch",
-           "supported"]
+__all__ = ["EXPERTS_CONFIG", "MAX_ROWS", "PREFETCH", "decode_experts_triton", "decode_linear_triton",
+           "experts_supported", "gate_supported", "launch_config", "programmatic_launch", "supported"]
 
 # rows one program holds (a decode's responses on one rank), one MMA's 16; wider batches take the modules (cuBLAS):
 # the launch configs were chosen at 8 rows, and more rows' tiles would not fit them in shared memory
@@ -88,13 +92,21 @@ def _prefetch_l2(w_cols, k_begin, k_end, LINES: tl.constexpr, LINE: tl.constexpr
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, w_ptr, u_ptr, g_ptr, z_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_PART,
-                   stride_xm, stride_wn, stride_un, stride_zm, stride_rm, stride_om, eps,
+def _skinny_kernel(x_ptr, w_ptr, u_ptr, g_ptr, z_ptr, r_ptr, out_ptr, part_ptr, count_ptr, active_ptr, M, N, K,
+                   K_PART, stride_xm, stride_wn, stride_un, stride_zm, stride_rm, stride_om, stride_xe, stride_we,
+                   stride_ue, stride_oe, eps,
                    NORM: tl.constexpr, GATED: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                   PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, INTERPRETED: tl.constexpr):
+                   PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, INTERPRETED: tl.constexpr,
+                   EXPERTS: tl.constexpr):
     pid = tl.program_id(0)
     part = tl.program_id(1)  # which of the SPLIT parts of K: [part K_PART, (part + 1) K_PART)
+    if EXPERTS:  # one expert's linear a program row (axis 2): its rows, weights and outputs (SPLIT is 1)
+        e = tl.program_id(2).to(tl.int64)
+        x_ptr += e * stride_xe
+        w_ptr += e * stride_we
+        u_ptr += e * stride_ue
+        out_ptr += e * stride_oe
     rows = tl.arange(0, BLOCK_M)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
@@ -111,6 +123,9 @@ def _skinny_kernel(x_ptr, w_ptr, u_ptr, g_ptr, z_ptr, r_ptr, out_ptr, part_ptr, 
             last = tl.minimum(cols, N - 1)[:, None].to(tl.int64)
             _prefetch_l2(w_ptr + last * stride_wn, k_begin, k_end, PREFETCH_LINES, LINE)
         tl.extra.cuda.gdc_wait()
+    if EXPERTS:
+        # an expert no row chose: no step of K (its weights are not read), so its outputs are zeros
+        k_end = tl.where(tl.load(active_ptr + e) != 0, k_end, k_begin)
     dtype = out_ptr.dtype.element_ty
     # transposed, [columns, rows]: the weight's tile is the product's left operand (the MMA's wide side), the few
     # rows its right one
@@ -272,37 +287,94 @@ def _linear_op(x_MK: torch.Tensor, weight_NK: torch.Tensor, up_NK: torch.Tensor 
                gate_MK: torch.Tensor | None, residual_MN: torch.Tensor | None, eps: float, block_n: int,
                block_k: int, warps: int, stages: int, split: int, prefetch: int) -> torch.Tensor:
     """norm_K: the input norm's weight, or with gate_MK the gated norm's [V]; prefetch: launch_config's PREFETCH."""
-    M, K = x_MK.shape
-    N = weight_NK.shape[0]
-    out = x_MK.new_empty(M, N)
+    out = x_MK.new_empty(x_MK.shape[0], weight_NK.shape[0])
+    _launch(x_MK, weight_NK, up_NK, norm_K, gate_MK, residual_MN, out, eps, block_n, block_k, warps, stages, split,
+            prefetch)
+    return out
+
+
+def _launch(x, weight, up_w, norm_K, gate_MK, residual_MN, out, eps: float, block_n: int, block_k: int, warps: int,
+            stages: int, split: int, prefetch: int, active_E: torch.Tensor | None = None) -> None:
+    """One launch of the kernel into `out`. Without active_E: x [M, K], weight [N, K], out [M, N]. With it (int32
+    [E], nonzero where an expert computes): weight [E, N, K], up_w likewise, x [M, K] shared by the experts or
+    [E, M, K] one block of rows each, out [E, M, N]; no norm, gate, residual or parts of K."""
+    experts = active_E is not None
+    M, K = x.shape[-2:]
+    N = weight.shape[-2]
     # an absent operand's pointer: any tensor (its loads are compiled out)
-    up = weight_NK if up_NK is None else up_NK
+    up = weight if up_w is None else up_w
     tiles, block_m = triton.cdiv(N, block_n), max(16, triton.next_power_of_2(M))
     # K in `split` parts of whole BLOCK_K steps; fewer parts where K has fewer steps
     k_part = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
     split = triton.cdiv(K, k_part)
+    assert not experts or split == 1
     if split > 1:
-        part_floats = (2 if up_NK is not None else 1) * block_n * block_m + block_m
-        parts = torch.empty(split * tiles * part_floats, dtype=torch.float32, device=x_MK.device)
-        counts = _counts(x_MK.device, tiles)
+        part_floats = (2 if up_w is not None else 1) * block_n * block_m + block_m
+        parts = torch.empty(split * tiles * part_floats, dtype=torch.float32, device=x.device)
+        counts = _counts(x.device, tiles)
     else:
         parts = counts = out  # not read
     gated = gate_MK is not None
-    # not the gate/up linear (glu): launched programmatically it ran slower (module note)
-    pdl = programmatic_launch(x_MK.device) and up_NK is None
-    line = 128 // x_MK.element_size()  # elements in an L2 line
-    lines = triton.next_power_of_2(triton.cdiv(prefetch, line)) if pdl and prefetch > 0 else 0
-    _skinny_kernel[(tiles, split)](
-        x_MK, weight_NK, up, x_MK if norm_K is None else norm_K, gate_MK if gated else x_MK,
-        out if residual_MN is None else residual_MN, out, parts, counts, M, N, K, k_part, x_MK.stride(0),
-        weight_NK.stride(0), up.stride(0), gate_MK.stride(0) if gated else 0,
-        0 if residual_MN is None else residual_MN.stride(0), out.stride(0), eps,
-        NORM=norm_K is not None and not gated, GATED=gated, GLU=up_NK is not None, RESIDUAL=residual_MN is not None,
+    # not the gate/up linear (glu): launched programmatically it ran slower (module note); experts' weights are
+    # not asked for before the wait (the experts chosen are known after it)
+    pdl = programmatic_launch(x.device) and up_w is None
+    line = 128 // x.element_size()  # elements in an L2 line
+    lines = triton.next_power_of_2(triton.cdiv(prefetch, line)) if pdl and prefetch > 0 and not experts else 0
+
+    def stride_e(t):
+        return t.stride(0) if experts and t.dim() == 3 else 0
+
+    _skinny_kernel[(tiles, split, active_E.shape[0] if experts else 1)](
+        x, weight, up, x if norm_K is None else norm_K, gate_MK if gated else x,
+        out if residual_MN is None else residual_MN, out, parts, counts, out if active_E is None else active_E, M, N,
+        K, k_part, x.stride(-2), weight.stride(-2), up.stride(-2), gate_MK.stride(0) if gated else 0,
+        0 if residual_MN is None else residual_MN.stride(0), out.stride(-2), stride_e(x), stride_e(weight),
+        stride_e(up), stride_e(out), eps,
+        NORM=norm_K is not None and not gated, GATED=gated, GLU=up_w is not None, RESIDUAL=residual_MN is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, PDL=pdl, PREFETCH_LINES=lines, LINE=line,
-        INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps, num_stages=stages, launch_pdl=pdl)
-    return out
+        INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", EXPERTS=experts, num_warps=warps, num_stages=stages,
+        launch_pdl=pdl)
 
 
 @_linear_op.register_fake
 def _(x_MK, weight_NK, up_NK, norm_K, gate_MK, residual_MN, eps, block_n, block_k, warps, stages, split, prefetch):
     return x_MK.new_empty(x_MK.shape[0], weight_NK.shape[0])
+
+
+# the routed experts of a decode step (a few tokens, every expert's weights on this device): the kernel with an
+# expert axis, each expert no token chose skipped without reading its weights
+EXPERTS_CONFIG = (64, 128, 4, 4)
+
+
+def experts_supported(x: torch.Tensor, gate_up_EXC: torch.Tensor, down_ECI: torch.Tensor) -> bool:
+    """Whether `decode_experts_triton` takes these: `supported`'s rows and dtypes, plain contiguous expert weights."""
+    return (supported(x, gate_up_EXC, down_ECI) and type(gate_up_EXC) in (torch.Tensor, torch.nn.Parameter)
+            and type(down_ECI) in (torch.Tensor, torch.nn.Parameter)
+            and gate_up_EXC.is_contiguous() and down_ECI.is_contiguous())
+
+
+def decode_experts_triton(x_MC: torch.Tensor, gate_up_EXC: torch.Tensor, down_ECI: torch.Tensor,
+                          active_E: torch.Tensor, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """Every expert's FFN over all M rows -> y [E, M, C] in x's dtype: silu(x G_e^T) * (x U_e^T) in one launch (G_e,
+    U_e: the halves of gate_up_EXC[e], X = 2I), then that times D_e^T (down_ECI[e]) in a second, rounded as
+    `dense_experts` rounds; an expert whose active_E (int32 [E]) is 0 reads no weight and gives zeros. config:
+    (BLOCK_N, BLOCK_K, warps, stages), EXPERTS_CONFIG by default."""
+    with contextlib.nullcontext() if torch.compiler.is_compiling() else torch.cuda.device_of(x_MC):
+        return _experts_op(x_MC.contiguous(), gate_up_EXC, down_ECI, active_E, *(config or EXPERTS_CONFIG))
+
+
+@torch.library.custom_op("longstraw::decode_experts", mutates_args=())
+def _experts_op(x_MC: torch.Tensor, gate_up_EXC: torch.Tensor, down_ECI: torch.Tensor, active_E: torch.Tensor,
+                block_n: int, block_k: int, warps: int, stages: int) -> torch.Tensor:
+    (M, C), (E, I) = x_MC.shape, (gate_up_EXC.shape[0], down_ECI.shape[2])
+    h_EMI = x_MC.new_empty(E, M, I)
+    _launch(x_MC, gate_up_EXC[:, :I], gate_up_EXC[:, I:], None, None, None, h_EMI, 0.0, block_n, block_k, warps,
+            stages, 1, 0, active_E)
+    y_EMC = x_MC.new_empty(E, M, C)
+    _launch(h_EMI, down_ECI, None, None, None, None, y_EMC, 0.0, block_n, block_k, warps, stages, 1, 0, active_E)
+    return y_EMC
+
+
+@_experts_op.register_fake
+def _(x_MC, gate_up_EXC, down_ECI, active_E, block_n, block_k, warps, stages):
+    return x_MC.new_empty(gate_up_EXC.shape[0], x_MC.shape[0], x_MC.shape[1])

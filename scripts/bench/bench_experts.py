@@ -1,7 +1,8 @@
 """The static decode step's routed experts on one GPU: every expert densely (`dense_experts`) against the grouped
-GEMMs over the step's (token, expert) pairs (`grouped_experts`), one MoE layer, bf16, B tokens each routed to k
-random experts, each function compiled by torch.compile and replayed as a CUDA graph, as the decode step runs it.
-The decoder takes the grouped GEMMs where B x k < E (models/glm52/decode.py); this is the measurement behind that.
+GEMMs over the step's (token, expert) pairs (`grouped_experts`) and the decode linear kernel over the chosen experts
+(`skinny_experts`, LONGSTRAW_DECODE_EXPERTS=skinny), one MoE layer, bf16, B tokens each routed to k random experts,
+each function compiled by torch.compile and replayed as a CUDA graph, as the decode step runs it. The decoder takes
+the grouped GEMMs where B x k < E (models/glm52/decode.py); this is the measurement behind that.
 
     python scripts/bench/bench_experts.py --out experts.jsonl
 """
@@ -14,7 +15,7 @@ import torch
 from rows import emit, graph_ms
 
 from longstraw_cli.models.glm52.config import NAMED_CONFIGS
-from longstraw_cli.models.glm52.experts import dense_experts, grouped_experts
+from longstraw_cli.models.glm52.experts import dense_experts, grouped_experts, skinny_experts
 
 
 def measure(shape: str, B: int) -> dict:
@@ -28,12 +29,15 @@ def measure(shape: str, B: int) -> dict:
     row = {"shape": shape, "tokens": B, "experts": E, "k": k, "chosen": int(idx_Bk.unique().numel()),
            "weights_gib": 3 * E * I * C * 2 / 2**30, "gpu": torch.cuda.get_device_name()}
     outputs = {}
-    for name, fn in (("dense", dense_experts), ("grouped", grouped_experts)):
+    for name, fn in (("dense", dense_experts), ("grouped", grouped_experts), ("skinny", skinny_experts)):
         compiled = torch.compile(fn)
         outputs[name], row[f"{name}_ms"] = graph_ms(
             lambda compiled=compiled: compiled(x_BC, idx_Bk, w_Bk, gate_up_EXC, down_ECI), 50)
-    dense_out, grouped_out = outputs["dense"].float(), outputs["grouped"].float()
-    row["grouped_rel_err"] = float((grouped_out - dense_out).norm() / dense_out.norm())
+    dense_out = outputs["dense"].float()
+    for name in ("grouped", "skinny"):
+        row[f"{name}_rel_err"] = float((outputs[name].float() - dense_out).norm() / dense_out.norm())
+    # the chosen experts' weights at the measured copy rate would be the bound; here their bytes
+    row["chosen_weights_gib"] = row["weights_gib"] * row["chosen"] / E
     return row
 
 

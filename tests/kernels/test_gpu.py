@@ -247,6 +247,40 @@ def test_decode_linear_gated_norm_prologue_is_as_close_to_fp64_as_the_modules(co
     assert rel_err(got, want) < 1e-2
 
 
+@pytest.mark.parametrize("shape", ["glm52_mini", "glm52"])
+def test_skinny_experts_are_as_close_to_fp64_as_the_dense_experts(shape):
+    """The decode's routed experts through the decode linear kernel with an expert axis (`skinny_experts`) at 8
+    tokens of glm52_mini's and GLM-5's expert shapes, bf16: within the dense experts' error of the fp64 dense
+    experts, and the same compiled and replayed as a CUDA graph (as the decode step runs them), an expert no token
+    chose (NaN there) not read."""
+    from longstraw_cli.models.glm52.config import NAMED_CONFIGS
+    from longstraw_cli.models.glm52.experts import dense_experts, skinny_experts, skinny_serves
+
+    cfg = NAMED_CONFIGS[shape]
+    E, k, C, I, N = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size, 8
+    g = torch.Generator(device="cuda").manual_seed(E)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device="cuda") * scale).to(torch.bfloat16)
+
+    x, gate_up, down = randn(N, C), randn(E, 2 * I, C, scale=C**-0.5), randn(E, C, I, scale=I**-0.5)
+    idx = torch.stack([torch.randperm(E - 1, device="cuda", generator=g)[:k] for _ in range(N)])  # the last idle
+    w = torch.rand(N, k, device="cuda", generator=g)
+    assert skinny_serves(x, gate_up, down)
+    want = dense_experts(x, idx, w, gate_up, down)
+    oracle = dense_experts(x.double(), idx, w.double(), gate_up.double(), down.double())
+    gate_up[-1], down[-1] = float("nan"), float("nan")
+    got = skinny_experts(x, idx, w, gate_up, down)
+    assert rel_err(got, oracle) < 1.5 * rel_err(want, oracle) + 1e-3 and rel_err(got, want) < 1e-2
+    compiled = torch.compile(skinny_experts)
+    compiled(x, idx, w, gate_up, down)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = compiled(x, idx, w, gate_up, down)
+    graph.replay()
+    assert torch.equal(out, got)
+
+
 def test_decode_linear_programmatic_launch_in_a_graph_equals_plain_launches(monkeypatch):
     """A chain of dependent linears (each one's input the last one's output: up then down with the residual, both
     programmatic, so that each lets the next start early; one glu layer, launched plainly, among them; K split and

@@ -14,7 +14,13 @@ from conftest import ids, random_model, rel_err
 from longstraw_cli.lora import LoraConfig, apply_lora
 from longstraw_cli.models import build_model
 from longstraw_cli.models.core import StepDecoder
-from longstraw_cli.models.glm52.experts import dense_experts, grouped_experts, local_experts, pairs_by_expert
+from longstraw_cli.models.glm52.experts import (
+    dense_experts,
+    grouped_experts,
+    local_experts,
+    pairs_by_expert,
+    skinny_experts,
+)
 from longstraw_cli.models.qwen36 import decode as qwen36_decode
 from longstraw_cli.models.qwen36.decode import EachLinear, InProjections
 from longstraw_cli.rollout.native import NativeConfig, SamplingConfig, generate
@@ -121,6 +127,76 @@ def test_glm52_decode_takes_the_grouped_experts_where_they_serve(monkeypatch):
     moe_layers = sum(hasattr(layer.mlp, "experts_fn") for layer in model.model.layers)
     assert len(calls) == moe_layers > 0
     assert rel_err(logits, dense.step()) < 1e-5
+
+
+# small blocks: I = 24 in two column tiles of 16, C = 80 in three K steps of 32 (the last ragged), and C's 5 tiles
+SKINNY_SMALL = (16, 32, 4, 1)
+
+
+@pytest.mark.parametrize("dtype, bound", [(torch.float32, 2e-6), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("N", [3, 8])
+@pytest.mark.parametrize("config", [SKINNY_SMALL, None], ids=["small", "default"])
+def test_skinny_experts_are_the_dense_experts(dtype, bound, N, config):
+    """The decode linear kernel with an expert axis (`skinny_experts`, Triton's interpreter) gives `dense_experts`'
+    output: fp32 to its rounding, bf16 against the fp64 dense experts to bf16's (the interpreter rounds to bf16
+    toward zero: tests/kernels/test_decode_linear.py). Experts 1, 4 and 6 are chosen by no token."""
+    E, C, I, k = 8, 80, 24, 2
+    f32 = functools.partial(torch.randn, generator=torch.Generator().manual_seed(N))
+    x, gate_up, down = f32(N, C), f32(E, 2 * I, C) / C**0.5, f32(E, C, I) / I**0.5
+    chosen = torch.tensor([0, 2, 3, 5, 7])
+    idx = torch.stack([chosen[torch.randperm(5, generator=torch.Generator().manual_seed(n))[:k]] for n in range(N)])
+    w = f32(N, k).abs()
+    got = skinny_experts(x.to(dtype), idx, w, gate_up.to(dtype), down.to(dtype), config=config)
+    to = torch.float64 if dtype == torch.bfloat16 else dtype
+    want = dense_experts(*(t.to(dtype).to(to) for t in (x,)), idx, w.to(to), *(t.to(dtype).to(to) for t in (gate_up,
+                                                                                                           down)))
+    assert got.dtype == dtype and got.shape == (N, C)
+    assert rel_err(got, want) < bound
+
+
+def test_skinny_experts_read_no_weight_of_an_expert_no_token_chose():
+    """An expert no token chose is skipped before any of its weights is read: NaN there leaves the output finite
+    and equal to the output with those weights zero, and its rows of the per-expert outputs are zeros."""
+    from longstraw_kernels.linear.triton_skinny import decode_experts_triton
+
+    E, C, I, N = 6, 48, 16, 4
+    f32 = functools.partial(torch.randn, generator=torch.Generator().manual_seed(0))
+    x, gate_up, down = f32(N, C), f32(E, 2 * I, C), f32(E, C, I)
+    idx, w = torch.tensor([[0, 2], [2, 5], [5, 0], [2, 0]]), f32(N, 2).abs()
+    clean = skinny_experts(x, idx, w, gate_up, down, config=SKINNY_SMALL)
+    for t in (gate_up, down):
+        t[[1, 3, 4]] = float("nan")
+    assert torch.equal(skinny_experts(x, idx, w, gate_up, down, config=SKINNY_SMALL), clean)
+    active = torch.tensor([1, 0, 1, 0, 0, 1], dtype=torch.int32)
+    y_ENC = decode_experts_triton(x, gate_up, down, active, SKINNY_SMALL)
+    assert torch.equal(y_ENC[[1, 3, 4]], torch.zeros(3, N, C)) and torch.isfinite(y_ENC).all()
+
+
+def test_glm52_decode_takes_the_skinny_experts_only_when_asked(monkeypatch):
+    """LONGSTRAW_DECODE_EXPERTS=skinny (opt in) puts every MoE layer of the step through `skinny_experts` where it
+    serves, with the dense experts' logits (fp32; Triton's interpreter); unset, or where it does not serve (CPU),
+    the decoder's rule stands; any other value is refused naming the valid ones."""
+    from longstraw_cli.models.glm52 import decode
+
+    model = random_model("glm52_tiny", torch.float32)
+    resident = model.capture(ids(50, 0), block_size=16)
+    dense = model.decoder(resident, 3, 4)
+    assert not dense.experts_skinny
+    monkeypatch.setenv("LONGSTRAW_DECODE_EXPERTS", "skinny")
+    assert not model.decoder(resident, 3, 4).experts_skinny  # CPU: the kernel does not serve
+    monkeypatch.setattr(decode, "skinny_serves", lambda *a: True)
+    skinny, calls = model.decoder(resident, 3, 4), []
+    assert skinny.experts_skinny
+    monkeypatch.setattr(decode, "skinny_experts", lambda *a: calls.append(1) or skinny_experts(*a))
+    for _ in range(2):
+        want, got = dense.step(), skinny.step()
+        assert rel_err(got, want) < 1e-5
+        for decoder in (dense, skinny):
+            decoder.tokens_B.copy_(want.argmax(-1))
+    assert len(calls) == 2 * sum(hasattr(layer.mlp, "experts_fn") for layer in model.model.layers) > 0
+    monkeypatch.setenv("LONGSTRAW_DECODE_EXPERTS", "fast")
+    with pytest.raises(ValueError, match=r"LONGSTRAW_DECODE_EXPERTS='fast'; valid: \['auto', 'skinny'\]"):
+        model.decoder(resident, 3, 4)
 
 
 @pytest.mark.parametrize("name", ["qwen36_tiny", "glm52_tiny"])

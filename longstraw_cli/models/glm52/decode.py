@@ -31,7 +31,15 @@ import torch
 import torch.nn.functional as F
 
 from longstraw_cli.models.core import StaticDecoder
-from longstraw_cli.models.glm52.experts import dense_experts, grouped_experts, grouped_mm_serves, local_experts
+from longstraw_cli.models.glm52.experts import (
+    decode_experts_choice,
+    dense_experts,
+    grouped_experts,
+    grouped_mm_serves,
+    local_experts,
+    skinny_experts,
+    skinny_serves,
+)
 from longstraw_cli.models.glm52.positions import KeyAxis, rope_cos_sin
 from longstraw_cli.models.slots import ResponseSlots, slot_buffer
 from longstraw_cli.quantize import is_nf4_experts
@@ -79,6 +87,11 @@ class Glm52Decoder(StaticDecoder):
         x_1C = torch.empty(1, cfg.hidden_size, dtype=model.lm_head.weight.dtype, device=self.device)
         self.experts_grouped = batch * cfg.num_experts_per_tok < cfg.n_routed_experts and bool(moe) and all(
             grouped_mm_serves(x_1C, mlp.experts.gate_up_proj, mlp.experts.down_proj) for mlp in moe)
+        # LONGSTRAW_DECODE_EXPERTS=skinny: the decode linear kernel over the chosen experts (`skinny_experts`), where
+        # it serves, in place of either (opt in: not yet measured on a GPU)
+        x_BC = torch.empty(batch, cfg.hidden_size, dtype=x_1C.dtype, device=self.device)
+        self.experts_skinny = decode_experts_choice() == "skinny" and bool(moe) and all(
+            skinny_serves(x_BC, mlp.experts.gate_up_proj, mlp.experts.down_proj) for mlp in moe)
         # torch.compile fuses the step's ~2,000 small kernels (seen on an H200, glm52_mini at 256K, G=8: see
         # docs/BENCHMARKS.md). Not over NF4 experts (lora.quantize=nf4): compiling their dequantisation has not
         # run on a GPU. The page count is a dynamic size of the compiled layer function (`compiled`): its graphs (and
@@ -161,6 +174,7 @@ class Glm52Decoder(StaticDecoder):
         topk_idx_Nk, topk_w_Nk = mlp.route_fn(mlp.gate, x_NC, positions_1)
         experts_fn = mlp.experts_fn
         if experts_fn is local_experts:
-            experts_fn = grouped_experts if self.experts_grouped else dense_experts
+            experts_fn = (skinny_experts if self.experts_skinny else grouped_experts if self.experts_grouped
+                          else dense_experts)
         y_NC = experts_fn(x_NC, topk_idx_Nk, topk_w_Nk, mlp.experts.gate_up_proj, mlp.experts.down_proj)
         return y_NC.view_as(x_BTC) + mlp.shared_experts(x_BTC)

@@ -32,16 +32,18 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from longstraw_cli.quantize import dense, experts_per_pass, linear
-from longstraw_kernels import kernel_choice
+from longstraw_kernels import kernel_choice, optional_module
 
-__all__ = ["combine", "dense_experts", "expert_ffn", "grouped_expert_ffn", "grouped_experts", "grouped_mm_blocker",
-           "grouped_mm_serves", "local_experts", "pairs_by_expert"]
+__all__ = ["DECODE_EXPERTS_CHOICES", "combine", "decode_experts_choice", "dense_experts", "expert_ffn",
+           "grouped_expert_ffn", "grouped_experts", "grouped_mm_blocker", "grouped_mm_serves", "local_experts",
+           "pairs_by_expert", "skinny_experts", "skinny_serves"]
 
 log = logging.getLogger(__name__)
 
@@ -181,8 +183,7 @@ def dense_experts(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_proj_EXC, down_proj_ECI)
     (fp32, zero for experts not chosen) combine the outputs. Static shapes. Plain weights in one batched pass;
     NF4 experts in passes of `experts_per_pass` experts, each pass's experts dequantised, multiplied and freed."""
     E = gate_up_proj_EXC.shape[0]
-    w_NE = torch.zeros(x_NC.shape[0], E, dtype=topk_w_Nk.dtype, device=x_NC.device)
-    w_NE.scatter_(1, topk_idx_Nk, topk_w_Nk)
+    w_NE = _routing_weights(topk_idx_Nk, topk_w_Nk, E)
     step, y_NC = experts_per_pass(gate_up_proj_EXC), None
     for e0 in range(0, E, step):
         gate_up_GXC, down_GCI = dense(gate_up_proj_EXC[e0:e0 + step]), dense(down_proj_ECI[e0:e0 + step])
@@ -191,3 +192,44 @@ def dense_experts(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_proj_EXC, down_proj_ECI)
         part_NC = torch.einsum("gnc,ng->nc", y_GNC.to(w_NE.dtype), w_NE[:, e0:e0 + step])
         y_NC = part_NC if y_NC is None else y_NC + part_NC
     return y_NC.to(x_NC.dtype)
+
+
+def _routing_weights(topk_idx_Nk, topk_w_Nk, num_experts: int) -> torch.Tensor:
+    """[N, E] routing weights: topk_w at the chosen experts, zero elsewhere (topk_w's dtype)."""
+    w_NE = torch.zeros(topk_idx_Nk.shape[0], num_experts, dtype=topk_w_Nk.dtype, device=topk_w_Nk.device)
+    return w_NE.scatter_(1, topk_idx_Nk, topk_w_Nk)
+
+
+DECODE_EXPERTS_CHOICES = ("auto", "skinny")
+
+
+def decode_experts_choice() -> str:
+    """LONGSTRAW_DECODE_EXPERTS: `auto` (the default: the decode step's experts by the decoder's rule, grouped GEMMs
+    or dense) or `skinny` (`skinny_experts` where it serves: opt in, its speed not yet measured on a GPU); any other
+    value is an error naming the valid ones."""
+    choice = os.environ.get("LONGSTRAW_DECODE_EXPERTS", "auto")
+    if choice not in DECODE_EXPERTS_CHOICES:
+        raise ValueError(f"LONGSTRAW_DECODE_EXPERTS={choice!r}; valid: {list(DECODE_EXPERTS_CHOICES)}")
+    return choice
+
+
+def skinny_serves(x_NC, gate_up_proj_EXC, down_proj_ECI) -> bool:
+    """Whether `skinny_experts` runs for these (the decode linear kernel's `experts_supported`: CUDA, bf16/fp16,
+    at most 16 rows, plain contiguous expert weights; Triton importable)."""
+    module = optional_module("longstraw_kernels.linear.triton_skinny") if x_NC.is_cuda else None
+    return module is not None and module.experts_supported(x_NC, gate_up_proj_EXC, down_proj_ECI)
+
+
+def skinny_experts(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_proj_EXC, down_proj_ECI, *, config=None) -> torch.Tensor:
+    """`dense_experts`' products and rounding with each expert's FFN in the decode linear kernel with an expert axis
+    (`triton_skinny.decode_experts_triton`: two launches), where an expert no token chose reads no weight: a decode
+    step of few tokens reads the chosen experts only (glm52_mini at G = 8: ~21 of 32), with static shapes and no
+    host synchronisation, where the grouped GEMMs ran below the bandwidth at a row or two a group. The caller
+    checked `skinny_serves` (tests call it under Triton's interpreter). config: the kernel's blocks (tests)."""
+    from longstraw_kernels.linear.triton_skinny import decode_experts_triton
+
+    E = gate_up_proj_EXC.shape[0]
+    w_NE = _routing_weights(topk_idx_Nk, topk_w_Nk, E)
+    active_E = torch.zeros(E, dtype=torch.int32, device=x_NC.device).index_fill_(0, topk_idx_Nk.reshape(-1), 1)
+    y_ENC = decode_experts_triton(x_NC, gate_up_proj_EXC, down_proj_ECI, active_E, config)
+    return torch.einsum("enc,ne->nc", y_ENC.to(w_NE.dtype), w_NE).to(x_NC.dtype)
