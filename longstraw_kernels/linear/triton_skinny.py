@@ -101,8 +101,8 @@ def _skinny_kernel(x_ptr, w_ptr, u_ptr, g_ptr, z_ptr, r_ptr, out_ptr, part_ptr, 
                    EXPERTS: tl.constexpr):
     pid = tl.program_id(0)
     part = tl.program_id(1)  # which of the SPLIT parts of K: [part K_PART, (part + 1) K_PART)
+    e = tl.program_id(2).to(tl.int64)  # the expert (EXPERTS; else 0)
     if EXPERTS:  # one expert's linear a program row (axis 2): its rows, weights and outputs (SPLIT is 1)
-        e = tl.program_id(2).to(tl.int64)
         x_ptr += e * stride_xe
         w_ptr += e * stride_we
         u_ptr += e * stride_ue
