@@ -8,6 +8,7 @@ sampling that follows each step. Prints a short table; --out appends one JSON ro
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 
@@ -18,6 +19,7 @@ from rows import emit, kernel_times, top_kernels  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from longstraw_cli.models import build_model  # noqa: E402
+from longstraw_cli.models.glm52.routing import RoutingReplay  # noqa: E402
 from longstraw_cli.rollout.native import GraphedStep  # noqa: E402
 from longstraw_kernels.sampling import race_sample  # noqa: E402
 
@@ -54,6 +56,9 @@ def main() -> None:
     parser.add_argument("--compile-mode", default=None,
                         help="torch.compile's mode for the compiled step (the trainer's: the default), e.g. "
                              "max-autotune-no-cudagraphs (inductor tunes the matmuls of 8 rows)")
+    parser.add_argument("--record-routing", action="store_true",
+                        help="glm52: the steps record their routing (rollout.replay_routing's recording, the "
+                             "trainer's default for glm52): run once with and once without to see what it costs")
     parser.add_argument("--top", type=int, default=10, help="kernels listed per profile")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -62,46 +67,56 @@ def main() -> None:
     with torch.no_grad():
         resident = model.capture(prompt, block_size=16384)
         row = {"model": args.model, "prompt": args.prompt, "group": args.group, "capacity": args.capacity,
-               "step": args.step, "compile_mode": args.compile_mode}
+               "step": args.step, "compile_mode": args.compile_mode, "record_routing": args.record_routing}
+        recording = contextlib.nullcontext()
+        if args.record_routing:
+            routing = RoutingReplay(force=True)
+            recording = routing.recording(routing.new_record(model, resident, args.group, args.capacity), model)
+        with recording:
+            profile_steps(model, resident, row, args)
+    emit(row, args.out)
 
+
+def profile_steps(model, resident, row: dict, args) -> None:
+    """The eager step's kernels, the step as a graph, the sampling after it and (--compile) the compiled step, into
+    `row`."""
+    decoder = model.decoder(resident, args.group, args.capacity)
+    decoder.step_1.fill_(args.step)
+    decoder.step()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        decoder.step()
+        torch.cuda.synchronize()
+    summarise(prof, row, "eager", args.top)
+
+    graphed = GraphedStep(decoder)
+    graphed()
+    row["graph_ms"] = timed(graphed, 50)
+    logits = graphed()
+    g = torch.Generator("cuda").manual_seed(0)
+    race = torch.empty_like(logits)
+    tokens, logp, entropy = (torch.empty(args.group, dtype=t, device="cuda")
+                             for t in (torch.long, logits.dtype, logits.dtype))
+
+    # what the rollout runs after each step: the race's noise, then its sampling (the Triton kernel on CUDA;
+    # LONGSTRAW_SAMPLE_KERNEL=torch for the reference)
+    def sample():
+        race_sample(logits, race.exponential_(1.0, generator=g), 1.0, 1.0, tokens, logp, entropy)
+
+    row["sample_ms"] = timed(sample, 50)
+    if args.compile:
         decoder = model.decoder(resident, args.group, args.capacity)
         decoder.step_1.fill_(args.step)
-        decoder.step()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            decoder.step()
-            torch.cuda.synchronize()
-        summarise(prof, row, "eager", args.top)
-
-        graphed = GraphedStep(decoder)
+        graphed = GraphedStep(decoder, compile=True, compile_mode=args.compile_mode)
+        start = time.perf_counter()
         graphed()
-        row["graph_ms"] = timed(graphed, 50)
-        logits = graphed()
-        g = torch.Generator("cuda").manual_seed(0)
-        race = torch.empty_like(logits)
-        tokens, logp, entropy = (torch.empty(args.group, dtype=t, device="cuda")
-                                 for t in (torch.long, logits.dtype, logits.dtype))
-
-        # what the rollout runs after each step: the race's noise, then its sampling (the Triton kernel on CUDA;
-        # LONGSTRAW_SAMPLE_KERNEL=torch for the reference)
-        def sample():
-            race_sample(logits, race.exponential_(1.0, generator=g), 1.0, 1.0, tokens, logp, entropy)
-
-        row["sample_ms"] = timed(sample, 50)
-        if args.compile:
-            decoder = model.decoder(resident, args.group, args.capacity)
-            decoder.step_1.fill_(args.step)
-            graphed = GraphedStep(decoder, compile=True, compile_mode=args.compile_mode)
-            start = time.perf_counter()
-            graphed()
+        torch.cuda.synchronize()
+        row["compile_s"] = time.perf_counter() - start
+        row["compiled_graph_ms"] = timed(graphed, 50)
+        # the compiled step's kernels, launched one by one (the graph replays the same kernels)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            graphed.step()
             torch.cuda.synchronize()
-            row["compile_s"] = time.perf_counter() - start
-            row["compiled_graph_ms"] = timed(graphed, 50)
-            # the compiled step's kernels, launched one by one (the graph replays the same kernels)
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                graphed.step()
-                torch.cuda.synchronize()
-            summarise(prof, row, "compiled", args.top)
-    emit(row, args.out)
+        summarise(prof, row, "compiled", args.top)
 
 
 if __name__ == "__main__":
