@@ -37,11 +37,12 @@ def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
 log = logging.getLogger(__name__)
 
 
-def kernel_choice(env_var: str) -> str:
-    """auto | torch from `env_var` (default auto); any other value is an error naming the valid ones."""
-    choice = os.environ.get(env_var, "auto")
-    if choice not in KERNEL_CHOICES:
-        raise ValueError(f"{env_var}={choice!r}; valid: {list(KERNEL_CHOICES)}")
+def kernel_choice(env_var: str, choices: tuple[str, ...] = KERNEL_CHOICES) -> str:
+    """One of `choices` (auto | torch unless given; the first is the default) from `env_var`; any other value is an
+    error naming the valid ones."""
+    choice = os.environ.get(env_var, choices[0])
+    if choice not in choices:
+        raise ValueError(f"{env_var}={choice!r}; valid: {list(choices)}")
     return choice
 
 

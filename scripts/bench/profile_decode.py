@@ -20,6 +20,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from longstraw_cli.models import build_model  # noqa: E402
 from longstraw_cli.models.glm52.routing import RoutingReplay  # noqa: E402
+from longstraw_cli.models.spec import family_of  # noqa: E402
 from longstraw_cli.rollout.native import GraphedStep  # noqa: E402
 from longstraw_kernels.sampling import race_sample  # noqa: E402
 
@@ -62,6 +63,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=10, help="kernels listed per profile")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.record_routing and family_of(args.model).routing is None:
+        parser.error(f"--record-routing: {args.model} routes nothing (no MoE or DSA layers to record)")
     model = build_model(args.model, dtype=torch.bfloat16, device="cuda", seed=0)
     prompt = torch.randint(0, 250, (args.prompt,), device="cuda")
     with torch.no_grad():

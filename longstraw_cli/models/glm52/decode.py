@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from longstraw_cli.models.core import StaticDecoder
 from longstraw_cli.models.glm52.experts import (
-    decode_experts_choice,
+    DECODE_EXPERTS_CHOICES,
     dense_experts,
     grouped_experts,
     grouped_mm_serves,
@@ -45,6 +45,7 @@ from longstraw_cli.models.slots import ResponseSlots, slot_buffer
 from longstraw_cli.quantize import is_nf4_experts
 from longstraw_cli.resident import Resident
 from longstraw_cli.resident.offload import left_on_host, rollout_pages
+from longstraw_kernels import kernel_choice
 from longstraw_kernels.dsa.topk import topk_lowest_position_static
 
 
@@ -89,9 +90,9 @@ class Glm52Decoder(StaticDecoder):
             grouped_mm_serves(x_1C, mlp.experts.gate_up_proj, mlp.experts.down_proj) for mlp in moe)
         # LONGSTRAW_DECODE_EXPERTS=skinny: the decode linear kernel over the chosen experts (`skinny_experts`), where
         # it serves, in place of either (opt in: not yet measured on a GPU)
-        x_BC = torch.empty(batch, cfg.hidden_size, dtype=x_1C.dtype, device=self.device)
-        self.experts_skinny = decode_experts_choice() == "skinny" and bool(moe) and all(
-            skinny_serves(x_BC, mlp.experts.gate_up_proj, mlp.experts.down_proj) for mlp in moe)
+        skinny = kernel_choice("LONGSTRAW_DECODE_EXPERTS", DECODE_EXPERTS_CHOICES) == "skinny"
+        self.experts_skinny = skinny and bool(moe) and all(
+            skinny_serves(x_1C.expand(batch, -1), mlp.experts.gate_up_proj, mlp.experts.down_proj) for mlp in moe)
         # torch.compile fuses the step's ~2,000 small kernels (seen on an H200, glm52_mini at 256K, G=8: see
         # docs/BENCHMARKS.md). Not over NF4 experts (lora.quantize=nf4): compiling their dequantisation has not
         # run on a GPU. The page count is a dynamic size of the compiled layer function (`compiled`): its graphs (and

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +40,7 @@ from torch import nn
 from longstraw_cli.quantize import dense, experts_per_pass, linear
 from longstraw_kernels import kernel_choice, optional_module
 
-__all__ = ["DECODE_EXPERTS_CHOICES", "combine", "decode_experts_choice", "dense_experts", "expert_ffn",
+__all__ = ["DECODE_EXPERTS_CHOICES", "combine", "dense_experts", "expert_ffn",
            "grouped_expert_ffn", "grouped_experts", "grouped_mm_blocker", "grouped_mm_serves", "local_experts",
            "pairs_by_expert", "skinny_experts", "skinny_serves"]
 
@@ -200,17 +199,9 @@ def _routing_weights(topk_idx_Nk, topk_w_Nk, num_experts: int) -> torch.Tensor:
     return w_NE.scatter_(1, topk_idx_Nk, topk_w_Nk)
 
 
+# LONGSTRAW_DECODE_EXPERTS (`kernel_choice`): `auto`, the default (the decode step's experts by the decoder's rule,
+# grouped GEMMs or dense), or `skinny` (`skinny_experts` where it serves: opt in, not yet measured on a GPU)
 DECODE_EXPERTS_CHOICES = ("auto", "skinny")
-
-
-def decode_experts_choice() -> str:
-    """LONGSTRAW_DECODE_EXPERTS: `auto` (the default: the decode step's experts by the decoder's rule, grouped GEMMs
-    or dense) or `skinny` (`skinny_experts` where it serves: opt in, its speed not yet measured on a GPU); any other
-    value is an error naming the valid ones."""
-    choice = os.environ.get("LONGSTRAW_DECODE_EXPERTS", "auto")
-    if choice not in DECODE_EXPERTS_CHOICES:
-        raise ValueError(f"LONGSTRAW_DECODE_EXPERTS={choice!r}; valid: {list(DECODE_EXPERTS_CHOICES)}")
-    return choice
 
 
 def skinny_serves(x_NC, gate_up_proj_EXC, down_proj_ECI) -> bool:
