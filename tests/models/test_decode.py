@@ -172,21 +172,21 @@ def test_skinny_experts_read_no_weight_of_an_expert_no_token_chose():
     assert torch.equal(y_ENC[[1, 3, 4]], torch.zeros(3, N, C)) and torch.isfinite(y_ENC).all()
 
 
-def test_glm52_decode_takes_the_skinny_experts_only_when_asked(monkeypatch):
-    """LONGSTRAW_DECODE_EXPERTS=skinny (opt in) puts every MoE layer of the step through `skinny_experts` where it
-    serves, with the dense experts' logits (fp32; Triton's interpreter); unset, or where it does not serve (CPU),
-    the decoder's rule stands; any other value is refused naming the valid ones."""
+def test_glm52_decode_takes_the_skinny_experts_where_they_serve(monkeypatch):
+    """By default every MoE layer of the step goes through `skinny_experts` where it serves, with the dense experts'
+    logits (fp32; Triton's interpreter); where it does not serve (CPU), or under LONGSTRAW_DECODE_EXPERTS=torch, the
+    grouped-or-dense rule stands; any other value is refused naming the valid ones."""
     from longstraw_cli.models.glm52 import decode
 
     model = random_model("glm52_tiny", torch.float32)
     resident = model.capture(ids(50, 0), block_size=16)
-    dense = model.decoder(resident, 3, 4)
-    assert not dense.experts_skinny
-    monkeypatch.setenv("LONGSTRAW_DECODE_EXPERTS", "skinny")
     assert not model.decoder(resident, 3, 4).experts_skinny  # CPU: the kernel does not serve
     monkeypatch.setattr(decode, "skinny_serves", lambda *a: True)
     skinny, calls = model.decoder(resident, 3, 4), []
     assert skinny.experts_skinny
+    monkeypatch.setenv("LONGSTRAW_DECODE_EXPERTS", "torch")
+    dense = model.decoder(resident, 3, 4)
+    assert not dense.experts_skinny
     monkeypatch.setattr(decode, "skinny_experts", lambda *a: calls.append(1) or skinny_experts(*a))
     for _ in range(2):
         want, got = dense.step(), skinny.step()
@@ -194,8 +194,8 @@ def test_glm52_decode_takes_the_skinny_experts_only_when_asked(monkeypatch):
         for decoder in (dense, skinny):
             decoder.tokens_B.copy_(want.argmax(-1))
     assert len(calls) == 2 * sum(hasattr(layer.mlp, "experts_fn") for layer in model.model.layers) > 0
-    monkeypatch.setenv("LONGSTRAW_DECODE_EXPERTS", "fast")
-    with pytest.raises(ValueError, match=r"LONGSTRAW_DECODE_EXPERTS='fast'; valid: \['auto', 'skinny'\]"):
+    monkeypatch.setenv("LONGSTRAW_DECODE_EXPERTS", "skinny")
+    with pytest.raises(ValueError, match=r"LONGSTRAW_DECODE_EXPERTS='skinny'; valid: \['auto', 'torch'\]"):
         model.decoder(resident, 3, 4)
 
 

@@ -32,7 +32,6 @@ import torch.nn.functional as F
 
 from longstraw_cli.models.core import StaticDecoder
 from longstraw_cli.models.glm52.experts import (
-    DECODE_EXPERTS_CHOICES,
     dense_experts,
     grouped_experts,
     grouped_mm_serves,
@@ -79,19 +78,18 @@ class Glm52Decoder(StaticDecoder):
         self.pages = [p.to(self.device, index_only=True) if on_host else p for p, on_host in zip(pages, self.on_host)]
         moe = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts_fn")]
         self.graph_safe = not any(self.on_host) and all(mlp.experts_fn is local_experts for mlp in moe)
-        # the experts (all on this device): as the grouped GEMMs, which read only the chosen experts' weights, where
-        # they serve (bf16 on sm90+) and the step's batch x k pairs are fewer than the experts; else every expert
-        # densely, weighted by the routing (`dense_experts`). On an H200, a layer compiled and graph-replayed at
-        # B = 8: GLM-5's 256 experts, k = 8 (59 chosen): 4.66 ms dense, 1.57 grouped; glm52_mini's 32, k = 4 (21
-        # chosen): 0.089 dense, 0.104 grouped (the grouped GEMM reads below the bandwidth at a row or two a group)
+        # the experts (all on this device): through the decode linear kernel with an expert axis (`skinny_experts`)
+        # where it serves (CUDA, bf16/fp16, at most 16 tokens), which reads only the chosen experts' weights with
+        # static shapes; else as the grouped GEMMs where they serve (bf16 on sm90+) and the step's batch x k pairs are
+        # fewer than the experts; else every expert densely, weighted by the routing (`dense_experts`). On an H200, a
+        # layer compiled and graph-replayed at B = 8 (`bench_experts.py`): GLM-5's 256 experts, k = 8 (57 chosen):
+        # 4.66 ms dense, 1.52 grouped, 1.07 skinny; glm52_mini's 32, k = 4 (21 chosen): 0.089 dense, 0.106 grouped,
+        # 0.063 skinny. LONGSTRAW_DECODE_EXPERTS=torch keeps the grouped-or-dense rule (A/B runs)
         cfg = model.config
         x_1C = torch.empty(1, cfg.hidden_size, dtype=model.lm_head.weight.dtype, device=self.device)
         self.experts_grouped = batch * cfg.num_experts_per_tok < cfg.n_routed_experts and bool(moe) and all(
             grouped_mm_serves(x_1C, mlp.experts.gate_up_proj, mlp.experts.down_proj) for mlp in moe)
-        # LONGSTRAW_DECODE_EXPERTS=skinny: the decode linear kernel over the chosen experts (`skinny_experts`), where
-        # it serves, in place of either (opt in: not yet measured on a GPU)
-        skinny = kernel_choice("LONGSTRAW_DECODE_EXPERTS", DECODE_EXPERTS_CHOICES) == "skinny"
-        self.experts_skinny = skinny and bool(moe) and all(
+        self.experts_skinny = kernel_choice("LONGSTRAW_DECODE_EXPERTS") == "auto" and bool(moe) and all(
             skinny_serves(x_1C.expand(batch, -1), mlp.experts.gate_up_proj, mlp.experts.down_proj) for mlp in moe)
         # torch.compile fuses the step's ~2,000 small kernels (seen on an H200, glm52_mini at 256K, G=8: see
         # docs/BENCHMARKS.md). Not over NF4 experts (lora.quantize=nf4): compiling their dequantisation has not

@@ -40,7 +40,7 @@ from torch import nn
 from longstraw_cli.quantize import dense, experts_per_pass, linear
 from longstraw_kernels import kernel_choice, optional_module
 
-__all__ = ["DECODE_EXPERTS_CHOICES", "combine", "dense_experts", "expert_ffn",
+__all__ = ["combine", "dense_experts", "expert_ffn",
            "grouped_expert_ffn", "grouped_experts", "grouped_mm_blocker", "grouped_mm_serves", "local_experts",
            "pairs_by_expert", "skinny_experts", "skinny_serves"]
 
@@ -197,11 +197,6 @@ def _routing_weights(topk_idx_Nk, topk_w_Nk, num_experts: int) -> torch.Tensor:
     """[N, E] routing weights: topk_w at the chosen experts, zero elsewhere (topk_w's dtype)."""
     w_NE = torch.zeros(topk_idx_Nk.shape[0], num_experts, dtype=topk_w_Nk.dtype, device=topk_w_Nk.device)
     return w_NE.scatter_(1, topk_idx_Nk, topk_w_Nk)
-
-
-# LONGSTRAW_DECODE_EXPERTS (`kernel_choice`): `auto`, the default (the decode step's experts by the decoder's rule,
-# grouped GEMMs or dense), or `skinny` (`skinny_experts` where it serves: opt in, not yet measured on a GPU)
-DECODE_EXPERTS_CHOICES = ("auto", "skinny")
 
 
 def skinny_serves(x_NC, gate_up_proj_EXC, down_proj_ECI) -> bool:
