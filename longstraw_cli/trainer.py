@@ -448,9 +448,15 @@ class Trainer:
         part = self.transaction.accumulate(prompt_ids, rollout.responses, rewards, resident, old_logprobs=old,
                                            clock=clock, prompt=prompt, num_prompts=self.cfg.prompts_per_step,
                                            routing=rollout.routing)
-        # the routing records (host memory since the rollout) served scoring and the replays: freed before the step
-        rollout.routing = None
+        self._release_routing(rollout)
         return prompt_ids, rollout, part
+
+    def _release_routing(self, rollout: Rollout) -> None:
+        """The routing records (host memory since the rollout) served scoring and the replays: let go before the
+        step, their pinned buffers kept for the next rollout's records (`RoutingReplay.release`)."""
+        if rollout.routing is not None:
+            self.routing_replay.release(rollout.routing)
+        rollout.routing = None
 
     def prompt_reused(self, step: int, prompt: int, clock: PhaseClock):
         """`prompt` under capture.reuse_steps=K (reuse.py): the prompt step // K of the data, captured at its
@@ -473,7 +479,7 @@ class Trainer:
         part = self.transaction.accumulate(prompt_ids, rollout.responses, rewards, resident,
                                            old_logprobs=rollout.logprobs, clock=clock, prompt=prompt,
                                            num_prompts=self.cfg.prompts_per_step, routing=rollout.routing)
-        rollout.routing = None
+        self._release_routing(rollout)
         self.reuse.advance(captured)
         return prompt_ids, rollout, part
 

@@ -9,7 +9,7 @@ import torch
 
 from conftest import rel_err
 from longstraw_cli.models import build_model
-from longstraw_cli.models.glm52.routing import RoutingReplay
+from longstraw_cli.models.glm52.routing import RoutingRecord, RoutingReplay, host_buffers, to_host
 from longstraw_cli.rollout.native import NativeConfig, SamplingConfig, generate
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -82,7 +82,9 @@ def test_recording_costs_the_decode_step_at_most_five_percent(setup):
     tokens = 512
 
     def per_step(routing, reps=5):
-        sample(model, resident, routing, compile=True, tokens=tokens)
+        # each rollout's record let go before the next, as the trainer does (its pinned buffers reused)
+        release = (lambda rollout: None) if routing is None else (lambda rollout: routing.release(rollout.routing))
+        release(sample(model, resident, routing, compile=True, tokens=tokens))
         total, steps = 0.0, 0
         for _ in range(reps):
             torch.cuda.synchronize()
@@ -91,9 +93,46 @@ def test_recording_costs_the_decode_step_at_most_five_percent(setup):
             torch.cuda.synchronize()
             total += time.perf_counter() - start - rollout.setup_s
             steps += rollout.decode_steps
+            release(rollout)
         return total / steps
 
     plain, recorded = per_step(None), per_step(RoutingReplay(force=True))
     print(f"decode of {G} x {tokens} tokens at {PROMPT}, a step less setup: {1e3 * plain:.4f} ms plain, "
           f"{1e3 * recorded:.4f} ms recording ({recorded / plain:.3f}x, {1e3 * (recorded - plain):.4f} ms added)")
     assert recorded / plain <= 1.05
+
+
+def test_offload_writes_into_the_pinned_buffers_of_the_record_released(setup):
+    """`RoutingReplay.release` hands a host record's pinned buffers to the next `offload`, which writes the new
+    record there (no new pinned memory) and exactly; a buffer of another dtype or too small is not taken; the
+    buffers serve one offload only."""
+    model, _ = setup
+    routing = RoutingReplay()
+
+    def filled(capacity, seed):
+        record = RoutingRecord.empty(model, G, capacity, PROMPT)
+        generator = torch.Generator("cuda").manual_seed(seed)
+        for t in record.tensors():
+            t.copy_(torch.randint(0, 1000, t.shape, device="cuda", generator=generator))
+        return record
+
+    first = routing.offload(filled(32, 0))
+    assert all(t.is_pinned() for t in first.tensors())
+    routing.release(first)
+    pointers = {key: t.data_ptr() for key, t in routing.spare.items()}
+    device = filled(32, 1)
+    second = routing.offload(device, 20)
+    assert routing.spare == {}
+    for key, t in zip(pointers, second.tensors()):
+        assert t.is_pinned() and t.data_ptr() == pointers[key] and t.shape[1] == 20
+    for got, want in zip(second.tensors(), device.tensors()):
+        assert torch.equal(got, want[:, :20].cpu())
+    # the buffers whole again (32 slots' worth, though the record held 20); too small (16) or of another dtype: new
+    # pinned memory
+    whole = host_buffers(second)
+    assert all(t.numel() == want.numel() for t, want in zip(whole.values(), device.tensors()))
+    small = {key: t[:t.numel() // 2] for key, t in whole.items()}
+    wrong = {key: t.view(torch.uint8) for key, t in whole.items()}
+    for spare in (small, wrong):
+        third = to_host(filled(32, 2), spare=spare)
+        assert all(t.data_ptr() != pointers[key] and t.is_pinned() for key, t in zip(pointers, third.tensors()))
