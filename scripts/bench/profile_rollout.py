@@ -76,11 +76,12 @@ def measure(model, resident, args, routing) -> dict:
             out = rollout()
             torch.cuda.synchronize()
         n = out.decode_steps
-        kernels = [(name, count / n, secs / n) for name, count, secs in kernel_times(prof)]
-        row["launches_per_step"] = sum(k[1] for k in kernels)
+        # launches over the rollout (top_kernels prints them as ints), device time a step
+        kernels = [(name, count, secs / n) for name, count, secs in kernel_times(prof)]
+        row["launches_per_step"] = sum(k[1] for k in kernels) / n
         row["kernel_ms_per_step"] = 1e3 * sum(k[2] for k in kernels)
         print(f"{row['launches_per_step']:.1f} launches, {row['kernel_ms_per_step']:.3f} ms of kernels a step; "
-              f"the longest (ms a step, launches a step):", flush=True)
+              f"the longest (ms a step, launches in the rollout):", flush=True)
         row["top"] = top_kernels(kernels, args.top, "ms")
     return row
 
