@@ -2,7 +2,8 @@
 GEMMs over the step's (token, expert) pairs (`grouped_experts`) and the decode linear kernel over the chosen experts
 (`skinny_experts`, the default since 2026-12-04), one MoE layer, bf16, B tokens each routed to k random experts,
 each function compiled by torch.compile and replayed as a CUDA graph, as the decode step runs it. The decoder takes
-the grouped GEMMs where B x k < E (models/glm52/decode.py); this is the measurement behind that.
+the skinny kernel where it serves, else the grouped GEMMs where B x k < E (models/glm52/decode.py); this is the
+measurement behind that.
 
     python scripts/bench/bench_experts.py --out experts.jsonl
 """
