@@ -2,7 +2,8 @@
 
 `reference.py` holds the torch reference; `triton_scores.py` the fused Triton kernel, same contract.
 `indexer_scores` takes the kernel for CUDA tensors in fp32 / bf16 / fp16 when Triton imports, the reference
-otherwise; LONGSTRAW_DSA_KERNEL=torch forces the reference (benchmarks, A/B runs)."""
+otherwise; LONGSTRAW_DSA_KERNEL=torch forces the reference (benchmarks, A/B runs). LONGSTRAW_DSA_DECODE_SCORES=folded
+(opt in) takes the kernel's few-rows form, the heads folded into the dot's rows, where it serves."""
 
 from __future__ import annotations
 
@@ -21,6 +22,19 @@ def _triton_scores():
     """The Triton entry, or None when Triton does not import (CPU-only installs)."""
     module = optional_module("longstraw_kernels.dsa.triton_scores")
     return None if module is None else module.indexer_scores_triton
+
+
+# LONGSTRAW_DSA_DECODE_SCORES: `auto` (the default: the head loop's kernel), or `folded` (few query rows, the
+# decode's, through `indexer_scores_folded_triton` where it serves: opt in, not yet run on a GPU)
+DECODE_SCORES_CHOICES = ("auto", "folded")
+
+
+def _folded_scores(q_BTJI: torch.Tensor, k: torch.Tensor):
+    """The folded kernel's entry where LONGSTRAW_DSA_DECODE_SCORES=folded asks for it and it serves, else None."""
+    if kernel_choice("LONGSTRAW_DSA_DECODE_SCORES", DECODE_SCORES_CHOICES) != "folded":
+        return None
+    module = optional_module("longstraw_kernels.dsa.triton_scores")
+    return module.indexer_scores_folded_triton if module is not None and module.folded_serves(q_BTJI, k) else None
 
 
 def indexer_scores(q_BTJI: torch.Tensor, w_BTJ: torch.Tensor, k: torch.Tensor, scale: float,
@@ -42,7 +56,7 @@ def _indexer_scores(q_BTJI, w_BTJ, k, scale, offset):
     if kernel is None or compute_dtype(q_BTJI) != torch.float32 or k.dtype not in _KERNEL_DTYPES:
         scores_BTS = indexer_scores_reference(q_BTJI, w_BTJ, k, scale, offset)
     else:
-        scores_BTS = kernel(q_BTJI, w_BTJ, k, scale, offset)
+        scores_BTS = (_folded_scores(q_BTJI, k) or kernel)(q_BTJI, w_BTJ, k, scale, offset)
     # no key at all comes back in q's dtype from the reference: the op's output dtype is one
     return scores_BTS.to(compute_dtype(q_BTJI))
 

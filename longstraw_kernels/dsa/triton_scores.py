@@ -4,7 +4,8 @@ One program owns a [BLOCK_T, BLOCK_S] tile of the scores of one sequence. It loa
 each index head j: dot(q_j tile [BLOCK_T, I], key tile^T) -> relu -> times scale * w[:, j] -> accumulated in
 fp32 (relu(scale x) w = relu(x) scale w for scale >= 0). With a causal `offset` (query t sees key s iff
 s <= t + offset), a tile no query of which sees any of its keys is written -inf without loading anything; partly
-visible tiles are masked element by element.
+visible tiles are masked element by element. For few query rows (the decode's) the heads can be folded into the
+dot's rows instead (FOLD_J, `indexer_scores_folded_triton`): one dot of T x J rows a key tile, not J dots of T.
 
 Precision: q and k both bf16 (or both fp16) take the tensor-core dot with fp32 accumulation: a product of two
 bf16 values is exact in fp32 (8 + 8 significant bits <= 24; fp16: 11 + 11), so this equals the fp32 reference up
@@ -43,7 +44,7 @@ def _indexer_scores_kernel(
     stride_kb, stride_ks, stride_ki,
     stride_ob, stride_ot, stride_os,
     HAS_OFFSET: tl.constexpr, LOW_PRECISION: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_I: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_I: tl.constexpr, FOLD_J: tl.constexpr,
 ):
     pid_s, pid_t, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     t0, s0 = pid_t * BLOCK_T, pid_s * BLOCK_S
@@ -69,18 +70,32 @@ def _indexer_scores_kernel(
                         mask=(i_I[:, None] < I) & valid_S[None, :], other=0.0)
         q_base = q_ptr + b * stride_qb + t0.to(tl.int64) * stride_qt
         w_base = w_ptr + b * stride_wb + t0.to(tl.int64) * stride_wt
-        acc_TS = tl.zeros((BLOCK_T, BLOCK_S), dtype=tl.float32)
-        for j in range(J):
-            q_TI = tl.load(q_base + j * stride_qj + dt_T[:, None] * stride_qt + i_I[None, :] * stride_qi,
-                           mask=valid_T[:, None] & (i_I[None, :] < I), other=0.0)
-            # relu(scale * x) * w = relu(x) * (scale * w) for scale >= 0: one multiply less per score
-            w_T = tl.load(w_base + j * stride_wj + dt_T * stride_wt, mask=valid_T, other=0.0).to(tl.float32) * scale
-            if LOW_PRECISION:
-                dots_TS = tl.dot(q_TI, kT_IS, out_dtype=tl.float32)
-            else:
-                dots_TS = tl.dot(q_TI.to(tl.float32), kT_IS.to(tl.float32), input_precision="ieee",
-                                 out_dtype=tl.float32)
-            acc_TS += tl.maximum(dots_TS, 0.0) * w_T[:, None]
+        if FOLD_J > 0:
+            # few rows (decode, `indexer_scores_folded_triton`): every row's FOLD_J = J heads folded into the dot's
+            # rows, r = t * J + j, one [BLOCK_T * J, I] x [I, BLOCK_S] tensor-core dot for the J dots of BLOCK_T
+            # rows (each padded to 16) of the head loop below; each row group's relu(dot) * w then summed
+            r_R = tl.arange(0, BLOCK_T * FOLD_J)
+            t_R, j_R = r_R // FOLD_J, r_R % FOLD_J
+            valid_R = t0 + t_R < T
+            q_RI = tl.load(q_base + t_R[:, None] * stride_qt + j_R[:, None] * stride_qj + i_I[None, :] * stride_qi,
+                           mask=valid_R[:, None] & (i_I[None, :] < I), other=0.0)
+            w_R = tl.load(w_base + t_R * stride_wt + j_R * stride_wj, mask=valid_R, other=0.0).to(tl.float32) * scale
+            terms_RS = tl.maximum(tl.dot(q_RI, kT_IS, out_dtype=tl.float32), 0.0) * w_R[:, None]
+            acc_TS = tl.sum(tl.reshape(terms_RS, (BLOCK_T, FOLD_J, BLOCK_S)), axis=1)
+        else:
+            acc_TS = tl.zeros((BLOCK_T, BLOCK_S), dtype=tl.float32)
+            for j in range(J):
+                q_TI = tl.load(q_base + j * stride_qj + dt_T[:, None] * stride_qt + i_I[None, :] * stride_qi,
+                               mask=valid_T[:, None] & (i_I[None, :] < I), other=0.0)
+                # relu(scale * x) * w = relu(x) * (scale * w) for scale >= 0: one multiply less per score
+                w_T = tl.load(w_base + j * stride_wj + dt_T * stride_wt, mask=valid_T,
+                              other=0.0).to(tl.float32) * scale
+                if LOW_PRECISION:
+                    dots_TS = tl.dot(q_TI, kT_IS, out_dtype=tl.float32)
+                else:
+                    dots_TS = tl.dot(q_TI.to(tl.float32), kT_IS.to(tl.float32), input_precision="ieee",
+                                     out_dtype=tl.float32)
+                acc_TS += tl.maximum(dots_TS, 0.0) * w_T[:, None]
         if HAS_OFFSET:
             visible_TS = (s0 + ds_S)[None, :] <= (t0 + dt_T)[:, None] + offset
             acc_TS = tl.where(visible_TS, acc_TS, float("-inf"))
@@ -88,12 +103,43 @@ def _indexer_scores_kernel(
                  mask=valid_T[:, None] & valid_S[None, :])
 
 
+# the folded kernel's rows a program (BLOCK_T * J) times its keys: its fp32 [rows, BLOCK_S] tile's elements
+FOLDED_TILE_ELEMENTS = 16384
+FOLDED_MAX_ROWS = 512
+
+
+def folded_serves(q_BTJI: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether `indexer_scores_folded_triton` takes these: bf16 / fp16 q and k alike, J a power of two, and at most
+    FOLDED_MAX_ROWS folded rows (T padded to a power of two, times J)."""
+    _, T, J, _ = q_BTJI.shape
+    return (q_BTJI.dtype == k.dtype and q_BTJI.dtype in LOW_PRECISION_DTYPES and J & (J - 1) == 0
+            and triton.next_power_of_2(max(T, 1)) * J <= FOLDED_MAX_ROWS)
+
+
+def indexer_scores_folded_triton(q_BTJI: torch.Tensor, w_BTJ: torch.Tensor, k: torch.Tensor, scale: float,
+                                 offset: int | None = None, *, block_s: int | None = None,
+                                 num_warps: int = 8) -> torch.Tensor:
+    """`indexer_scores_triton` for few query rows (`folded_serves`), the heads folded into the dot's rows: one
+    program a key tile for all T rows. block_s: keys a program (default: FOLDED_TILE_ELEMENTS over the folded
+    rows, 16 to 256)."""
+    _, T, J, _ = q_BTJI.shape
+    if not folded_serves(q_BTJI, k):
+        raise ValueError(f"the folded kernel takes bf16/fp16 q and k alike, J a power of two and T x J <= "
+                         f"{FOLDED_MAX_ROWS}; got q {q_BTJI.dtype} {tuple(q_BTJI.shape)}, k {k.dtype}")
+    # T padded to a power of two, and the folded rows to the dot's least 16
+    block_t = max(triton.next_power_of_2(max(T, 1)), 16 // J)
+    if block_s is None:
+        block_s = min(256, max(16, FOLDED_TILE_ELEMENTS // (block_t * J)))
+    return indexer_scores_triton(q_BTJI, w_BTJ, k, scale, offset, config=(block_t, block_s, num_warps, 2), fold=True)
+
+
 def indexer_scores_triton(q_BTJI: torch.Tensor, w_BTJ: torch.Tensor, k: torch.Tensor, scale: float,
-                          offset: int | None = None, *, config: tuple[int, int, int, int] | None = None
-                          ) -> torch.Tensor:
+                          offset: int | None = None, *, config: tuple[int, int, int, int] | None = None,
+                          fold: bool = False) -> torch.Tensor:
     """Same contract as `reference.indexer_scores_reference`, for fp32 / bf16 / fp16 q and k: -> [B, T, S] fp32.
     `config` = (BLOCK_T, BLOCK_S, num_warps, num_stages), powers of two, blocks >= 16; None: the default of the
-    dot's precision."""
+    dot's precision. fold: the heads folded into the dot's rows (`indexer_scores_folded_triton` checks it serves
+    and sizes the config)."""
     B, T, J, I = q_BTJI.shape
     if q_BTJI.dtype not in SUPPORTED_DTYPES or k.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"indexer_scores_triton takes q and k in {SUPPORTED_DTYPES}, got {q_BTJI.dtype} and "
@@ -127,7 +173,7 @@ def indexer_scores_triton(q_BTJI: torch.Tensor, w_BTJ: torch.Tensor, k: torch.Te
         *q_BTJI.stride(), *w_BTJ.stride(), stride_kb, k.stride(-2), k.stride(-1), *out_BTS.stride(),
         HAS_OFFSET=offset is not None,
         LOW_PRECISION=low_precision,
-        BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_I=max(16, triton.next_power_of_2(I)),
+        BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_I=max(16, triton.next_power_of_2(I)), FOLD_J=J if fold else 0,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out_BTS

@@ -4,7 +4,9 @@ Capture-like: B = 1, the T queries are the last T of S positions (offset S - T, 
 tiles past each query tile's diagonal), keys shared [S, I], bf16 q and k, fp32 scores. First a correctness check
 on the first size (kernel vs reference, fails loudly), then per (T, S) one JSON row: median ms of both
 (triton.testing.do_bench), speedup, the kernel's TFLOP/s over the visible (query, key) pairs, max abs diff of the
-finite scores and whether the -inf positions agree. --configs times other tile shapes of the kernel too.
+finite scores and whether the -inf positions agree. --configs times other tile shapes of the kernel too. For few
+queries (the decode's: --queries 8) the few-rows form with the heads folded into the dot's rows
+(`indexer_scores_folded_triton`, LONGSTRAW_DSA_DECODE_SCORES=folded) is checked and timed at several key blocks.
 
     python scripts/bench/bench_dsa.py --out dsa.jsonl
 """
@@ -19,7 +21,12 @@ import torch
 import triton
 
 from longstraw_kernels.dsa import indexer_scores_reference
-from longstraw_kernels.dsa.triton_scores import LOW_PRECISION_CONFIG, indexer_scores_triton
+from longstraw_kernels.dsa.triton_scores import (
+    LOW_PRECISION_CONFIG,
+    folded_serves,
+    indexer_scores_folded_triton,
+    indexer_scores_triton,
+)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # block_t x block_s x num_warps x num_stages
@@ -95,6 +102,21 @@ def main(argv=None):
             fn = functools.partial(indexer_scores_triton, q_BTJI, w_BTJ, k_SI, scale, offset, config=config)
             by_config["x".join(map(str, config))] = triton.testing.do_bench(fn, rep=args.rep, return_mode="median")
         kernel_ms = by_config["x".join(map(str, configs[0]))]
+        folded = {}
+        if folded_serves(q_BTJI, k_SI):
+            folded_err = compare(indexer_scores_folded_triton(q_BTJI, w_BTJ, k_SI, scale, offset),
+                                 indexer_scores_reference(q_BTJI, w_BTJ, k_SI, scale, offset))
+            if not folded_err[2] or not folded_err[1] < 1e-5:
+                raise SystemExit(f"the folded kernel disagrees with the reference: {folded_err}")
+            by_block = {}
+            for block_s in (32, 64, 128, 256):
+                fn = functools.partial(indexer_scores_folded_triton, q_BTJI, w_BTJ, k_SI, scale, offset,
+                                       block_s=block_s)
+                by_block[block_s] = round(triton.testing.do_bench(fn, rep=args.rep, return_mode="median"), 4)
+            folded = {"folded_ms_by_block_s": by_block, "folded_rel_err": folded_err[1],
+                      "folded_default_ms": round(triton.testing.do_bench(functools.partial(
+                          indexer_scores_folded_triton, q_BTJI, w_BTJ, k_SI, scale, offset), rep=args.rep,
+                          return_mode="median"), 4)}
         best = min(by_config, key=by_config.get)
         row = {
             "T": T, "S": S, "J": J, "I": I, "dtype": args.dtype, "offset": offset,
@@ -104,7 +126,7 @@ def main(argv=None):
             "best_config": best, "best_ms": round(by_config[best], 3),
             "kernel_ms_by_config": {c: round(ms, 3) for c, ms in by_config.items()},
             "max_abs_diff": max_diff, "rel_err": err, "same_inf": same_inf,
-            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
+            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1), **folded,
         }
         print(json.dumps(row), flush=True)
         if args.out:

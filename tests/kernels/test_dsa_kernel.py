@@ -92,6 +92,64 @@ def test_few_query_rows_take_their_own_tile_and_match():
     assert err < 1e-5
 
 
+# the folded form (decode's few rows, heads in the dot's rows): T = 1, 3 (padded to 4) and 8 rows, J = 4 (rows padded
+# up to the dot's 16) and 16; block_s 64 cuts S = 1000 into 15 full tiles and a partial one; offset 500 skips whole
+# tiles, "early" (-2; 0 for one row) leaves the first queries with no visible key (the last sees the first keys)
+@pytest.mark.parametrize("T", [1, 3, 8])
+@pytest.mark.parametrize("J", [4, 16])
+@pytest.mark.parametrize("shared", [True, False], ids=["shared_keys", "per_sequence_keys"])
+@pytest.mark.parametrize("offset", [None, 500, "early"])
+def test_folded_kernel_matches_fp64_reference(T, J, shared, offset):
+    offset = -min(2, T - 1) if offset == "early" else offset
+    q_BTJI, w_BTJ, k = make_case(2, T, 1000, J, 24, shared, torch.float16, seed=T * J + (offset or 0))
+    assert triton_scores.folded_serves(q_BTJI, k)
+    out_BTS = triton_scores.indexer_scores_folded_triton(q_BTJI, w_BTJ, k, SCALE, offset, block_s=64)
+    ref_BTS = indexer_scores_reference(q_BTJI.to(F64), w_BTJ.to(F64), k.to(F64), SCALE, offset)
+    err = compare(out_BTS, ref_BTS, offset)
+    print(f"DSA scores folded fp16 vs fp64 reference, T={T} J={J} shared={shared} offset={offset}: rel err {err:.2e}")
+    assert err < 1e-5
+    top = glm52_model.topk_lowest_position
+    assert torch.equal(top(out_BTS, 50), top(ref_BTS, 50))
+
+
+def test_folded_kernel_serves_few_rows_of_half_precision_only(monkeypatch):
+    """fp32, mixed dtypes, J not a power of two and more than FOLDED_MAX_ROWS folded rows are refused (and the
+    dispatch keeps the head loop's kernel for them); LONGSTRAW_DSA_DECODE_SCORES=folded asks for it, its default
+    does not, and another value is refused naming the valid ones."""
+    def case(T, J, dtype, k_dtype=None):
+        q_BTJI, w_BTJ, k = make_case(1, T, 64, J, 16, True, dtype, device="cpu")
+        return q_BTJI, k.to(k_dtype or dtype)
+
+    serves = triton_scores.folded_serves
+    assert serves(*case(8, 16, torch.float16)) and serves(*case(16, 32, torch.bfloat16))
+    assert not serves(*case(8, 16, torch.float32)) and not serves(*case(8, 16, torch.float16, torch.bfloat16))
+    assert not serves(*case(8, 6, torch.float16)) and not serves(*case(32, 32, torch.float16))
+    with pytest.raises(ValueError, match="folded kernel takes"):
+        triton_scores.indexer_scores_folded_triton(*make_case(1, 8, 64, 6, 16, True, torch.float16), SCALE)
+    # the folded form launches the kernel with its heads folded (FOLD_J = J); the head loop's, FOLD_J = 0
+    launched = []
+
+    class Spy:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **meta: (launched.append(meta["FOLD_J"]), self.kernel[grid](*args, **meta))[1]
+
+    monkeypatch.setattr(triton_scores, "_indexer_scores_kernel", Spy(triton_scores._indexer_scores_kernel))
+    q_BTJI, w_BTJ, k = make_case(1, 8, 64, 16, 16, True, torch.float16, device="cpu")
+    triton_scores.indexer_scores_folded_triton(q_BTJI, w_BTJ, k, SCALE)
+    triton_scores.indexer_scores_triton(q_BTJI, w_BTJ, k, SCALE)
+    assert launched == [16, 0]
+    assert dsa._folded_scores(q_BTJI, k) is None
+    monkeypatch.setenv("LONGSTRAW_DSA_DECODE_SCORES", "folded")
+    assert dsa._folded_scores(q_BTJI, k) is triton_scores.indexer_scores_folded_triton
+    assert dsa._folded_scores(*case(8, 16, torch.float32)) is None
+    monkeypatch.setenv("LONGSTRAW_DSA_DECODE_SCORES", "yes")
+    with pytest.raises(ValueError, match=r"LONGSTRAW_DSA_DECODE_SCORES='yes'; valid: \['auto', 'folded'\]"):
+        dsa._folded_scores(q_BTJI, k)
+
+
 def test_mixed_dtypes_take_the_fp32_path():
     # bf16 pages with an fp32 model: k is upcast inside the kernel, exactly as the reference upcasts it
     q_BTJI, w_BTJ, k = make_case(1, 63, 300, 4, 16, True, torch.float32, seed=4)
@@ -155,6 +213,22 @@ def test_cuda_bf16_realistic_sizes(shared, T):
     err = compare(out_BTS, ref_BTS, offset)
     print(f"DSA scores bf16 dot vs fp64 reference, B={B} T={T} S={S} J={J} I={I}: rel err {err:.2e}")
     assert err < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("J", [16, 32], ids=["glm52_mini_heads", "glm5_heads"])
+def test_cuda_folded_decode_rows(J, monkeypatch):
+    """The decode's 8 rows against 20,000 shared bf16 keys, the heads folded into the dot's rows: as close to the
+    fp64 reference as the head loop's kernel, and what the dispatch runs under LONGSTRAW_DSA_DECODE_SCORES=folded."""
+    q_BTJI, w_BTJ, k = make_case(1, 8, 20000, J, 128, True, torch.bfloat16, device="cuda")
+    out_BTS = triton_scores.indexer_scores_folded_triton(q_BTJI, w_BTJ, k, 128**-0.5, 19990)
+    ref_BTS = indexer_scores_reference(q_BTJI.to(F64), w_BTJ.to(F64), k.to(F64), 128**-0.5, 19990)
+    err = compare(out_BTS, ref_BTS, 19990)
+    print(f"DSA scores folded bf16 vs fp64 reference, T=8 J={J}: rel err {err:.2e}")
+    assert err < 1e-5
+    monkeypatch.setenv("LONGSTRAW_DSA_DECODE_SCORES", "folded")
+    assert torch.equal(indexer_scores(q_BTJI, w_BTJ, k, 128**-0.5, 19990), out_BTS)
 
 
 @pytest.mark.gpu
