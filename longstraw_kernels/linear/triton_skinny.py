@@ -29,8 +29,9 @@ linear (glu) is launched plainly, as it ran slower programmatically (with it: 1.
 trigger), and larger prefetches were slower (512 elements: 1.088 ms with glu, 256: 1.043 without).
 With an expert axis (`decode_experts_triton`, glm52's routed experts at decode: EXPERTS) the grid's third axis is
 the expert: its weights, its rows (shared or its own) and its outputs; an expert that no token chose takes no step
-of K, so its weights are not read and its outputs are zeros (opt in: LONGSTRAW_DECODE_EXPERTS=skinny; not yet
-run on a GPU).
+of K, so its weights are not read and its outputs are zeros (glm52's decode takes it by default where it serves,
+LONGSTRAW_DECODE_EXPERTS=torch keeps the torch experts; on an H200 one MoE layer at 8 tokens: glm52_mini 0.063 ms
+against 0.089 dense, GLM-5's 256 experts 1.07 against 1.52 as grouped GEMMs, bench_experts.py).
 Rounding follows the modules (the norm's output, the product, silu's output and the sum in the activations'
 dtype); the norm's output is rounded before the rsqrt is applied, not after, which moves a product by about one
 rounding of the operand dtype.

@@ -27,6 +27,8 @@ K selected keys (index_topk), E experts, N tokens (B), X = 2 * moe_intermediate,
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -46,7 +48,21 @@ from longstraw_cli.resident import Resident
 from longstraw_cli.resident.offload import left_on_host, rollout_pages
 from longstraw_kernels import kernel_choice
 from longstraw_kernels.dsa.topk import topk_lowest_position_static
+from longstraw_kernels.moe import route_select, route_serves
 
+# LONGSTRAW_DECODE_ROUTER: `auto` (the default: the router module) or `fused` (`fused_route` where it serves)
+DECODE_ROUTER_CHOICES = ("auto", "fused")
+
+
+def fused_route(gate, x_NC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gate(x_NC)` (models/glm52/model.py `TopkRouter`, every group kept) for the decode step: the router's fp32
+    GEMM, then the sigmoid, the biased top-k and the weights in one kernel (longstraw_kernels.moe `route_select`)
+    where the module runs a top-k, a sort and ~4 small kernels. The routing hooks (live, recording) call it as
+    they call the router."""
+    cfg = gate.cfg
+    logits_NE = F.linear(x_NC.to(gate.weight.dtype), gate.weight)
+    return route_select(logits_NE, gate.e_score_correction_bias, cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                        cfg.routed_scaling_factor)
 
 class ResponseMLA(ResponseSlots):
     """One layer's latent, rope and index keys of the generated tokens, per response, in `capacity` slots (grown by
@@ -91,6 +107,12 @@ class Glm52Decoder(StaticDecoder):
             grouped_mm_serves(x_1C, mlp.experts.gate_up_proj, mlp.experts.down_proj) for mlp in moe)
         self.experts_skinny = kernel_choice("LONGSTRAW_DECODE_EXPERTS") == "auto" and bool(moe) and all(
             skinny_serves(x_1C.expand(batch, -1), mlp.experts.gate_up_proj, mlp.experts.down_proj) for mlp in moe)
+        # LONGSTRAW_DECODE_ROUTER=fused (opt in; not yet run on a GPU): each MoE layer's choice and weights in one
+        # kernel after its router's GEMM (`fused_route`), where every group is kept and the kernel serves
+        fused = kernel_choice("LONGSTRAW_DECODE_ROUTER", DECODE_ROUTER_CHOICES) == "fused"
+        self.router_fused = fused and bool(moe) and cfg.topk_group == cfg.n_group and route_serves(
+            torch.empty(batch, cfg.n_routed_experts, dtype=moe[0].gate.weight.dtype, device=self.device),
+            cfg.num_experts_per_tok)
         # torch.compile fuses the step's ~2,000 small kernels (seen on an H200, glm52_mini at 256K, G=8: see
         # docs/BENCHMARKS.md). Not over NF4 experts (lora.quantize=nf4): compiling their dequantisation has not
         # run on a GPU. The page count is a dynamic size of the compiled layer function (`compiled`): its graphs (and
@@ -170,7 +192,8 @@ class Glm52Decoder(StaticDecoder):
         if not hasattr(mlp, "experts_fn"):
             return mlp(x_BTC)
         x_NC = x_BTC.reshape(-1, x_BTC.shape[-1])
-        topk_idx_Nk, topk_w_Nk = mlp.route_fn(mlp.gate, x_NC, positions_1)
+        gate = functools.partial(fused_route, mlp.gate) if self.router_fused else mlp.gate
+        topk_idx_Nk, topk_w_Nk = mlp.route_fn(gate, x_NC, positions_1)
         experts_fn = mlp.experts_fn
         if experts_fn is local_experts:
             experts_fn = (skinny_experts if self.experts_skinny else grouped_experts if self.experts_grouped
