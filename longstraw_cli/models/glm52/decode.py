@@ -64,6 +64,7 @@ def fused_route(gate, x_NC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return route_select(logits_NE, gate.e_score_correction_bias, cfg.num_experts_per_tok, cfg.norm_topk_prob,
                         cfg.routed_scaling_factor)
 
+
 class ResponseMLA(ResponseSlots):
     """One layer's latent, rope and index keys of the generated tokens, per response, in `capacity` slots (grown by
     the decoder)."""
