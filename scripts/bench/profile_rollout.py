@@ -5,11 +5,15 @@ record's offload, and the rollout's kernels a step (torch.profiler: launches and
 kernels). `profile_decode.py` profiles one step alone; this is the loop around it.
 
     python scripts/bench/profile_rollout.py --model glm52_mini --prompt 262144 --group 8 --tokens 1024
+    python scripts/bench/profile_rollout.py --prompts passkey --record on --no-profile \
+        --variants ";LONGSTRAW_DSA_DECODE_SCORES=folded;LONGSTRAW_DECODE_ROUTER=fused"
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import os
 import time
 
@@ -35,6 +39,23 @@ def prompt_ids(kind: str, tokens: int, response: int) -> torch.Tensor:
     tokenizer = ByteTokenizer()
     task = make_task(TaskConfig(name=kind, prompt_tokens=tokens - response), tokenizer)
     return torch.tensor(tokenizer.encode(task.prompt_text(task.example(0))))
+
+
+@contextlib.contextmanager
+def environment(variant: str):
+    """The ','-separated VAR=VALUE settings of `variant` in os.environ inside the block (the kernels read their
+    variables as a decoder is built and as its graph is captured: each rollout does both), restored after."""
+    settings = dict(item.split("=", 1) for item in variant.split(",") if item)
+    before = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def measure(model, resident, args, routing) -> dict:
@@ -96,18 +117,25 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--no-profile", dest="profile", action="store_false")
     parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--record", default="off,on", help="routing replay's recording: off and/or on (MoE)")
+    parser.add_argument("--variants", default="",
+                        help="';'-separated environment settings to compare in this process, each ','-separated "
+                             "VAR=VALUE (empty: as set), e.g. ';LONGSTRAW_DECODE_ROUTER=fused'")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     model = build_model(args.model, dtype=torch.bfloat16, device="cuda", seed=0)
     routes = family_of(model).routing_replay("auto") is not None
     for kind in args.prompts.split(","):
         resident = model.capture(prompt_ids(kind, args.prompt, args.tokens).cuda(), block_size=16384)
-        for record in (False, True) if routes else (False,):
+        records = [value == "on" for value in args.record.split(",")] if routes else [False]
+        for variant, record in itertools.product(args.variants.split(";"), records):
             # a fresh replay a measurement (its offload is timed by wrapping it)
             routing = family_of(model).routing_replay("auto") if record else None
-            row = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(), "model": args.model,
-                   "prompt": args.prompt, "prompt_kind": kind, "group": args.group, "tokens": args.tokens,
-                   "record_routing": routing is not None, **measure(model, resident, args, routing)}
+            with environment(variant):
+                row = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
+                       "model": args.model, "prompt": args.prompt, "prompt_kind": kind, "group": args.group,
+                       "tokens": args.tokens, "variant": variant, "record_routing": routing is not None,
+                       **measure(model, resident, args, routing)}
             emit(row, args.out)
         del resident
         torch.cuda.empty_cache()
