@@ -68,7 +68,7 @@ def test_serves_fp32_logits_on_cuda_only():
         assert not route_serves(torch.zeros(8, 2048, device="cuda"), 4)
 
 
-def test_glm52_decode_takes_the_fused_router_only_when_asked(monkeypatch):
+def test_glm52_decode_takes_the_fused_router_only_when_asked(monkeypatch, caplog):
     """LONGSTRAW_DECODE_ROUTER=fused (opt in) routes every MoE layer of the decode through `fused_route` where it
     serves: the same logits as the router module's decode (fp32) and the same routing records; not where a group
     is masked (glm52_tiny's own 1 of 2 groups), nor unasked; another value is refused naming the valid ones."""
@@ -101,7 +101,9 @@ def test_glm52_decode_takes_the_fused_router_only_when_asked(monkeypatch):
     assert len(calls) > 2 * moe_layers
     grouped = random_model("glm52_tiny", torch.float32)
     monkeypatch.setenv("LONGSTRAW_DECODE_ROUTER", "fused")
+    decode._say_once.cache_clear()
     assert not grouped.decoder(grouped.capture(ids(50, 0), block_size=16), 3, 4).router_fused
+    assert "ROUTER=fused: not taken (it needs every group kept, topk_group=1 of n_group=2" in caplog.text
     monkeypatch.setenv("LONGSTRAW_DECODE_ROUTER", "triton")
     with pytest.raises(ValueError, match=r"LONGSTRAW_DECODE_ROUTER='triton'; valid: \['auto', 'fused'\]"):
         model.decoder(resident, 3, 4)

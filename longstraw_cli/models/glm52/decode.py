@@ -28,6 +28,7 @@ K selected keys (index_topk), E experts, N tokens (B), X = 2 * moe_intermediate,
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -50,8 +51,15 @@ from longstraw_kernels import kernel_choice
 from longstraw_kernels.dsa.topk import topk_lowest_position_static
 from longstraw_kernels.moe import route_select, route_serves
 
+log = logging.getLogger(__name__)
+
 # LONGSTRAW_DECODE_ROUTER: `auto` (the default: the router module) or `fused` (`fused_route` where it serves)
 DECODE_ROUTER_CHOICES = ("auto", "fused")
+
+
+@functools.cache
+def _say_once(message: str) -> None:
+    log.warning(message)
 
 
 def fused_route(gate, x_NC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,14 +114,24 @@ class Glm52Decoder(StaticDecoder):
         x_1C = torch.empty(1, cfg.hidden_size, dtype=model.lm_head.weight.dtype, device=self.device)
         self.experts_grouped = batch * cfg.num_experts_per_tok < cfg.n_routed_experts and bool(moe) and all(
             grouped_mm_serves(x_1C, mlp.experts.gate_up_proj, mlp.experts.down_proj) for mlp in moe)
-        self.experts_skinny = kernel_choice("LONGSTRAW_DECODE_EXPERTS") == "auto" and bool(moe) and all(
+        skinny = kernel_choice("LONGSTRAW_DECODE_EXPERTS") == "auto"
+        self.experts_skinny = skinny and bool(moe) and all(
             skinny_serves(x_1C.expand(batch, -1), mlp.experts.gate_up_proj, mlp.experts.down_proj) for mlp in moe)
+        local = bool(moe) and all(mlp.experts_fn is local_experts for mlp in moe)
+        if skinny and local and self.device.type == "cuda" and not self.experts_skinny:
+            _say_once(f"decode experts: the skinny kernel does not take {batch} tokens of {x_1C.dtype} (at most 16, "
+                      f"bf16/fp16, plain contiguous expert weights, Triton); the "
+                      f"{'grouped GEMMs' if self.experts_grouped else 'dense experts (every expert read)'} run them")
         # LONGSTRAW_DECODE_ROUTER=fused (opt in; not yet run on a GPU): each MoE layer's choice and weights in one
         # kernel after its router's GEMM (`fused_route`), where every group is kept and the kernel serves
         fused = kernel_choice("LONGSTRAW_DECODE_ROUTER", DECODE_ROUTER_CHOICES) == "fused"
         self.router_fused = fused and bool(moe) and cfg.topk_group == cfg.n_group and route_serves(
             torch.empty(batch, cfg.n_routed_experts, dtype=moe[0].gate.weight.dtype, device=self.device),
             cfg.num_experts_per_tok)
+        if fused and moe and not self.router_fused:
+            _say_once(f"LONGSTRAW_DECODE_ROUTER=fused: not taken (it needs every group kept, topk_group="
+                      f"{cfg.topk_group} of n_group={cfg.n_group}, and fp32 router logits on CUDA with Triton); the "
+                      f"router module runs")
         # torch.compile fuses the step's ~2,000 small kernels (seen on an H200, glm52_mini at 256K, G=8: see
         # docs/BENCHMARKS.md). Not over NF4 experts (lora.quantize=nf4): compiling their dequantisation has not
         # run on a GPU. The page count is a dynamic size of the compiled layer function (`compiled`): its graphs (and
