@@ -5,8 +5,9 @@ router's logits [N, E] (its fp32 GEMM, cuBLAS), one program a token computes
     ties),  w = scores at them, divided by their sum (+ 1e-20) where norm, times the scaling
 
 where the model's router (models/glm52/model.py `TopkRouter` without group limits: every group kept) runs the
-sigmoid and the bias add, a top-k and its sort, a gather, a sum, a division and a product (glm52_mini's decode on an
-H200: 37 launches a step, 0.18 ms with its GEMMs). Every step in fp32; the top-k is k passes of a max over E
+sigmoid and the bias add, a top-k and its sort, a gather, a sum, a division and a product (glm52_mini's compiled
+decode step on an H200: the top-k and the sort 22 launches and 0.10 ms a step, beside inductor's small fused kernels
+around them; the GEMM before stays cuBLAS's). Every step in fp32; the top-k is k passes of a max over E
 entries in registers. Exactness: tests/kernels/test_route.py (Triton's interpreter on CPU) against `TopkRouter`.
 """
 
