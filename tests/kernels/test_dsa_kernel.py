@@ -52,6 +52,18 @@ def compare(out_BTS, ref_BTS, offset):
     return rel_err(out_BTS[visible], ref_BTS[visible])
 
 
+def matches_fp64(out_BTS, q_BTJI, w_BTJ, k, offset, what, scale=SCALE, selection=False):
+    """Asserts the kernel's scores within 1e-5 (RMS-relative, finite ones) of the fp64 reference of the same inputs,
+    -inf exactly where the reference has it; with `selection`, the model's top-50 the same (ties at 0 included)."""
+    ref_BTS = indexer_scores_reference(q_BTJI.to(F64), w_BTJ.to(F64), k.to(F64), scale, offset)
+    err = compare(out_BTS, ref_BTS, offset)
+    print(f"DSA scores {what} vs fp64 reference: rel err {err:.2e}")
+    assert err < 1e-5
+    if selection:
+        top = glm52_model.topk_lowest_position
+        assert torch.equal(top(out_BTS, 50), top(ref_BTS, 50))
+
+
 # T=63 and S=1000 cut partial tiles at both ends (32 + 31 queries, 3 * 256 + 232 keys); I=24 pads to 32 and
 # I=16 is the smallest dot; offset 500 skips whole key tiles, 937 = S - T is capture (the last T positions),
 # -10 leaves the first queries with no visible key at all
@@ -61,35 +73,24 @@ def compare(out_BTS, ref_BTS, offset):
 def test_fp32_kernel_matches_fp64_reference(I, shared, offset):
     q_BTJI, w_BTJ, k = make_case(2, 63, 1000, 4, I, shared, torch.float32, seed=I + offset if offset else I)
     out_BTS = indexer_scores_triton(q_BTJI, w_BTJ, k, SCALE, offset, config=TILES)
-    ref_BTS = indexer_scores_reference(q_BTJI.to(F64), w_BTJ.to(F64), k.to(F64), SCALE, offset)
-    err = compare(out_BTS, ref_BTS, offset)
-    print(f"DSA scores fp32 ieee vs fp64 reference, I={I} shared={shared} offset={offset}: rel err {err:.2e}")
-    assert err < 1e-5
-    # the selection the model takes from them is the same, ties at 0 included
-    top = glm52_model.topk_lowest_position
-    assert torch.equal(top(out_BTS, 50), top(ref_BTS, 50))
+    matches_fp64(out_BTS, q_BTJI, w_BTJ, k, offset, f"fp32 ieee, I={I} shared={shared} offset={offset}",
+                 selection=True)
 
 
 def test_half_precision_dot_matches_fp64_reference_of_the_same_values():
     # the tensor-core branch (fp16 x fp16 -> fp32). Triton's interpreter multiplies bf16 operands as raw bits,
     # so bf16 runs only on a GPU (test_cuda_bf16_realistic_sizes); the two branches are the same code
     q_BTJI, w_BTJ, k = make_case(2, 63, 1000, 4, 24, False, torch.float16, seed=3)
-    out_BTS = indexer_scores_triton(q_BTJI, w_BTJ, k, SCALE, 500, config=TILES)
-    ref_BTS = indexer_scores_reference(q_BTJI.to(F64), w_BTJ.to(F64), k.to(F64), SCALE, 500)
-    err = compare(out_BTS, ref_BTS, 500)
-    print(f"DSA scores fp16 dot vs fp64 reference: rel err {err:.2e}")
-    assert err < 1e-5
+    matches_fp64(indexer_scores_triton(q_BTJI, w_BTJ, k, SCALE, 500, config=TILES), q_BTJI, w_BTJ, k, 500,
+                 "fp16 dot")
 
 
 def test_few_query_rows_take_their_own_tile_and_match():
     # decode's shape (8 responses, one token each, against shared prompt keys): the default tile for T <= 16
     q_BTJI, w_BTJ, k = make_case(1, 8, 1000, 4, 24, True, torch.float16, seed=4)
     assert triton_scores.FEW_ROWS_CONFIG[0] >= 8
-    out_BTS = indexer_scores_triton(q_BTJI, w_BTJ, k, SCALE)
-    ref_BTS = indexer_scores_reference(q_BTJI.to(F64), w_BTJ.to(F64), k.to(F64), SCALE)
-    err = compare(out_BTS, ref_BTS, None)
-    print(f"DSA scores fp16, 8 query rows, default tile: rel err {err:.2e}")
-    assert err < 1e-5
+    matches_fp64(indexer_scores_triton(q_BTJI, w_BTJ, k, SCALE), q_BTJI, w_BTJ, k, None,
+                 "fp16, 8 query rows, default tile")
 
 
 # the folded form (decode's few rows, heads in the dot's rows): T = 1, 3 (padded to 4) and 8 rows, J = 4 (rows padded
@@ -104,12 +105,8 @@ def test_folded_kernel_matches_fp64_reference(T, J, shared, offset):
     q_BTJI, w_BTJ, k = make_case(2, T, 1000, J, 24, shared, torch.float16, seed=T * J + (offset or 0))
     assert triton_scores.folded_serves(q_BTJI, k)
     out_BTS = triton_scores.indexer_scores_folded_triton(q_BTJI, w_BTJ, k, SCALE, offset, block_s=64)
-    ref_BTS = indexer_scores_reference(q_BTJI.to(F64), w_BTJ.to(F64), k.to(F64), SCALE, offset)
-    err = compare(out_BTS, ref_BTS, offset)
-    print(f"DSA scores folded fp16 vs fp64 reference, T={T} J={J} shared={shared} offset={offset}: rel err {err:.2e}")
-    assert err < 1e-5
-    top = glm52_model.topk_lowest_position
-    assert torch.equal(top(out_BTS, 50), top(ref_BTS, 50))
+    matches_fp64(out_BTS, q_BTJI, w_BTJ, k, offset, f"folded fp16, T={T} J={J} shared={shared} offset={offset}",
+                 selection=True)
 
 
 def test_folded_kernel_serves_few_rows_of_half_precision_only(monkeypatch):
@@ -223,10 +220,7 @@ def test_cuda_folded_decode_rows(J, monkeypatch):
     fp64 reference as the head loop's kernel, and what the dispatch runs under LONGSTRAW_DSA_DECODE_SCORES=folded."""
     q_BTJI, w_BTJ, k = make_case(1, 8, 20000, J, 128, True, torch.bfloat16, device="cuda")
     out_BTS = triton_scores.indexer_scores_folded_triton(q_BTJI, w_BTJ, k, 128**-0.5, 19990)
-    ref_BTS = indexer_scores_reference(q_BTJI.to(F64), w_BTJ.to(F64), k.to(F64), 128**-0.5, 19990)
-    err = compare(out_BTS, ref_BTS, 19990)
-    print(f"DSA scores folded bf16 vs fp64 reference, T=8 J={J}: rel err {err:.2e}")
-    assert err < 1e-5
+    matches_fp64(out_BTS, q_BTJI, w_BTJ, k, 19990, f"folded bf16, T=8 J={J}", scale=128**-0.5)
     monkeypatch.setenv("LONGSTRAW_DSA_DECODE_SCORES", "folded")
     assert torch.equal(indexer_scores(q_BTJI, w_BTJ, k, 128**-0.5, 19990), out_BTS)
 
