@@ -6,7 +6,7 @@ on the first size (kernel vs reference, fails loudly), then per (T, S) one JSON 
 (triton.testing.do_bench), speedup, the kernel's TFLOP/s over the visible (query, key) pairs, max abs diff of the
 finite scores and whether the -inf positions agree. --configs times other tile shapes of the kernel too. For few
 queries (the decode's: --queries 8) the few-rows form with the heads folded into the dot's rows
-(`indexer_scores_folded_triton`, LONGSTRAW_DSA_DECODE_SCORES=folded) is checked and timed at several key blocks.
+(`indexer_scores_folded_triton`, the dispatch's default for them) is checked and timed at several key blocks.
 
     python scripts/bench/bench_dsa.py --out dsa.jsonl
 """

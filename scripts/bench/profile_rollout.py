@@ -6,7 +6,7 @@ kernels). `profile_decode.py` profiles one step alone; this is the loop around i
 
     python scripts/bench/profile_rollout.py --model glm52_mini --prompt 262144 --group 8 --tokens 1024
     python scripts/bench/profile_rollout.py --prompts passkey --record on --no-profile \
-        --variants ";LONGSTRAW_DSA_DECODE_SCORES=folded;LONGSTRAW_DECODE_ROUTER=fused"
+        --variants ";LONGSTRAW_DSA_DECODE_SCORES=loop;LONGSTRAW_DECODE_ROUTER=torch"
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def main() -> None:
     parser.add_argument("--record", default="off,on", help="routing replay's recording: off and/or on (MoE)")
     parser.add_argument("--variants", default="",
                         help="';'-separated environment settings to compare in this process, each ','-separated "
-                             "VAR=VALUE (empty: as set), e.g. ';LONGSTRAW_DECODE_ROUTER=fused'")
+                             "VAR=VALUE (empty: as set), e.g. ';LONGSTRAW_DECODE_ROUTER=torch'")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     model = build_model(args.model, dtype=torch.bfloat16, device="cuda", seed=0)

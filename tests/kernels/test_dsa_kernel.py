@@ -111,8 +111,8 @@ def test_folded_kernel_matches_fp64_reference(T, J, shared, offset):
 
 def test_folded_kernel_serves_few_rows_of_half_precision_only(monkeypatch):
     """fp32, mixed dtypes, J not a power of two and more than FOLDED_MAX_ROWS folded rows are refused (and the
-    dispatch keeps the head loop's kernel for them); LONGSTRAW_DSA_DECODE_SCORES=folded asks for it, its default
-    does not, and another value is refused naming the valid ones."""
+    dispatch keeps the head loop's kernel for them); the dispatch takes it by default, not under
+    LONGSTRAW_DSA_DECODE_SCORES=loop, and another value is refused naming the valid ones."""
     def case(T, J, dtype, k_dtype=None):
         q_BTJI, w_BTJ, k = make_case(1, T, 64, J, 16, True, dtype, device="cpu")
         return q_BTJI, k.to(k_dtype or dtype)
@@ -138,12 +138,12 @@ def test_folded_kernel_serves_few_rows_of_half_precision_only(monkeypatch):
     triton_scores.indexer_scores_folded_triton(q_BTJI, w_BTJ, k, SCALE)
     triton_scores.indexer_scores_triton(q_BTJI, w_BTJ, k, SCALE)
     assert launched == [16, 0]
-    assert dsa._folded_scores(q_BTJI, k) is None
-    monkeypatch.setenv("LONGSTRAW_DSA_DECODE_SCORES", "folded")
     assert dsa._folded_scores(q_BTJI, k) is triton_scores.indexer_scores_folded_triton
     assert dsa._folded_scores(*case(8, 16, torch.float32)) is None
+    monkeypatch.setenv("LONGSTRAW_DSA_DECODE_SCORES", "loop")
+    assert dsa._folded_scores(q_BTJI, k) is None
     monkeypatch.setenv("LONGSTRAW_DSA_DECODE_SCORES", "yes")
-    with pytest.raises(ValueError, match=r"LONGSTRAW_DSA_DECODE_SCORES='yes'; valid: \['auto', 'folded'\]"):
+    with pytest.raises(ValueError, match=r"LONGSTRAW_DSA_DECODE_SCORES='yes'; valid: \['auto', 'loop'\]"):
         dsa._folded_scores(q_BTJI, k)
 
 
@@ -217,11 +217,10 @@ def test_cuda_bf16_realistic_sizes(shared, T):
 @pytest.mark.parametrize("J", [16, 32], ids=["glm52_mini_heads", "glm5_heads"])
 def test_cuda_folded_decode_rows(J, monkeypatch):
     """The decode's 8 rows against 20,000 shared bf16 keys, the heads folded into the dot's rows: as close to the
-    fp64 reference as the head loop's kernel, and what the dispatch runs under LONGSTRAW_DSA_DECODE_SCORES=folded."""
+    fp64 reference as the head loop's kernel, and what the dispatch runs for them by default."""
     q_BTJI, w_BTJ, k = make_case(1, 8, 20000, J, 128, True, torch.bfloat16, device="cuda")
     out_BTS = triton_scores.indexer_scores_folded_triton(q_BTJI, w_BTJ, k, 128**-0.5, 19990)
     matches_fp64(out_BTS, q_BTJI, w_BTJ, k, 19990, f"folded bf16, T=8 J={J}", scale=128**-0.5)
-    monkeypatch.setenv("LONGSTRAW_DSA_DECODE_SCORES", "folded")
     assert torch.equal(indexer_scores(q_BTJI, w_BTJ, k, 128**-0.5, 19990), out_BTS)
 
 

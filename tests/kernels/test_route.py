@@ -1,8 +1,9 @@
 """The decode's fused router (longstraw_kernels/moe, Triton's interpreter on CPU; on a GPU compiled) against the
-model's `TopkRouter` (every group kept): the same experts in the same order, the same weights; glm52's decode under
-LONGSTRAW_DECODE_ROUTER=fused gives the module path's logits and routing records."""
+model's `TopkRouter` (every group kept): the same experts in the same order, the same weights; glm52's decode through
+it (the default where it serves) gives the module path's logits and routing records (LONGSTRAW_DECODE_ROUTER=torch)."""
 
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -68,21 +69,22 @@ def test_serves_fp32_logits_on_cuda_only():
         assert not route_serves(torch.zeros(8, 2048, device="cuda"), 4)
 
 
-def test_glm52_decode_takes_the_fused_router_only_when_asked(monkeypatch, caplog):
-    """LONGSTRAW_DECODE_ROUTER=fused (opt in) routes every MoE layer of the decode through `fused_route` where it
-    serves: the same logits as the router module's decode (fp32) and the same routing records; not where a group
-    is masked (glm52_tiny's own 1 of 2 groups), nor unasked; another value is refused naming the valid ones."""
+def test_glm52_decode_takes_the_fused_router_where_it_serves(monkeypatch, caplog):
+    """By default every MoE layer of the decode routes through `fused_route` where it serves: the same logits as
+    the router module's decode (LONGSTRAW_DECODE_ROUTER=torch; fp32) and the same routing records; not where a
+    group is masked (glm52_tiny's own 1 of 2 groups: said on CUDA only, where the kernel would run); another value
+    is refused naming the valid ones."""
     model = random_model("glm52_tiny", torch.float32, topk_group=2)
     resident = model.capture(ids(50, 0), block_size=16)
+    assert not model.decoder(resident, 3, 4).router_fused  # the CPU: route_serves says no
     monkeypatch.setattr(decode, "route_serves", lambda *a: True)
-    assert not model.decoder(resident, 3, 4).router_fused
-    monkeypatch.setenv("LONGSTRAW_DECODE_ROUTER", "fused")
     calls = []
     monkeypatch.setattr(decode, "route_select", lambda *a: calls.append(1) or route_select(*a))
-    fused, plain = model.decoder(resident, 3, 4), None
+    fused = model.decoder(resident, 3, 4)
     assert fused.router_fused
-    monkeypatch.setenv("LONGSTRAW_DECODE_ROUTER", "auto")
+    monkeypatch.setenv("LONGSTRAW_DECODE_ROUTER", "torch")
     plain = model.decoder(resident, 3, 4)
+    assert not plain.router_fused
     for _ in range(2):
         want, got = plain.step(), fused.step()
         assert rel_err(got, want) < 1e-6
@@ -93,25 +95,25 @@ def test_glm52_decode_takes_the_fused_router_only_when_asked(monkeypatch, caplog
     # recording through the fused router: the records equal the module's (greedy, eager)
     sampling, native = SamplingConfig(temperature=0, max_new_tokens=6), NativeConfig(cuda_graph=False)
     rollouts = {}
-    for choice in ("auto", "fused"):
+    for choice in ("torch", "auto"):
         monkeypatch.setenv("LONGSTRAW_DECODE_ROUTER", choice)
         rollouts[choice] = generate(model, resident, 3, sampling, native=native, routing=RoutingReplay())
-    for want, got in zip(rollouts["auto"].routing.tensors(), rollouts["fused"].routing.tensors()):
+    for want, got in zip(rollouts["torch"].routing.tensors(), rollouts["auto"].routing.tensors()):
         assert torch.equal(want, got)
     assert len(calls) > 2 * moe_layers
     grouped = random_model("glm52_tiny", torch.float32)
-    monkeypatch.setenv("LONGSTRAW_DECODE_ROUTER", "fused")
+    monkeypatch.setenv("LONGSTRAW_DECODE_ROUTER", "auto")
     decode._say_once.cache_clear()
     assert not grouped.decoder(grouped.capture(ids(50, 0), block_size=16), 3, 4).router_fused
-    assert "ROUTER=fused: not taken (it needs every group kept, topk_group=1 of n_group=2" in caplog.text
-    monkeypatch.setenv("LONGSTRAW_DECODE_ROUTER", "triton")
-    with pytest.raises(ValueError, match=r"LONGSTRAW_DECODE_ROUTER='triton'; valid: \['auto', 'fused'\]"):
+    assert "fused kernel does not serve" not in caplog.text  # on the CPU nothing to say
+    monkeypatch.setenv("LONGSTRAW_DECODE_ROUTER", "fused")
+    with pytest.raises(ValueError, match=r"LONGSTRAW_DECODE_ROUTER='fused'; valid: \['auto', 'torch'\]"):
         model.decoder(resident, 3, 4)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_compiled_decode_step_with_the_fused_router(monkeypatch):
+def test_cuda_compiled_decode_step_with_the_fused_router(monkeypatch, caplog):
     """glm52_mini at 4 layers, bf16: the decode step compiled and replayed as a CUDA graph with the fused router
     (one opaque op in the graph) gives the router module's step within bf16 noise; the kernel at GLM-5's 256
     experts picks what the router picks."""
@@ -122,15 +124,22 @@ def test_cuda_compiled_decode_step_with_the_fused_router(monkeypatch):
     prompt = torch.randint(0, 250, (4096,), generator=torch.Generator().manual_seed(0)).cuda()
     resident = model.capture(prompt, block_size=4096)
     logits = {}
-    for choice in ("auto", "fused"):
+    for choice in ("torch", "auto"):
         monkeypatch.setenv("LONGSTRAW_DECODE_ROUTER", choice)
         decoder = model.decoder(resident, 8, 16)
-        assert decoder.router_fused == (choice == "fused")
+        assert decoder.router_fused == (choice == "auto")
         decoder.tokens_B.copy_(torch.arange(8, device="cuda") * 7)
         step = GraphedStep(decoder, compile=True)
-        step()
-        logits[choice] = step().float().clone()
-    assert rel_err(logits["fused"], logits["auto"]) < 2e-2
+        with torch.no_grad():  # as the rollout runs it (`generate`)
+            step()
+            logits[choice] = step().float().clone()
+    assert rel_err(logits["auto"], logits["torch"]) < 2e-2
+    # a router that masks groups: the module runs, and the decode says so once
+    decode._say_once.cache_clear()
+    grouped = build_model("glm52_tiny", dtype=torch.bfloat16, device="cuda", seed=0)
+    with caplog.at_level(logging.WARNING):
+        assert not grouped.decoder(grouped.capture(prompt[:64], block_size=64), 2, 4).router_fused
+    assert "decode router: the fused kernel does not serve (it needs every group kept, topk_group=1" in caplog.text
     gate = router(256, 8)
     x_NC = torch.randn(8, 64, device="cuda")
     assert torch.equal(route_select(F.linear(x_NC, gate.weight), gate.e_score_correction_bias, 8, True, 2.5)[0],

@@ -53,8 +53,8 @@ from longstraw_kernels.moe import route_select, route_serves
 
 log = logging.getLogger(__name__)
 
-# LONGSTRAW_DECODE_ROUTER: `auto` (the default: the router module) or `fused` (`fused_route` where it serves)
-DECODE_ROUTER_CHOICES = ("auto", "fused")
+# LONGSTRAW_DECODE_ROUTER: `auto` (the default: `fused_route` where it serves) or `torch` (the router module)
+DECODE_ROUTER_CHOICES = ("auto", "torch")
 
 
 @functools.cache
@@ -122,16 +122,16 @@ class Glm52Decoder(StaticDecoder):
             _say_once(f"decode experts: the skinny kernel does not take {batch} tokens of {x_1C.dtype} (at most 16, "
                       f"bf16/fp16, plain contiguous expert weights, Triton); the "
                       f"{'grouped GEMMs' if self.experts_grouped else 'dense experts (every expert read)'} run them")
-        # LONGSTRAW_DECODE_ROUTER=fused (opt in; not yet run on a GPU): each MoE layer's choice and weights in one
-        # kernel after its router's GEMM (`fused_route`), where every group is kept and the kernel serves
-        fused = kernel_choice("LONGSTRAW_DECODE_ROUTER", DECODE_ROUTER_CHOICES) == "fused"
+        # each MoE layer's choice and weights in one kernel after its router's GEMM (`fused_route`), where every
+        # group is kept and the kernel serves (LONGSTRAW_DECODE_ROUTER=torch: the router module)
+        fused = kernel_choice("LONGSTRAW_DECODE_ROUTER", DECODE_ROUTER_CHOICES) == "auto"
         self.router_fused = fused and bool(moe) and cfg.topk_group == cfg.n_group and route_serves(
             torch.empty(batch, cfg.n_routed_experts, dtype=moe[0].gate.weight.dtype, device=self.device),
             cfg.num_experts_per_tok)
-        if fused and moe and not self.router_fused:
-            _say_once(f"LONGSTRAW_DECODE_ROUTER=fused: not taken (it needs every group kept, topk_group="
-                      f"{cfg.topk_group} of n_group={cfg.n_group}, and fp32 router logits on CUDA with Triton); the "
-                      f"router module runs")
+        if fused and moe and not self.router_fused and self.device.type == "cuda":
+            _say_once(f"decode router: the fused kernel does not serve (it needs every group kept, topk_group="
+                      f"{cfg.topk_group} of n_group={cfg.n_group}, and fp32 router logits with Triton); the router "
+                      f"module runs (a top-k, a sort and ~4 small kernels a layer)")
         # torch.compile fuses the step's ~2,000 small kernels (seen on an H200, glm52_mini at 256K, G=8: see
         # docs/BENCHMARKS.md). Not over NF4 experts (lora.quantize=nf4): compiling their dequantisation has not
         # run on a GPU. The page count is a dynamic size of the compiled layer function (`compiled`): its graphs (and
