@@ -3,7 +3,7 @@
 `reference.py` holds the torch reference; `triton_sparse.py` the GPU kernels (forward and dq) with the same
 signature; `dispatch.py` picks between them per call."""
 
-from longstraw_kernels.mla.dispatch import sparse_mla_attention
-from longstraw_kernels.mla.reference import dense_mla_attention, merge_lse
+from longstraw_kernels.mla.dispatch import sparse_mla_attention, sparse_mla_two_sources
+from longstraw_kernels.mla.reference import dense_mla_attention, merge_lse, own_slots
 
-__all__ = ["dense_mla_attention", "merge_lse", "sparse_mla_attention"]
+__all__ = ["dense_mla_attention", "merge_lse", "own_slots", "sparse_mla_attention", "sparse_mla_two_sources"]

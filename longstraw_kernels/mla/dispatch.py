@@ -59,10 +59,45 @@ def _forward_op(q_BTHA: torch.Tensor, latent_PL: torch.Tensor, rope_PR: torch.Te
 
 
 @_forward_op.register_fake
-def _(q_BTHA, latent_PL, rope_PR, idx_BTK, scale):
+def _fake_forward(q_BTHA, latent_PL, rope_PR, idx_BTK, scale):
     B, T, H, _ = q_BTHA.shape
     out_BTHL = q_BTHA.new_empty(B, T, H, latent_PL.shape[-1])
     return out_BTHL, q_BTHA.new_empty(B, T, H, dtype=compute_dtype(q_BTHA, latent_PL, rope_PR))
+
+
+def sparse_mla_two_sources(q_BTHA, latent_PL, rope_PR, new_latent_NL, new_rope_NR, idx_BTK, slots: int, *, scale):
+    """`reference.sparse_mla_two_sources` (the decode's prompt pages and response keys, no gradient): one Triton
+    launch (and its split parts' combine) over both sources where the kernel takes both on q's device, else each
+    source through `sparse_mla_attention`, merged. Inside a compiled graph one opaque op
+    (`longstraw::sparse_mla_two_sources`)."""
+    if torch.compiler.is_compiling():
+        return _two_sources_op(q_BTHA, latent_PL, rope_PR, new_latent_NL, new_rope_NR, idx_BTK, slots, scale)
+    return _two_sources(q_BTHA, latent_PL, rope_PR, new_latent_NL, new_rope_NR, idx_BTK, slots, scale)
+
+
+def _two_sources(q_BTHA, latent_PL, rope_PR, new_latent_NL, new_rope_NR, idx_BTK, slots, scale):
+    graph_free = not (torch.is_grad_enabled() and any(
+        t.requires_grad for t in (q_BTHA, latent_PL, rope_PR, new_latent_NL, new_rope_NR)))
+    if graph_free and use_triton(q_BTHA, latent_PL, rope_PR, idx_BTK) and use_triton(q_BTHA, new_latent_NL,
+                                                                                        new_rope_NR, idx_BTK):
+        reference.check_shapes(q_BTHA, latent_PL, rope_PR, idx_BTK)
+        return triton_module().sparse_mla_forward(q_BTHA, latent_PL, rope_PR, idx_BTK, scale,
+                                                  new=(new_latent_NL, new_rope_NR, slots))
+    return reference.sparse_mla_two_sources(q_BTHA, latent_PL, rope_PR, new_latent_NL, new_rope_NR, idx_BTK, slots,
+                                            scale=scale, attention_fn=sparse_mla_attention)
+
+
+@torch.library.custom_op("longstraw::sparse_mla_two_sources", mutates_args=())
+def _two_sources_op(q_BTHA: torch.Tensor, latent_PL: torch.Tensor, rope_PR: torch.Tensor, new_latent_NL: torch.Tensor,
+                    new_rope_NR: torch.Tensor, idx_BTK: torch.Tensor, slots: int,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.no_grad():
+        return _two_sources(q_BTHA, latent_PL, rope_PR, new_latent_NL, new_rope_NR, idx_BTK, slots, scale)
+
+
+@_two_sources_op.register_fake
+def _(q_BTHA, latent_PL, rope_PR, new_latent_NL, new_rope_NR, idx_BTK, slots, scale):
+    return _fake_forward(q_BTHA, latent_PL, rope_PR, idx_BTK, scale)
 
 
 def selected_rows(latent_PL, rope_PR, idx_BTK, device):

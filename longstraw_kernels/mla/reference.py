@@ -7,7 +7,8 @@ row attends only to the pages its DSA top-k selected (`idx`, -1 = no entry), so 
 `sparse_mla_attention` is an autograd Function that saves indices, q, out and lse (and the pages by reference:
 they are the resident state) and recomputes the gathered pages chunk by chunk in backward, so no
 [T, topk, L + R] gather is kept for backward. `dense_mla_attention` covers the few new keys (a response's own)
-with a mask, in plain autograd; `merge_lse` combines two partial results. `naive_sparse_mla_attention` is the
+with a mask, in plain autograd; `merge_lse` combines two partial results (`sparse_mla_two_sources`: the decode's
+prompt pages and response keys). `naive_sparse_mla_attention` is the
 test oracle (gather everything, mask, softmax, plain autograd). Derivation in README.md.
 
 What it simplifies: no dropout or softcap; pages are shared by the whole batch (one prompt); compute is unfused
@@ -26,7 +27,7 @@ import torch
 from longstraw_kernels import compute_dtype
 
 __all__ = ["sparse_mla_attention", "sparse_mla_backward", "check_shapes", "dense_mla_attention", "merge_lse",
-           "naive_sparse_mla_attention"]
+           "naive_sparse_mla_attention", "own_slots", "sparse_mla_two_sources"]
 
 # gathered entries (B * queries * K) per chunk: bounds the recomputed [chunk, K, A] tensor
 _CHUNK_ENTRIES = 1 << 20
@@ -179,6 +180,28 @@ def merge_lse(out_a, lse_a, out_b, lse_b):
     wb = torch.exp(lse_b - lse)[..., None]
     out = wa * out_a.to(lse.dtype) + wb * out_b.to(lse.dtype)
     return out.to(out_a.dtype), lse
+
+
+def own_slots(idx_BTK, num_pages: int, slots: int) -> torch.Tensor:
+    """Entries of the second key source (`sparse_mla_two_sources`) as rows of its [B * slots] keys: entry
+    num_pages + s of sequence b is row b * slots + s; every other entry -1."""
+    B = idx_BTK.shape[0]
+    slot_BTK = idx_BTK - num_pages
+    row_B11 = torch.arange(B, device=idx_BTK.device)[:, None, None] * slots
+    return torch.where((slot_BTK >= 0) & (slot_BTK < slots), slot_BTK + row_B11, -1)
+
+
+def sparse_mla_two_sources(q_BTHA, latent_PL, rope_PR, new_latent_NL, new_rope_NR, idx_BTK, slots: int, *, scale,
+                           attention_fn=sparse_mla_attention):
+    """Absorbed MLA over the selected entries of two key sources at once (the decode: the prompt's P pages and each
+    response's own `slots` keys): an entry in [0, P) is page row idx, one in [P, P + slots) the key idx - P of its
+    sequence b, row b * slots + (idx - P) of new_* [B * slots, L] / [B * slots, R]; others none. Here each source
+    through `attention_fn` (`sparse_mla_attention`'s signature), merged by their lse. -> (out_BTHL, lse_BTH); every
+    row needs an entry among the pages (`merge_lse`)."""
+    P = latent_PL.shape[0]
+    out_BTHL, lse_BTH = attention_fn(q_BTHA, latent_PL, rope_PR, idx_BTK.masked_fill(idx_BTK >= P, -1), scale=scale)
+    out_new, lse_new = attention_fn(q_BTHA, new_latent_NL, new_rope_NR, own_slots(idx_BTK, P, slots), scale=scale)
+    return merge_lse(out_BTHL, lse_BTH, out_new, lse_new)
 
 
 def naive_sparse_mla_attention(q_BTHA, latent_PL, rope_PR, idx_BTK, *, scale):

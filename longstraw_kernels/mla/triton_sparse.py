@@ -62,12 +62,17 @@ def default_config(H: int, K: int, dtype: torch.dtype) -> TileConfig:
 @triton.jit
 def _fwd_kernel(q_ptr, lat_ptr, rope_ptr, idx_ptr, out_ptr, lse_ptr, stride_lat, stride_rope,
                 H, K, num_head_blocks, qk_scale_log2, keys_per_split, split_stride_out, split_stride_lse,
+                new_lat_ptr, new_rope_ptr, stride_new_lat, stride_new_rope, num_pages, slots, rows_per_seq,
                 L: tl.constexpr, R: tl.constexpr, L_PAD: tl.constexpr, R_PAD: tl.constexpr,
-                BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                TWO_SOURCES: tl.constexpr):
     # head blocks of one row are neighbours in launch order, so a row's pages are read from L2 after the first.
     # Split over the keys (axis 1, `sparse_mla_forward`'s num_splits > 1): this program reads the row's entries
     # [split * keys_per_split, +keys_per_split) and writes that part's normalised out and lse (fp32) at
-    # split * split_stride_*; `_combine_kernel` merges the parts. Unsplit, the range is all K and the strides 0
+    # split * split_stride_*; `_combine_kernel` merges the parts. Unsplit, the range is all K and the strides 0.
+    # TWO_SOURCES (the decode: `sparse_mla_forward`'s `new`): an entry below num_pages is a page row, one in
+    # [num_pages, num_pages + slots) the slot (entry - num_pages) of the row's sequence (row // rows_per_seq) in the
+    # new keys' rows [sequences x slots]; any other entry is skipped
     pid, split = tl.program_id(0), tl.program_id(1)
     row = (pid // num_head_blocks).to(tl.int64)
     offs_h = (pid % num_head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -87,12 +92,29 @@ def _fwd_kernel(q_ptr, lat_ptr, rope_ptr, idx_ptr, out_ptr, lse_ptr, stride_lat,
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         idx = tl.load(idx_ptr + row * K + offs_k, mask=offs_k < k_end, other=-1).to(tl.int64)
-        valid = idx >= 0
-        page = tl.where(valid, idx, 0)
-        kv = tl.load(lat_ptr + page[:, None] * stride_lat + offs_l[None, :],
-                     mask=valid[:, None] & mask_l[None, :], other=0.0)  # [BLOCK_K, L_PAD]
-        kr = tl.load(rope_ptr + page[:, None] * stride_rope + offs_r[None, :],
-                     mask=valid[:, None] & mask_r[None, :], other=0.0)  # [BLOCK_K, R_PAD]
+        if TWO_SOURCES:
+            valid = (idx >= 0) & (idx < num_pages)
+            slot = idx - num_pages
+            own = (slot >= 0) & (slot < slots)
+            page = tl.where(valid, idx, 0)
+            new_row = tl.where(own, (row // rows_per_seq) * slots + slot, 0)
+            # an entry is read from one source: the other load is masked off (0), and adding 0 is exact
+            kv = (tl.load(lat_ptr + page[:, None] * stride_lat + offs_l[None, :],
+                          mask=valid[:, None] & mask_l[None, :], other=0.0)
+                  + tl.load(new_lat_ptr + new_row[:, None] * stride_new_lat + offs_l[None, :],
+                            mask=own[:, None] & mask_l[None, :], other=0.0))
+            kr = (tl.load(rope_ptr + page[:, None] * stride_rope + offs_r[None, :],
+                          mask=valid[:, None] & mask_r[None, :], other=0.0)
+                  + tl.load(new_rope_ptr + new_row[:, None] * stride_new_rope + offs_r[None, :],
+                            mask=own[:, None] & mask_r[None, :], other=0.0))
+            valid = valid | own
+        else:
+            valid = idx >= 0
+            page = tl.where(valid, idx, 0)
+            kv = tl.load(lat_ptr + page[:, None] * stride_lat + offs_l[None, :],
+                         mask=valid[:, None] & mask_l[None, :], other=0.0)  # [BLOCK_K, L_PAD]
+            kr = tl.load(rope_ptr + page[:, None] * stride_rope + offs_r[None, :],
+                         mask=valid[:, None] & mask_r[None, :], other=0.0)  # [BLOCK_K, R_PAD]
         s = tl.dot(q_l, tl.trans(kv), input_precision=PRECISION)
         s += tl.dot(q_r, tl.trans(kr), input_precision=PRECISION)
         s = tl.where(valid[None, :], s * qk_scale_log2, float("-inf"))  # [BLOCK_H, BLOCK_K]
@@ -233,14 +255,23 @@ def forward_splits(programs: int, K: int, block_k: int, device: torch.device) ->
 
 
 def sparse_mla_forward(q_BTHA, latent_PL, rope_PR, idx_BTK, scale: float, config: TileConfig | None = None,
-                       num_splits: int | None = None):
+                       num_splits: int | None = None, new=None):
     """-> (out_BTHL in q's dtype, lse_BTH float32); `reference.sparse_mla_attention`'s forward, no autograd.
     num_splits (None: `forward_splits`) > 1 splits each row's entries into that many parts, one program each, merged
-    by their lse (`_combine_kernel`; fp32 parts, out rounded once): the decode's few rows then fill the GPU."""
+    by their lse (`_combine_kernel`; fp32 parts, out rounded once): the decode's few rows then fill the GPU.
+    new = (new_latent_NL, new_rope_NR, slots): a second key source, `reference.sparse_mla_two_sources`' contract
+    (the P pages, then each sequence's `slots` new keys, rows b * slots + s of new_*), in the same launch."""
     assert supported(q_BTHA, latent_PL, rope_PR, idx_BTK)
     B, T, H, _ = q_BTHA.shape
     L, K = latent_PL.shape[-1], idx_BTK.shape[-1]
     q_BTHA, idx_BTK = q_BTHA.contiguous(), idx_BTK.contiguous()
+    if new is None:
+        sources = (latent_PL, rope_PR, 0, 0, latent_PL.shape[0], 0, T)
+    else:
+        new_latent_NL, new_rope_NR, slots = new
+        assert supported(q_BTHA, new_latent_NL, new_rope_NR, idx_BTK) and new_latent_NL.shape[0] == B * slots
+        sources = (new_latent_NL, new_rope_NR, new_latent_NL.stride(0), new_rope_NR.stride(0), latent_PL.shape[0],
+                   slots, T)
     out_BTHL = q_BTHA.new_empty(B, T, H, L)
     lse_BTH = q_BTHA.new_empty(B, T, H, dtype=torch.float32)
     grid, num_head_blocks, meta = _launch_args(q_BTHA, latent_PL, rope_PR, idx_BTK, config)
@@ -252,14 +283,15 @@ def sparse_mla_forward(q_BTHA, latent_PL, rope_PR, idx_BTK, scale: float, config
     with torch.cuda.device_of(q_BTHA):
         if num_splits == 1:
             _fwd_kernel[grid + (1,)](q_BTHA, latent_PL, rope_PR, idx_BTK, out_BTHL, lse_BTH, latent_PL.stride(0),
-                                     rope_PR.stride(0), H, K, num_head_blocks, scale * LOG2E, K, 0, 0, **meta)
+                                     rope_PR.stride(0), H, K, num_head_blocks, scale * LOG2E, K, 0, 0, *sources,
+                                     TWO_SOURCES=new is not None, **meta)
             return out_BTHL, lse_BTH
         part_out_SBTHL = q_BTHA.new_empty(num_splits, B, T, H, L, dtype=torch.float32)
         part_lse_SBTH = q_BTHA.new_empty(num_splits, B, T, H, dtype=torch.float32)
         _fwd_kernel[grid + (num_splits,)](q_BTHA, latent_PL, rope_PR, idx_BTK, part_out_SBTHL, part_lse_SBTH,
                                           latent_PL.stride(0), rope_PR.stride(0), H, K, num_head_blocks,
                                           scale * LOG2E, keys_per_split, part_out_SBTHL.stride(0),
-                                          part_lse_SBTH.stride(0), **meta)
+                                          part_lse_SBTH.stride(0), *sources, TWO_SOURCES=new is not None, **meta)
         _combine_kernel[(B * T * H,)](part_out_SBTHL, part_lse_SBTH, out_BTHL, lse_BTH, num_splits,
                                       part_out_SBTHL.stride(0), part_lse_SBTH.stride(0), L=L, L_PAD=meta["L_PAD"],
                                       SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), num_warps=4)

@@ -102,6 +102,57 @@ def test_forward_split_over_the_keys_matches_the_oracle(num_splits):
     assert max(errs) < 1e-5
 
 
+def two_source_case(B, T, H, L, R, P, slots, K, dtype, device=DEVICE, seed=0):
+    """The decode's two key sources: P pages and B x `slots` new keys; each row's entries mix pages (every row has
+    some), its sequence's slots, -1 and entries past the slots (skipped). -> (q, pages, new, idx, slots), and the
+    same as one source for the oracle (pages then new keys, idx renumbered)."""
+    g = torch.Generator().manual_seed(seed)
+    q, latent, rope, new_latent, new_rope = (
+        torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+        for shape in ((B, T, H, L + R), (P, L), (P, R), (B * slots, L), (B * slots, R)))
+    idx = torch.randint(-1, P + slots + 3, (B, T, K), generator=g)
+    idx[..., 0] = torch.randint(0, P, (B, T), generator=g)
+    idx = idx.to(device)
+    own = reference.own_slots(idx, P, slots)
+    one_idx = torch.where(own >= 0, P + own, torch.where(idx < P, idx, -1))
+    one = (torch.cat([latent, new_latent]), torch.cat([rope, new_rope]), one_idx)
+    return (q, latent, rope, new_latent, new_rope, idx, slots), one
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_two_sources_in_one_launch(num_splits):
+    """The decode's prompt pages and response slots in one kernel launch (`sparse_mla_forward(new=...)`): the fp64
+    oracle over both sources as one, and the reference's two merged attentions (`sparse_mla_two_sources`)."""
+    (q, latent, rope, new_latent, new_rope, idx, slots), one = two_source_case(
+        B=3, T=2, H=5, L=24, R=8, P=200, slots=20, K=40, dtype=torch.float32)
+    config = triton_sparse.TileConfig(16, 16, 4, 1)
+    out, lse = triton_sparse.sparse_mla_forward(q, latent, rope, idx, 0.2, config, num_splits=num_splits,
+                                                new=(new_latent, new_rope, slots))
+    out_o, lse_o = reference.naive_sparse_mla_attention(q.double(), one[0].double(), one[1].double(), one[2],
+                                                        scale=0.2)
+    out_r, lse_r = reference.sparse_mla_two_sources(q, latent, rope, new_latent, new_rope, idx, slots, scale=0.2)
+    errs = [rel_err(out, out_o), rel_err(lse, lse_o), rel_err(out, out_r), rel_err(lse, lse_r)]
+    print(f"two sources, {num_splits} part(s): rel errs {[f'{e:.1e}' for e in errs]}")
+    assert max(errs) < 1e-5
+
+
+def test_two_sources_dispatch(monkeypatch):
+    """The reference off CUDA and wherever a gradient is asked; the kernel (here Triton's interpreter) where both
+    sources are on q's device and nothing needs a gradient."""
+    (q, latent, rope, new_latent, new_rope, idx, slots), _ = two_source_case(
+        B=2, T=1, H=4, L=16, R=8, P=60, slots=8, K=16, dtype=torch.float32)
+    launched = []
+    forward = triton_sparse.sparse_mla_forward
+    monkeypatch.setattr(triton_sparse, "sparse_mla_forward",
+                        lambda *a, **kw: (launched.append("new" in kw), forward(*a, **kw))[1])
+    want = reference.sparse_mla_two_sources(q, latent, rope, new_latent, new_rope, idx, slots, scale=0.3)
+    monkeypatch.setattr(dispatch, "use_triton", lambda *a: True)
+    got = dispatch.sparse_mla_two_sources(q, latent, rope, new_latent, new_rope, idx, slots, scale=0.3)
+    assert launched == [True] and rel_err(got[0], want[0]) < 1e-5 and rel_err(got[1], want[1]) < 1e-5
+    dispatch.sparse_mla_two_sources(q.requires_grad_(), latent, rope, new_latent, new_rope, idx, slots, scale=0.3)
+    assert launched == [True, False, False]  # each source through sparse_mla_attention, with autograd
+
+
 def test_forward_splits_only_where_the_rows_leave_the_gpu_idle():
     cpu = torch.device("cpu")
     assert triton_sparse.forward_splits(8, 2048, 32, cpu) == 1
@@ -207,6 +258,27 @@ def test_cuda_bf16_decode_rows_split_over_the_keys():
     whole_err = rel_err(whole_out, out_ref)
     print(f"split decode bf16: out {out_err:.1e} (unsplit {whole_err:.1e}), lse {lse_err:.1e}")
     assert out_err < 1.2 * whole_err + 1e-3 and lse_err < 1e-3 and rel_err(lse[finite], whole_lse[finite]) < 1e-5
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_bf16_decode_two_sources():
+    # glm52's decode at G = 8: 8 rows, K = 2,048 over 50,000 pages and 8 x 1,024 response slots, in one launch (split
+    # over the keys) against the fp64 oracle over both as one source, as close as the two merged attentions
+    (q, latent, rope, new_latent, new_rope, idx, slots), one = two_source_case(
+        B=8, T=1, H=16, L=512, R=64, P=50000, slots=1024, K=2048, dtype=torch.bfloat16, seed=5)
+    idx[..., -300:] = torch.randint(50000, 50000 + 1024, (8, 1, 300), device="cuda")
+    one = (one[0], one[1], torch.where(idx >= 50000, 50000 + reference.own_slots(idx, 50000, slots), idx))
+    scale = 1.5 * 576**-0.5
+    out, lse = triton_sparse.sparse_mla_forward(q, latent, rope, idx, scale, new=(new_latent, new_rope, slots))
+    out_o, lse_o = reference.naive_sparse_mla_attention(q.double(), one[0].double(), one[1].double(), one[2],
+                                                        scale=scale)
+    out_m, lse_m = reference.sparse_mla_two_sources(q, latent, rope, new_latent, new_rope, idx, slots, scale=scale,
+                                                    attention_fn=dispatch.sparse_mla_attention)
+    errs = [rel_err(out, out_o), rel_err(lse, lse_o), rel_err(out_m, out_o), rel_err(lse_m, lse_o)]
+    print(f"two sources bf16 decode: out, lse rel errs {errs[0]:.1e} {errs[1]:.1e} (two merged: {errs[2]:.1e} "
+          f"{errs[3]:.1e})")
+    assert errs[0] < 1.2 * errs[2] + 1e-3 and errs[1] < 1e-3
 
 
 @pytest.mark.gpu

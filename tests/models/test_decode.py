@@ -199,6 +199,43 @@ def test_glm52_decode_takes_the_skinny_experts_where_they_serve(monkeypatch):
         model.decoder(resident, 3, 4)
 
 
+def test_glm52_decode_attends_to_the_pages_and_the_response_keys_in_one_kernel(monkeypatch):
+    """By default each layer of the step attends to the prompt's pages and the responses' own keys in one sparse
+    attention (`sparse_mla_two_sources`; here the Triton kernel in Triton's interpreter): the logits of each source
+    apart, merged (LONGSTRAW_DECODE_MLA=split; the same kernel per source), with every key selected (index_topk
+    above the prompt's 40: the filled response slots too). Not where a layer's sparse attention hook is swapped; a
+    bad value is refused."""
+    from longstraw_kernels.mla import dispatch, triton_sparse
+
+    model = random_model("glm52_tiny", torch.float32, index_topk=64)
+    resident = model.capture(ids(40, 3), block_size=16)
+    monkeypatch.setattr(dispatch, "use_triton", lambda *a: True)
+    launched = []
+    forward = triton_sparse.sparse_mla_forward
+    monkeypatch.setattr(triton_sparse, "sparse_mla_forward",
+                        lambda *a, **kw: (launched.append("new" in kw), forward(*a, **kw))[1])
+    fused = model.decoder(resident, 2, 6)
+    monkeypatch.setenv("LONGSTRAW_DECODE_MLA", "split")
+    split = model.decoder(resident, 2, 6)
+    assert fused.mla_two_sources and not split.mla_two_sources
+    for decoder in (split, fused):
+        decoder.tokens_B.copy_(torch.tensor([5, 77]))  # the two responses differ from their first token on
+    for _ in range(4):
+        with torch.no_grad():  # as the rollout runs it (a gradient asked takes each source apart)
+            want, got = split.step(), fused.step()
+        assert rel_err(got, want) < 1e-5
+        for decoder in (split, fused):
+            decoder.tokens_B.copy_(want.argmax(-1))
+    layers = len(model.model.layers)
+    assert launched.count(True) == 4 * layers and launched.count(False) == 2 * 4 * layers
+    model.model.layers[1].self_attn.sparse_attention_fn = dispatch.reference.sparse_mla_attention
+    monkeypatch.setenv("LONGSTRAW_DECODE_MLA", "auto")
+    assert not model.decoder(resident, 2, 6).mla_two_sources
+    monkeypatch.setenv("LONGSTRAW_DECODE_MLA", "one")
+    with pytest.raises(ValueError, match=r"LONGSTRAW_DECODE_MLA='one'; valid: \['auto', 'split'\]"):
+        model.decoder(resident, 2, 6)
+
+
 @pytest.mark.parametrize("name", ["qwen36_tiny", "glm52_tiny"])
 def test_stop_checks_every_k_tokens_give_the_same_rollout(name):
     """Looking at the stops every token or every 16 tokens changes when the loop ends, never the responses."""

@@ -49,12 +49,17 @@ from longstraw_cli.resident import Resident
 from longstraw_cli.resident.offload import left_on_host, rollout_pages
 from longstraw_kernels import kernel_choice
 from longstraw_kernels.dsa.topk import topk_lowest_position_static
+from longstraw_kernels.mla import sparse_mla_attention, sparse_mla_two_sources
 from longstraw_kernels.moe import route_select, route_serves
 
 log = logging.getLogger(__name__)
 
 # LONGSTRAW_DECODE_ROUTER: `auto` (the default: `fused_route` where it serves) or `torch` (the router module)
 DECODE_ROUTER_CHOICES = ("auto", "torch")
+# LONGSTRAW_DECODE_MLA: `auto` (the default: the prompt's pages and the responses' keys in one sparse attention,
+# `sparse_mla_two_sources`, where every layer's pages are on the device and its `sparse_attention_fn` is the default) or
+# `split` (each source apart, merged by their lse: the layer's `attend`)
+DECODE_MLA_CHOICES = ("auto", "split")
 
 
 @functools.cache
@@ -132,6 +137,10 @@ class Glm52Decoder(StaticDecoder):
             _say_once(f"decode router: the fused kernel does not serve (it needs every group kept, topk_group="
                       f"{cfg.topk_group} of n_group={cfg.n_group}, and fp32 router logits with Triton); the router "
                       f"module runs (a top-k, a sort and ~4 small kernels a layer)")
+        self.mla_two_sources = (kernel_choice("LONGSTRAW_DECODE_MLA", DECODE_MLA_CHOICES) == "auto"
+                                and not any(self.on_host) and all(
+                                    layer.self_attn.sparse_attention_fn is sparse_mla_attention
+                                    for layer in model.model.layers))
         # torch.compile fuses the step's ~2,000 small kernels (seen on an H200, glm52_mini at 256K, G=8: see
         # docs/BENCHMARKS.md). Not over NF4 experts (lora.quantize=nf4): compiling their dequantisation has not
         # run on a GPU. The page count is a dynamic size of the compiled layer function (`compiled`): its graphs (and
@@ -186,8 +195,14 @@ class Glm52Decoder(StaticDecoder):
                                                                        P, S))
         else:
             idx_BTK = prev_idx_BTK
-        out_BTHL = attn.attend(attn.absorb(q_nope, q_rope), pages, idx_BTK, KeyAxis(P, S, 1),
-                               (buf.latent_BSL, buf.rope_BSR, None), sparse_new=True)
+        q_BTHA = attn.absorb(q_nope, q_rope)
+        if self.mla_two_sources:
+            B = buf.latent_BSL.shape[0]
+            out_BTHL = sparse_mla_two_sources(q_BTHA, pages.latent_PL, pages.rope_PR, buf.latent_BSL.reshape(B * S, -1),
+                                              buf.rope_BSR.reshape(B * S, -1), idx_BTK, S, scale=attn.scale)[0]
+        else:
+            out_BTHL = attn.attend(q_BTHA, pages, idx_BTK, KeyAxis(P, S, 1), (buf.latent_BSL, buf.rope_BSR, None),
+                                   sparse_new=True)
         return attn.output(out_BTHL), idx_BTK
 
     def _select(self, attn, x_BTC, q_resid_BTQ, cos, sin, pages, buf, P: int, S: int):

@@ -75,7 +75,7 @@ from longstraw_cli.resident import MLAPages, Resident
 from longstraw_cli.resident.offload import OFFLOAD_CHOICES, host_buffer
 from longstraw_kernels import at_least_fp32, compute_dtype
 from longstraw_kernels.dsa import indexer_scores, topk_lowest_position
-from longstraw_kernels.mla import dense_mla_attention, merge_lse, sparse_mla_attention
+from longstraw_kernels.mla import dense_mla_attention, merge_lse, own_slots, sparse_mla_attention
 
 # bound on index-score elements formed at once ([rows, keys] per chunk of queries, and the top-k's temporaries
 # beside them, ~12 bytes an element): small on the CPU, larger on a GPU, where a few rows per call against a
@@ -306,11 +306,9 @@ class MLAttention(nn.Module):
         latent_BSL, rope_BSR = new[0], new[1]
         if sparse_new:
             B, S = latent_BSL.shape[:2]
-            slot_BTK = idx_BTK - P
-            row_B11 = torch.arange(B, device=idx_BTK.device)[:, None, None] * S
-            own_BTK = torch.where((slot_BTK >= 0) & (slot_BTK < S), slot_BTK + row_B11, -1)
             out_new, lse_new = self.sparse_attention_fn(q_BTHA, latent_BSL.reshape(B * S, -1),
-                                                        rope_BSR.reshape(B * S, -1), own_BTK, scale=self.scale)
+                                                        rope_BSR.reshape(B * S, -1), own_slots(idx_BTK, P, S),
+                                                        scale=self.scale)
         else:
             allowed_BTS = selected_mask(idx_BTK, P, axis.num_new)
             out_new, lse_new = dense_mla_attention(q_BTHA, latent_BSL, rope_BSR, allowed_BTS, scale=self.scale)
