@@ -93,21 +93,21 @@ def _fwd_kernel(q_ptr, lat_ptr, rope_ptr, idx_ptr, out_ptr, lse_ptr, stride_lat,
         offs_k = k0 + tl.arange(0, BLOCK_K)
         idx = tl.load(idx_ptr + row * K + offs_k, mask=offs_k < k_end, other=-1).to(tl.int64)
         if TWO_SOURCES:
-            valid = (idx >= 0) & (idx < num_pages)
-            slot = idx - num_pages
-            own = (slot >= 0) & (slot < slots)
-            page = tl.where(valid, idx, 0)
-            new_row = tl.where(own, (row // rows_per_seq) * slots + slot, 0)
-            # an entry is read from one source: the other load is masked off (0), and adding 0 is exact
-            kv = (tl.load(lat_ptr + page[:, None] * stride_lat + offs_l[None, :],
-                          mask=valid[:, None] & mask_l[None, :], other=0.0)
+            # an entry is read from one source: the other load is masked off (0; a masked lane's address is never
+            # read), and adding 0 is exact. No select on the entries here: Triton 3.6 on an H200 failed to compile
+            # one (TritonGPURemoveLayoutConversions: a select whose condition and result took different layouts)
+            in_pages = (idx >= 0) & (idx < num_pages)
+            own = (idx >= num_pages) & (idx < num_pages + slots)
+            new_row = (row // rows_per_seq) * slots + idx - num_pages
+            kv = (tl.load(lat_ptr + idx[:, None] * stride_lat + offs_l[None, :],
+                          mask=in_pages[:, None] & mask_l[None, :], other=0.0)
                   + tl.load(new_lat_ptr + new_row[:, None] * stride_new_lat + offs_l[None, :],
                             mask=own[:, None] & mask_l[None, :], other=0.0))
-            kr = (tl.load(rope_ptr + page[:, None] * stride_rope + offs_r[None, :],
-                          mask=valid[:, None] & mask_r[None, :], other=0.0)
+            kr = (tl.load(rope_ptr + idx[:, None] * stride_rope + offs_r[None, :],
+                          mask=in_pages[:, None] & mask_r[None, :], other=0.0)
                   + tl.load(new_rope_ptr + new_row[:, None] * stride_new_rope + offs_r[None, :],
                             mask=own[:, None] & mask_r[None, :], other=0.0))
-            valid = valid | own
+            valid = in_pages | own
         else:
             valid = idx >= 0
             page = tl.where(valid, idx, 0)

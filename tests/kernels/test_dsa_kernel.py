@@ -200,12 +200,16 @@ def test_glm52_capture_and_replay_through_the_kernel_select_the_same_keys(monkey
 @pytest.mark.parametrize("T", [4096, 8], ids=["capture", "decode_rows"])
 def test_cuda_bf16_realistic_sizes(shared, T):
     # capture-like: queries are the last T of S positions (offset S - T); bf16 q and k as the model holds them.
-    # T = 8: decode's few rows, which take their own tile (FEW_ROWS_CONFIG)
+    # T = 8: decode's few rows, which take their own tile (FEW_ROWS_CONFIG) in the head loop's kernel, and which the
+    # dispatch gives the folded kernel (test_cuda_folded_decode_rows holds that one to the reference)
     B, S, J, I = (1 if shared else 2), 20000, 16, 128
     q_BTJI, w_BTJ, k = make_case(B, T, S, J, I, shared, torch.bfloat16, device="cuda")
     offset = S - T
-    out_BTS = indexer_scores(q_BTJI, w_BTJ, k, I**-0.5, offset)
-    assert torch.equal(out_BTS, indexer_scores_triton(q_BTJI, w_BTJ, k, I**-0.5, offset)), "dispatch"
+    out_BTS = indexer_scores_triton(q_BTJI, w_BTJ, k, I**-0.5, offset)
+    folded = dsa._folded_scores(q_BTJI, k)
+    assert (folded is not None) == (T == 8)
+    assert torch.equal(indexer_scores(q_BTJI, w_BTJ, k, I**-0.5, offset),
+                       (folded or indexer_scores_triton)(q_BTJI, w_BTJ, k, I**-0.5, offset)), "dispatch"
     ref_BTS = indexer_scores_reference(q_BTJI.to(F64), w_BTJ.to(F64), k.to(F64), I**-0.5, offset)
     err = compare(out_BTS, ref_BTS, offset)
     print(f"DSA scores bf16 dot vs fp64 reference, B={B} T={T} S={S} J={J} I={I}: rel err {err:.2e}")
