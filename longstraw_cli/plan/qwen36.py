@@ -83,8 +83,9 @@ from __future__ import annotations
 import math
 
 from longstraw_cli.lora import DEFAULT_TARGETS
+from longstraw_cli.models.projections import FUSED_SHARE
 from longstraw_cli.models.qwen36.config import Qwen36Config
-from longstraw_cli.models.qwen36.decode import FUSED_SHARE, INPUT_GROUPS
+from longstraw_cli.models.qwen36.decode import INPUT_GROUPS
 from longstraw_cli.models.slots import response_capacities
 from longstraw_cli.plan.common import GIB, LOGIT_BYTES_REPLAY, Run, itemsize, rollout_copies, score_logits_bytes
 from longstraw_cli.quantize import nf4_bytes

@@ -21,8 +21,8 @@ from longstraw_cli.models.glm52.experts import (
     pairs_by_expert,
     skinny_experts,
 )
+from longstraw_cli.models.projections import EachLinear, InProjections
 from longstraw_cli.models.qwen36 import decode as qwen36_decode
-from longstraw_cli.models.qwen36.decode import EachLinear, InProjections
 from longstraw_cli.rollout.native import NativeConfig, SamplingConfig, generate
 from longstraw_cli.tokenizer import ByteTokenizer
 from longstraw_kernels.attention.decode import cascade_decode_attention, decode_pages_attention

@@ -358,7 +358,7 @@ def test_plan_counts_the_decodes_concatenated_input_linears(lora_rank):
     """`decode_projections` is what the decoder copies: every layer's input linears without LoRA, the groups
     holding an adapted linear not at all under LoRA's default targets (GDN's b and a are not targets, but share a
     GEMM with qkv and z)."""
-    from longstraw_cli.models.qwen36.decode import InProjections
+    from longstraw_cli.models.projections import InProjections
 
     model = build_model("qwen36_tiny", dtype=torch.bfloat16, device="cpu", seed=0)
     if lora_rank:

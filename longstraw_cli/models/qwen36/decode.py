@@ -46,10 +46,10 @@ W conv window, G GDN value heads, Dk/Dv GDN head dims, V vocab.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from longstraw_cli.models.core import StaticDecoder
+from longstraw_cli.models.projections import concatenated_bytes, fusable, one_gemm_each
 from longstraw_cli.models.slots import ResponseSlots, slot_buffer
 from longstraw_cli.resident import Resident
 from longstraw_cli.resident.offload import device_total_bytes, left_on_host, rollout_pages, stage_rollout_pages
@@ -75,48 +75,6 @@ class ResponseRecurrent:
     def __init__(self, conv_CW: torch.Tensor, ssm_GKV: torch.Tensor, batch: int):
         self.conv_BXW = conv_CW.expand(batch, -1, -1).clone()
         self.ssm_BGKV = ssm_GKV.expand(batch, -1, -1, -1).clone()
-
-
-class InProjections:
-    """Linears that read the same input as one GEMM: their weights concatenated [sum N, C] (a copy, made when the
-    decoder is: the weights change every optimizer step). -> each linear's output, views of the one product."""
-
-    def __init__(self, linears: list[nn.Linear]):
-        self.weight_NC = torch.cat([m.weight.detach() for m in linears])
-        self.sizes = [m.out_features for m in linears]
-
-    def __call__(self, x_BTC: torch.Tensor) -> list[torch.Tensor]:
-        return F.linear(x_BTC, self.weight_NC).split(self.sizes, dim=-1)
-
-    def weights(self) -> tuple[list[torch.Tensor], list[int]]:
-        """(the weights the products read: the one copy; each linear's out size)."""
-        return [self.weight_NC], self.sizes
-
-
-class EachLinear:
-    """The same contract, the linears called one by one: not plain (LoRA, NF4, sharded parameters), or their copies
-    would pass FUSED_SHARE."""
-
-    def __init__(self, linears: list[nn.Module]):
-        self.linears = linears
-
-    def __call__(self, x_BTC: torch.Tensor) -> list[torch.Tensor]:
-        return [m(x_BTC) for m in self.linears]
-
-    def weights(self) -> tuple[list[torch.Tensor], list[int]]:
-        """(each linear's weight; its out size)."""
-        return [m.weight.detach() for m in self.linears], [m.out_features for m in self.linears]
-
-
-# the most of a device's memory the concatenated input linears may take (a deterministic rule: the same choice, so
-# the same rounding, on every run of a model on a kind of GPU)
-FUSED_SHARE = 1 / 16
-
-
-def fusable(linears: list[nn.Module]) -> bool:
-    """Whether `linears` can run as one GEMM: plain bias-free nn.Linear over ordinary parameters of one dtype."""
-    return all(type(m) is nn.Linear and m.bias is None and type(m.weight) is nn.Parameter
-               and m.weight.dtype == linears[0].weight.dtype for m in linears)
 
 
 # by layer type, the (mixer's, MLP's) linears that read one input: one GEMM each (plan/qwen36.py counts the same)
@@ -215,8 +173,7 @@ def layer_linears(layer, groups, projections, example_BTC: torch.Tensor,
 
 def fused_bytes(model) -> int:
     """Bytes of the concatenated input linears (every fusable group's weights)."""
-    return sum(m.weight.nbytes for layer in input_linears(model) for group in layer if fusable(group)
-               for m in group)
+    return concatenated_bytes(input_linears(model))
 
 
 class Qwen36Decoder(StaticDecoder):
@@ -228,10 +185,7 @@ class Qwen36Decoder(StaticDecoder):
         cfg = model.config
         # each layer's (mixer's input linears, the MLP's gate and up) as one GEMM each where they allow, up to
         # FUSED_SHARE; made before the offloaded pages' copies below, which take what free memory is left
-        total = device_total_bytes(self.device)
-        fuse = total is None or fused_bytes(model) <= FUSED_SHARE * total
-        self.projections = [tuple(InProjections(group) if fuse and fusable(group) else EachLinear(group)
-                                  for group in layer) for layer in input_linears(model)]
+        self.projections = one_gemm_each(input_linears(model), device_total_bytes(self.device))
         # the decode linear kernel where it serves the layer (CUDA, Triton, plain linears), the modules elsewhere
         example_BTC = torch.empty(batch, 1, cfg.hidden_size, dtype=model.lm_head.weight.dtype, device=self.device)
         self.linears = [layer_linears(layer, groups, proj, example_BTC, type(model.model.norm))
