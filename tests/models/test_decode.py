@@ -236,6 +236,48 @@ def test_glm52_decode_attends_to_the_pages_and_the_response_keys_in_one_kernel(m
         model.decoder(resident, 2, 6)
 
 
+@torch.no_grad()
+def test_glm52_decode_groups_the_linears_that_read_one_input_when_asked(monkeypatch):
+    """LONGSTRAW_DECODE_GEMMS=grouped (opt in): each layer's attention input linears with the indexer's wk, q_b_proj
+    with the indexer's wq_b, and the MLP's (or shared experts') gate and up as one GEMM each: the default decode's
+    logits (fp64); one by one where LoRA wraps them or the copies would pass a 16th of the device's memory; another
+    value is refused naming the valid ones."""
+    from longstraw_cli.models.glm52 import decode
+
+    model = random_model("glm52_tiny", torch.float64)
+    resident = model.capture(ids(50, 0), block_size=16)
+    each = model.decoder(resident, 2, 5)
+    assert all(type(p) is decode.ModuleProjections for p in each.projections)
+    monkeypatch.setenv("LONGSTRAW_DECODE_GEMMS", "grouped")
+    grouped = model.decoder(resident, 2, 5)
+    sizes = []
+    for layer, proj in zip(model.model.layers, grouped.projections):
+        assert isinstance(proj, decode.GroupedProjections)
+        assert all(isinstance(p, InProjections) for p in (proj.x_in, proj.q_in, proj.mlp_in))
+        sizes.append(len(proj.x_in.sizes))
+        assert len(proj.x_in.sizes) == (3 if layer.self_attn.indexer is not None else 2)
+    assert 3 in sizes and 2 in sizes  # "full" and "shared" indexer layers
+    for decoder in (each, grouped):
+        decoder.tokens_B.copy_(torch.tensor([5, 77]))
+    for _ in range(4):
+        want, got = each.step(), grouped.step()
+        assert rel_err(got, want) < 1e-12
+        for decoder in (each, grouped):
+            decoder.tokens_B.copy_(want.argmax(-1))
+    nbytes = sum(p.weight_NC.nbytes for proj in grouped.projections for p in (proj.x_in, proj.q_in, proj.mlp_in))
+    for total, kind in ((16 * nbytes, InProjections), (16 * nbytes - 1, EachLinear)):
+        monkeypatch.setattr(decode, "device_total_bytes", lambda device, total=total: total)
+        assert all(isinstance(proj.x_in, kind) for proj in model.decoder(resident, 2, 5).projections)
+    monkeypatch.undo()
+    monkeypatch.setenv("LONGSTRAW_DECODE_GEMMS", "grouped")
+    apply_lora(model, LoraConfig(rank=2))
+    lora = model.decoder(resident, 2, 5)
+    assert all(isinstance(proj.x_in, EachLinear) for proj in lora.projections)
+    monkeypatch.setenv("LONGSTRAW_DECODE_GEMMS", "fused")
+    with pytest.raises(ValueError, match=r"LONGSTRAW_DECODE_GEMMS='fused'; valid: \['each', 'grouped'\]"):
+        model.decoder(resident, 2, 5)
+
+
 @pytest.mark.parametrize("name", ["qwen36_tiny", "glm52_tiny"])
 def test_stop_checks_every_k_tokens_give_the_same_rollout(name):
     """Looking at the stops every token or every 16 tokens changes when the loop ends, never the responses."""

@@ -32,6 +32,7 @@ import logging
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from longstraw_cli.models.core import StaticDecoder
 from longstraw_cli.models.glm52.experts import (
@@ -43,10 +44,11 @@ from longstraw_cli.models.glm52.experts import (
     skinny_serves,
 )
 from longstraw_cli.models.glm52.positions import KeyAxis, rope_cos_sin
+from longstraw_cli.models.projections import one_gemm_each
 from longstraw_cli.models.slots import ResponseSlots, slot_buffer
 from longstraw_cli.quantize import is_nf4_experts
 from longstraw_cli.resident import Resident
-from longstraw_cli.resident.offload import left_on_host, rollout_pages
+from longstraw_cli.resident.offload import device_total_bytes, left_on_host, rollout_pages
 from longstraw_kernels import kernel_choice
 from longstraw_kernels.dsa.topk import topk_lowest_position_static
 from longstraw_kernels.mla import sparse_mla_attention, sparse_mla_two_sources
@@ -60,6 +62,10 @@ DECODE_ROUTER_CHOICES = ("auto", "torch")
 # `sparse_mla_two_sources`, where every layer's pages are on the device and its `sparse_attention_fn` is the default) or
 # `split` (each source apart, merged by their lse: the layer's `attend`)
 DECODE_MLA_CHOICES = ("auto", "split")
+# LONGSTRAW_DECODE_GEMMS: `each` (the default: every linear its own GEMM) or `grouped` (opt in, not yet run on a GPU:
+# the linears that read one input as one GEMM over a concatenated copy of their weights, `input_groups`, where they
+# are plain and the copies fit FUSED_SHARE of the device's memory; `longstraw plan` does not count the copies)
+DECODE_GEMMS_CHOICES = ("each", "grouped")
 
 
 @functools.cache
@@ -89,6 +95,58 @@ class ResponseMLA(ResponseSlots):
         self.rope_BSR = slot_buffer(batch, capacity, cfg.qk_rope_head_dim, dtype=dtype, device=device)
         self.index_BSI = (slot_buffer(batch, capacity, cfg.index_head_dim, dtype=dtype, device=device)
                           if full_indexer else None)
+
+
+class ModuleProjections:
+    """A decode layer's projections as the model's modules run them (the default): the attention's input linears,
+    q_b_proj, the indexer's and the MLP's gate and up one by one."""
+
+    def attention(self, attn, x_BTC, cos, sin):
+        """-> (q_nope, q_rope, latent, rope key, index keys or None, the index queries' function)."""
+        q_resid_BTQ, q_nope, q_rope = attn.project_q(x_BTC, cos, sin)
+        latent_BTL, rope_BTR = attn.project_kv(x_BTC, cos, sin)
+        if attn.indexer is None:
+            return q_nope, q_rope, latent_BTL, rope_BTR, None, None
+        return (q_nope, q_rope, latent_BTL, rope_BTR, attn.indexer.keys(x_BTC, cos, sin),
+                lambda: attn.indexer.queries(x_BTC, q_resid_BTQ, cos, sin))
+
+    def mlp(self, mlp, x_BTC):
+        return mlp(x_BTC)
+
+
+class GroupedProjections(ModuleProjections):
+    """The same from one GEMM a group (models/projections.py; `input_groups`): the attention's input linears with
+    the indexer's wk, q_b_proj with the indexer's wq_b, the MLP's gate and up."""
+
+    def __init__(self, x_in, q_in, mlp_in):
+        self.x_in, self.q_in, self.mlp_in = x_in, q_in, mlp_in
+
+    def attention(self, attn, x_BTC, cos, sin):
+        x_outs = self.x_in(x_BTC)
+        q_outs = self.q_in(attn.q_a_layernorm(x_outs[0]))
+        q_nope, q_rope = attn.q_heads(q_outs[0], cos, sin)
+        latent_BTL, rope_BTR = attn.kv_from(x_outs[1], cos, sin)
+        if attn.indexer is None:
+            return q_nope, q_rope, latent_BTL, rope_BTR, None, None
+        return (q_nope, q_rope, latent_BTL, rope_BTR, attn.indexer.keys_from(x_outs[2], cos, sin),
+                lambda: attn.indexer.queries_from(q_outs[1], x_BTC, cos, sin))
+
+    def mlp(self, mlp, x_BTC):
+        return mlp.swiglu(*self.mlp_in(x_BTC))
+
+
+def input_groups(model) -> list[tuple[list[nn.Module], ...]]:
+    """Each layer's linears that read one input: (q_a_proj, kv_a_proj_with_mqa[, the indexer's wk]), (q_b_proj[,
+    the indexer's wq_b]), (the MLP's or shared experts' gate_proj, up_proj). The indexer's weights_proj stays apart
+    (HF keeps it in fp32)."""
+    groups = []
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        mlp = layer.mlp.shared_experts if hasattr(layer.mlp, "experts_fn") else layer.mlp
+        extra_x, extra_q = ([attn.indexer.wk], [attn.indexer.wq_b]) if attn.indexer is not None else ([], [])
+        groups.append(([attn.q_a_proj, attn.kv_a_proj_with_mqa] + extra_x, [attn.q_b_proj] + extra_q,
+                       [mlp.gate_proj, mlp.up_proj]))
+    return groups
 
 
 class Glm52Decoder(StaticDecoder):
@@ -137,6 +195,10 @@ class Glm52Decoder(StaticDecoder):
             _say_once(f"decode router: the fused kernel does not serve (it needs every group kept, topk_group="
                       f"{cfg.topk_group} of n_group={cfg.n_group}, and fp32 router logits with Triton); the router "
                       f"module runs (a top-k, a sort and ~4 small kernels a layer)")
+        grouped = kernel_choice("LONGSTRAW_DECODE_GEMMS", DECODE_GEMMS_CHOICES) == "grouped"
+        self.projections = ([GroupedProjections(*layer) for layer in one_gemm_each(
+            input_groups(model), device_total_bytes(self.device))] if grouped
+                            else [ModuleProjections()] * len(model.model.layers))
         self.mla_two_sources = (kernel_choice("LONGSTRAW_DECODE_MLA", DECODE_MLA_CHOICES) == "auto"
                                 and not any(self.on_host) and all(
                                     layer.self_attn.sparse_attention_fn is sparse_mla_attention
@@ -169,30 +231,27 @@ class Glm52Decoder(StaticDecoder):
         model, cfg = self.model, self.model.config
         (x_BTC, positions_1), idx_BTK = self.embed(), None
         cos, sin = rope_cos_sin(positions_1, cfg.qk_rope_head_dim, cfg.rope_theta, x_BTC.dtype)
-        for layer, pages, buf in zip(model.model.layers, self.pages, self.layers):
-            x_BTC, idx_BTK = self.layer_fn(self, layer, pages, buf, x_BTC, cos, sin, idx_BTK, positions_1)
+        for layer, pages, buf, proj in zip(model.model.layers, self.pages, self.layers, self.projections):
+            x_BTC, idx_BTK = self.layer_fn(self, layer, pages, buf, proj, x_BTC, cos, sin, idx_BTK, positions_1)
         return self.logits(x_BTC)
 
-    def layer(self, layer, pages, buf: ResponseMLA, x_BTC, cos, sin, idx_BTK, positions_1):
+    def layer(self, layer, pages, buf: ResponseMLA, proj: ModuleProjections, x_BTC, cos, sin, idx_BTK, positions_1):
         """One decoder layer of the step -> (its output [B, 1, C], the DSA selection it used, for the next
         "shared" indexer layer)."""
-        h_BTC, idx_BTK = self._attention(layer.self_attn, layer.input_layernorm(x_BTC), cos, sin, pages, buf,
+        h_BTC, idx_BTK = self._attention(layer.self_attn, proj, layer.input_layernorm(x_BTC), cos, sin, pages, buf,
                                          idx_BTK, positions_1)
         x_BTC = x_BTC + h_BTC
-        return x_BTC + self._mlp(layer.mlp, layer.post_attention_layernorm(x_BTC), positions_1), idx_BTK
+        return x_BTC + self._mlp(layer.mlp, proj, layer.post_attention_layernorm(x_BTC), positions_1), idx_BTK
 
-    def _attention(self, attn, x_BTC, cos, sin, pages, buf: ResponseMLA, prev_idx_BTK, positions_1):
-        q_resid_BTQ, q_nope, q_rope = attn.project_q(x_BTC, cos, sin)
-        latent_BTL, rope_BTR = attn.project_kv(x_BTC, cos, sin)
+    def _attention(self, attn, proj, x_BTC, cos, sin, pages, buf: ResponseMLA, prev_idx_BTK, positions_1):
+        q_nope, q_rope, latent_BTL, rope_BTR, index_BTI, queries = proj.attention(attn, x_BTC, cos, sin)
         buf.latent_BSL.index_copy_(1, self.step_1, latent_BTL.to(buf.latent_BSL.dtype))
         buf.rope_BSR.index_copy_(1, self.step_1, rope_BTR.to(buf.rope_BSR.dtype))
         P, S = pages.latent_PL.shape[0], buf.latent_BSL.shape[1]
         if attn.indexer is not None:
-            index_BTI = attn.indexer.keys(x_BTC, cos, sin)
             buf.index_BSI.index_copy_(1, self.step_1, index_BTI.to(buf.index_BSI.dtype))
             # `select_fn`: routing replay records the selection (in place, at the step: graph safe)
-            idx_BTK = attn.select_fn(positions_1, lambda: self._select(attn, x_BTC, q_resid_BTQ, cos, sin, pages, buf,
-                                                                       P, S))
+            idx_BTK = attn.select_fn(positions_1, lambda: self._select(attn, queries, pages, buf, P, S))
         else:
             idx_BTK = prev_idx_BTK
         q_BTHA = attn.absorb(q_nope, q_rope)
@@ -205,9 +264,10 @@ class Glm52Decoder(StaticDecoder):
                                    sparse_new=True)
         return attn.output(out_BTHL), idx_BTK
 
-    def _select(self, attn, x_BTC, q_resid_BTQ, cos, sin, pages, buf, P: int, S: int):
-        """Top-k over the prompt's index keys and the filled response slots; -1 for what is not visible."""
-        q_BTJI, w_BTJ = attn.indexer.queries(x_BTC, q_resid_BTQ, cos, sin)
+    def _select(self, attn, queries, pages, buf, P: int, S: int):
+        """Top-k over the prompt's index keys and the filled response slots; -1 for what is not visible.
+        queries() -> the index queries and weights (`ModuleProjections.attention`)."""
+        q_BTJI, w_BTJ = queries()
         # the prompt's keys are shared: the B responses are B query rows of one call, so the keys are read once
         pages_1BP = attn.indexer.scores(q_BTJI.transpose(0, 1), w_BTJ.transpose(0, 1), [pages.index_PI])
         # every prompt key is visible; of the response slots only the filled ones
@@ -222,9 +282,9 @@ class Glm52Decoder(StaticDecoder):
             chosen_BTk = F.pad(chosen_BTk, (0, topk - k), value=-1)
         return chosen_BTk
 
-    def _mlp(self, mlp, x_BTC, positions_1):
+    def _mlp(self, mlp, proj, x_BTC, positions_1):
         if not hasattr(mlp, "experts_fn"):
-            return mlp(x_BTC)
+            return proj.mlp(mlp, x_BTC)
         x_NC = x_BTC.reshape(-1, x_BTC.shape[-1])
         gate = functools.partial(fused_route, mlp.gate) if self.router_fused else mlp.gate
         topk_idx_Nk, topk_w_Nk = mlp.route_fn(gate, x_NC, positions_1)
@@ -233,4 +293,4 @@ class Glm52Decoder(StaticDecoder):
             experts_fn = (skinny_experts if self.experts_skinny else grouped_experts if self.experts_grouped
                           else dense_experts)
         y_NC = experts_fn(x_NC, topk_idx_Nk, topk_w_Nk, mlp.experts.gate_up_proj, mlp.experts.down_proj)
-        return y_NC.view_as(x_BTC) + mlp.shared_experts(x_BTC)
+        return y_NC.view_as(x_BTC) + proj.mlp(mlp.shared_experts, x_BTC)

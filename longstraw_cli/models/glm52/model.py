@@ -131,7 +131,12 @@ class DSAIndexer(nn.Module):
     @torch.no_grad()
     def keys(self, x_BTC: torch.Tensor, cos_TF, sin_TF) -> torch.Tensor:
         """Index keys [B, T, I]: LayerNorm(wk x), RoPE on the first rope dims."""
-        return self._rope(self.k_norm(self.wk(x_BTC)), cos_TF, sin_TF)
+        return self.keys_from(self.wk(x_BTC), cos_TF, sin_TF)
+
+    @torch.no_grad()
+    def keys_from(self, wk_BTI: torch.Tensor, cos_TF, sin_TF) -> torch.Tensor:
+        """`keys` from wk's output (the decode step computes it in one GEMM with the attention's input linears)."""
+        return self._rope(self.k_norm(wk_BTI), cos_TF, sin_TF)
 
     @torch.no_grad()
     def queries(self, x_BTC, q_resid_BTQ, cos_TF, sin_TF):
@@ -139,8 +144,13 @@ class DSAIndexer(nn.Module):
         HF computes the scores in fp32: the scoring upcasts q (`indexer_scores`), exactly. A bf16 q stays bf16
         so that, against bf16 keys, the GPU kernel takes the tensor-core dot: its products of bf16 values are
         exact in fp32, the same numbers as the fp32 upcast."""
+        return self.queries_from(self.wq_b(q_resid_BTQ), x_BTC, cos_TF, sin_TF)
+
+    @torch.no_grad()
+    def queries_from(self, wq_BTX: torch.Tensor, x_BTC, cos_TF, sin_TF):
+        """`queries` from wq_b's output (the decode step computes it in one GEMM with q_b_proj's)."""
         B, T, _ = x_BTC.shape
-        q_BTJI = self._rope(self.wq_b(q_resid_BTQ).view(B, T, self.num_heads, self.head_dim), cos_TF, sin_TF)
+        q_BTJI = self._rope(wq_BTX.view(B, T, self.num_heads, self.head_dim), cos_TF, sin_TF)
         w_BTJ = self.weights_proj(x_BTC.to(self.weights_proj.weight.dtype))
         return q_BTJI, at_least_fp32(w_BTJ) * self.num_heads**-0.5
 
@@ -232,15 +242,23 @@ class MLAttention(nn.Module):
 
     # -- projections ------------------------------------------------------------------------------------------
     def project_q(self, x_BTC, cos_TF, sin_TF):
-        B, T, _ = x_BTC.shape
         q_resid_BTQ = self.q_a_layernorm(self.q_a_proj(x_BTC))
-        q_BTHD = self.q_b_proj(q_resid_BTQ).view(B, T, self.num_heads, self.nope + self.rope_dim)
-        q_nope_BTHN, q_rope_BTHR = q_BTHD.split([self.nope, self.rope_dim], dim=-1)
-        return q_resid_BTQ, q_nope_BTHN, apply_rope_interleaved(q_rope_BTHR, cos_TF, sin_TF)
+        return (q_resid_BTQ, *self.q_heads(self.q_b_proj(q_resid_BTQ), cos_TF, sin_TF))
+
+    def q_heads(self, q_BTX, cos_TF, sin_TF):
+        """q_b_proj's output [B, T, H * (N + R)] -> (q_nope [B, T, H, N], q_rope after RoPE [B, T, H, R])."""
+        B, T, _ = q_BTX.shape
+        q_nope_BTHN, q_rope_BTHR = q_BTX.view(B, T, self.num_heads, self.nope + self.rope_dim).split(
+            [self.nope, self.rope_dim], dim=-1)
+        return q_nope_BTHN, apply_rope_interleaved(q_rope_BTHR, cos_TF, sin_TF)
 
     def project_kv(self, x_BTC, cos_TF, sin_TF):
         """-> latent [B, T, L] (after kv_a_layernorm), rope key [B, T, R] (after RoPE): what pages hold."""
-        latent_BTL, rope_BTR = self.kv_a_proj_with_mqa(x_BTC).split([self.latent, self.rope_dim], dim=-1)
+        return self.kv_from(self.kv_a_proj_with_mqa(x_BTC), cos_TF, sin_TF)
+
+    def kv_from(self, kv_BTX, cos_TF, sin_TF):
+        """`project_kv` from kv_a_proj_with_mqa's output [B, T, L + R]."""
+        latent_BTL, rope_BTR = kv_BTX.split([self.latent, self.rope_dim], dim=-1)
         return self.kv_a_layernorm(latent_BTL), apply_rope_interleaved(rope_BTR, cos_TF, sin_TF)
 
     def kv_b_weight(self) -> torch.Tensor:
