@@ -99,7 +99,7 @@ class ResponseMLA(ResponseSlots):
 
 class ModuleProjections:
     """A decode layer's projections as the model's modules run them (the default): the attention's input linears,
-    q_b_proj, the indexer's and the MLP's gate and up one by one."""
+    q_b_proj, the indexer's linears and the MLP's gate and up, each its own GEMM."""
 
     def attention(self, attn, x_BTC, cos, sin):
         """-> (q_nope, q_rope, latent, rope key, index keys or None, the index queries' function)."""
