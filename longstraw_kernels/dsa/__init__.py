@@ -8,6 +8,8 @@ keeps the head loop's kernel for them."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from longstraw_kernels import compute_dtype, kernel_choice, optional_module
@@ -27,16 +29,22 @@ def _triton_scores():
 
 # LONGSTRAW_DSA_DECODE_SCORES: `auto` (the default: few query rows, the decode's, through
 # `indexer_scores_folded_triton` where it serves; on an H200 at 8 rows of 262K keys 0.050 ms against the head loop's
-# 0.082 at 16 heads, 0.109 against 0.139 at 32) or `loop` (the head loop's kernel for every call)
-DECODE_SCORES_CHOICES = ("auto", "loop")
+# 0.082 at 16 heads, 0.109 against 0.139 at 32), `loop` (the head loop's kernel for every call) or `persistent`
+# (opt in, not yet run on a GPU: the folded form with FOLDED_PROGRAMS_PER_SM programs an SM looping over the key
+# tiles, each loading its queries once and the next key tile while it scores this one)
+DECODE_SCORES_CHOICES = ("auto", "loop", "persistent")
 
 
 def _folded_scores(q_BTJI: torch.Tensor, k: torch.Tensor):
     """The folded kernel's entry where it serves and LONGSTRAW_DSA_DECODE_SCORES does not say `loop`, else None."""
-    if kernel_choice("LONGSTRAW_DSA_DECODE_SCORES", DECODE_SCORES_CHOICES) != "auto":
-        return None
+    choice = kernel_choice("LONGSTRAW_DSA_DECODE_SCORES", DECODE_SCORES_CHOICES)
     module = optional_module("longstraw_kernels.dsa.triton_scores")
-    return module.indexer_scores_folded_triton if module is not None and module.folded_serves(q_BTJI, k) else None
+    if choice == "loop" or module is None or not module.folded_serves(q_BTJI, k):
+        return None
+    if choice == "persistent":
+        return functools.partial(module.indexer_scores_folded_triton,
+                                 programs=module.folded_loop_programs(q_BTJI.device))
+    return module.indexer_scores_folded_triton
 
 
 def indexer_scores(q_BTJI: torch.Tensor, w_BTJ: torch.Tensor, k: torch.Tensor, scale: float,

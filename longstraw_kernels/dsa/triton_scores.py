@@ -36,6 +36,66 @@ FP32_CONFIG = (64, 64, 8, 2)
 
 
 @triton.jit
+def _folded_rows(q_base, w_base, t0, T, I, scale, stride_qt, stride_qj, stride_qi, stride_wt, stride_wj,
+                 BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr, FOLD_J: tl.constexpr):
+    """A row tile's queries [BLOCK_T * FOLD_J, BLOCK_I] and scale * weights [BLOCK_T * FOLD_J], the heads folded
+    into the rows: r = t * J + j."""
+    r_R = tl.arange(0, BLOCK_T * FOLD_J)
+    t_R, j_R = r_R // FOLD_J, r_R % FOLD_J
+    i_I = tl.arange(0, BLOCK_I)
+    valid_R = t0 + t_R < T
+    q_RI = tl.load(q_base + t_R[:, None] * stride_qt + j_R[:, None] * stride_qj + i_I[None, :] * stride_qi,
+                   mask=valid_R[:, None] & (i_I[None, :] < I), other=0.0)
+    w_R = tl.load(w_base + t_R * stride_wt + j_R * stride_wj, mask=valid_R, other=0.0).to(tl.float32) * scale
+    return q_RI, w_R
+
+
+@triton.jit
+def _folded_tile(q_RI, w_R, kT_IS, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, FOLD_J: tl.constexpr):
+    """[BLOCK_T, BLOCK_S] scores of a key tile: one dot for the folded rows, relu, times w, each row's heads summed."""
+    terms_RS = tl.maximum(tl.dot(q_RI, kT_IS, out_dtype=tl.float32), 0.0) * w_R[:, None]
+    return tl.sum(tl.reshape(terms_RS, (BLOCK_T, FOLD_J, BLOCK_S)), axis=1)
+
+
+@triton.jit
+def _folded_loop_kernel(
+    q_ptr, w_ptr, k_ptr, out_ptr,
+    T, S, I, scale, offset,
+    stride_qb, stride_qt, stride_qj, stride_qi,
+    stride_wb, stride_wt, stride_wj,
+    stride_kb, stride_ks, stride_ki,
+    stride_ob, stride_ot, stride_os,
+    HAS_OFFSET: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_I: tl.constexpr,
+    FOLD_J: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    # the folded form with fewer programs than key tiles (LONGSTRAW_DSA_DECODE_SCORES=persistent): a program loads
+    # its row tile's queries and weights once and loops over key tiles pid, pid + programs, ..., the next tile's
+    # keys loaded while this one's dot runs (NUM_STAGES). Tiles no query sees are computed and masked -inf
+    # (the decode's rows see nearly every key; the capture's many rows never take the folded form)
+    pid, b = tl.program_id(0), tl.program_id(2).to(tl.int64)
+    t0 = tl.program_id(1) * BLOCK_T
+    dt_T = tl.arange(0, BLOCK_T)
+    ds_S = tl.arange(0, BLOCK_S)
+    i_I = tl.arange(0, BLOCK_I)
+    valid_T = t0 + dt_T < T
+    q_RI, w_R = _folded_rows(q_ptr + b * stride_qb + t0.to(tl.int64) * stride_qt,
+                             w_ptr + b * stride_wb + t0.to(tl.int64) * stride_wt, t0, T, I, scale, stride_qt,
+                             stride_qj, stride_qi, stride_wt, stride_wj, BLOCK_T, BLOCK_I, FOLD_J)
+    k_batch = k_ptr + b * stride_kb
+    out_rows = out_ptr + b * stride_ob + t0.to(tl.int64) * stride_ot
+    for tile in tl.range(pid, tl.cdiv(S, BLOCK_S), tl.num_programs(0), num_stages=NUM_STAGES):
+        s0 = tile * BLOCK_S
+        valid_S = s0 + ds_S < S
+        kT_IS = tl.load(k_batch + s0.to(tl.int64) * stride_ks + ds_S[None, :] * stride_ks + i_I[:, None] * stride_ki,
+                        mask=(i_I[:, None] < I) & valid_S[None, :], other=0.0)
+        acc_TS = _folded_tile(q_RI, w_R, kT_IS, BLOCK_T, BLOCK_S, FOLD_J)
+        if HAS_OFFSET:
+            acc_TS = tl.where((s0 + ds_S)[None, :] <= (t0 + dt_T)[:, None] + offset, acc_TS, float("-inf"))
+        tl.store(out_rows + s0.to(tl.int64) * stride_os + dt_T[:, None] * stride_ot + ds_S[None, :] * stride_os,
+                 acc_TS, mask=valid_T[:, None] & valid_S[None, :])
+
+
+@triton.jit
 def _indexer_scores_kernel(
     q_ptr, w_ptr, k_ptr, out_ptr,
     T, S, J, I, scale, offset,
@@ -74,14 +134,9 @@ def _indexer_scores_kernel(
             # few rows (decode, `indexer_scores_folded_triton`): every row's FOLD_J = J heads folded into the dot's
             # rows, r = t * J + j, one [BLOCK_T * J, I] x [I, BLOCK_S] tensor-core dot for the J dots of BLOCK_T
             # rows (each padded to 16) of the head loop below; each row group's relu(dot) * w then summed
-            r_R = tl.arange(0, BLOCK_T * FOLD_J)
-            t_R, j_R = r_R // FOLD_J, r_R % FOLD_J
-            valid_R = t0 + t_R < T
-            q_RI = tl.load(q_base + t_R[:, None] * stride_qt + j_R[:, None] * stride_qj + i_I[None, :] * stride_qi,
-                           mask=valid_R[:, None] & (i_I[None, :] < I), other=0.0)
-            w_R = tl.load(w_base + t_R * stride_wt + j_R * stride_wj, mask=valid_R, other=0.0).to(tl.float32) * scale
-            terms_RS = tl.maximum(tl.dot(q_RI, kT_IS, out_dtype=tl.float32), 0.0) * w_R[:, None]
-            acc_TS = tl.sum(tl.reshape(terms_RS, (BLOCK_T, FOLD_J, BLOCK_S)), axis=1)
+            q_RI, w_R = _folded_rows(q_base, w_base, t0, T, I, scale, stride_qt, stride_qj, stride_qi, stride_wt,
+                                     stride_wj, BLOCK_T, BLOCK_I, FOLD_J)
+            acc_TS = _folded_tile(q_RI, w_R, kT_IS, BLOCK_T, BLOCK_S, FOLD_J)
         else:
             acc_TS = tl.zeros((BLOCK_T, BLOCK_S), dtype=tl.float32)
             for j in range(J):
@@ -118,10 +173,11 @@ def folded_serves(q_BTJI: torch.Tensor, k: torch.Tensor) -> bool:
 
 def indexer_scores_folded_triton(q_BTJI: torch.Tensor, w_BTJ: torch.Tensor, k: torch.Tensor, scale: float,
                                  offset: int | None = None, *, block_s: int | None = None,
-                                 num_warps: int = 8) -> torch.Tensor:
+                                 num_warps: int = 8, programs: int | None = None) -> torch.Tensor:
     """`indexer_scores_triton` for few query rows (`folded_serves`), the heads folded into the dot's rows: one
-    program a key tile for all T rows. block_s: keys a program (default: FOLDED_TILE_ELEMENTS over the folded
-    rows, 16 to 256)."""
+    program a key tile for all T rows, or with `programs`, that many programs (a row tile and sequence) looping
+    over the key tiles (`_folded_loop_kernel`). block_s: keys a tile (default: FOLDED_TILE_ELEMENTS over the
+    folded rows, 16 to 256)."""
     _, T, J, _ = q_BTJI.shape
     if not folded_serves(q_BTJI, k):
         raise ValueError(f"the folded kernel takes bf16/fp16 q and k alike, J a power of two and T x J <= "
@@ -130,16 +186,28 @@ def indexer_scores_folded_triton(q_BTJI: torch.Tensor, w_BTJ: torch.Tensor, k: t
     block_t = max(triton.next_power_of_2(max(T, 1)), 16 // J)
     if block_s is None:
         block_s = min(256, max(16, FOLDED_TILE_ELEMENTS // (block_t * J)))
-    return indexer_scores_triton(q_BTJI, w_BTJ, k, scale, offset, config=(block_t, block_s, num_warps, 2), fold=True)
+    return indexer_scores_triton(q_BTJI, w_BTJ, k, scale, offset, config=(block_t, block_s, num_warps, 2), fold=True,
+                                 programs=programs)
+
+
+# LONGSTRAW_DSA_DECODE_SCORES=persistent: the folded loop's programs per SM (untuned, not yet run on a GPU)
+FOLDED_PROGRAMS_PER_SM = 2
+
+
+def folded_loop_programs(device: torch.device) -> int:
+    """The folded loop's programs for `device`: FOLDED_PROGRAMS_PER_SM a streaming multiprocessor (off CUDA, in
+    Triton's interpreter, FOLDED_PROGRAMS_PER_SM)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    return FOLDED_PROGRAMS_PER_SM * sms
 
 
 def indexer_scores_triton(q_BTJI: torch.Tensor, w_BTJ: torch.Tensor, k: torch.Tensor, scale: float,
                           offset: int | None = None, *, config: tuple[int, int, int, int] | None = None,
-                          fold: bool = False) -> torch.Tensor:
+                          fold: bool = False, programs: int | None = None) -> torch.Tensor:
     """Same contract as `reference.indexer_scores_reference`, for fp32 / bf16 / fp16 q and k: -> [B, T, S] fp32.
     `config` = (BLOCK_T, BLOCK_S, num_warps, num_stages), powers of two, blocks >= 16; None: the default of the
     dot's precision. fold: the heads folded into the dot's rows (`indexer_scores_folded_triton` checks it serves
-    and sizes the config)."""
+    and sizes the config); with `programs`, that many programs loop over the key tiles."""
     B, T, J, I = q_BTJI.shape
     if q_BTJI.dtype not in SUPPORTED_DTYPES or k.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"indexer_scores_triton takes q and k in {SUPPORTED_DTYPES}, got {q_BTJI.dtype} and "
@@ -164,16 +232,24 @@ def indexer_scores_triton(q_BTJI: torch.Tensor, w_BTJ: torch.Tensor, k: torch.Te
         raise ValueError(f"S={S} keys (row stride {row_stride}) overflow 32-bit in-tile offsets at block_t={block_t}")
     # a shared key group is read by every sequence: batch stride 0
     stride_kb = k.stride(0) if k.dim() == 3 else 0
+    args = (q_BTJI, w_BTJ, k, out_BTS)
+    strides = (*q_BTJI.stride(), *w_BTJ.stride(), stride_kb, k.stride(-2), k.stride(-1), *out_BTS.stride())
+    offset_arg = S if offset is None else int(offset)
+    block_i = max(16, triton.next_power_of_2(I))
+    if fold and programs is not None:
+        grid = (min(programs, triton.cdiv(S, block_s)), triton.cdiv(T, block_t), B)
+        _folded_loop_kernel[grid](*args, T, S, I, float(scale), offset_arg, *strides, HAS_OFFSET=offset is not None,
+                                  BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_I=block_i, FOLD_J=J, NUM_STAGES=num_stages,
+                                  num_warps=num_warps)
+        return out_BTS
     # key tiles vary fastest: programs running together share one query tile (all J heads of it stay in L2) and
     # stream the keys once per query tile
     grid = (triton.cdiv(S, block_s), triton.cdiv(T, block_t), B)
     _indexer_scores_kernel[grid](
-        q_BTJI, w_BTJ, k, out_BTS,
-        T, S, J, I, float(scale), S if offset is None else int(offset),
-        *q_BTJI.stride(), *w_BTJ.stride(), stride_kb, k.stride(-2), k.stride(-1), *out_BTS.stride(),
+        *args, T, S, J, I, float(scale), offset_arg, *strides,
         HAS_OFFSET=offset is not None,
         LOW_PRECISION=low_precision,
-        BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_I=max(16, triton.next_power_of_2(I)), FOLD_J=J if fold else 0,
+        BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_I=block_i, FOLD_J=J if fold else 0,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out_BTS

@@ -109,6 +109,23 @@ def test_folded_kernel_matches_fp64_reference(T, J, shared, offset):
                  selection=True)
 
 
+# the folded form's loop (LONGSTRAW_DSA_DECODE_SCORES=persistent): 3 programs over the 16 key tiles (each program 5 or
+# 6 of them, the last partial), 1 program over all, and more programs than tiles
+@pytest.mark.parametrize("T", [3, 8])
+@pytest.mark.parametrize("J", [4, 16])
+@pytest.mark.parametrize("offset", [None, 500, "early"])
+@pytest.mark.parametrize("programs", [1, 3, 40])
+def test_folded_loop_matches_fp64_reference_and_the_tile_a_program_form(T, J, offset, programs):
+    offset = -min(2, T - 1) if offset == "early" else offset
+    q_BTJI, w_BTJ, k = make_case(2, T, 1000, J, 24, False, torch.float16, seed=T * J + (offset or 0))
+    out_BTS = triton_scores.indexer_scores_folded_triton(q_BTJI, w_BTJ, k, SCALE, offset, block_s=64,
+                                                         programs=programs)
+    matches_fp64(out_BTS, q_BTJI, w_BTJ, k, offset, f"folded loop fp16, T={T} J={J} offset={offset} "
+                 f"programs={programs}", selection=True)
+    tiles = triton_scores.indexer_scores_folded_triton(q_BTJI, w_BTJ, k, SCALE, offset, block_s=64)
+    assert torch.equal(out_BTS, tiles)
+
+
 def test_folded_kernel_serves_few_rows_of_half_precision_only(monkeypatch):
     """fp32, mixed dtypes, J not a power of two and more than FOLDED_MAX_ROWS folded rows are refused (and the
     dispatch keeps the head loop's kernel for them); the dispatch takes it by default, not under
@@ -142,8 +159,12 @@ def test_folded_kernel_serves_few_rows_of_half_precision_only(monkeypatch):
     assert dsa._folded_scores(*case(8, 16, torch.float32)) is None
     monkeypatch.setenv("LONGSTRAW_DSA_DECODE_SCORES", "loop")
     assert dsa._folded_scores(q_BTJI, k) is None
+    monkeypatch.setenv("LONGSTRAW_DSA_DECODE_SCORES", "persistent")
+    loop = dsa._folded_scores(q_BTJI, k)
+    assert loop.func is triton_scores.indexer_scores_folded_triton and loop.keywords["programs"] > 0
+    assert dsa._folded_scores(*case(8, 16, torch.float32)) is None
     monkeypatch.setenv("LONGSTRAW_DSA_DECODE_SCORES", "yes")
-    with pytest.raises(ValueError, match=r"LONGSTRAW_DSA_DECODE_SCORES='yes'; valid: \['auto', 'loop'\]"):
+    with pytest.raises(ValueError, match=r"LONGSTRAW_DSA_DECODE_SCORES='yes'; valid: \['auto', 'loop', 'persistent'\]"):
         dsa._folded_scores(q_BTJI, k)
 
 
