@@ -119,12 +119,13 @@ def two_source_case(B, T, H, L, R, P, slots, K, dtype, device=DEVICE, seed=0):
     return (q, latent, rope, new_latent, new_rope, idx, slots), one
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_two_sources_in_one_launch(num_splits):
+@pytest.mark.parametrize("num_splits,H", [(1, 5), (3, 5), (3, 20)])
+def test_two_sources_in_one_launch(num_splits, H):
     """The decode's prompt pages and response slots in one kernel launch (`sparse_mla_forward(new=...)`): the fp64
-    oracle over both sources as one, and the reference's two merged attentions (`sparse_mla_two_sources`)."""
+    oracle over both sources as one, and the reference's two merged attentions (`sparse_mla_two_sources`); split
+    over the keys or not, one head block or two (H = 20: GLM-5's 64 heads take two blocks of 32 too)."""
     (q, latent, rope, new_latent, new_rope, idx, slots), one = two_source_case(
-        B=3, T=2, H=5, L=24, R=8, P=200, slots=20, K=40, dtype=torch.float32)
+        B=3, T=2, H=H, L=24, R=8, P=200, slots=20, K=40, dtype=torch.float32)
     config = triton_sparse.TileConfig(16, 16, 4, 1)
     out, lse = triton_sparse.sparse_mla_forward(q, latent, rope, idx, 0.2, config, num_splits=num_splits,
                                                 new=(new_latent, new_rope, slots))
