@@ -4,6 +4,6 @@
 signature; `dispatch.py` picks between them per call."""
 
 from longstraw_kernels.mla.dispatch import sparse_mla_attention, sparse_mla_two_sources
-from longstraw_kernels.mla.reference import dense_mla_attention, merge_lse, own_slots
+from longstraw_kernels.mla.reference import dense_mla_attention, merge_lse
 
-__all__ = ["dense_mla_attention", "merge_lse", "own_slots", "sparse_mla_attention", "sparse_mla_two_sources"]
+__all__ = ["dense_mla_attention", "merge_lse", "sparse_mla_attention", "sparse_mla_two_sources"]

@@ -65,11 +65,16 @@ def _fake_forward(q_BTHA, latent_PL, rope_PR, idx_BTK, scale):
     return out_BTHL, q_BTHA.new_empty(B, T, H, dtype=compute_dtype(q_BTHA, latent_PL, rope_PR))
 
 
-def sparse_mla_two_sources(q_BTHA, latent_PL, rope_PR, new_latent_NL, new_rope_NR, idx_BTK, slots: int, *, scale):
-    """`reference.sparse_mla_two_sources` (the decode's prompt pages and response keys, no gradient): one Triton
-    launch (and its split parts' combine) over both sources where the kernel takes both on q's device, else each
-    source through `sparse_mla_attention`, merged. Inside a compiled graph one opaque op
+def sparse_mla_two_sources(q_BTHA, latent_PL, rope_PR, new_latent_NL, new_rope_NR, idx_BTK, slots: int, *, scale,
+                           attention_fn=sparse_mla_attention, split: bool = False):
+    """`reference.sparse_mla_two_sources` (the decode's prompt pages and response keys): one Triton launch (and its
+    split parts' combine) over both sources where `attention_fn` is this module's own, `split` is not asked, no
+    gradient is, and the kernel takes both sources on q's device; else each source through `attention_fn` (a
+    model's hook), merged by lse. Inside a compiled graph the one launch is an opaque op
     (`longstraw::sparse_mla_two_sources`)."""
+    if split or attention_fn is not sparse_mla_attention:
+        return reference.sparse_mla_two_sources(q_BTHA, latent_PL, rope_PR, new_latent_NL, new_rope_NR, idx_BTK,
+                                                slots, scale=scale, attention_fn=attention_fn)
     if torch.compiler.is_compiling():
         return _two_sources_op(q_BTHA, latent_PL, rope_PR, new_latent_NL, new_rope_NR, idx_BTK, slots, scale)
     return _two_sources(q_BTHA, latent_PL, rope_PR, new_latent_NL, new_rope_NR, idx_BTK, slots, scale)

@@ -203,8 +203,8 @@ def test_glm52_decode_attends_to_the_pages_and_the_response_keys_in_one_kernel(m
     """By default each layer of the step attends to the prompt's pages and the responses' own keys in one sparse
     attention (`sparse_mla_two_sources`; here the Triton kernel in Triton's interpreter): the logits of each source
     apart, merged (LONGSTRAW_DECODE_MLA=split; the same kernel per source), with every key selected (index_topk
-    above the prompt's 40: the filled response slots too). Not where a layer's sparse attention hook is swapped; a
-    bad value is refused."""
+    above the prompt's 40: the filled response slots too). A layer whose sparse attention hook is swapped attends
+    through its hook, each source apart; a bad value is refused."""
     from longstraw_kernels.mla import dispatch, triton_sparse
 
     model = random_model("glm52_tiny", torch.float32, index_topk=64)
@@ -217,20 +217,29 @@ def test_glm52_decode_attends_to_the_pages_and_the_response_keys_in_one_kernel(m
     fused = model.decoder(resident, 2, 6)
     monkeypatch.setenv("LONGSTRAW_DECODE_MLA", "split")
     split = model.decoder(resident, 2, 6)
-    assert fused.mla_two_sources and not split.mla_two_sources
+    assert split.mla_split and not fused.mla_split
     for decoder in (split, fused):
         decoder.tokens_B.copy_(torch.tensor([5, 77]))  # the two responses differ from their first token on
-    for _ in range(4):
+    for step in range(4):
         with torch.no_grad():  # as the rollout runs it (a gradient asked takes each source apart)
             want, got = split.step(), fused.step()
         assert rel_err(got, want) < 1e-5
+        if step == 0:
+            fused_first = got.clone()
         for decoder in (split, fused):
             decoder.tokens_B.copy_(want.argmax(-1))
     layers = len(model.model.layers)
     assert launched.count(True) == 4 * layers and launched.count(False) == 2 * 4 * layers
-    model.model.layers[1].self_attn.sparse_attention_fn = dispatch.reference.sparse_mla_attention
+    hooked = []
+    model.model.layers[1].self_attn.sparse_attention_fn = lambda *a, **kw: (
+        hooked.append(1), dispatch.reference.sparse_mla_attention(*a, **kw))[1]
     monkeypatch.setenv("LONGSTRAW_DECODE_MLA", "auto")
-    assert not model.decoder(resident, 2, 6).mla_two_sources
+    launched.clear()
+    hooked_decoder = model.decoder(resident, 2, 6)
+    hooked_decoder.tokens_B.copy_(torch.tensor([5, 77]))
+    with torch.no_grad():
+        assert rel_err(hooked_decoder.step(), fused_first) < 1e-5
+    assert len(hooked) == 2 and launched.count(True) == layers - 1
     monkeypatch.setenv("LONGSTRAW_DECODE_MLA", "one")
     with pytest.raises(ValueError, match=r"LONGSTRAW_DECODE_MLA='one'; valid: \['auto', 'split'\]"):
         model.decoder(resident, 2, 6)

@@ -43,7 +43,7 @@ from longstraw_cli.models.glm52.experts import (
     skinny_experts,
     skinny_serves,
 )
-from longstraw_cli.models.glm52.positions import KeyAxis, rope_cos_sin
+from longstraw_cli.models.glm52.positions import rope_cos_sin
 from longstraw_cli.models.projections import one_gemm_each
 from longstraw_cli.models.slots import ResponseSlots, slot_buffer
 from longstraw_cli.quantize import is_nf4_experts
@@ -51,16 +51,16 @@ from longstraw_cli.resident import Resident
 from longstraw_cli.resident.offload import device_total_bytes, left_on_host, rollout_pages
 from longstraw_kernels import kernel_choice
 from longstraw_kernels.dsa.topk import topk_lowest_position_static
-from longstraw_kernels.mla import sparse_mla_attention, sparse_mla_two_sources
+from longstraw_kernels.mla import sparse_mla_two_sources
 from longstraw_kernels.moe import route_select, route_serves
 
 log = logging.getLogger(__name__)
 
 # LONGSTRAW_DECODE_ROUTER: `auto` (the default: `fused_route` where it serves) or `torch` (the router module)
 DECODE_ROUTER_CHOICES = ("auto", "torch")
-# LONGSTRAW_DECODE_MLA: `auto` (the default: the prompt's pages and the responses' keys in one sparse attention,
-# `sparse_mla_two_sources`, where every layer's pages are on the device and its `sparse_attention_fn` is the default) or
-# `split` (each source apart, merged by their lse: the layer's `attend`)
+# LONGSTRAW_DECODE_MLA: `auto` (the default: the prompt's pages and the responses' keys in one sparse attention where
+# `sparse_mla_two_sources` takes them: the pages on the device, the layer's `sparse_attention_fn` the default) or
+# `split` (each source through the layer's `sparse_attention_fn`, merged by their lse)
 DECODE_MLA_CHOICES = ("auto", "split")
 # LONGSTRAW_DECODE_GEMMS: `each` (the default: every linear its own GEMM) or `grouped` (opt in, not yet run on a GPU:
 # the linears that read one input as one GEMM over a concatenated copy of their weights, `input_groups`, where they
@@ -199,10 +199,7 @@ class Glm52Decoder(StaticDecoder):
         self.projections = ([GroupedProjections(*layer) for layer in one_gemm_each(
             input_groups(model), device_total_bytes(self.device))] if grouped
                             else [ModuleProjections()] * len(model.model.layers))
-        self.mla_two_sources = (kernel_choice("LONGSTRAW_DECODE_MLA", DECODE_MLA_CHOICES) == "auto"
-                                and not any(self.on_host) and all(
-                                    layer.self_attn.sparse_attention_fn is sparse_mla_attention
-                                    for layer in model.model.layers))
+        self.mla_split = kernel_choice("LONGSTRAW_DECODE_MLA", DECODE_MLA_CHOICES) == "split"
         # torch.compile fuses the step's ~2,000 small kernels (seen on an H200, glm52_mini at 256K, G=8: see
         # docs/BENCHMARKS.md). Not over NF4 experts (lora.quantize=nf4): compiling their dequantisation has not
         # run on a GPU. The page count is a dynamic size of the compiled layer function (`compiled`): its graphs (and
@@ -254,14 +251,11 @@ class Glm52Decoder(StaticDecoder):
             idx_BTK = attn.select_fn(positions_1, lambda: self._select(attn, queries, pages, buf, P, S))
         else:
             idx_BTK = prev_idx_BTK
-        q_BTHA = attn.absorb(q_nope, q_rope)
-        if self.mla_two_sources:
-            B = buf.latent_BSL.shape[0]
-            out_BTHL = sparse_mla_two_sources(q_BTHA, pages.latent_PL, pages.rope_PR, buf.latent_BSL.reshape(B * S, -1),
-                                              buf.rope_BSR.reshape(B * S, -1), idx_BTK, S, scale=attn.scale)[0]
-        else:
-            out_BTHL = attn.attend(q_BTHA, pages, idx_BTK, KeyAxis(P, S, 1), (buf.latent_BSL, buf.rope_BSR, None),
-                                   sparse_new=True)
+        B = buf.latent_BSL.shape[0]
+        out_BTHL, _ = sparse_mla_two_sources(attn.absorb(q_nope, q_rope), pages.latent_PL, pages.rope_PR,
+                                             buf.latent_BSL.reshape(B * S, -1), buf.rope_BSR.reshape(B * S, -1),
+                                             idx_BTK, S, scale=attn.scale, attention_fn=attn.sparse_attention_fn,
+                                             split=self.mla_split)
         return attn.output(out_BTHL), idx_BTK
 
     def _select(self, attn, queries, pages, buf, P: int, S: int):

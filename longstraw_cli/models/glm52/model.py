@@ -75,7 +75,7 @@ from longstraw_cli.resident import MLAPages, Resident
 from longstraw_cli.resident.offload import OFFLOAD_CHOICES, host_buffer
 from longstraw_kernels import at_least_fp32, compute_dtype
 from longstraw_kernels.dsa import indexer_scores, topk_lowest_position
-from longstraw_kernels.mla import dense_mla_attention, merge_lse, own_slots, sparse_mla_attention
+from longstraw_kernels.mla import dense_mla_attention, merge_lse, sparse_mla_attention
 
 # bound on index-score elements formed at once ([rows, keys] per chunk of queries, and the top-k's temporaries
 # beside them, ~12 bytes an element): small on the CPU, larger on a GPU, where a few rows per call against a
@@ -309,11 +309,11 @@ class MLAttention(nn.Module):
 
     # -- attention over selected keys -------------------------------------------------------------------------
     def attend(self, q_BTHA, pages: MLAPages, idx_BTK, axis: KeyAxis, new=None, first: int = 0,
-               pages_attention_fn=local_pages_attention, sparse_new: bool = False) -> torch.Tensor:
+               pages_attention_fn=local_pages_attention) -> torch.Tensor:
         """Selected prompt pages (`pages_attention_fn`: all of them here, or, under context parallel, this rank's
-        from position `first` on, merged across ranks) LSE-merged with the selected new keys: densely under their
-        mask, or (`sparse_new`: the decode's response slots, mostly not selected or not yet filled) by the pages'
-        sparse kernel over the selected ones only, the B responses' slots one page axis. -> out_BTHL."""
+        from position `first` on, merged across ranks) LSE-merged with the selected new keys, densely under their
+        mask (the decode's static-shaped step attends to its response slots sparsely: `sparse_mla_two_sources` in
+        glm52/decode.py). -> out_BTHL."""
         P = axis.num_pages
         out = None
         if P > 0:
@@ -322,14 +322,8 @@ class MLAttention(nn.Module):
         if new is None:
             return out
         latent_BSL, rope_BSR = new[0], new[1]
-        if sparse_new:
-            B, S = latent_BSL.shape[:2]
-            out_new, lse_new = self.sparse_attention_fn(q_BTHA, latent_BSL.reshape(B * S, -1),
-                                                        rope_BSR.reshape(B * S, -1), own_slots(idx_BTK, P, S),
-                                                        scale=self.scale)
-        else:
-            allowed_BTS = selected_mask(idx_BTK, P, axis.num_new)
-            out_new, lse_new = dense_mla_attention(q_BTHA, latent_BSL, rope_BSR, allowed_BTS, scale=self.scale)
+        allowed_BTS = selected_mask(idx_BTK, P, axis.num_new)
+        out_new, lse_new = dense_mla_attention(q_BTHA, latent_BSL, rope_BSR, allowed_BTS, scale=self.scale)
         return out_new if out is None else merge_lse(out, lse, out_new, lse_new)[0]
 
     # -- named paths (see models/core.py) ---------------------------------------------------------------------
