@@ -79,8 +79,7 @@ def fused_route(gate, x_NC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     where the module runs a top-k, a sort and ~4 small kernels. The routing hooks (live, recording) call it as
     they call the router."""
     cfg = gate.cfg
-    logits_NE = F.linear(x_NC.to(gate.weight.dtype), gate.weight)
-    return route_select(logits_NE, gate.e_score_correction_bias, cfg.num_experts_per_tok, cfg.norm_topk_prob,
+    return route_select(gate.logits(x_NC), gate.e_score_correction_bias, cfg.num_experts_per_tok, cfg.norm_topk_prob,
                         cfg.routed_scaling_factor)
 
 

@@ -500,9 +500,13 @@ class TopkRouter(nn.Module):
         self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size, dtype=dtype))
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=dtype))
 
+    def logits(self, x_NC: torch.Tensor) -> torch.Tensor:
+        """Router logits [N, E] in fp32 (or wider): differentiable."""
+        return F.linear(x_NC.to(self.weight.dtype), self.weight)
+
     def scores(self, x_NC: torch.Tensor) -> torch.Tensor:
-        """sigmoid(router logits) [N, E] in fp32 (or wider): differentiable."""
-        return F.linear(x_NC.to(self.weight.dtype), self.weight).sigmoid()
+        """sigmoid(router logits) [N, E]."""
+        return self.logits(x_NC).sigmoid()
 
     @torch.no_grad()
     def choose(self, scores_NE: torch.Tensor) -> torch.Tensor:
