@@ -36,6 +36,25 @@ FP32_CONFIG = (64, 64, 8, 2)
 
 
 @triton.jit
+def _key_tile(k_base, ds_S, i_I, valid_S, I, stride_ks, stride_ki):
+    """A key tile from its first key's address, transposed for the dot: [BLOCK_I, BLOCK_S]; padded dims and keys
+    past S load 0 and add nothing to the dots."""
+    return tl.load(k_base + ds_S[None, :] * stride_ks + i_I[:, None] * stride_ki,
+                   mask=(i_I[:, None] < I) & valid_S[None, :], other=0.0)
+
+
+@triton.jit
+def _store_tile(out_base, acc_TS, t0, s0, dt_T, ds_S, valid_T, valid_S, offset, stride_ot, stride_os,
+                HAS_OFFSET: tl.constexpr):
+    """A [BLOCK_T, BLOCK_S] tile of scores at its corner's address, -inf where query t does not see key s
+    (s > t + offset)."""
+    if HAS_OFFSET:
+        acc_TS = tl.where((s0 + ds_S)[None, :] <= (t0 + dt_T)[:, None] + offset, acc_TS, float("-inf"))
+    tl.store(out_base + dt_T[:, None] * stride_ot + ds_S[None, :] * stride_os, acc_TS,
+             mask=valid_T[:, None] & valid_S[None, :])
+
+
+@triton.jit
 def _folded_rows(q_base, w_base, t0, T, I, scale, stride_qt, stride_qj, stride_qi, stride_wt, stride_wj,
                  BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr, FOLD_J: tl.constexpr):
     """A row tile's queries [BLOCK_T * FOLD_J, BLOCK_I] and scale * weights [BLOCK_T * FOLD_J], the heads folded
@@ -86,13 +105,9 @@ def _folded_loop_kernel(
     for tile in tl.range(pid, tl.cdiv(S, BLOCK_S), tl.num_programs(0), num_stages=NUM_STAGES):
         s0 = tile * BLOCK_S
         valid_S = s0 + ds_S < S
-        kT_IS = tl.load(k_batch + s0.to(tl.int64) * stride_ks + ds_S[None, :] * stride_ks + i_I[:, None] * stride_ki,
-                        mask=(i_I[:, None] < I) & valid_S[None, :], other=0.0)
-        acc_TS = _folded_tile(q_RI, w_R, kT_IS, BLOCK_T, BLOCK_S, FOLD_J)
-        if HAS_OFFSET:
-            acc_TS = tl.where((s0 + ds_S)[None, :] <= (t0 + dt_T)[:, None] + offset, acc_TS, float("-inf"))
-        tl.store(out_rows + s0.to(tl.int64) * stride_os + dt_T[:, None] * stride_ot + ds_S[None, :] * stride_os,
-                 acc_TS, mask=valid_T[:, None] & valid_S[None, :])
+        kT_IS = _key_tile(k_batch + s0.to(tl.int64) * stride_ks, ds_S, i_I, valid_S, I, stride_ks, stride_ki)
+        _store_tile(out_rows + s0.to(tl.int64) * stride_os, _folded_tile(q_RI, w_R, kT_IS, BLOCK_T, BLOCK_S, FOLD_J),
+                    t0, s0, dt_T, ds_S, valid_T, valid_S, offset, stride_ot, stride_os, HAS_OFFSET)
 
 
 @triton.jit
@@ -124,10 +139,8 @@ def _indexer_scores_kernel(
         tl.store(out_base + dt_T[:, None] * stride_ot + ds_S[None, :] * stride_os,
                  tl.full((BLOCK_T, BLOCK_S), float("-inf"), tl.float32), mask=valid_T[:, None] & valid_S[None, :])
     else:
-        # key tile, transposed for the dot: [BLOCK_I, BLOCK_S]; padded dims load 0 and add nothing to the dots
-        k_base = k_ptr + b * stride_kb + s0.to(tl.int64) * stride_ks
-        kT_IS = tl.load(k_base + ds_S[None, :] * stride_ks + i_I[:, None] * stride_ki,
-                        mask=(i_I[:, None] < I) & valid_S[None, :], other=0.0)
+        kT_IS = _key_tile(k_ptr + b * stride_kb + s0.to(tl.int64) * stride_ks, ds_S, i_I, valid_S, I, stride_ks,
+                          stride_ki)
         q_base = q_ptr + b * stride_qb + t0.to(tl.int64) * stride_qt
         w_base = w_ptr + b * stride_wb + t0.to(tl.int64) * stride_wt
         if FOLD_J > 0:
@@ -151,11 +164,7 @@ def _indexer_scores_kernel(
                     dots_TS = tl.dot(q_TI.to(tl.float32), kT_IS.to(tl.float32), input_precision="ieee",
                                      out_dtype=tl.float32)
                 acc_TS += tl.maximum(dots_TS, 0.0) * w_T[:, None]
-        if HAS_OFFSET:
-            visible_TS = (s0 + ds_S)[None, :] <= (t0 + dt_T)[:, None] + offset
-            acc_TS = tl.where(visible_TS, acc_TS, float("-inf"))
-        tl.store(out_base + dt_T[:, None] * stride_ot + ds_S[None, :] * stride_os, acc_TS,
-                 mask=valid_T[:, None] & valid_S[None, :])
+        _store_tile(out_base, acc_TS, t0, s0, dt_T, ds_S, valid_T, valid_S, offset, stride_ot, stride_os, HAS_OFFSET)
 
 
 # the folded kernel's rows a program (BLOCK_T * J) times its keys: its fp32 [rows, BLOCK_S] tile's elements
