@@ -129,8 +129,11 @@ def main() -> None:
         resident = model.capture(prompt_ids(kind, args.prompt, args.tokens).cuda(), block_size=16384)
         records = [value == "on" for value in args.record.split(",")] if routes else [False]
         for variant, record in itertools.product(args.variants.split(";"), records):
-            # a fresh replay a measurement (its offload is timed by wrapping it)
+            # a fresh replay a measurement (its offload is timed by wrapping it); dynamo's graphs dropped: a variable
+            # the step's layer function reads (a decoder attribute dynamo guards on) compiles graphs of its own, and
+            # past dynamo's recompile limit (8 a function) a variant would run its layers uncompiled, silently
             routing = family_of(model).routing_replay("auto") if record else None
+            torch._dynamo.reset()
             with environment(variant):
                 row = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
                        "model": args.model, "prompt": args.prompt, "prompt_kind": kind, "group": args.group,
