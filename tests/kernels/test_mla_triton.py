@@ -279,7 +279,8 @@ def test_cuda_bf16_decode_two_sources():
     errs = [rel_err(out, out_o), rel_err(lse, lse_o), rel_err(out_m, out_o), rel_err(lse_m, lse_o)]
     print(f"two sources bf16 decode: out, lse rel errs {errs[0]:.1e} {errs[1]:.1e} (two merged: {errs[2]:.1e} "
           f"{errs[3]:.1e})")
-    assert errs[0] < 1.2 * errs[2] + 1e-3 and errs[1] < 1e-3
+    # H200, 2026-12-04: 1.8e-3 against the merged attentions' 2.4e-3 (one rounding of out instead of two)
+    assert errs[0] < 1.2 * errs[2] and errs[1] < 1e-3
 
 
 @pytest.mark.gpu
