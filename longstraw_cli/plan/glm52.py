@@ -60,6 +60,7 @@ from __future__ import annotations
 from longstraw_cli.models.glm52.config import Glm52Config
 from longstraw_cli.models.glm52.model import _SCORE_ELEMENTS
 from longstraw_cli.models.glm52.routing import SELECTION_DTYPE, expert_id_dtype, record_bytes
+from longstraw_cli.models.projections import FUSED_SHARE
 from longstraw_cli.models.slots import response_capacities
 from longstraw_cli.plan.common import GIB, LOGIT_BYTES_REPLAY, Run, itemsize, rollout_copies, score_logits_bytes
 from longstraw_cli.quantize import NF4_EXPERTS_PER_PASS, nf4_bytes
@@ -139,6 +140,32 @@ def weight_parts(cfg: Glm52Config, run: Run) -> dict[str, int]:
         out.update(trainable_params=sum(n for n, _ in trained), grads=sum(n * size for n, size in trained),
                    optimizer=2 * sum(n * (run.m if run.moment_dtype else size) for n, size in trained))
     return out
+
+
+def decode_projection_bytes(cfg: Glm52Config, run: Run) -> int:
+    """Bytes of the decode's concatenated input linears (glm52/decode.py `input_groups`, LONGSTRAW_DECODE_GEMMS's
+    default), copied for the rollout on one rank (cp = 1; under cp > 1 the eager step decoder runs the modules):
+    each layer's (q_a_proj, kv_a_proj_with_mqa[, the indexer's wk]), (q_b_proj[, wq_b]) and the MLP's or shared
+    experts' (gate_proj, up_proj), a group only where no member carries an adapter (LoRA) and none is NF4; nothing
+    where they would pass FUSED_SHARE of the GPU's memory."""
+    from longstraw_cli.models import get_family
+
+    if run.cp > 1 or run.quantize == "nf4":
+        return 0
+    targets = get_family("glm52").lora_targets
+    total = 0
+    for i, indexer in enumerate(cfg.layer_indexer_types):
+        linears = layer_linears(cfg, i)
+        extra_x = {"wk": (cfg.hidden_size, cfg.index_head_dim)} if indexer == "full" else {}
+        extra_q = {"wq_b": (cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim)} if indexer == "full" else {}
+        groups = ({**{n: linears[n] for n in ("q_a_proj", "kv_a_proj_with_mqa")}, **extra_x},
+                  {"q_b_proj": linears["q_b_proj"], **extra_q},
+                  {n: linears[n] for n in ("gate_proj", "up_proj")})
+        for group in groups:
+            if run.lora_rank == 0 or not any(name in targets for name in group):
+                total += sum(n_in * n_out for n_in, n_out in group.values())
+    total *= run.s
+    return 0 if total > FUSED_SHARE * run.gpu_mem_gib * GIB else total
 
 
 def page_bytes(cfg: Glm52Config, num_tokens: int, dtype: str = "bfloat16") -> dict[str, int]:
@@ -398,7 +425,9 @@ def plan(cfg: Glm52Config, run: Run) -> dict:
     if run.reuse:
         probed = min(block, run.probe_tokens, captured)
         phases["drift"] = base + max(capture_act, score_activations(1)) + pages["total"] * probed // captured
-    rollout_base = weights + optimizer + dequant + rollout_device + decode + decode_step + records + decode_growth
+    projections = decode_projection_bytes(cfg, run)
+    rollout_base = (weights + optimizer + dequant + rollout_device + decode + decode_step + records + decode_growth
+                    + projections)
     phases["rollout"] = rollout_base
     copies = rollout_copies(run, rollout_base, per_layer) if host and run.cp == 1 else 0
 
@@ -410,7 +439,8 @@ def plan(cfg: Glm52Config, run: Run) -> dict:
              f"pages {pages['total'] / GIB:.2f} GiB ({captured} tokens per rank: latent "
              f"{pages['latent_pages'] / GIB:.2f}, rope {pages['rope_pages'] / GIB:.2f}, index keys "
              f"{pages['index_pages'] / GIB:.2f}); rollout decode buffers {decode / GIB:.2f} GiB (+ "
-             f"{decode_growth / GIB:.2f} while the last growth copies one)"
+             f"{decode_growth / GIB:.2f} while the last growth copies one), input linears concatenated "
+             f"{projections / GIB:.2f} GiB"
              + (f"; routing records in host memory {records / GIB:.3f} GiB (on the GPU: the rollout's decode "
                 f"{records / GIB:.3f}, scoring {records_score / GIB:.3f}, a replay {records_replay / GIB:.3f})"
                 if records else "")]
@@ -443,7 +473,8 @@ def plan(cfg: Glm52Config, run: Run) -> dict:
         "response_graph": graph, "replay_transient": replay_transient, "step_transient": step_transient,
         "boundary_states": 0, "tail_states": 0, "state_grad": state_grad, "block_graph": block_graph,
         "page_grad_transient": page_grad, "decode_buffers": decode, "decode_growth": decode_growth,
-        "decode_step": decode_step, "routing_records": records, "response_state": response_state,
+        "decode_step": decode_step, "decode_projections": projections, "routing_records": records,
+        "response_state": response_state,
         "routing_records_host": records, "routing_records_score": records_score,
         "routing_records_replay": records_replay,
         "phases": phases, "rollout_copies": copies, "rollout": rollout_base + copies,

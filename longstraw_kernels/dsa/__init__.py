@@ -3,8 +3,8 @@
 `reference.py` holds the torch reference; `triton_scores.py` the fused Triton kernel, same contract.
 `indexer_scores` takes the kernel for CUDA tensors in fp32 / bf16 / fp16 when Triton imports, the reference
 otherwise; LONGSTRAW_DSA_KERNEL=torch forces the reference (benchmarks, A/B runs). Few query rows (the decode's) take
-the kernel's few-rows form, the heads folded into the dot's rows, where it serves; LONGSTRAW_DSA_DECODE_SCORES=loop
-keeps the head loop's kernel for them."""
+the kernel's few-rows form, the heads folded into the dot's rows and a few programs an SM looping over the key tiles,
+where it serves; LONGSTRAW_DSA_DECODE_SCORES=tiles takes one program a key tile, =loop the head loop's kernel."""
 
 from __future__ import annotations
 
@@ -28,11 +28,13 @@ def _triton_scores():
 
 
 # LONGSTRAW_DSA_DECODE_SCORES: `auto` (the default: few query rows, the decode's, through
-# `indexer_scores_folded_triton` where it serves; on an H200 at 8 rows of 262K keys 0.050 ms against the head loop's
-# 0.082 at 16 heads, 0.109 against 0.139 at 32), `loop` (the head loop's kernel for every call) or `persistent`
-# (opt in, not yet run on a GPU: the folded form with FOLDED_PROGRAMS_PER_SM programs an SM looping over the key
-# tiles, each loading its queries once and the next key tile while it scores this one)
-DECODE_SCORES_CHOICES = ("auto", "loop", "persistent")
+# `indexer_scores_folded_triton` where it serves, the heads folded into one dot, as FOLDED_PROGRAMS_PER_SM programs an
+# SM looping over the key tiles, each loading its queries once and the next key tile while it scores this one),
+# `tiles` (the folded form as one program a key tile) or `loop` (the head loop's kernel for every call). On an H200
+# at 8 rows of 262K keys: the head loop 0.082 ms at 16 heads, 0.139 at 32; one program a tile 0.050 and 0.108; the
+# programs' loop 0.043 and 0.084 (at its default key blocks); glm52_mini's decode step at 256K, G=8: 2.754 ms with
+# one program a tile, 2.717 with the loop (docs/BENCHMARKS.md, thirty-first session)
+DECODE_SCORES_CHOICES = ("auto", "tiles", "loop")
 
 
 def _folded_scores(q_BTJI: torch.Tensor, k: torch.Tensor):
@@ -41,7 +43,7 @@ def _folded_scores(q_BTJI: torch.Tensor, k: torch.Tensor):
     module = optional_module("longstraw_kernels.dsa.triton_scores")
     if choice == "loop" or module is None or not module.folded_serves(q_BTJI, k):
         return None
-    if choice == "persistent":
+    if choice == "auto":
         return functools.partial(module.indexer_scores_folded_triton,
                                  programs=module.folded_loop_programs(q_BTJI.device))
     return module.indexer_scores_folded_triton

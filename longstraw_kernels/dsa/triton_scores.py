@@ -87,10 +87,11 @@ def _folded_loop_kernel(
     HAS_OFFSET: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_I: tl.constexpr,
     FOLD_J: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
-    # the folded form with fewer programs than key tiles (LONGSTRAW_DSA_DECODE_SCORES=persistent): a program loads
-    # its row tile's queries and weights once and loops over key tiles pid, pid + programs, ..., the next tile's
-    # keys loaded while this one's dot runs (NUM_STAGES). Tiles no query sees are computed and masked -inf
-    # (the decode's rows see nearly every key; the capture's many rows never take the folded form)
+    # the folded form with fewer programs than key tiles (the decode's default; LONGSTRAW_DSA_DECODE_SCORES=tiles takes
+    # the tile-a-program form): a program loads its row tile's queries and weights once and loops over key tiles pid,
+    # pid + programs, ..., the next tile's keys loaded while this one's dot runs (NUM_STAGES). Tiles no query sees are
+    # computed and masked -inf (the decode's rows see nearly every key; the capture's many rows never take the folded
+    # form)
     pid, b = tl.program_id(0), tl.program_id(2).to(tl.int64)
     t0 = tl.program_id(1) * BLOCK_T
     dt_T = tl.arange(0, BLOCK_T)
@@ -167,8 +168,11 @@ def _indexer_scores_kernel(
         _store_tile(out_base, acc_TS, t0, s0, dt_T, ds_S, valid_T, valid_S, offset, stride_ot, stride_os, HAS_OFFSET)
 
 
-# the folded kernel's rows a program (BLOCK_T * J) times its keys: its fp32 [rows, BLOCK_S] tile's elements
+# the folded kernel's rows a program (BLOCK_T * J) times its keys: its fp32 [rows, BLOCK_S] tile's elements; in the
+# loop over key tiles (`programs`), half that: on an H200 at 8 rows of 262K keys (bench_dsa.py, 2026-12-04) the loop's
+# best key block was 64 at J = 16 (0.043 ms; 128: 0.061) and 32 at J = 32 (0.084 ms; 64: 0.089)
 FOLDED_TILE_ELEMENTS = 16384
+FOLDED_LOOP_TILE_ELEMENTS = 8192
 FOLDED_MAX_ROWS = 512
 
 
@@ -194,12 +198,13 @@ def indexer_scores_folded_triton(q_BTJI: torch.Tensor, w_BTJ: torch.Tensor, k: t
     # T padded to a power of two, and the folded rows to the dot's least 16
     block_t = max(triton.next_power_of_2(max(T, 1)), 16 // J)
     if block_s is None:
-        block_s = min(256, max(16, FOLDED_TILE_ELEMENTS // (block_t * J)))
+        elements = FOLDED_TILE_ELEMENTS if programs is None else FOLDED_LOOP_TILE_ELEMENTS
+        block_s = min(256, max(16, elements // (block_t * J)))
     return indexer_scores_triton(q_BTJI, w_BTJ, k, scale, offset, config=(block_t, block_s, num_warps, 2), fold=True,
                                  programs=programs)
 
 
-# LONGSTRAW_DSA_DECODE_SCORES=persistent: the folded loop's programs per SM (untuned, not yet run on a GPU)
+# the folded loop's programs per SM (the decode's default, dsa/__init__.py; untuned)
 FOLDED_PROGRAMS_PER_SM = 2
 
 

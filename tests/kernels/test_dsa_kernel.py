@@ -109,7 +109,7 @@ def test_folded_kernel_matches_fp64_reference(T, J, shared, offset):
                  selection=True)
 
 
-# the folded form's loop (LONGSTRAW_DSA_DECODE_SCORES=persistent): 3 programs over the 16 key tiles (each program 5 or
+# the folded form's loop (the decode's default): 3 programs over the 16 key tiles (each program 5 or
 # 6 of them, the last partial), 1 program over all, and more programs than tiles
 @pytest.mark.parametrize("T", [3, 8])
 @pytest.mark.parametrize("J", [4, 16])
@@ -128,8 +128,9 @@ def test_folded_loop_matches_fp64_reference_and_the_tile_a_program_form(T, J, of
 
 def test_folded_kernel_serves_few_rows_of_half_precision_only(monkeypatch):
     """fp32, mixed dtypes, J not a power of two and more than FOLDED_MAX_ROWS folded rows are refused (and the
-    dispatch keeps the head loop's kernel for them); the dispatch takes it by default, not under
-    LONGSTRAW_DSA_DECODE_SCORES=loop, and another value is refused naming the valid ones."""
+    dispatch keeps the head loop's kernel for them); the dispatch takes its loop over the key tiles by default, one
+    program a tile under LONGSTRAW_DSA_DECODE_SCORES=tiles, the head loop under =loop, and another value is refused
+    naming the valid ones."""
     def case(T, J, dtype, k_dtype=None):
         q_BTJI, w_BTJ, k = make_case(1, T, 64, J, 16, True, dtype, device="cpu")
         return q_BTJI, k.to(k_dtype or dtype)
@@ -155,16 +156,16 @@ def test_folded_kernel_serves_few_rows_of_half_precision_only(monkeypatch):
     triton_scores.indexer_scores_folded_triton(q_BTJI, w_BTJ, k, SCALE)
     triton_scores.indexer_scores_triton(q_BTJI, w_BTJ, k, SCALE)
     assert launched == [16, 0]
+    loop = dsa._folded_scores(q_BTJI, k)
+    assert loop.func is triton_scores.indexer_scores_folded_triton and loop.keywords["programs"] > 0
+    assert dsa._folded_scores(*case(8, 16, torch.float32)) is None
+    monkeypatch.setenv("LONGSTRAW_DSA_DECODE_SCORES", "tiles")
     assert dsa._folded_scores(q_BTJI, k) is triton_scores.indexer_scores_folded_triton
     assert dsa._folded_scores(*case(8, 16, torch.float32)) is None
     monkeypatch.setenv("LONGSTRAW_DSA_DECODE_SCORES", "loop")
     assert dsa._folded_scores(q_BTJI, k) is None
-    monkeypatch.setenv("LONGSTRAW_DSA_DECODE_SCORES", "persistent")
-    loop = dsa._folded_scores(q_BTJI, k)
-    assert loop.func is triton_scores.indexer_scores_folded_triton and loop.keywords["programs"] > 0
-    assert dsa._folded_scores(*case(8, 16, torch.float32)) is None
     monkeypatch.setenv("LONGSTRAW_DSA_DECODE_SCORES", "yes")
-    with pytest.raises(ValueError, match=r"LONGSTRAW_DSA_DECODE_SCORES='yes'; valid: \['auto', 'loop', 'persistent'\]"):
+    with pytest.raises(ValueError, match=r"LONGSTRAW_DSA_DECODE_SCORES='yes'; valid: \['auto', 'tiles', 'loop'\]"):
         dsa._folded_scores(q_BTJI, k)
 
 
@@ -241,12 +242,16 @@ def test_cuda_bf16_realistic_sizes(shared, T):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("J", [16, 32], ids=["glm52_mini_heads", "glm5_heads"])
 def test_cuda_folded_decode_rows(J, monkeypatch):
-    """The decode's 8 rows against 20,000 shared bf16 keys, the heads folded into the dot's rows: as close to the
-    fp64 reference as the head loop's kernel, and what the dispatch runs for them by default."""
+    """The decode's 8 rows against 20,000 shared bf16 keys, the heads folded into the dot's rows, one program a key
+    tile and the programs' loop over the tiles (the default): as close to the fp64 reference as the head loop's
+    kernel, and the loop is what the dispatch runs for them."""
     q_BTJI, w_BTJ, k = make_case(1, 8, 20000, J, 128, True, torch.bfloat16, device="cuda")
     out_BTS = triton_scores.indexer_scores_folded_triton(q_BTJI, w_BTJ, k, 128**-0.5, 19990)
     matches_fp64(out_BTS, q_BTJI, w_BTJ, k, 19990, f"folded bf16, T=8 J={J}", scale=128**-0.5)
-    assert torch.equal(indexer_scores(q_BTJI, w_BTJ, k, 128**-0.5, 19990), out_BTS)
+    loop_BTS = triton_scores.indexer_scores_folded_triton(q_BTJI, w_BTJ, k, 128**-0.5, 19990,
+                                                          programs=triton_scores.folded_loop_programs(k.device))
+    matches_fp64(loop_BTS, q_BTJI, w_BTJ, k, 19990, f"folded loop bf16, T=8 J={J}", scale=128**-0.5)
+    assert torch.equal(indexer_scores(q_BTJI, w_BTJ, k, 128**-0.5, 19990), loop_BTS)
 
 
 @pytest.mark.gpu

@@ -246,19 +246,21 @@ def test_glm52_decode_attends_to_the_pages_and_the_response_keys_in_one_kernel(m
 
 
 @torch.no_grad()
-def test_glm52_decode_groups_the_linears_that_read_one_input_when_asked(monkeypatch):
-    """LONGSTRAW_DECODE_GEMMS=grouped (opt in): each layer's attention input linears with the indexer's wk, q_b_proj
+def test_glm52_decode_groups_the_linears_that_read_one_input(monkeypatch):
+    """By default (LONGSTRAW_DECODE_GEMMS=grouped) each layer's attention input linears with the indexer's wk, q_b_proj
     with the indexer's wq_b, and the MLP's (or shared experts') gate and up as one GEMM each: the default decode's
-    logits (fp64); one by one where LoRA wraps them or the copies would pass a 16th of the device's memory; another
-    value is refused naming the valid ones."""
+    logits of every linear its own GEMM (=each, fp64); one by one where LoRA wraps them or the copies would pass a 16th
+    of the device's memory; another value is refused naming the valid ones."""
     from longstraw_cli.models.glm52 import decode
 
     model = random_model("glm52_tiny", torch.float64)
     resident = model.capture(ids(50, 0), block_size=16)
+    monkeypatch.delenv("LONGSTRAW_DECODE_GEMMS", raising=False)
+    grouped = model.decoder(resident, 2, 5)
+    monkeypatch.setenv("LONGSTRAW_DECODE_GEMMS", "each")
     each = model.decoder(resident, 2, 5)
     assert all(type(p) is decode.ModuleProjections for p in each.projections)
     monkeypatch.setenv("LONGSTRAW_DECODE_GEMMS", "grouped")
-    grouped = model.decoder(resident, 2, 5)
     sizes = []
     for layer, proj in zip(model.model.layers, grouped.projections):
         assert isinstance(proj, decode.GroupedProjections)
@@ -283,7 +285,7 @@ def test_glm52_decode_groups_the_linears_that_read_one_input_when_asked(monkeypa
     lora = model.decoder(resident, 2, 5)
     assert all(isinstance(proj.x_in, EachLinear) for proj in lora.projections)
     monkeypatch.setenv("LONGSTRAW_DECODE_GEMMS", "fused")
-    with pytest.raises(ValueError, match=r"LONGSTRAW_DECODE_GEMMS='fused'; valid: \['each', 'grouped'\]"):
+    with pytest.raises(ValueError, match=r"LONGSTRAW_DECODE_GEMMS='fused'; valid: \['grouped', 'each'\]"):
         model.decoder(resident, 2, 5)
 
 

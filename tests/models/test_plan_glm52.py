@@ -245,3 +245,27 @@ def test_longstraw_plan_scores_only_what_the_trainer_scores(capsys, extra, scori
     want = plan("glm52_mini", prompt_tokens=65536, group_size=8, response_tokens=16, lora_rank=16, scoring=scoring)
     assert (want["score_activations"] > 0) == scoring
     assert f"score {want['phases']['score'] / GIB:.2f}," in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_plan_counts_the_decodes_concatenated_input_linears(lora_rank):
+    """`decode_projections` is what glm52's decoder copies (LONGSTRAW_DECODE_GEMMS's default): every layer's input
+    groups without LoRA, the indexer's wk and wq_b with them on "full" layers; under LoRA's default targets only the
+    groups none of whose linears is adapted; none under cp > 1 (the eager step decoder) or past a 16th of the GPU."""
+    from longstraw_cli.models.projections import InProjections
+
+    model = build_model("glm52_tiny", dtype=torch.bfloat16, device="cpu", seed=0)
+    if lora_rank:
+        apply_lora(model, LoraConfig(rank=lora_rank))
+    resident = model.capture(torch.arange(40) % 200, block_size=16)
+    decoder = model.decoder(resident, 2, 4)
+    copied = sum(p.weight_NC.nbytes for proj in decoder.projections for p in (proj.x_in, proj.q_in, proj.mlp_in)
+                 if isinstance(p, InProjections))
+    planned = plan("glm52_tiny", prompt_tokens=40, group_size=2, response_tokens=4, lora_rank=lora_rank)
+    assert planned["decode_projections"] == copied and (copied > 0) == (lora_rank == 0)
+    assert plan("glm52_tiny", prompt_tokens=40, group_size=2, response_tokens=4, lora_rank=lora_rank,
+                cp=2)["decode_projections"] == 0
+    if copied:
+        for sixteenths, planned_copies in ((16.0, copied), (15.9, 0)):
+            assert plan("glm52_tiny", prompt_tokens=40, group_size=2, response_tokens=4, lora_rank=lora_rank,
+                        gpu_mem_gib=sixteenths * copied / GIB)["decode_projections"] == planned_copies

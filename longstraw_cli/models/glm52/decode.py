@@ -62,10 +62,11 @@ DECODE_ROUTER_CHOICES = ("auto", "torch")
 # `sparse_mla_two_sources` takes them: the pages on the device, the layer's `sparse_attention_fn` the default) or
 # `split` (each source through the layer's `sparse_attention_fn`, merged by their lse)
 DECODE_MLA_CHOICES = ("auto", "split")
-# LONGSTRAW_DECODE_GEMMS: `each` (the default: every linear its own GEMM) or `grouped` (opt in, not yet run on a GPU:
-# the linears that read one input as one GEMM over a concatenated copy of their weights, `input_groups`, where they
-# are plain and the copies fit FUSED_SHARE of the device's memory; `longstraw plan` does not count the copies)
-DECODE_GEMMS_CHOICES = ("each", "grouped")
+# LONGSTRAW_DECODE_GEMMS: `grouped` (the default: the linears that read one input as one GEMM over a concatenated
+# copy of their weights, `input_groups`, where they are plain and the copies fit FUSED_SHARE of the device's memory;
+# glm52_mini's decode step at 256K, G=8 on an H200: 2.754 -> 2.551 ms, docs/BENCHMARKS.md thirty-first session) or
+# `each` (every linear its own GEMM)
+DECODE_GEMMS_CHOICES = ("grouped", "each")
 
 
 @functools.cache
