@@ -32,6 +32,9 @@ __all__ = ["decode_pages_attention", "response_partials", "merge_partials", "cas
 # 32 0.147, 16 0.153 (scripts/bench/bench_decode_pages.py; docs/BENCHMARKS.md)
 TARGET_BLOCKS = 64
 MIN_SPLIT = 1024
+# the varlen form's ranges times kv heads (each range's rows one thread block of flash's; flash does not split them
+# again): not yet measured
+VARLEN_TARGET_BLOCKS = 132
 
 
 def merge_partials(out_NXD: torch.Tensor, lse_NX: torch.Tensor, dtype: torch.dtype | None = None):
@@ -63,10 +66,41 @@ def _splits(num_pages: int, num_kv: int) -> int:
     return max(1, min(TARGET_BLOCKS // max(num_kv, 1), num_pages // MIN_SPLIT))
 
 
+def _varlen_splits(num_pages: int, num_kv: int) -> int:
+    return max(1, min(VARLEN_TARGET_BLOCKS // max(num_kv, 1), num_pages // MIN_SPLIT))
+
+
+def _flash_varlen_ranges(q_KMD, k_pages_PKD, v_pages_PKD, splits: int, scale: float):
+    """The pages cut into `splits` ranges as the sequences of ONE varlen flash call (range i: pages [i * size,
+    (i + 1) * size), the last one to P), each range's query rows the same M rows: flash runs no split of its own
+    (no combine kernel) and no tail call is left. The pages [P, K, D] are the call's packed keys as they lie.
+    -> (out [splits, K, M, D] in q's dtype, lse [splits, K, M] fp32)."""
+    K, M, D = q_KMD.shape
+    P = k_pages_PKD.shape[0]
+    size = P // splits
+    q_TKD = q_KMD.transpose(0, 1)[None].expand(splits, M, K, D).reshape(splits * M, K, D)
+    bounds = torch.arange(splits + 1, device=q_KMD.device, dtype=torch.int32)
+    # the last bound is P: the rest of the pages (P - splits * size of them) go to the last range
+    cu_k = bounds * size + (bounds == splits).to(torch.int32) * (P - splits * size)
+    out_TKD, lse_KT = _varlen_attention(q_TKD, k_pages_PKD, v_pages_PKD, bounds * M, cu_k, M, P - (splits - 1) * size,
+                                        scale)
+    return out_TKD.view(splits, M, K, D).transpose(1, 2), lse_KT.view(K, splits, M).transpose(0, 1)
+
+
+def _varlen_attention(q_TKD, k_PKD, v_PKD, cu_q, cu_k, max_q: int, max_k: int, scale: float):
+    """aten's varlen flash forward: sequence i is queries cu_q[i]:cu_q[i + 1] against keys cu_k[i]:cu_k[i + 1],
+    no mask. -> (out [T, K, D], lse [K, T] fp32)."""
+    out = torch.ops.aten._flash_attention_forward(q_TKD, k_PKD, v_PKD, cu_q, cu_k, max_q, max_k, 0.0, False, False,
+                                                  scale=scale)
+    return out[0], out[1]
+
+
 def decode_pages_attention(q_BQD: torch.Tensor, k_pages_PKD: torch.Tensor, v_pages_PKD: torch.Tensor, *,
-                           scale: float, num_splits: int | None = None):
+                           scale: float, num_splits: int | None = None, varlen: bool = False):
     """One query token per response against all shared pages. -> (out_BQD in q's dtype, lse_BQ float32+).
-    With no pages the partial is empty: out 0, lse -inf."""
+    With no pages the partial is empty: out 0, lse -inf. varlen: on the flash path, the ranges as one varlen call
+    (`_flash_varlen_ranges`; `num_splits` ranges, default VARLEN_TARGET_BLOCKS' worth) instead of a batch of equal
+    ranges, which flash may split again, and a call for the rest."""
     B, Q, D = q_BQD.shape
     P, K = k_pages_PKD.shape[:2]
     G = Q // K
@@ -76,6 +110,10 @@ def decode_pages_attention(q_BQD: torch.Tensor, k_pages_PKD: torch.Tensor, v_pag
     attend = _attend_flash if flash else _attend_torch
     # [B, K*G, D] -> [K, B*G, D]: responses and a group's query heads are rows against the group's kv head
     q_KMD = q_BQD.reshape(B, K, G, D).transpose(0, 1).reshape(K, B * G, D)
+    if flash and varlen:
+        splits = min(num_splits or _varlen_splits(P, K), P)
+        out_SKMD, lse_SKM = _flash_varlen_ranges(q_KMD, k_pages_PKD, v_pages_PKD, splits, scale)
+        return _rows_back(*merge_partials(out_SKMD.float(), lse_SKM, q_BQD.dtype), B, G)
     splits = num_splits or _splits(P, K)
     size = P // splits
     outs, lses = [], []
@@ -101,8 +139,14 @@ def decode_pages_attention(q_BQD: torch.Tensor, k_pages_PKD: torch.Tensor, v_pag
         lses.append(lse_KM[None])
     out_KMD, lse_KM = merge_partials(torch.cat(outs).float() if flash else torch.cat(outs),
                                      torch.cat(lses).to(compute_dtype(q_BQD.dtype)), q_BQD.dtype)
-    out_BQD = out_KMD.reshape(K, B, G, D).transpose(0, 1).reshape(B, Q, D)
-    lse_BQ = lse_KM.reshape(K, B, G).transpose(0, 1).reshape(B, Q)
+    return _rows_back(out_KMD, lse_KM, B, G)
+
+
+def _rows_back(out_KMD: torch.Tensor, lse_KM: torch.Tensor, B: int, G: int):
+    """[K, B * G, D] rows of the kv groups back to (out [B, Q, D], lse [B, Q])."""
+    K, _, D = out_KMD.shape
+    out_BQD = out_KMD.reshape(K, B, G, D).transpose(0, 1).reshape(B, K * G, D)
+    lse_BQ = lse_KM.reshape(K, B, G).transpose(0, 1).reshape(B, K * G)
     return out_BQD, lse_BQ
 
 

@@ -470,3 +470,61 @@ def test_offloaded_decode_keeps_latent_pages_on_the_host_and_moves_index_keys_on
             assert used.index_PI is None
         else:
             assert used.index_PI is not host.index_PI and torch.equal(used.index_PI, host.index_PI)
+
+
+@pytest.mark.parametrize("P, splits", [(1000, 7), (1000, 1), (64, 4), (5, 5)])
+def test_pages_as_varlen_ranges_cover_every_page_once(P, splits, monkeypatch):
+    """The varlen form's packing (`_flash_varlen_ranges`; flash itself runs on CUDA only, tests/models/
+    test_gpu_decode.py): with the varlen call replaced by a per-sequence softmax that reads the bounds it is given,
+    the ranges' merge is the full softmax over all P pages, the last range taking the rest."""
+    from longstraw_kernels.attention import decode
+
+    seen = []
+
+    def varlen(q_TKD, k_PKD, v_PKD, cu_q, cu_k, max_q, max_k, scale):
+        seen.append((cu_q.tolist(), cu_k.tolist(), max_q, max_k))
+        assert cu_q.dtype == cu_k.dtype == torch.int32
+        outs, lses = [], []
+        for i in range(len(cu_q) - 1):
+            (qa, qb), (ka, kb) = cu_q[i:i + 2].tolist(), cu_k[i:i + 2].tolist()
+            q, k, v = q_TKD[qa:qb].transpose(0, 1), k_PKD[ka:kb].transpose(0, 1), v_PKD[ka:kb].transpose(0, 1)
+            s = q @ k.transpose(-1, -2) * scale
+            outs.append((torch.softmax(s, -1) @ v).transpose(0, 1))
+            lses.append(torch.logsumexp(s, -1))
+        return torch.cat(outs), torch.cat(lses, dim=1)
+
+    monkeypatch.setattr(decode, "_varlen_attention", varlen)
+    B, Q, K, D = 3, 8, 2, 16
+    q, k, v = randn(B, Q, D, seed=0), randn(P, K, D, seed=1), randn(P, K, D, seed=2)
+    q_KMD = q.reshape(B, K, Q // K, D).transpose(0, 1).reshape(K, B * Q // K, D)
+    out_SKMD, lse_SKM = decode._flash_varlen_ranges(q_KMD, k, v, splits, D**-0.5)
+    out_KMD, lse_KM = decode.merge_partials(out_SKMD, lse_SKM)
+    out, lse = decode._rows_back(out_KMD, lse_KM, B, Q // K)
+    no_keys = q.new_empty(B, 0, K, D)
+    ref_out, ref_lse = naive_attention(q[:, None], k, v, no_keys, no_keys, scale=D**-0.5)
+    assert rel_err(out, ref_out[:, 0]) < 1e-12 and rel_err(lse, ref_lse[..., 0]) < 1e-12
+    size = P // splits
+    assert seen == [([i * B * Q // K for i in range(splits + 1)], [i * size for i in range(splits)] + [P], B * Q // K,
+                     P - (splits - 1) * size)]
+
+
+@torch.no_grad()
+def test_qwen36_decode_takes_the_varlen_pages_form_only_when_asked(monkeypatch):
+    """LONGSTRAW_DECODE_PAGES=varlen gives each attention layer's default pages hook the varlen form (the same
+    logits here: off CUDA both forms are the torch softmax); a layer whose hook is swapped (context parallel) keeps
+    its hook; another value is refused naming the valid ones."""
+    model = random_model("qwen36_tiny", torch.float64)
+    resident = model.capture(ids(40, 0), block_size=16)
+    batched = model.decoder(resident, 2, 3)
+    attention = [i for i, layer in enumerate(model.model.layers) if layer.is_attention]
+    assert [batched.pages_fns[i] is decode_pages_attention for i in attention] == [True] * len(attention)
+    monkeypatch.setenv("LONGSTRAW_DECODE_PAGES", "varlen")
+    hook = functools.partial(decode_pages_attention, num_splits=2)
+    model.model.layers[attention[-1]].self_attn.decode_pages_fn = hook
+    varlen = model.decoder(resident, 2, 3)
+    assert all(varlen.pages_fns[i].keywords == {"varlen": True} for i in attention[:-1])
+    assert varlen.pages_fns[attention[-1]] is hook
+    assert rel_err(varlen.step(), batched.step()) < 1e-12
+    monkeypatch.setenv("LONGSTRAW_DECODE_PAGES", "ragged")
+    with pytest.raises(ValueError, match=r"LONGSTRAW_DECODE_PAGES='ragged'; valid: \['batched', 'varlen'\]"):
+        model.decoder(resident, 2, 3)

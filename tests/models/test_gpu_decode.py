@@ -29,10 +29,13 @@ def randn(*shape, seed, dtype=torch.bfloat16):
     return torch.randn(*shape, generator=g, device="cuda").to(dtype)
 
 
+@pytest.mark.parametrize("varlen", [False, True], ids=["batched", "varlen"])
 @pytest.mark.parametrize("B, Q, K, D, P", [(8, 16, 2, 256, 100_003), (3, 24, 4, 256, 5000), (8, 16, 2, 128, 700)])
-def test_flash_split_pages_attention_matches_fp64(B, Q, K, D, P):
+def test_flash_split_pages_attention_matches_fp64(B, Q, K, D, P, varlen):
+    """Both flash forms of the pages' attention (a batch of equal ranges and the rest; the ranges as one varlen
+    call, LONGSTRAW_DECODE_PAGES=varlen) against fp64; 100,003 pages leave a rest the last range takes."""
     q, k, v = randn(B, Q, D, seed=0), randn(P, K, D, seed=1), randn(P, K, D, seed=2)
-    out, lse = decode_pages_attention(q, k, v, scale=D**-0.5)
+    out, lse = decode_pages_attention(q, k, v, scale=D**-0.5, varlen=varlen)
     ref_out, ref_lse = decode_pages_attention(q.double(), k.double(), v.double(), scale=D**-0.5, num_splits=1)
     assert out.dtype == torch.bfloat16 and rel_err(out.double(), ref_out) < 1e-2
     assert rel_err(lse.double(), ref_lse) < 1e-4

@@ -45,6 +45,8 @@ W conv window, G GDN value heads, Dk/Dv GDN head dims, V vocab.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -53,9 +55,15 @@ from longstraw_cli.models.projections import concatenated_bytes, fusable, one_ge
 from longstraw_cli.models.slots import ResponseSlots, slot_buffer
 from longstraw_cli.resident import Resident
 from longstraw_cli.resident.offload import device_total_bytes, left_on_host, rollout_pages, stage_rollout_pages
+from longstraw_kernels import kernel_choice
 from longstraw_kernels.attention.decode import cascade_decode_attention, decode_pages_attention
 from longstraw_kernels.gdn import conv_step, gdn_decode
 from longstraw_kernels.linear import gate_serves, kernel_entry
+
+# LONGSTRAW_DECODE_PAGES: `batched` (the default: the pages' attention as a batch of equal ranges, flash splitting
+# each again, plus a call for the rest) or `varlen` (opt in, not yet run on a GPU: the ranges as one varlen flash
+# call, `decode_pages_attention(varlen=True)`)
+DECODE_PAGES_CHOICES = ("batched", "varlen")
 
 
 class ResponseKV(ResponseSlots):
@@ -199,6 +207,12 @@ class Qwen36Decoder(StaticDecoder):
         # cross-rank hook (context parallel) keeps its collectives out of the compiler
         self.compile_safe = all(layer.self_attn.decode_pages_fn is decode_pages_attention
                                 for layer in model.model.layers if layer.is_attention)
+        # each attention layer's pages attention: its hook (context parallel swaps in a cross-rank one), in the
+        # varlen form where it is the default and LONGSTRAW_DECODE_PAGES asks for it
+        varlen = kernel_choice("LONGSTRAW_DECODE_PAGES", DECODE_PAGES_CHOICES) == "varlen"
+        hooks = [layer.self_attn.decode_pages_fn if layer.is_attention else None for layer in model.model.layers]
+        self.pages_fns = [functools.partial(decode_pages_attention, varlen=True)
+                          if varlen and hook is decode_pages_attention else hook for hook in hooks]
         self.layers = []
         for layer, state, pages in zip(model.model.layers, resident.layers, self.pages):
             if layer.is_attention:
@@ -219,18 +233,18 @@ class Qwen36Decoder(StaticDecoder):
             inputs = linears.mixer_inputs(x_BTC)
             if layer.is_attention:
                 x_BTC = linears.mixer_residual(
-                    x_BTC, self._attention(layer.self_attn, inputs, positions_1, stage(i), state))
+                    x_BTC, self._attention(layer.self_attn, inputs, positions_1, stage(i), state, self.pages_fns[i]))
             else:
                 x_BTC = linears.gdn_residual(x_BTC, *self._gdn(layer.linear_attn, inputs, state))
             x_BTC = linears.mlp_residual(x_BTC)
         return self.logits(x_BTC)
 
-    def _attention(self, attn, qkv: list[torch.Tensor], positions_1, pages, kv: ResponseKV):
+    def _attention(self, attn, qkv: list[torch.Tensor], positions_1, pages, kv: ResponseKV, pages_fn):
         q_BTQD, k_BTKD, v_BTKD, gate_BTQD = attn.project_from(*qkv, positions_1)
         kv.k_BSKD.index_copy_(1, self.step_1, k_BTKD.to(kv.k_BSKD.dtype))
         kv.v_BSKD.index_copy_(1, self.step_1, v_BTKD.to(kv.v_BSKD.dtype))
         o_BQD = cascade_decode_attention(q_BTQD[:, 0], pages.k_PKD, pages.v_PKD, kv.k_BSKD, kv.v_BSKD,
-                                         self.num_filled(), scale=attn.scale, pages_fn=attn.decode_pages_fn)
+                                         self.num_filled(), scale=attn.scale, pages_fn=pages_fn)
         return attn.gated(o_BQD[:, None], gate_BTQD)
 
     @staticmethod
