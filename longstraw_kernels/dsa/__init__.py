@@ -32,8 +32,8 @@ def _triton_scores():
 # SM looping over the key tiles, each loading its queries once and the next key tile while it scores this one),
 # `tiles` (the folded form as one program a key tile) or `loop` (the head loop's kernel for every call). On an H200
 # at 8 rows of 262K keys: the head loop 0.082 ms at 16 heads, 0.139 at 32; one program a tile 0.050 and 0.108; the
-# programs' loop 0.043 and 0.084 (at its default key blocks); glm52_mini's decode step at 256K, G=8: 2.754 ms with
-# one program a tile, 2.717 with the loop (docs/BENCHMARKS.md, thirty-first session)
+# programs' loop 0.043 and 0.084 (at its default key blocks); glm52_mini's decode step at 256K, G=8 (with the grouped
+# input GEMMs): 2.553 ms with one program a tile, 2.526 with the loop (docs/BENCHMARKS.md, thirty-first session)
 DECODE_SCORES_CHOICES = ("auto", "tiles", "loop")
 
 
