@@ -37,6 +37,13 @@ def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
 log = logging.getLogger(__name__)
 
 
+@functools.cache
+def say_once(message: str) -> None:
+    """A warning a process logs once, however many times it is asked (a fast path that does not serve, said by each
+    rollout's decoder)."""
+    log.warning(message)
+
+
 def kernel_choice(env_var: str, choices: tuple[str, ...] = KERNEL_CHOICES) -> str:
     """One of `choices` (auto | torch unless given; the first is the default) from `env_var`; any other value is an
     error naming the valid ones."""

@@ -441,3 +441,11 @@ def tie_free_glm(dtype=torch.float32, seed: int = 0) -> torch.nn.Module:
     from longstraw_cli.models import build_model
 
     return randomize_glm_(build_model("glm52_tiny", dtype=dtype, index_n_heads=8), seed).eval()
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """dynamo's compiled graphs dropped before and after the test (its counts and recompile limits start at 0)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

@@ -103,7 +103,7 @@ def test_glm52_decode_takes_the_fused_router_where_it_serves(monkeypatch, caplog
     assert len(calls) > 2 * moe_layers
     grouped = random_model("glm52_tiny", torch.float32)
     monkeypatch.setenv("LONGSTRAW_DECODE_ROUTER", "auto")
-    decode._say_once.cache_clear()
+    decode.say_once.cache_clear()
     assert not grouped.decoder(grouped.capture(ids(50, 0), block_size=16), 3, 4).router_fused
     assert "fused kernel does not serve" not in caplog.text  # on the CPU nothing to say
     monkeypatch.setenv("LONGSTRAW_DECODE_ROUTER", "fused")
@@ -135,7 +135,7 @@ def test_cuda_compiled_decode_step_with_the_fused_router(monkeypatch, caplog):
             logits[choice] = step().float().clone()
     assert rel_err(logits["auto"], logits["torch"]) < 2e-2
     # a router that masks groups: the module runs, and the decode says so once
-    decode._say_once.cache_clear()
+    decode.say_once.cache_clear()
     grouped = build_model("glm52_tiny", dtype=torch.bfloat16, device="cuda", seed=0)
     with caplog.at_level(logging.WARNING):
         assert not grouped.decoder(grouped.capture(prompt[:64], block_size=64), 2, 4).router_fused

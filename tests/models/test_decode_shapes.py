@@ -12,13 +12,6 @@ from longstraw_cli.models import build_model
 from longstraw_cli.models.glm52.routing import RoutingReplay
 
 
-@pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 # P = prompt - 1 pages. With 2 kv heads, P >= 1024 cuts the pages into P // 1024 splits and a tail of 2 or 3 pages here
 # (a tail of 1 page is a graph of its own: dynamo specialises sizes of 1); P < 1024 is one piece
 @pytest.mark.slow

@@ -28,7 +28,6 @@ K selected keys (index_topk), E experts, N tokens (B), X = 2 * moe_intermediate,
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
 import torch.nn.functional as F
@@ -49,12 +48,10 @@ from longstraw_cli.models.slots import ResponseSlots, slot_buffer
 from longstraw_cli.quantize import is_nf4_experts
 from longstraw_cli.resident import Resident
 from longstraw_cli.resident.offload import device_total_bytes, left_on_host, rollout_pages
-from longstraw_kernels import kernel_choice
+from longstraw_kernels import kernel_choice, say_once
 from longstraw_kernels.dsa.topk import topk_lowest_position_static
 from longstraw_kernels.mla import sparse_mla_two_sources
 from longstraw_kernels.moe import route_select, route_serves
-
-log = logging.getLogger(__name__)
 
 # LONGSTRAW_DECODE_ROUTER: `auto` (the default: `fused_route` where it serves) or `torch` (the router module)
 DECODE_ROUTER_CHOICES = ("auto", "torch")
@@ -67,11 +64,6 @@ DECODE_MLA_CHOICES = ("auto", "split")
 # glm52_mini's decode step at 256K, G=8 on an H200: 2.754 -> 2.551 ms, docs/BENCHMARKS.md thirty-first session) or
 # `each` (every linear its own GEMM)
 DECODE_GEMMS_CHOICES = ("grouped", "each")
-
-
-@functools.cache
-def _say_once(message: str) -> None:
-    log.warning(message)
 
 
 def fused_route(gate, x_NC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,7 +174,7 @@ class Glm52Decoder(StaticDecoder):
             skinny_serves(x_1C.expand(batch, -1), mlp.experts.gate_up_proj, mlp.experts.down_proj) for mlp in moe)
         local = bool(moe) and all(mlp.experts_fn is local_experts for mlp in moe)
         if skinny and local and self.device.type == "cuda" and not self.experts_skinny:
-            _say_once(f"decode experts: the skinny kernel does not take {batch} tokens of {x_1C.dtype} (at most 16, "
+            say_once(f"decode experts: the skinny kernel does not take {batch} tokens of {x_1C.dtype} (at most 16, "
                       f"bf16/fp16, plain contiguous expert weights, Triton); the "
                       f"{'grouped GEMMs' if self.experts_grouped else 'dense experts (every expert read)'} run them")
         # each MoE layer's choice and weights in one kernel after its router's GEMM (`fused_route`), where every
@@ -192,7 +184,7 @@ class Glm52Decoder(StaticDecoder):
             torch.empty(batch, cfg.n_routed_experts, dtype=moe[0].gate.weight.dtype, device=self.device),
             cfg.num_experts_per_tok)
         if fused and moe and not self.router_fused and self.device.type == "cuda":
-            _say_once(f"decode router: the fused kernel does not serve (it needs every group kept, topk_group="
+            say_once(f"decode router: the fused kernel does not serve (it needs every group kept, topk_group="
                       f"{cfg.topk_group} of n_group={cfg.n_group}, and fp32 router logits with Triton); the router "
                       f"module runs (a top-k, a sort and ~4 small kernels a layer)")
         grouped = kernel_choice("LONGSTRAW_DECODE_GEMMS", DECODE_GEMMS_CHOICES) == "grouped"

@@ -46,6 +46,7 @@ W conv window, G GDN value heads, Dk/Dv GDN head dims, V vocab.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from torch import nn
@@ -55,7 +56,7 @@ from longstraw_cli.models.projections import concatenated_bytes, fusable, one_ge
 from longstraw_cli.models.slots import ResponseSlots, slot_buffer
 from longstraw_cli.resident import Resident
 from longstraw_cli.resident.offload import device_total_bytes, left_on_host, rollout_pages, stage_rollout_pages
-from longstraw_kernels import kernel_choice
+from longstraw_kernels import kernel_choice, optional_module, say_once
 from longstraw_kernels.attention.decode import cascade_decode_attention, decode_pages_attention
 from longstraw_kernels.gdn import conv_step, gdn_decode
 from longstraw_kernels.linear import gate_serves, kernel_entry
@@ -64,6 +65,9 @@ from longstraw_kernels.linear import gate_serves, kernel_entry
 # each again, plus a call for the rest) or `varlen` (opt in, not yet run on a GPU: the ranges as one varlen flash
 # call, `decode_pages_attention(varlen=True)`)
 DECODE_PAGES_CHOICES = ("batched", "varlen")
+# LONGSTRAW_DECODE_QK: `modules` (the default: the model's query / key norms and RoPE, then the cache writes) or
+# `fused` (opt in, not yet run on a GPU: all of them in one launch a layer, attention/triton_decode_qk.py)
+DECODE_QK_CHOICES = ("modules", "fused")
 
 
 class ResponseKV(ResponseSlots):
@@ -213,6 +217,8 @@ class Qwen36Decoder(StaticDecoder):
         hooks = [layer.self_attn.decode_pages_fn if layer.is_attention else None for layer in model.model.layers]
         self.pages_fns = [functools.partial(decode_pages_attention, varlen=True)
                           if varlen and hook is decode_pages_attention else hook for hook in hooks]
+        self.qk = self._qk_kernel(example_BTC) if kernel_choice("LONGSTRAW_DECODE_QK", DECODE_QK_CHOICES) == "fused" \
+            else None
         self.layers = []
         for layer, state, pages in zip(model.model.layers, resident.layers, self.pages):
             if layer.is_attention:
@@ -239,11 +245,39 @@ class Qwen36Decoder(StaticDecoder):
             x_BTC = linears.mlp_residual(x_BTC)
         return self.logits(x_BTC)
 
+    def _qk_kernel(self, example_BTC: torch.Tensor):
+        """`triton_decode_qk.decode_qk` where it serves this decode (CUDA, or Triton's interpreter; bf16/fp16
+        activations and slots alike), else None (the modules), said once on CUDA."""
+        cfg = self.model.config
+        module = optional_module("longstraw_kernels.attention.triton_decode_qk")
+        slots = torch.empty(1, 1, cfg.num_key_value_heads, cfg.head_dim, dtype=self.model.lm_head.weight.dtype)
+        where = example_BTC.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+        if module is not None and where and module.supported(example_BTC, slots, cfg.rotary_dim):
+            # the model's cos / sin of the step's position (model.py imports this module: imported here)
+            from longstraw_cli.models.qwen36.model import rope_cos_sin
+
+            self.rope_cos_sin = rope_cos_sin
+            return module.decode_qk
+        if example_BTC.is_cuda:
+            say_once("decode: LONGSTRAW_DECODE_QK=fused does not serve here (it needs Triton, bf16/fp16 and a "
+                      "power-of-two head dim); the modules run")
+        return None
+
     def _attention(self, attn, qkv: list[torch.Tensor], positions_1, pages, kv: ResponseKV, pages_fn):
-        q_BTQD, k_BTKD, v_BTKD, gate_BTQD = attn.project_from(*qkv, positions_1)
-        kv.k_BSKD.index_copy_(1, self.step_1, k_BTKD.to(kv.k_BSKD.dtype))
-        kv.v_BSKD.index_copy_(1, self.step_1, v_BTKD.to(kv.v_BSKD.dtype))
-        o_BQD = cascade_decode_attention(q_BTQD[:, 0], pages.k_PKD, pages.v_PKD, kv.k_BSKD, kv.v_BSKD,
+        if self.qk is not None and kv.k_BSKD.dtype == qkv[0].dtype:
+            # the norms, RoPE and both cache writes in one launch (LONGSTRAW_DECODE_QK=fused)
+            qg_BTX, k_BTX, v_BTX = qkv
+            B, T, _ = qg_BTX.shape
+            cos, sin = self.rope_cos_sin(positions_1, attn.cfg.rotary_dim, attn.cfg.rope_theta, qg_BTX.dtype)
+            q_BQD = self.qk(qg_BTX, k_BTX, v_BTX, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, cos, sin,
+                            self.step_1, kv.k_BSKD, kv.v_BSKD)
+            gate_BTQD = qg_BTX.view(B, T, attn.num_q, 2 * attn.head_dim)[..., attn.head_dim:]
+        else:
+            q_BTQD, k_BTKD, v_BTKD, gate_BTQD = attn.project_from(*qkv, positions_1)
+            kv.k_BSKD.index_copy_(1, self.step_1, k_BTKD.to(kv.k_BSKD.dtype))
+            kv.v_BSKD.index_copy_(1, self.step_1, v_BTKD.to(kv.v_BSKD.dtype))
+            q_BQD = q_BTQD[:, 0]
+        o_BQD = cascade_decode_attention(q_BQD, pages.k_PKD, pages.v_PKD, kv.k_BSKD, kv.v_BSKD,
                                          self.num_filled(), scale=attn.scale, pages_fn=pages_fn)
         return attn.gated(o_BQD[:, None], gate_BTQD)
 
