@@ -54,7 +54,7 @@ def test_kernel_equals_its_contract(dtype, B, Q, K, D, rot, S, step):
 def test_contract_is_the_models_path():
     """In fp32 the contract computes what the model's attention does at decode: `project_from` (q_norm, k_norm,
     partial RoPE of the step's position) and the two index copies."""
-    from longstraw_cli.models.qwen36.model import rope_cos_sin
+    from longstraw_cli.models.qwen36.rope import rope_cos_sin
 
     model = random_model("qwen36_tiny", torch.float32)
     attn = next(layer.self_attn for layer in model.model.layers if layer.is_attention)

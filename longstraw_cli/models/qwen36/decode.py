@@ -53,6 +53,7 @@ from torch import nn
 
 from longstraw_cli.models.core import StaticDecoder
 from longstraw_cli.models.projections import concatenated_bytes, fusable, one_gemm_each
+from longstraw_cli.models.qwen36.rope import rope_cos_sin
 from longstraw_cli.models.slots import ResponseSlots, slot_buffer
 from longstraw_cli.resident import Resident
 from longstraw_cli.resident.offload import device_total_bytes, left_on_host, rollout_pages, stage_rollout_pages
@@ -253,10 +254,6 @@ class Qwen36Decoder(StaticDecoder):
         slots = torch.empty(1, 1, cfg.num_key_value_heads, cfg.head_dim, dtype=self.model.lm_head.weight.dtype)
         where = example_BTC.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
         if module is not None and where and module.supported(example_BTC, slots, cfg.rotary_dim):
-            # the model's cos / sin of the step's position (model.py imports this module: imported here)
-            from longstraw_cli.models.qwen36.model import rope_cos_sin
-
-            self.rope_cos_sin = rope_cos_sin
             return module.decode_qk
         if example_BTC.is_cuda:
             say_once("decode: LONGSTRAW_DECODE_QK=fused does not serve here (it needs Triton, bf16/fp16 and a "
@@ -268,7 +265,7 @@ class Qwen36Decoder(StaticDecoder):
             # the norms, RoPE and both cache writes in one launch (LONGSTRAW_DECODE_QK=fused)
             qg_BTX, k_BTX, v_BTX = qkv
             B, T, _ = qg_BTX.shape
-            cos, sin = self.rope_cos_sin(positions_1, attn.cfg.rotary_dim, attn.cfg.rope_theta, qg_BTX.dtype)
+            cos, sin = rope_cos_sin(positions_1, attn.cfg.rotary_dim, attn.cfg.rope_theta, qg_BTX.dtype)
             q_BQD = self.qk(qg_BTX, k_BTX, v_BTX, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, cos, sin,
                             self.step_1, kv.k_BSKD, kv.v_BSKD)
             gate_BTQD = qg_BTX.view(B, T, attn.num_q, 2 * attn.head_dim)[..., attn.head_dim:]

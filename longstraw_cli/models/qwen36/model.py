@@ -28,6 +28,7 @@ from longstraw_cli.models import core
 from longstraw_cli.models.core import MLP, Backbone, CausalLM, DecodeState, stop_grad_prefix
 from longstraw_cli.models.qwen36.config import Qwen36Config
 from longstraw_cli.models.qwen36.decode import Qwen36Decoder, ResponseKV
+from longstraw_cli.models.qwen36.rope import apply_partial_rope, rope_cos_sin
 from longstraw_cli.resident import AttentionPages, RecurrentState, Resident
 from longstraw_cli.resident.offload import OFFLOAD_CHOICES, host_buffer
 from longstraw_cli.resident.state import prefix
@@ -62,25 +63,6 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         return gated_rms_norm(x, z, self.weight, self.eps)
-
-
-def rope_cos_sin(positions_T: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype):
-    # fp32 angles, as HF computes them, then cast to the activations' dtype
-    angle_dtype = compute_dtype(dtype)
-    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=positions_T.device).to(angle_dtype)
-    inv_freq = 1.0 / (theta ** (exponents / rotary_dim))
-    freqs_TR = positions_T.to(angle_dtype)[:, None] * inv_freq[None, :]
-    emb = torch.cat([freqs_TR, freqs_TR], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_partial_rope(x_BTHD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> torch.Tensor:
-    rotary_dim = cos_TR.shape[-1]
-    rot, rest = x_BTHD[..., :rotary_dim], x_BTHD[..., rotary_dim:]
-    half = rotary_dim // 2
-    rotated_half = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-    cos, sin = cos_TR[:, None, :], sin_TR[:, None, :]
-    return torch.cat([rot * cos + rotated_half * sin, rest], dim=-1)
 
 
 class GatedAttention(nn.Module):
