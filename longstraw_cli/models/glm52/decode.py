@@ -175,8 +175,8 @@ class Glm52Decoder(StaticDecoder):
         local = bool(moe) and all(mlp.experts_fn is local_experts for mlp in moe)
         if skinny and local and self.device.type == "cuda" and not self.experts_skinny:
             say_once(f"decode experts: the skinny kernel does not take {batch} tokens of {x_1C.dtype} (at most 16, "
-                      f"bf16/fp16, plain contiguous expert weights, Triton); the "
-                      f"{'grouped GEMMs' if self.experts_grouped else 'dense experts (every expert read)'} run them")
+                     f"bf16/fp16, plain contiguous expert weights, Triton); the "
+                     f"{'grouped GEMMs' if self.experts_grouped else 'dense experts (every expert read)'} run them")
         # each MoE layer's choice and weights in one kernel after its router's GEMM (`fused_route`), where every
         # group is kept and the kernel serves (LONGSTRAW_DECODE_ROUTER=torch: the router module)
         fused = kernel_choice("LONGSTRAW_DECODE_ROUTER", DECODE_ROUTER_CHOICES) == "auto"
@@ -185,8 +185,8 @@ class Glm52Decoder(StaticDecoder):
             cfg.num_experts_per_tok)
         if fused and moe and not self.router_fused and self.device.type == "cuda":
             say_once(f"decode router: the fused kernel does not serve (it needs every group kept, topk_group="
-                      f"{cfg.topk_group} of n_group={cfg.n_group}, and fp32 router logits with Triton); the router "
-                      f"module runs (a top-k, a sort and ~4 small kernels a layer)")
+                     f"{cfg.topk_group} of n_group={cfg.n_group}, and fp32 router logits with Triton); the router "
+                     f"module runs (a top-k, a sort and ~4 small kernels a layer)")
         grouped = kernel_choice("LONGSTRAW_DECODE_GEMMS", DECODE_GEMMS_CHOICES) == "grouped"
         self.projections = ([GroupedProjections(*layer) for layer in one_gemm_each(
             input_groups(model), device_total_bytes(self.device))] if grouped

@@ -257,7 +257,7 @@ class Qwen36Decoder(StaticDecoder):
             return module.decode_qk
         if example_BTC.is_cuda:
             say_once("decode: LONGSTRAW_DECODE_QK=fused does not serve here (it needs Triton, bf16/fp16 and a "
-                      "power-of-two head dim); the modules run")
+                     "power-of-two head dim); the modules run")
         return None
 
     def _attention(self, attn, qkv: list[torch.Tensor], positions_1, pages, kv: ResponseKV, pages_fn):
