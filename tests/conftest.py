@@ -449,3 +449,15 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+def assert_decodes_alike(want_decoder, got_decoder, steps: int, bound: float, first=(5, 77)) -> None:
+    """Two decoders of one prompt fed the same tokens (`first`, then the first decoder's greedy choice) give logits
+    within `bound` (rel_err) at each of `steps` steps."""
+    for decoder in (want_decoder, got_decoder):
+        decoder.tokens_B.copy_(torch.tensor(first))
+    for _ in range(steps):
+        want, got = want_decoder.step(), got_decoder.step()
+        assert rel_err(got.double(), want.double()) < bound
+        for decoder in (want_decoder, got_decoder):
+            decoder.tokens_B.copy_(want.argmax(-1))

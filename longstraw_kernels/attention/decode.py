@@ -24,7 +24,8 @@ import torch
 from longstraw_kernels import compute_dtype, kernel_choice, optional_module
 from longstraw_kernels.attention.flash import FLASH_DTYPES
 
-__all__ = ["decode_pages_attention", "response_partials", "merge_partials", "cascade_decode_attention"]
+__all__ = ["decode_pages_attention", "decode_pages_partials", "response_partials", "merge_partials",
+           "cascade_decode_attention"]
 
 # thread blocks to aim for in one pages call. Fewer than an H200's 132 SMs: each block streams its range at the
 # bandwidth, and every split is a partial to write and merge. qwen36_mini's layer (262,144 pages, 2 kv heads, 64
@@ -95,25 +96,24 @@ def _varlen_attention(q_TKD, k_PKD, v_PKD, cu_q, cu_k, max_q: int, max_k: int, s
     return out[0], out[1]
 
 
-def decode_pages_attention(q_BQD: torch.Tensor, k_pages_PKD: torch.Tensor, v_pages_PKD: torch.Tensor, *,
-                           scale: float, num_splits: int | None = None, varlen: bool = False):
-    """One query token per response against all shared pages. -> (out_BQD in q's dtype, lse_BQ float32+).
-    With no pages the partial is empty: out 0, lse -inf. varlen: on the flash path, the ranges as one varlen call
-    (`_flash_varlen_ranges`; `num_splits` ranges, default VARLEN_TARGET_BLOCKS' worth) instead of a batch of equal
-    ranges, which flash may split again, and a call for the rest."""
+def decode_pages_partials(q_BQD: torch.Tensor, k_pages_PKD: torch.Tensor, v_pages_PKD: torch.Tensor, *,
+                          scale: float, num_splits: int | None = None, varlen: bool = False):
+    """`decode_pages_attention`'s partials before their merge: the rows of kv head k are its group's query heads of
+    every response, m = b * G + g. -> (out [N, K, M, D]: flash's dtype, or the torch path's fp32+; lse [N, K, M] fp32+)
+    over N ranges of the pages; with no pages one empty partial (out 0, lse -inf)."""
     B, Q, D = q_BQD.shape
     P, K = k_pages_PKD.shape[:2]
     G = Q // K
     if P == 0:
-        return q_BQD * 0, q_BQD.new_full((B, Q), float("-inf"), dtype=compute_dtype(q_BQD.dtype))
+        return (q_BQD.new_zeros(1, K, B * G, D),
+                q_BQD.new_full((1, K, B * G), float("-inf"), dtype=compute_dtype(q_BQD.dtype)))
     flash = q_BQD.is_cuda and q_BQD.dtype in FLASH_DTYPES and k_pages_PKD.dtype == q_BQD.dtype and D <= 256
     attend = _attend_flash if flash else _attend_torch
     # [B, K*G, D] -> [K, B*G, D]: responses and a group's query heads are rows against the group's kv head
     q_KMD = q_BQD.reshape(B, K, G, D).transpose(0, 1).reshape(K, B * G, D)
     if flash and varlen:
         splits = min(num_splits or _varlen_splits(P, K), P)
-        out_SKMD, lse_SKM = _flash_varlen_ranges(q_KMD, k_pages_PKD, v_pages_PKD, splits, scale)
-        return _rows_back(*merge_partials(out_SKMD.float(), lse_SKM, q_BQD.dtype), B, G)
+        return _flash_varlen_ranges(q_KMD, k_pages_PKD, v_pages_PKD, splits, scale)
     splits = num_splits or _splits(P, K)
     size = P // splits
     outs, lses = [], []
@@ -137,9 +137,20 @@ def decode_pages_attention(q_BQD: torch.Tensor, k_pages_PKD: torch.Tensor, v_pag
         out_KMD, lse_KM = attend(q_KMD, tail_k_KND, tail_v_KND, scale)
         outs.append(out_KMD[None])
         lses.append(lse_KM[None])
-    out_KMD, lse_KM = merge_partials(torch.cat(outs).float() if flash else torch.cat(outs),
-                                     torch.cat(lses).to(compute_dtype(q_BQD.dtype)), q_BQD.dtype)
-    return _rows_back(out_KMD, lse_KM, B, G)
+    return torch.cat(outs), torch.cat(lses).to(compute_dtype(q_BQD.dtype))
+
+
+def decode_pages_attention(q_BQD: torch.Tensor, k_pages_PKD: torch.Tensor, v_pages_PKD: torch.Tensor, *,
+                           scale: float, num_splits: int | None = None, varlen: bool = False):
+    """One query token per response against all shared pages. -> (out_BQD in q's dtype, lse_BQ float32+).
+    With no pages the partial is empty: out 0, lse -inf. varlen: on the flash path, the ranges as one varlen call
+    (`_flash_varlen_ranges`; `num_splits` ranges, default VARLEN_TARGET_BLOCKS' worth) instead of a batch of equal
+    ranges, which flash may split again, and a call for the rest."""
+    B, Q, _ = q_BQD.shape
+    G = Q // k_pages_PKD.shape[1]
+    out_NKMD, lse_NKM = decode_pages_partials(q_BQD, k_pages_PKD, v_pages_PKD, scale=scale, num_splits=num_splits,
+                                              varlen=varlen)
+    return _rows_back(*merge_partials(out_NKMD.to(lse_NKM.dtype), lse_NKM, q_BQD.dtype), B, G)
 
 
 def _rows_back(out_KMD: torch.Tensor, lse_KM: torch.Tensor, B: int, G: int):

@@ -5,7 +5,7 @@ and the cache writes). Not yet run on a GPU."""
 import pytest
 import torch
 
-from conftest import random_model, rel_err
+from conftest import assert_decodes_alike, random_model, rel_err
 from longstraw_kernels.attention import triton_decode_qk
 from longstraw_kernels.attention.triton_decode_qk import decode_qk, decode_qk_reference
 
@@ -89,13 +89,7 @@ def test_qwen36_decode_through_the_fused_qk_equals_the_modules(monkeypatch):
     assert fused.qk is decode_qk
     calls = []
     monkeypatch.setattr(fused, "qk", lambda *a: calls.append(1) or decode_qk(*a))
-    for decoder in (modules, fused):
-        decoder.tokens_B.copy_(torch.tensor([5, 77]))
-    for _ in range(3):
-        want, got = modules.step(), fused.step()
-        assert rel_err(got.double(), want.double()) < 2e-2
-        for decoder in (modules, fused):
-            decoder.tokens_B.copy_(want.argmax(-1))
+    assert_decodes_alike(modules, fused, 3, 2e-2)
     assert len(calls) == 3 * sum(layer.is_attention for layer in model.model.layers)
     monkeypatch.setenv("LONGSTRAW_DECODE_QK", "yes")
     with pytest.raises(ValueError, match=r"LONGSTRAW_DECODE_QK='yes'; valid: \['modules', 'fused'\]"):
@@ -103,12 +97,15 @@ def test_qwen36_decode_through_the_fused_qk_equals_the_modules(monkeypatch):
 
 
 @torch.no_grad()
-def test_compiled_step_with_the_fused_qk_equals_eager(fresh_dynamo, monkeypatch):
+@pytest.mark.parametrize("merge", ["modules", "fused"])
+def test_compiled_step_with_the_fused_qk_equals_eager(fresh_dynamo, monkeypatch, merge):
     """The kernel is one opaque op writing the slots in place: dynamo and AOTAutograd's functionalization (the
-    compiled decode step's path, `aot_eager` here) keep its writes, so the compiled steps equal the eager ones."""
+    compiled decode step's path, `aot_eager` here) keep its writes, so the compiled steps equal the eager ones; with
+    the fused merge (triton_decode_merge.py, another opaque op) too."""
     from conftest import ids
 
     monkeypatch.setenv("LONGSTRAW_DECODE_QK", "fused")
+    monkeypatch.setenv("LONGSTRAW_DECODE_MERGE", merge)
     model = random_model("qwen36_tiny", torch.bfloat16)
     resident = model.capture(ids(40, 0), block_size=16)
     eager, compiled = model.decoder(resident, 2, 4), model.decoder(resident, 2, 4)

@@ -58,7 +58,12 @@ from longstraw_cli.models.slots import ResponseSlots, slot_buffer
 from longstraw_cli.resident import Resident
 from longstraw_cli.resident.offload import device_total_bytes, left_on_host, rollout_pages, stage_rollout_pages
 from longstraw_kernels import kernel_choice, optional_module, say_once
-from longstraw_kernels.attention.decode import cascade_decode_attention, decode_pages_attention
+from longstraw_kernels.attention.decode import (
+    cascade_decode_attention,
+    decode_pages_attention,
+    decode_pages_partials,
+    response_partials,
+)
 from longstraw_kernels.gdn import conv_step, gdn_decode
 from longstraw_kernels.linear import gate_serves, kernel_entry
 
@@ -69,6 +74,10 @@ DECODE_PAGES_CHOICES = ("batched", "varlen")
 # LONGSTRAW_DECODE_QK: `modules` (the default: the model's query / key norms and RoPE, then the cache writes) or
 # `fused` (opt in, not yet run on a GPU: all of them in one launch a layer, attention/triton_decode_qk.py)
 DECODE_QK_CHOICES = ("modules", "fused")
+# LONGSTRAW_DECODE_MERGE: `modules` (the default: the pages' and the response's partials merged by torch ops, then the
+# output gate) or `fused` (opt in, not yet run on a GPU: both merges and the gate in one launch a layer,
+# attention/triton_decode_merge.py; only where the layer's pages hook is the default)
+DECODE_MERGE_CHOICES = ("modules", "fused")
 
 
 class ResponseKV(ResponseSlots):
@@ -220,6 +229,13 @@ class Qwen36Decoder(StaticDecoder):
                           if varlen and hook is decode_pages_attention else hook for hook in hooks]
         self.qk = self._qk_kernel(example_BTC) if kernel_choice("LONGSTRAW_DECODE_QK", DECODE_QK_CHOICES) == "fused" \
             else None
+        # the layers whose pages' partials and the response's merge in one launch with the gate
+        # (LONGSTRAW_DECODE_MERGE=fused): their pages hook is the default
+        merge = kernel_choice("LONGSTRAW_DECODE_MERGE", DECODE_MERGE_CHOICES) == "fused" and self._kernel_serves(
+            "longstraw_kernels.attention.triton_decode_merge", example_BTC, "LONGSTRAW_DECODE_MERGE")
+        self.merge = optional_module("longstraw_kernels.attention.triton_decode_merge").decode_merge if merge else None
+        self.pages_partials = [functools.partial(decode_pages_partials, varlen=varlen)
+                               if merge and hook is decode_pages_attention else None for hook in hooks]
         self.layers = []
         for layer, state, pages in zip(model.model.layers, resident.layers, self.pages):
             if layer.is_attention:
@@ -239,28 +255,35 @@ class Qwen36Decoder(StaticDecoder):
         for i, (layer, state, linears) in enumerate(zip(model.model.layers, self.layers, self.linears)):
             inputs = linears.mixer_inputs(x_BTC)
             if layer.is_attention:
-                x_BTC = linears.mixer_residual(
-                    x_BTC, self._attention(layer.self_attn, inputs, positions_1, stage(i), state, self.pages_fns[i]))
+                x_BTC = linears.mixer_residual(x_BTC, self._attention(
+                    layer.self_attn, inputs, positions_1, stage(i), state, self.pages_fns[i], self.pages_partials[i]))
             else:
                 x_BTC = linears.gdn_residual(x_BTC, *self._gdn(layer.linear_attn, inputs, state))
             x_BTC = linears.mlp_residual(x_BTC)
         return self.logits(x_BTC)
 
-    def _qk_kernel(self, example_BTC: torch.Tensor):
-        """`triton_decode_qk.decode_qk` where it serves this decode (CUDA, or Triton's interpreter; bf16/fp16
-        activations and slots alike), else None (the modules), said once on CUDA."""
+    def _kernel_serves(self, name: str, example_BTC: torch.Tensor, env_var: str) -> bool:
+        """Whether the attention layers' opt-in kernel module `name` serves this decode (CUDA or Triton's
+        interpreter; bf16/fp16 activations and slots alike; a power-of-two head dim), said once on CUDA if not."""
         cfg = self.model.config
-        module = optional_module("longstraw_kernels.attention.triton_decode_qk")
-        slots = torch.empty(1, 1, cfg.num_key_value_heads, cfg.head_dim, dtype=self.model.lm_head.weight.dtype)
+        dtype = self.model.lm_head.weight.dtype
         where = example_BTC.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-        if module is not None and where and module.supported(example_BTC, slots, cfg.rotary_dim):
-            return module.decode_qk
+        if (optional_module(name) is not None and where and example_BTC.dtype in (torch.bfloat16, torch.float16)
+                and dtype == example_BTC.dtype and cfg.head_dim & (cfg.head_dim - 1) == 0):
+            return True
         if example_BTC.is_cuda:
-            say_once("decode: LONGSTRAW_DECODE_QK=fused does not serve here (it needs Triton, bf16/fp16 and a "
-                     "power-of-two head dim); the modules run")
-        return None
+            say_once(f"decode: {env_var}=fused does not serve here (it needs Triton, bf16/fp16 and a power-of-two "
+                     f"head dim); the modules run")
+        return False
 
-    def _attention(self, attn, qkv: list[torch.Tensor], positions_1, pages, kv: ResponseKV, pages_fn):
+    def _qk_kernel(self, example_BTC: torch.Tensor):
+        """`triton_decode_qk.decode_qk` where it serves this decode (`_kernel_serves`), else None (the modules)."""
+        name = "longstraw_kernels.attention.triton_decode_qk"
+        return optional_module(name).decode_qk if self._kernel_serves(name, example_BTC, "LONGSTRAW_DECODE_QK") \
+            else None
+
+    def _attention(self, attn, qkv: list[torch.Tensor], positions_1, pages, kv: ResponseKV, pages_fn,
+                   pages_partials=None):
         if self.qk is not None and kv.k_BSKD.dtype == qkv[0].dtype:
             # the norms, RoPE and both cache writes in one launch (LONGSTRAW_DECODE_QK=fused)
             qg_BTX, k_BTX, v_BTX = qkv
@@ -274,6 +297,12 @@ class Qwen36Decoder(StaticDecoder):
             kv.k_BSKD.index_copy_(1, self.step_1, k_BTKD.to(kv.k_BSKD.dtype))
             kv.v_BSKD.index_copy_(1, self.step_1, v_BTKD.to(kv.v_BSKD.dtype))
             q_BQD = q_BTQD[:, 0]
+        if pages_partials is not None:
+            # both merges and the gate in one launch (LONGSTRAW_DECODE_MERGE=fused)
+            out_p, lse_p = pages_partials(q_BQD, pages.k_PKD, pages.v_PKD, scale=attn.scale)
+            out_r, lse_r = response_partials(q_BQD, kv.k_BSKD, kv.v_BSKD, self.num_filled(), scale=attn.scale)
+            y_BQD = self.merge(out_p, lse_p, out_r, lse_r, gate_BTQD[:, 0])
+            return y_BQD.reshape(y_BQD.shape[0], 1, -1)
         o_BQD = cascade_decode_attention(q_BQD, pages.k_PKD, pages.v_PKD, kv.k_BSKD, kv.v_BSKD,
                                          self.num_filled(), scale=attn.scale, pages_fn=pages_fn)
         return attn.gated(o_BQD[:, None], gate_BTQD)
