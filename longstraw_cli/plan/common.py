@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from longstraw_cli.models.projections import FUSED_SHARE
 from longstraw_cli.rollout.native import NativeConfig
 
 GIB = 2**30
@@ -109,6 +110,12 @@ def score_logits_bytes(batch: int, tokens: int, chunk: int, vocab: int, hidden: 
     """The graph-free scoring's logits: token_logprobs chunks the batch's tokens together, so one chunk of fp32
     logits (and the exp temporary) serves the whole batch; beside it the batch's final hidden states."""
     return min(batch * tokens, chunk) * vocab * LOGIT_BYTES_SCORE + batch * tokens * hidden * s
+
+
+def decode_copies(total: int, run: Run) -> int:
+    """Bytes of a decoder's concatenated input linears as it makes them (models/projections.py `one_gemm_each`):
+    `total`, or none where they would pass FUSED_SHARE of the GPU's memory."""
+    return 0 if total > FUSED_SHARE * run.gpu_mem_gib * GIB else total
 
 
 def rollout_copies(run: Run, rollout_base: int, layer_pages: list[int]) -> int:

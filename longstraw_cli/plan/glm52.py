@@ -60,9 +60,16 @@ from __future__ import annotations
 from longstraw_cli.models.glm52.config import Glm52Config
 from longstraw_cli.models.glm52.model import _SCORE_ELEMENTS
 from longstraw_cli.models.glm52.routing import SELECTION_DTYPE, expert_id_dtype, record_bytes
-from longstraw_cli.models.projections import FUSED_SHARE
 from longstraw_cli.models.slots import response_capacities
-from longstraw_cli.plan.common import GIB, LOGIT_BYTES_REPLAY, Run, itemsize, rollout_copies, score_logits_bytes
+from longstraw_cli.plan.common import (
+    GIB,
+    LOGIT_BYTES_REPLAY,
+    Run,
+    decode_copies,
+    itemsize,
+    rollout_copies,
+    score_logits_bytes,
+)
 from longstraw_cli.quantize import NF4_EXPERTS_PER_PASS, nf4_bytes
 
 # bytes per index-score element formed at once: the fp32 score and the top-k's temporaries (models/glm52/model.py)
@@ -164,8 +171,7 @@ def decode_projection_bytes(cfg: Glm52Config, run: Run) -> int:
         for group in groups:
             if run.lora_rank == 0 or not any(name in targets for name in group):
                 total += sum(n_in * n_out for n_in, n_out in group.values())
-    total *= run.s
-    return 0 if total > FUSED_SHARE * run.gpu_mem_gib * GIB else total
+    return decode_copies(total * run.s, run)
 
 
 def page_bytes(cfg: Glm52Config, num_tokens: int, dtype: str = "bfloat16") -> dict[str, int]:

@@ -83,11 +83,18 @@ from __future__ import annotations
 import math
 
 from longstraw_cli.lora import DEFAULT_TARGETS
-from longstraw_cli.models.projections import FUSED_SHARE
 from longstraw_cli.models.qwen36.config import Qwen36Config
 from longstraw_cli.models.qwen36.decode import INPUT_GROUPS
 from longstraw_cli.models.slots import response_capacities
-from longstraw_cli.plan.common import GIB, LOGIT_BYTES_REPLAY, Run, itemsize, rollout_copies, score_logits_bytes
+from longstraw_cli.plan.common import (
+    GIB,
+    LOGIT_BYTES_REPLAY,
+    Run,
+    decode_copies,
+    itemsize,
+    rollout_copies,
+    score_logits_bytes,
+)
 from longstraw_cli.quantize import nf4_bytes
 
 # the chunk length of longstraw_kernels/gdn's chunked form
@@ -382,8 +389,7 @@ def plan(cfg: Qwen36Config, run: Run) -> dict:
     decode_growth = G * capacities[-2] * cfg.num_key_value_heads * cfg.head_dim * s if len(capacities) > 1 else 0
     decode_step = 2 * G * V * f + _attention_scores(cfg, G, 1, captured, kernels)
     # none past FUSED_SHARE of the GPU's memory (qwen36/decode.py)
-    projections = decode_projection_bytes(cfg, run.dtype, run.lora_rank, run.quantize)
-    projections = 0 if projections > FUSED_SHARE * run.gpu_mem_gib * GIB else projections
+    projections = decode_copies(decode_projection_bytes(cfg, run.dtype, run.lora_rank, run.quantize), run)
     decoding = decode + decode_growth + decode_step + projections
     phases["rollout"] = weights + optimizer + on_device + boundaries + tail + dequant + decoding
     # the offloaded rollout: no staged layer; the copies of host pages that fit (whole layers)

@@ -5,7 +5,7 @@ The cascade (decode.py) leaves per response and query head N_p partials over ran
 output and lse) and N_r over ranges of the response's slots (fp32). The torch path merges the pages' partials by
 log-sum-exp and rounds the result to the activations' dtype (`decode_pages_attention`), merges it with the
 response's (`cascade_decode_attention`), rounds again, and multiplies by sigmoid(gate) (`GatedAttention.gated`):
-under torch.compile ~6 small kernels a layer (qwen36_mini at 256K, G=8 on an H200: ~20 us of the layer's decode,
+under torch.compile 7 small kernels a layer (qwen36_mini at 256K, G=8 on an H200: 18.1 us of kernel time a layer,
 docs/BENCHMARKS.md thirty-first session). Here one program a (response, query head) does all of it, with the same
 two roundings and the gate's product rounded once (as the compiled step rounds it):
 
@@ -96,13 +96,6 @@ def _merge_kernel(op_ptr, lp_ptr, or_ptr, lr_ptr, g_ptr, y_ptr, N_P, N_R, Q, G,
     o = _add_weighted(o, out_r, lse_r, s_or_n, s_lr_n, N_R, LSE, D, CHUNK).to(dtype).to(tl.float32)
     gate = tl.load(g_ptr + b * s_g_b + q * s_g_q + d).to(tl.float32)
     tl.store(y_ptr + b * s_y_b + q * s_y_q + d, (o * tl.sigmoid(gate)).to(dtype))
-
-
-def supported(out_p_NKMD: torch.Tensor, out_r_NBQD: torch.Tensor, gate_BQD: torch.Tensor) -> bool:
-    """bf16/fp16 gate (the activations), fp32 response partials, D a power of two, every last dim contiguous."""
-    D = gate_BQD.shape[-1]
-    return (gate_BQD.dtype in (torch.bfloat16, torch.float16) and out_r_NBQD.dtype == torch.float32
-            and D & (D - 1) == 0 and all(t.stride(-1) == 1 for t in (out_p_NKMD, out_r_NBQD, gate_BQD)))
 
 
 def decode_merge(out_p_NKMD: torch.Tensor, lse_p_NKM: torch.Tensor, out_r_NBQD: torch.Tensor,

@@ -3,8 +3,8 @@
 After the layer's input GEMM a decode step has, per response, the query heads with their output gates interleaved
 ([Q, 2 D]: each head's query, then its gate), the kv heads' keys and values. The model's path (qwen36/model.py
 `project_from`, then the decoder's cache writes) runs the query norm, the key norm, partial RoPE on each, and two
-index copies into the response slots: under torch.compile ~8 small kernels a layer (qwen36_mini at 256K, G=8 on an
-H200: ~18 us of the layer's decode, docs/BENCHMARKS.md thirty-first session). Here one program a (response, head):
+index copies into the response slots: under torch.compile 8 small kernels a layer (qwen36_mini at 256K, G=8 on an
+H200: 14.5 us of kernel time a layer, docs/BENCHMARKS.md thirty-first session). Here one program a (response, head):
 
     query head h < Q:  q[b, h] = rope(rmsnorm_1p(qg[b, h, :D], w_q))
     kv head j = h - Q: k_slots[b, step, j] = rope(rmsnorm_1p(k[b, j], w_k)),  v_slots[b, step, j] = v[b, j]
@@ -30,7 +30,7 @@ import triton.language as tl
 
 from longstraw_kernels.linear.reference import rms_norm_one_plus
 
-__all__ = ["decode_qk", "decode_qk_reference", "supported"]
+__all__ = ["decode_qk", "decode_qk_reference"]
 
 
 def decode_qk_reference(qg_BX: torch.Tensor, k_BX: torch.Tensor, v_BX: torch.Tensor, w_q: torch.Tensor,
@@ -77,8 +77,8 @@ def _norm_rope(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, eps, D: tl.constexpr, HA
 
 @triton.jit
 def _qk_kernel(qg_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, step_ptr, q_out_ptr, kc_ptr, vc_ptr, Q,
-               stride_qgb, stride_kb, stride_vb, stride_qob, stride_kcb, stride_kcs, stride_vcb, stride_vcs, eps,
-               D: tl.constexpr, HALF: tl.constexpr):
+               stride_qgb, stride_kb, stride_vb, stride_qob, stride_kcb, stride_kcs, stride_kck, stride_vcb, stride_vcs,
+               stride_vck, eps, D: tl.constexpr, HALF: tl.constexpr):
     b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     if h < Q:
         _norm_rope(qg_ptr + b * stride_qgb + h * 2 * D, wq_ptr, cos_ptr, sin_ptr, q_out_ptr + b * stride_qob + h * D,
@@ -87,19 +87,10 @@ def _qk_kernel(qg_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, step_ptr,
         j = h - Q
         step = tl.load(step_ptr)
         _norm_rope(k_ptr + b * stride_kb + j * D, wk_ptr, cos_ptr, sin_ptr,
-                   kc_ptr + b * stride_kcb + step * stride_kcs + j * D, eps, D, HALF)
+                   kc_ptr + b * stride_kcb + step * stride_kcs + j * stride_kck, eps, D, HALF)
         d = tl.arange(0, D)
         v = tl.load(v_ptr + b * stride_vb + j * D + d)
-        tl.store(vc_ptr + b * stride_vcb + step * stride_vcs + j * D + d, v.to(vc_ptr.dtype.element_ty))
-
-
-def supported(qg_BX: torch.Tensor, k_BSKD: torch.Tensor, rotary_dim: int) -> bool:
-    """CUDA (or Triton's interpreter), bf16/fp16 activations and slots alike, D a power of two, an even rotary part
-    within D, the slots' heads contiguous."""
-    D = k_BSKD.shape[-1]
-    return (qg_BX.dtype in (torch.bfloat16, torch.float16) and k_BSKD.dtype == qg_BX.dtype and D & (D - 1) == 0
-            and 0 < rotary_dim <= D and rotary_dim % 2 == 0 and k_BSKD.stride(-1) == 1
-            and k_BSKD.stride(-2) == D)
+        tl.store(vc_ptr + b * stride_vcb + step * stride_vcs + j * stride_vck + d, v.to(vc_ptr.dtype.element_ty))
 
 
 def decode_qk(qg_BX: torch.Tensor, k_BX: torch.Tensor, v_BX: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor,
@@ -124,8 +115,8 @@ def _qk_op(qg_BX: torch.Tensor, k_BX: torch.Tensor, v_BX: torch.Tensor, w_q: tor
     q_BQD = qg_BX.new_empty(B, Q, D)
     _qk_kernel[(B, Q + K)](
         qg_BX, k_BX, v_BX, w_q, w_k, cos_R, sin_R, step_1, q_BQD, k_BSKD, v_BSKD, Q,
-        qg_BX.stride(0), k_BX.stride(0), v_BX.stride(0), q_BQD.stride(0), k_BSKD.stride(0), k_BSKD.stride(1),
-        v_BSKD.stride(0), v_BSKD.stride(1), eps, D=D, HALF=cos_R.shape[0] // 2, num_warps=2)
+        qg_BX.stride(0), k_BX.stride(0), v_BX.stride(0), q_BQD.stride(0), *k_BSKD.stride()[:3], *v_BSKD.stride()[:3],
+        eps, D=D, HALF=cos_R.shape[0] // 2, num_warps=2)
     return q_BQD
 
 

@@ -71,13 +71,11 @@ from longstraw_kernels.linear import gate_serves, kernel_entry
 # each again, plus a call for the rest) or `varlen` (opt in, not yet run on a GPU: the ranges as one varlen flash
 # call, `decode_pages_attention(varlen=True)`)
 DECODE_PAGES_CHOICES = ("batched", "varlen")
-# LONGSTRAW_DECODE_QK: `modules` (the default: the model's query / key norms and RoPE, then the cache writes) or
-# `fused` (opt in, not yet run on a GPU: all of them in one launch a layer, attention/triton_decode_qk.py)
-DECODE_QK_CHOICES = ("modules", "fused")
-# LONGSTRAW_DECODE_MERGE: `modules` (the default: the pages' and the response's partials merged by torch ops, then the
-# output gate) or `fused` (opt in, not yet run on a GPU: both merges and the gate in one launch a layer,
-# attention/triton_decode_merge.py; only where the layer's pages hook is the default)
-DECODE_MERGE_CHOICES = ("modules", "fused")
+# LONGSTRAW_DECODE_QK and LONGSTRAW_DECODE_MERGE: `modules` (the default: the model's query / key norms and RoPE,
+# then the cache writes; the pages' and the response's partials merged by torch ops, then the output gate) or `fused`
+# (opt in, not yet run on a GPU: each in one launch a layer, attention/triton_decode_qk.py and triton_decode_merge.py;
+# the merge only where the layer's pages hook is the default)
+FUSED_CHOICES = ("modules", "fused")
 
 
 class ResponseKV(ResponseSlots):
@@ -227,15 +225,14 @@ class Qwen36Decoder(StaticDecoder):
         hooks = [layer.self_attn.decode_pages_fn if layer.is_attention else None for layer in model.model.layers]
         self.pages_fns = [functools.partial(decode_pages_attention, varlen=True)
                           if varlen and hook is decode_pages_attention else hook for hook in hooks]
-        self.qk = self._qk_kernel(example_BTC) if kernel_choice("LONGSTRAW_DECODE_QK", DECODE_QK_CHOICES) == "fused" \
-            else None
-        # the layers whose pages' partials and the response's merge in one launch with the gate
-        # (LONGSTRAW_DECODE_MERGE=fused): their pages hook is the default
-        merge = kernel_choice("LONGSTRAW_DECODE_MERGE", DECODE_MERGE_CHOICES) == "fused" and self._kernel_serves(
-            "longstraw_kernels.attention.triton_decode_merge", example_BTC, "LONGSTRAW_DECODE_MERGE")
-        self.merge = optional_module("longstraw_kernels.attention.triton_decode_merge").decode_merge if merge else None
+        qk = self._fused("LONGSTRAW_DECODE_QK", "triton_decode_qk", example_BTC, resident)
+        self.qk = None if qk is None else qk.decode_qk
+        # the layers whose pages' partials and the response's merge in one launch with the gate: their pages hook is
+        # the default
+        merge = self._fused("LONGSTRAW_DECODE_MERGE", "triton_decode_merge", example_BTC, resident)
+        self.merge = None if merge is None else merge.decode_merge
         self.pages_partials = [functools.partial(decode_pages_partials, varlen=varlen)
-                               if merge and hook is decode_pages_attention else None for hook in hooks]
+                               if merge is not None and hook is decode_pages_attention else None for hook in hooks]
         self.layers = []
         for layer, state, pages in zip(model.model.layers, resident.layers, self.pages):
             if layer.is_attention:
@@ -262,29 +259,28 @@ class Qwen36Decoder(StaticDecoder):
             x_BTC = linears.mlp_residual(x_BTC)
         return self.logits(x_BTC)
 
-    def _kernel_serves(self, name: str, example_BTC: torch.Tensor, env_var: str) -> bool:
-        """Whether the attention layers' opt-in kernel module `name` serves this decode (CUDA or Triton's
-        interpreter; bf16/fp16 activations and slots alike; a power-of-two head dim), said once on CUDA if not."""
-        cfg = self.model.config
-        dtype = self.model.lm_head.weight.dtype
+    def _fused(self, env_var: str, name: str, example_BTC: torch.Tensor, resident: Resident):
+        """The kernel module longstraw_kernels.attention.`name` where `env_var` asks for `fused` and it serves this
+        decode (CUDA or Triton's interpreter; bf16/fp16 activations, every attention layer's pages, so its response
+        slots, in their dtype; a power-of-two head dim), else None, said once on CUDA."""
+        if kernel_choice(env_var, FUSED_CHOICES) != "fused":
+            return None
+        cfg, dtype = self.model.config, example_BTC.dtype
+        module = optional_module(f"longstraw_kernels.attention.{name}")
         where = example_BTC.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-        if (optional_module(name) is not None and where and example_BTC.dtype in (torch.bfloat16, torch.float16)
-                and dtype == example_BTC.dtype and cfg.head_dim & (cfg.head_dim - 1) == 0):
-            return True
+        pages_alike = all(state.k_PKD.dtype == dtype for layer, state in zip(self.model.model.layers, resident.layers)
+                          if layer.is_attention)
+        if (module is not None and where and dtype in (torch.bfloat16, torch.float16) and pages_alike
+                and cfg.head_dim & (cfg.head_dim - 1) == 0):
+            return module
         if example_BTC.is_cuda:
-            say_once(f"decode: {env_var}=fused does not serve here (it needs Triton, bf16/fp16 and a power-of-two "
-                     f"head dim); the modules run")
-        return False
-
-    def _qk_kernel(self, example_BTC: torch.Tensor):
-        """`triton_decode_qk.decode_qk` where it serves this decode (`_kernel_serves`), else None (the modules)."""
-        name = "longstraw_kernels.attention.triton_decode_qk"
-        return optional_module(name).decode_qk if self._kernel_serves(name, example_BTC, "LONGSTRAW_DECODE_QK") \
-            else None
+            say_once(f"decode: {env_var}=fused does not serve here (it needs Triton, bf16/fp16 activations and pages "
+                     f"alike, and a power-of-two head dim); the modules run")
+        return None
 
     def _attention(self, attn, qkv: list[torch.Tensor], positions_1, pages, kv: ResponseKV, pages_fn,
                    pages_partials=None):
-        if self.qk is not None and kv.k_BSKD.dtype == qkv[0].dtype:
+        if self.qk is not None:
             # the norms, RoPE and both cache writes in one launch (LONGSTRAW_DECODE_QK=fused)
             qg_BTX, k_BTX, v_BTX = qkv
             B, T, _ = qg_BTX.shape
