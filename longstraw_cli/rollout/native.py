@@ -51,7 +51,8 @@ class Rollout:
     logprobs: list[torch.Tensor]
     # entropy of the policy's next-token distribution at each sampled position (None where unknown)
     entropies: list[torch.Tensor] | None = None
-    # decode steps run (the longest response, or up to stop_check_every - 1 more)
+    # decode steps run (the longest response, or up to stop_check_every - 1 more; with native.steps_per_graph N,
+    # up to stop_check_every + N - 2 more)
     decode_steps: int = 0
     # seconds from the decoder's construction to the first step's logits on the device (its buffers, the first
     # step's warm-up run and its CUDA-graph capture): what a rollout pays before its steady steps
@@ -86,14 +87,18 @@ class NativeConfig:
     # (models/slots.py). 1,024: a response up to that length never grows (one graph capture, as with all slots
     # preallocated); on CUDA qwen36's step reads only the filled slots, elsewhere it reads and masks all of them
     response_chunk: int = 1024
+    # 0: each decode step is the model's step (its CUDA graph where cuda_graph) and the sampling after it, a few
+    # launches from the host a token. N >= 1: N whole steps (the model's step, the race's noise and its sampling,
+    # the token fed back, the stop flags) as one CUDA graph where cuda_graph (eagerly elsewhere: the same tokens);
+    # steps that would cross a growth of the response slots or the last token run one at a time, and "all
+    # stopped?" is looked at after the first N steps that reach each stop_check_every
+    steps_per_graph: int = 0
 
     def __post_init__(self):
-        if isinstance(self.stop_check_every, bool) or not isinstance(self.stop_check_every, int) \
-                or self.stop_check_every < 1:
-            raise ValueError(f"stop_check_every must be an integer >= 1, got {self.stop_check_every!r}")
-        if isinstance(self.response_chunk, bool) or not isinstance(self.response_chunk, int) \
-                or self.response_chunk < 1:
-            raise ValueError(f"response_chunk must be an integer >= 1, got {self.response_chunk!r}")
+        for name, least in (("stop_check_every", 1), ("response_chunk", 1), ("steps_per_graph", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
         for name in ("cuda_graph", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -161,7 +166,8 @@ def generate(model, resident, num_responses: int, cfg: SamplingConfig, generator
     """Sample `num_responses` continuations of the captured prompt; each ends at its first stop token
     (included, it is a trained token) or at max_new_tokens. No host synchronisation per token: sampled tokens
     go straight back into the decoder's input buffer; stops are looked at every `stop_check_every` tokens.
-    on_token(done, max_new_tokens): told after each decode step is launched (progress; host ints only).
+    on_token(done, max_new_tokens): told after each decode step (or each native.steps_per_graph steps) is launched
+    (progress; host ints only).
     routing: a routing replay (models/glm52/routing.py `RoutingReplay`): the decode steps record each token's
     routing into device buffers (grown with the decoder's), moved to host memory as the decode ends
     (`Rollout.routing`)."""
@@ -210,6 +216,103 @@ def _say_uncompiled(exc: Exception) -> None:
                 (str(inner).splitlines() or [""])[0][:200])
 
 
+def stops(tokens: torch.Tensor, stop_S: torch.Tensor) -> torch.Tensor:
+    """Which tokens are stop tokens, as one comparison against all of them: torch.isin may sort instead (for more
+    than a few test elements), through a unique() that synchronises the host on CUDA, which a graph cannot hold."""
+    return (tokens[..., None] == stop_S).any(-1)
+
+
+class Sampler:
+    """A decode step's sampling into the rollout's buffers: the race's noise drawn from the rollout's generator (none
+    for greedy), the token, its log-prob and the entropy written (`race_sample`), the token fed to the decoder's next
+    step and the stop flags updated. Device work only: no host synchronisation."""
+
+    def __init__(self, cfg: SamplingConfig, generator: torch.Generator | None, decoder, logits_BV: torch.Tensor):
+        self.cfg, self.generator, self.decoder = cfg, generator, decoder
+        self.stop_S = torch.tensor(cfg.stop_token_ids, dtype=torch.long, device=decoder.device)
+        # the race's noise, drawn afresh each step into one buffer
+        self.race_BV = None if cfg.temperature == 0 else torch.empty_like(logits_BV)
+        self.done_B = torch.zeros(logits_BV.shape[0], dtype=torch.bool, device=decoder.device)
+
+    def __call__(self, logits_BV, tokens_B, logp_B, entropy_B) -> None:
+        if self.race_BV is not None:
+            self.race_BV.exponential_(1.0, generator=self.generator)
+        self.race(logits_BV, tokens_B, logp_B, entropy_B)
+        self.decoder.tokens_B.copy_(tokens_B)
+        self.done_B |= stops(tokens_B, self.stop_S)
+
+    def race(self, logits_BV, tokens_B, logp_B, entropy_B) -> None:
+        """The sampling alone, from the noise in the buffer (no draw)."""
+        race_sample(logits_BV, self.race_BV, self.cfg.temperature, self.cfg.top_p, tokens_B, logp_B, entropy_B)
+
+
+class GraphedSteps:
+    """`n` whole decode steps at a time (native.steps_per_graph): the model's step and the `sampler`'s work n times,
+    into staging rows that each call copies into the rollout's columns. Where `step_fn` is a GraphedStep the n
+    steps are one CUDA graph, captured at the decoder's capacity (again after a growth) around the GraphedStep's own
+    (compiled) step function, with the rollout's generator registered to it, so that each replay draws the noise
+    that eager steps would have drawn; elsewhere they run eagerly. A failed capture is said once and leaves the
+    rollout to single steps (`ready`)."""
+
+    def __init__(self, n: int, decoder, step_fn, sampler: Sampler, dtype: torch.dtype):
+        B, device = decoder.tokens_B.shape[0], decoder.device
+        self.n, self.decoder, self.step_fn, self.sampler = n, decoder, step_fn, sampler
+        self.graphed = isinstance(step_fn, GraphedStep)
+        self.step = step_fn.step if self.graphed else step_fn
+        self.tokens_NB = torch.empty(n, B, dtype=torch.long, device=device)
+        self.logp_NB = torch.empty(n, B, dtype=dtype, device=device)
+        self.entropy_NB = torch.empty_like(self.logp_NB)
+        self.graph, self.capacity, self.failed = None, None, False
+
+    def ready(self) -> bool:
+        """Whether n steps may run now: eagerly, always; as a graph, once the single step's graph stands at the
+        decoder's capacity (its compiled step has run there: capturing compiles nothing) and no capture failed."""
+        if not self.graphed:
+            return True
+        single = self.step_fn
+        return (not (self.failed or single.eager) and single.graph is not None
+                and single.capacity == self.decoder.capacity)
+
+    def __call__(self, start: int, sampled_BR, logp_BR, entropy_BR) -> None:
+        """Steps [start, start + n) into the rollout's columns."""
+        if not self.graphed or not self._captured():
+            self._steps()
+        else:
+            self.graph.replay()
+        columns = slice(start, start + self.n)
+        for staged_NB, out_BR in ((self.tokens_NB, sampled_BR), (self.logp_NB, logp_BR),
+                                  (self.entropy_NB, entropy_BR)):
+            out_BR[:, columns].copy_(staged_NB.T)
+
+    def _steps(self) -> None:
+        for k in range(self.n):
+            self.sampler(self.step(), self.tokens_NB[k], self.logp_NB[k], self.entropy_NB[k])
+
+    def _captured(self) -> bool:
+        """The graph at the decoder's capacity, captured here where it is not; False where capture failed (said
+        once; nothing ran, so the caller runs the steps eagerly)."""
+        if self.graph is not None and self.capacity == self.decoder.capacity:
+            return True
+        self.graph = None
+        # the sampling kernels' specialisations for the staging rows, before the capture (from the noise in the
+        # buffer: no draw, so the generator is where the steps before left it)
+        for k in range(self.n):
+            self.sampler.race(self.step_fn.logits_BV, self.tokens_NB[k], self.logp_NB[k], self.entropy_NB[k])
+        graph = torch.cuda.CUDAGraph()
+        try:
+            if self.sampler.race_BV is not None and self.sampler.generator is not None:
+                graph.register_generator_state(self.sampler.generator)
+            with torch.cuda.graph(graph):
+                self._steps()
+        except (RuntimeError, AttributeError) as exc:
+            log.warning("%d decode steps could not be captured as one CUDA graph (%s); decoding a step at a time",
+                        self.n, (str(exc).splitlines() or [""])[0][:200])
+            self.failed = True
+            return False
+        self.graph, self.capacity = graph, self.decoder.capacity
+        return True
+
+
 def _generate(model, resident, num_responses: int, cfg: SamplingConfig, generator: torch.Generator | None,
               native: NativeConfig, on_grow: Callable[[int], None] | None = None,
               on_token: Callable[[int, int], None] | None = None) -> Rollout:
@@ -219,37 +322,38 @@ def _generate(model, resident, num_responses: int, cfg: SamplingConfig, generato
     decoder, step_fn, first_BV = _first_step(model, resident, num_responses, cfg, native)
     device = decoder.device
     B, R = num_responses, cfg.max_new_tokens
-    stop_S = torch.tensor(cfg.stop_token_ids, dtype=torch.long, device=device)
     sampled_BR = torch.empty(B, R, dtype=torch.long, device=device)
     logp_BR = torch.empty(B, R, dtype=torch.promote_types(model.lm_head.weight.dtype, torch.float32), device=device)
     entropy_BR = torch.empty_like(logp_BR)
-    # the race's noise, drawn afresh each step into one buffer (none for greedy)
-    race_BV = None if cfg.temperature == 0 else torch.empty_like(first_BV)
-    done_B = torch.zeros(B, dtype=torch.bool, device=device)
+    sampler = Sampler(cfg, generator, decoder, first_BV)
+    several = (GraphedSteps(native.steps_per_graph, decoder, step_fn, sampler, logp_BR.dtype)
+               if native.steps_per_graph else None)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     setup_s = time.perf_counter() - start
-    steps = R
-    for step in range(R):
+    step, steps, every = 0, R, native.stop_check_every
+    while step < R:
         # step `step` writes slot `step`: the slots grow first where it has none (a host-side int, no sync)
         if step == decoder.capacity:
             decoder.grow()
             if on_grow is not None:
                 on_grow(decoder.capacity)
-        logits_BV = first_BV if step == 0 else step_fn()
-        tokens_B = sampled_BR[:, step]
-        if race_BV is not None:
-            race_BV.exponential_(1.0, generator=generator)
-        race_sample(logits_BV, race_BV, cfg.temperature, cfg.top_p, tokens_B, logp_BR[:, step], entropy_BR[:, step])
-        decoder.tokens_B.copy_(tokens_B)
-        done_B |= torch.isin(tokens_B, stop_S)
+        if several is not None and step > 0 and step + several.n <= min(decoder.capacity, R) and several.ready():
+            several(step, sampled_BR, logp_BR, entropy_BR)
+            done = step + several.n
+        else:
+            logits_BV = first_BV if step == 0 else step_fn()
+            sampler(logits_BV, sampled_BR[:, step], logp_BR[:, step], entropy_BR[:, step])
+            done = step + 1
         if on_token is not None:
-            on_token(step + 1, R)
-        if (step + 1) % native.stop_check_every == 0 and bool(done_B.all()):
-            steps = step + 1
+            on_token(done, R)
+        # "all stopped?" once the steps done reach a multiple of stop_check_every
+        reached, step = done // every > step // every, done
+        if reached and bool(sampler.done_B.all()):
+            steps = step
             break
     # each response ends at its first stop token, or at the last step decoded
-    stops_BR = torch.isin(sampled_BR[:, :steps], stop_S)
+    stops_BR = stops(sampled_BR[:, :steps], sampler.stop_S)
     first_B = stops_BR.int().argmax(-1) + 1
     lengths = torch.where(stops_BR.any(-1), first_B, steps).tolist()
 

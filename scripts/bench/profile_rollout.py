@@ -7,6 +7,7 @@ kernels). `profile_decode.py` profiles one step alone; this is the loop around i
     python scripts/bench/profile_rollout.py --model glm52_mini --prompt 262144 --group 8 --tokens 1024
     python scripts/bench/profile_rollout.py --prompts passkey --record on --no-profile \
         --variants ";LONGSTRAW_DSA_DECODE_SCORES=loop;LONGSTRAW_DECODE_ROUTER=torch"
+    python scripts/bench/profile_rollout.py --prompts passkey --no-profile --steps-per-graph 0,4,8,16
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def environment(variant: str):
                 os.environ[name] = value
 
 
-def measure(model, resident, args, routing) -> dict:
+def measure(model, resident, args, routing, steps_per_graph: int = 0) -> dict:
     """A decode step: the rollout less its setup, the offload included (as the trainer's time/decode_step), over
     --repeats rollouts after one to warm up; the offload alone, a rollout; the kernels a step (--profile)."""
     sampling, generator = native.SamplingConfig(max_new_tokens=args.tokens), torch.Generator("cuda").manual_seed(0)
@@ -75,7 +76,8 @@ def measure(model, resident, args, routing) -> dict:
         routing.offload = timed_offload
 
     def rollout():
-        out = native.generate(model, resident, args.group, sampling, generator, routing=routing)
+        out = native.generate(model, resident, args.group, sampling, generator,
+                              native.NativeConfig(steps_per_graph=steps_per_graph), routing=routing)
         if routing is not None:
             routing.release(out.routing)
         return out
@@ -121,6 +123,9 @@ def main() -> None:
     parser.add_argument("--variants", default="",
                         help="';'-separated environment settings to compare in this process, each ','-separated "
                              "VAR=VALUE (empty: as set), e.g. ';LONGSTRAW_DECODE_ROUTER=torch'")
+    parser.add_argument("--steps-per-graph", default="0",
+                        help="','-separated rollout.native.steps_per_graph values to compare (0: the model's step "
+                             "alone as a graph, the sampling after it)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     model = build_model(args.model, dtype=torch.bfloat16, device="cuda", seed=0)
@@ -128,7 +133,8 @@ def main() -> None:
     for kind in args.prompts.split(","):
         resident = model.capture(prompt_ids(kind, args.prompt, args.tokens).cuda(), block_size=16384)
         records = [value == "on" for value in args.record.split(",")] if routes else [False]
-        for variant, record in itertools.product(args.variants.split(";"), records):
+        grouping = [int(n) for n in args.steps_per_graph.split(",")]
+        for variant, record, n in itertools.product(args.variants.split(";"), records, grouping):
             # a fresh replay a measurement (its offload is timed by wrapping it); dynamo's graphs dropped: a variable
             # the step's layer function reads (a decoder attribute dynamo guards on) compiles graphs of its own, and
             # past dynamo's recompile limit (8 a function) a variant would run its layers uncompiled, silently
@@ -138,7 +144,7 @@ def main() -> None:
                 row = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
                        "model": args.model, "prompt": args.prompt, "prompt_kind": kind, "group": args.group,
                        "tokens": args.tokens, "variant": variant, "record_routing": routing is not None,
-                       **measure(model, resident, args, routing)}
+                       "steps_per_graph": n, **measure(model, resident, args, routing, n)}
             emit(row, args.out)
         del resident
         torch.cuda.empty_cache()

@@ -193,3 +193,53 @@ def test_response_chunk_setting_is_checked(tmp_path):
     for bad in (0, -3, 1.5, True):
         with pytest.raises((ValueError, ConfigError), match="response_chunk"):
             NativeConfig(response_chunk=bad)
+
+
+@pytest.mark.parametrize("steps_per_graph", [1, 3, 5])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_several_steps_at_a_time_sample_what_single_steps_sample(name, steps_per_graph, monkeypatch):
+    """rollout.native.steps_per_graph N: N whole steps (the model's step, the race's noise, the sampling, the token fed
+    back, the stop flags) at a time, eagerly here (one CUDA graph on a GPU: tests/models/test_gpu_decode.py). Across
+    growths of the slots (4, 8, 13), with the steps that would cross one or the last token run singly, and with
+    stop tokens (the stop check then falls after the first N steps that reach each stop_check_every): the same
+    tokens, log-probs, entropies and glm52 routing records as one step at a time, bit for bit; the N steps ran."""
+    from longstraw_cli.rollout import native
+
+    model = random_model(name, torch.float64, seed=1)
+    resident = model.capture(ids(PROMPT, 2), block_size=16)
+    routing = RoutingReplay() if name == "glm52_tiny" else None
+    calls, several = [], native.GraphedSteps.__call__
+
+    def counted(self, start, *buffers):
+        calls.append((start, self.n))
+        several(self, start, *buffers)
+
+    monkeypatch.setattr(native.GraphedSteps, "__call__", counted)
+    for stop_token_ids in ((), tuple(range(0, model.config.vocab_size, 7))):
+        cfg = SamplingConfig(max_new_tokens=R, stop_token_ids=stop_token_ids)
+        single, grouped = (generate(model, resident, G, cfg, torch.Generator().manual_seed(4),
+                                    NativeConfig(response_chunk=CHUNK, stop_check_every=2, steps_per_graph=n),
+                                    routing=routing)
+                           for n in (0, steps_per_graph))
+        for field in ("responses", "logprobs", "entropies"):
+            assert all(torch.equal(a, b) for a, b in zip(getattr(single, field), getattr(grouped, field)))
+        if routing is not None:
+            for a, b in zip(single.routing.tensors(), grouped.routing.tensors()):
+                assert torch.equal(a[:, :min(a.shape[1], b.shape[1])], b[:, :min(a.shape[1], b.shape[1])])
+        # at least the longest response, at most stop_check_every + N - 2 (here 2 + N - 2) steps more
+        longest = max(len(r) for r in single.responses)
+        assert longest <= grouped.decode_steps <= min(R, longest + steps_per_graph)
+    # every run of N steps stayed inside one capacity (4, 8, 13) and after the first step
+    assert calls and all(start > 0 and any(start < cap and start + n <= cap for cap in (4, 8, 13))
+                         and not any(start < edge < start + n for edge in (4, 8)) for start, n in calls)
+
+
+def test_steps_per_graph_setting_is_checked(tmp_path):
+    from conftest import composed
+    from longstraw_cli.config import ConfigError, train_config
+
+    native = train_config(composed([f"run_dir={tmp_path}", "rollout.native.steps_per_graph=8"])).rollout.native
+    assert native.steps_per_graph == 8 and NativeConfig().steps_per_graph == 0
+    for bad in (-1, 1.5, True):
+        with pytest.raises((ValueError, ConfigError), match="steps_per_graph must be an integer >= 0"):
+            NativeConfig(steps_per_graph=bad)

@@ -137,6 +137,37 @@ def test_graph_decode_captures_again_after_each_growth(name):
     assert compiled.decode_steps == 40 and all(len(r) == 40 for r in compiled.responses)
 
 
+@pytest.mark.parametrize("compile", [False, True], ids=["graph", "compiled"])
+@pytest.mark.parametrize("name", ["qwen36_mini", "glm52_mini"])
+def test_several_steps_as_one_graph_sample_what_single_steps_sample(name, compile, caplog, monkeypatch):
+    """rollout.native.steps_per_graph=8: eight whole steps (the model's step, the race's noise from the rollout's
+    generator, the sampling, the token fed back, the stop flags) as one CUDA graph, over 40 tokens whose slots grow at
+    8, 16 and 32: the same tokens, log-probs and entropies as single steps, bit for bit (the same kernels on the
+    same noise: the generator is registered to the graph), with stop tokens too; the graph stood at each call of
+    the eight steps (no capture refused)."""
+    from longstraw_cli.rollout import native
+
+    model = reduced(name)
+    prompt = torch.randint(0, 250, (3000,), generator=torch.Generator().manual_seed(2)).cuda()
+    resident = model.capture(prompt, block_size=1024)
+    captured, plain = [], native.GraphedSteps._captured
+
+    def counted(self):
+        captured.append(plain(self))
+        return captured[-1]
+
+    monkeypatch.setattr(native.GraphedSteps, "_captured", counted)
+    for stop_token_ids in ((), tuple(range(0, 250, 9))):
+        cfg = SamplingConfig(max_new_tokens=40, stop_token_ids=stop_token_ids)
+        single, grouped = (generate(model, resident, 4, cfg, torch.Generator("cuda").manual_seed(5),
+                                    NativeConfig(compile=compile, response_chunk=8, steps_per_graph=n))
+                           for n in (0, 8))
+        for field in ("responses", "logprobs", "entropies"):
+            assert all(torch.equal(a, b) for a, b in zip(getattr(single, field), getattr(grouped, field))), field
+    assert captured and all(captured)
+    assert not [r for r in caplog.records if "could not be captured" in r.getMessage()]
+
+
 @pytest.mark.parametrize("name", ["qwen36_mini", "glm52_mini"])
 def test_longstraw_train_on_cuda_two_steps(name, tmp_path):
     run_dir = tmp_path / "run"
