@@ -109,6 +109,29 @@ def measure(model, resident, args, routing, steps_per_graph: int = 0) -> dict:
     return row
 
 
+def setup_parts(model, resident, args) -> dict:
+    """A rollout's setup taken apart, each part synchronised (no routing record; after `measure`, so nothing
+    compiles): building the decoder (buffers, state and weight copies), its step once through the compiled
+    function, eagerly, and the rollout's first step on a second decoder (that step on a side stream, then the
+    CUDA graph's capture and instantiation)."""
+    def timed(fn):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        return out, time.perf_counter() - start
+
+    def build():
+        return model.decoder(resident, args.group, args.tokens)
+
+    decoder, build_s = timed(build)
+    _, step_s = timed(decoder.compiled() if decoder.compile_safe else decoder.step)
+    del decoder
+    decoder, _ = timed(build)
+    _, first_s = timed(native.GraphedStep(decoder, compile=decoder.compile_safe))
+    return {"setup_build_s": build_s, "setup_eager_step_s": step_s, "setup_graphed_first_s": first_s}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="glm52_mini")
@@ -126,6 +149,9 @@ def main() -> None:
     parser.add_argument("--steps-per-graph", default="0",
                         help="','-separated rollout.native.steps_per_graph values to compare (0: the model's step "
                              "alone as a graph, the sampling after it)")
+    parser.add_argument("--setup-parts", action="store_true",
+                        help="also time the rollout's setup apart: the decoder's build, an eager step, the first "
+                             "graphed step (warm-up and capture)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     model = build_model(args.model, dtype=torch.bfloat16, device="cuda", seed=0)
@@ -145,6 +171,8 @@ def main() -> None:
                        "model": args.model, "prompt": args.prompt, "prompt_kind": kind, "group": args.group,
                        "tokens": args.tokens, "variant": variant, "record_routing": routing is not None,
                        "steps_per_graph": n, **measure(model, resident, args, routing, n)}
+                if args.setup_parts:
+                    row.update(setup_parts(model, resident, args))
             emit(row, args.out)
         del resident
         torch.cuda.empty_cache()
