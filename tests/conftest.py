@@ -451,6 +451,41 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
+def assert_compiled_step_equals_eager(eager_decoder, compiled_decoder, steps: int = 3, first=(5, 77)) -> None:
+    """A decoder's step compiled (`aot_eager`: dynamo and AOTAutograd's functionalization, the compiled decode
+    step's path) gives the same logits as another decoder of the same prompt stepped eagerly, fed the same tokens,
+    without gradients (as the rollout decodes)."""
+    step = compiled_decoder.compiled(backend="aot_eager")
+    for decoder in (eager_decoder, compiled_decoder):
+        decoder.tokens_B.copy_(torch.tensor(first))
+    with torch.no_grad():
+        for _ in range(steps):
+            want = eager_decoder.step()
+            assert torch.equal(step(), want)
+            for decoder in (eager_decoder, compiled_decoder):
+                decoder.tokens_B.copy_(want.argmax(-1))
+
+
+def assert_fused_kernel_decodes(monkeypatch, model, resident, env_var: str, attribute: str, kernel, calls_per_step: int,
+                                steps: int, bound: float, capacity: int = 4) -> None:
+    """`env_var`=fused (qwen36's decode): the decoder's `attribute` is `kernel` (None without the variable), called
+    `calls_per_step` times a step, and its logits are the modules' within `bound` over `steps` steps; another value
+    is refused, naming the choices. The variable is left at `fused`."""
+    modules = model.decoder(resident, 2, capacity)
+    assert getattr(modules, attribute) is None
+    monkeypatch.setenv(env_var, "fused")
+    fused = model.decoder(resident, 2, capacity)
+    assert getattr(fused, attribute) is kernel
+    calls = []
+    monkeypatch.setattr(fused, attribute, lambda *a: calls.append(1) or kernel(*a))
+    assert_decodes_alike(modules, fused, steps, bound)
+    assert len(calls) == steps * calls_per_step
+    monkeypatch.setenv(env_var, "yes")
+    with pytest.raises(ValueError, match=rf"{env_var}='yes'; valid: \['modules', 'fused'\]"):
+        model.decoder(resident, 2, capacity)
+    monkeypatch.setenv(env_var, "fused")
+
+
 def assert_decodes_alike(want_decoder, got_decoder, steps: int, bound: float, first=(5, 77)) -> None:
     """Two decoders of one prompt fed the same tokens (`first`, then the first decoder's greedy choice) give logits
     within `bound` (rel_err) at each of `steps` steps."""

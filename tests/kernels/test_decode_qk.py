@@ -5,7 +5,7 @@ and the cache writes). Not yet run on a GPU."""
 import pytest
 import torch
 
-from conftest import assert_decodes_alike, random_model, rel_err
+from conftest import assert_compiled_step_equals_eager, random_model, rel_err
 from longstraw_kernels.attention.triton_decode_qk import decode_qk, decode_qk_reference
 
 
@@ -76,22 +76,12 @@ def test_contract_is_the_models_path():
 def test_qwen36_decode_through_the_fused_qk_equals_the_modules(monkeypatch):
     """LONGSTRAW_DECODE_QK=fused: the decoder's attention layers prepare q and k through the kernel (Triton's
     interpreter here), with the modules' logits over several steps in bf16; another value is refused."""
-    from conftest import ids
+    from conftest import assert_fused_kernel_decodes, ids
 
     model = random_model("qwen36_tiny", torch.bfloat16)
     resident = model.capture(ids(40, 0), block_size=16)
-    modules = model.decoder(resident, 2, 4)
-    assert modules.qk is None
-    monkeypatch.setenv("LONGSTRAW_DECODE_QK", "fused")
-    fused = model.decoder(resident, 2, 4)
-    assert fused.qk is decode_qk
-    calls = []
-    monkeypatch.setattr(fused, "qk", lambda *a: calls.append(1) or decode_qk(*a))
-    assert_decodes_alike(modules, fused, 3, 2e-2)
-    assert len(calls) == 3 * sum(layer.is_attention for layer in model.model.layers)
-    monkeypatch.setenv("LONGSTRAW_DECODE_QK", "yes")
-    with pytest.raises(ValueError, match=r"LONGSTRAW_DECODE_QK='yes'; valid: \['modules', 'fused'\]"):
-        model.decoder(resident, 2, 4)
+    assert_fused_kernel_decodes(monkeypatch, model, resident, "LONGSTRAW_DECODE_QK", "qk", decode_qk,
+                                sum(layer.is_attention for layer in model.model.layers), 3, 2e-2)
 
 
 @torch.no_grad()
@@ -106,15 +96,7 @@ def test_compiled_step_with_the_fused_qk_equals_eager(fresh_dynamo, monkeypatch,
     monkeypatch.setenv("LONGSTRAW_DECODE_MERGE", merge)
     model = random_model("qwen36_tiny", torch.bfloat16)
     resident = model.capture(ids(40, 0), block_size=16)
-    eager, compiled = model.decoder(resident, 2, 4), model.decoder(resident, 2, 4)
-    step = compiled.compiled(backend="aot_eager")
-    for decoder in (eager, compiled):
-        decoder.tokens_B.copy_(torch.tensor([5, 77]))
-    for _ in range(3):
-        want = eager.step()
-        assert torch.equal(step(), want)
-        for decoder in (eager, compiled):
-            decoder.tokens_B.copy_(want.argmax(-1))
+    assert_compiled_step_equals_eager(model.decoder(resident, 2, 4), model.decoder(resident, 2, 4))
 
 
 @pytest.mark.gpu

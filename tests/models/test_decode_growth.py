@@ -174,7 +174,7 @@ def test_plan_counts_the_buffers_a_full_length_decode_ends_with(name, replay_rou
     held = [t for slots in decoder.response_slots() for t in slots.tensors()]
     assert all(t.shape[1] == R for t in held)
     # qwen36's GDN layers hold each response's conv window and recurrent state beside the slots
-    recurrent = [t for layer in decoder.layers if not isinstance(layer, ResponseSlots) for t in vars(layer).values()]
+    recurrent = [t for layer in decoder.layers if not isinstance(layer, ResponseSlots) for t in layer.tensors()]
     assert p["decode_buffers"] == nbytes(held) + nbytes(recurrent)
     if record:
         assert p["routing_records"] == record.nbytes()

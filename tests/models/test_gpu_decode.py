@@ -138,6 +138,24 @@ def test_graph_decode_captures_again_after_each_growth(name):
 
 
 @pytest.mark.parametrize("compile", [False, True], ids=["graph", "compiled"])
+def test_gdn_in_one_launch_decodes_what_two_launches_decode(compile, monkeypatch):
+    """LONGSTRAW_DECODE_GDN=fused (qwen36: each GDN layer's conv and recurrence in one launch, the conv's window a
+    ring): the same greedy tokens and log-probs as the two launches, bit for bit (the same arithmetic, the conv's
+    output rounded to bf16 between them in both; tests/kernels/test_gdn_step.py in Triton's interpreter), over 40
+    tokens whose slots grow at 8, 16 and 32."""
+    model = reduced("qwen36_mini")
+    prompt = torch.randint(0, 250, (3000,), generator=torch.Generator().manual_seed(3)).cuda()
+    resident = model.capture(prompt, block_size=1024)
+    greedy, native = SamplingConfig(temperature=0, max_new_tokens=40), NativeConfig(compile=compile, response_chunk=8)
+    two = generate(model, resident, 4, greedy, native=native)
+    monkeypatch.setenv("LONGSTRAW_DECODE_GDN", "fused")
+    assert model.decoder(resident, 4, 8).conv_gdn is not None
+    one = generate(model, resident, 4, greedy, native=native)
+    for a, b, la, lb in zip(one.responses, two.responses, one.logprobs, two.logprobs):
+        assert torch.equal(a, b) and torch.equal(la, lb)
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["graph", "compiled"])
 @pytest.mark.parametrize("name", ["qwen36_mini", "glm52_mini"])
 def test_several_steps_as_one_graph_sample_what_single_steps_sample(name, compile, caplog, monkeypatch):
     """rollout.native.steps_per_graph=8: eight whole steps (the model's step, the race's noise from the rollout's

@@ -11,9 +11,10 @@ Attention reads the prompt pages once per step for all responses (cascade attent
 group's query heads are the rows of one call over the pages, merged by log-sum-exp with each response's own
 keys). GDN takes one recurrent step per response, on CUDA in two Triton launches a layer: the conv, moving its
 window on in place (`conv_step`), then the q/k norms, the gates and the recurrence, advancing the state in place
-(`gdn_decode`). The projections, norms and MLP are the model's own modules, so decode computes what replay
-computes, in another order of summation (and the conv and beta = sigmoid(b) in fp32 where the model's paths round
-them to the activations' dtype first, as HF does).
+(`gdn_decode`); with LONGSTRAW_DECODE_GDN=fused in one (the window then a ring of slots that each input takes in
+turn, so that the programs that read a channel's window never see it moved). The projections, norms and MLP are
+the model's own modules, so decode computes what replay computes, in another order of summation (and the conv and
+beta = sigmoid(b) in fp32 where the model's paths round them to the activations' dtype first, as HF does).
 
 Offloaded K/V pages (`capture.offload=cpu`): every decode token reads every attention layer's K/V in full (dense
 attention), so there is no subset to fetch. The decoder copies as many layers' pages to the device as fit in its
@@ -65,15 +66,17 @@ from longstraw_kernels.attention.decode import (
     response_partials,
 )
 from longstraw_kernels.gdn import conv_step, gdn_decode
+from longstraw_kernels.gdn.reference import ring_from_window
 from longstraw_kernels.linear import gate_serves, kernel_entry
 
 # LONGSTRAW_DECODE_PAGES: `batched` (the default: the pages' attention as a batch of equal ranges, flash splitting
 # each again, plus a call for the rest) or `varlen` (opt in, not yet run on a GPU: the ranges as one varlen flash
 # call, `decode_pages_attention(varlen=True)`)
 DECODE_PAGES_CHOICES = ("batched", "varlen")
-# LONGSTRAW_DECODE_QK and LONGSTRAW_DECODE_MERGE: `modules` (the default: the model's query / key norms and RoPE,
-# then the cache writes; the pages' and the response's partials merged by torch ops, then the output gate) or `fused`
-# (opt in, not yet run on a GPU: each in one launch a layer, attention/triton_decode_qk.py and triton_decode_merge.py;
+# LONGSTRAW_DECODE_QK, LONGSTRAW_DECODE_MERGE and LONGSTRAW_DECODE_GDN: `modules` (the default: the model's query /
+# key norms and RoPE, then the cache writes; the pages' and the response's partials merged by torch ops, then the
+# output gate; GDN's conv, then its recurrence, two launches) or `fused` (opt in, not yet run on a GPU: each in one
+# launch a layer, attention/triton_decode_qk.py, triton_decode_merge.py, gdn/triton_step.py `conv_gdn_decode_triton`;
 # the merge only where the layer's pages hook is the default)
 FUSED_CHOICES = ("modules", "fused")
 
@@ -90,11 +93,17 @@ class ResponseKV(ResponseSlots):
 
 
 class ResponseRecurrent:
-    """One GDN layer's conv window and recurrent state, per response (copies: the prompt's state is shared)."""
+    """One GDN layer's conv window and recurrent state, per response (copies: the prompt's state is shared). The
+    window is conv_BXW, moved on in place each step, or with `ring` conv_BXR: W + 1 slots that take each input in
+    turn (gdn/reference.py `ring_window`; LONGSTRAW_DECODE_GDN=fused)."""
 
-    def __init__(self, conv_CW: torch.Tensor, ssm_GKV: torch.Tensor, batch: int):
-        self.conv_BXW = conv_CW.expand(batch, -1, -1).clone()
+    def __init__(self, conv_CW: torch.Tensor, ssm_GKV: torch.Tensor, batch: int, ring: bool = False):
+        window_BXW = conv_CW.expand(batch, -1, -1).clone()
+        self.conv_BXW, self.conv_BXR = (None, ring_from_window(window_BXW)) if ring else (window_BXW, None)
         self.ssm_BGKV = ssm_GKV.expand(batch, -1, -1, -1).clone()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.conv_BXW, self.conv_BXR, self.ssm_BGKV) if t is not None]
 
 
 # by layer type, the (mixer's, MLP's) linears that read one input: one GEMM each (plan/qwen36.py counts the same)
@@ -225,14 +234,30 @@ class Qwen36Decoder(StaticDecoder):
         hooks = [layer.self_attn.decode_pages_fn if layer.is_attention else None for layer in model.model.layers]
         self.pages_fns = [functools.partial(decode_pages_attention, varlen=True)
                           if varlen and hook is decode_pages_attention else hook for hook in hooks]
-        qk = self._fused("LONGSTRAW_DECODE_QK", "triton_decode_qk", example_BTC, resident)
+        # the attention kernels take bf16/fp16 activations, every attention layer's pages (so its response slots) in
+        # their dtype, a power-of-two head dim
+        dtype = example_BTC.dtype
+        attention = (dtype in (torch.bfloat16, torch.float16) and cfg.head_dim & (cfg.head_dim - 1) == 0
+                     and all(state.k_PKD.dtype == dtype for layer, state in zip(model.model.layers, resident.layers)
+                             if layer.is_attention))
+        needs = "bf16/fp16 activations and pages alike, and a power-of-two head dim"
+        qk = self._fused("LONGSTRAW_DECODE_QK", "attention.triton_decode_qk", example_BTC, attention, needs)
         self.qk = None if qk is None else qk.decode_qk
         # the layers whose pages' partials and the response's merge in one launch with the gate: their pages hook is
         # the default
-        merge = self._fused("LONGSTRAW_DECODE_MERGE", "triton_decode_merge", example_BTC, resident)
+        merge = self._fused("LONGSTRAW_DECODE_MERGE", "attention.triton_decode_merge", example_BTC, attention, needs)
         self.merge = None if merge is None else merge.decode_merge
         self.pages_partials = [functools.partial(decode_pages_partials, varlen=varlen)
                                if merge is not None and hook is decode_pages_attention else None for hook in hooks]
+        # each GDN layer's conv and recurrence in one launch, the conv's window held as a ring (`conv_gdn_decode`)
+        gdn_states = [state for layer, state in zip(model.model.layers, resident.layers) if not layer.is_attention]
+        step_module = optional_module("longstraw_kernels.gdn.triton_step")
+        gdn = kernel_choice("LONGSTRAW_GDN_KERNEL") == "auto" and step_module is not None and all(
+            step_module.conv_decode_supported(example_BTC, ring_from_window(state.conv_CW[None]), state.ssm_GKV[None])
+            for state in gdn_states)
+        conv_gdn = self._fused("LONGSTRAW_DECODE_GDN", "gdn.triton_step", example_BTC, gdn,
+                               "an fp32 state, a key dim of at most 256, and LONGSTRAW_GDN_KERNEL=auto")
+        self.conv_gdn = None if conv_gdn is None else conv_gdn.conv_gdn_decode_triton
         self.layers = []
         for layer, state, pages in zip(model.model.layers, resident.layers, self.pages):
             if layer.is_attention:
@@ -243,7 +268,7 @@ class Qwen36Decoder(StaticDecoder):
                 torch._dynamo.maybe_mark_dynamic(pages.k_PKD, 0)
                 torch._dynamo.maybe_mark_dynamic(pages.v_PKD, 0)
             else:
-                self.layers.append(ResponseRecurrent(state.conv_CW, state.ssm_GKV, batch))
+                self.layers.append(ResponseRecurrent(state.conv_CW, state.ssm_GKV, batch, ring=conv_gdn is not None))
 
     def step(self) -> torch.Tensor:
         model = self.model
@@ -259,23 +284,17 @@ class Qwen36Decoder(StaticDecoder):
             x_BTC = linears.mlp_residual(x_BTC)
         return self.logits(x_BTC)
 
-    def _fused(self, env_var: str, name: str, example_BTC: torch.Tensor, resident: Resident):
-        """The kernel module longstraw_kernels.attention.`name` where `env_var` asks for `fused` and it serves this
-        decode (CUDA or Triton's interpreter; bf16/fp16 activations, every attention layer's pages, so its response
-        slots, in their dtype; a power-of-two head dim), else None, said once on CUDA."""
+    @staticmethod
+    def _fused(env_var: str, name: str, example_BTC: torch.Tensor, serves: bool, needs: str):
+        """The kernel module longstraw_kernels.`name` where `env_var` asks for `fused` and it serves this decode (CUDA
+        or Triton's interpreter, and `serves`: what the kernel `needs`), else None, said once on CUDA."""
         if kernel_choice(env_var, FUSED_CHOICES) != "fused":
             return None
-        cfg, dtype = self.model.config, example_BTC.dtype
-        module = optional_module(f"longstraw_kernels.attention.{name}")
-        where = example_BTC.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-        pages_alike = all(state.k_PKD.dtype == dtype for layer, state in zip(self.model.model.layers, resident.layers)
-                          if layer.is_attention)
-        if (module is not None and where and dtype in (torch.bfloat16, torch.float16) and pages_alike
-                and cfg.head_dim & (cfg.head_dim - 1) == 0):
+        module = optional_module(f"longstraw_kernels.{name}")
+        if module is not None and serves and (example_BTC.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
             return module
         if example_BTC.is_cuda:
-            say_once(f"decode: {env_var}=fused does not serve here (it needs Triton, bf16/fp16 activations and pages "
-                     f"alike, and a power-of-two head dim); the modules run")
+            say_once(f"decode: {env_var}=fused does not serve here (it needs Triton, {needs}); the modules run")
         return None
 
     def _attention(self, attn, qkv: list[torch.Tensor], positions_1, pages, kv: ResponseKV, pages_fn,
@@ -303,10 +322,13 @@ class Qwen36Decoder(StaticDecoder):
                                          self.num_filled(), scale=attn.scale, pages_fn=pages_fn)
         return attn.gated(o_BQD[:, None], gate_BTQD)
 
-    @staticmethod
-    def _gdn(gdn, inputs: list[torch.Tensor], state: ResponseRecurrent):
+    def _gdn(self, gdn, inputs: list[torch.Tensor], state: ResponseRecurrent):
         """-> (the recurrence's output o_BTGV, the gate z_BTX of its output norm)."""
         mixed_BTX, z_BTX, b_BTG, a_BTG = inputs
+        if self.conv_gdn is not None:
+            # one launch: the conv (the input written into its ring slot), the norms, the gates, the recurrence
+            return self.conv_gdn(mixed_BTX, state.conv_BXR, gdn.conv1d.weight, self.step_1, a_BTG, b_BTG, gdn.A_log,
+                                 gdn.dt_bias, state.ssm_BGKV, gdn.num_k), z_BTX
         # on CUDA two launches: the conv (its window moved on in place), then the q/k norms, the gates and the
         # recurrence (the state advanced in place)
         q_BTHK, k_BTHK, v_BTGV = gdn.split_heads(conv_step(mixed_BTX, state.conv_BXW, gdn.conv1d.weight))
