@@ -1,4 +1,4 @@
-"""One decode token of a GDN layer in two Triton launches, for CUDA: `conv_step_reference`'s and
+"""One decode token of a GDN layer in two Triton launches, or in one, for CUDA: `conv_step_reference`'s and
 `gdn_decode_reference`'s contracts.
 
 The decode step's GDN layer ran its conv (a cat, cuDNN's depthwise conv, a SiLU), q and k's L2 norms, the decay g
@@ -20,6 +20,14 @@ it).
 A program owns one (response, value head) pair and BV of its value columns, with its [K, BV] slice of the state in
 registers: it reads that slice before it writes it, and no other program touches it, so the state is updated in
 place. Everything is computed in fp32 (the references' `compute_dtype`); outputs are stored in the inputs' dtype.
+
+`conv_gdn_decode_triton` (LONGSTRAW_DECODE_GDN=fused, opt in, not yet run on a GPU): both in one launch, each
+program convolving the channels it reads (its key head's q and k, its v columns) before the recurrence. Every
+program of a key head reads that head's q and k windows, so a window cannot move in place under them: it is a
+ring of W + 1 slots, input t in slot t mod (W + 1) (reference.py `ring_window`); step t reads the other W slots and
+writes slot t mod (W + 1), one program a channel. The conv's output is rounded to the input's dtype before the
+recurrence, as the two launches store it between them: the same arithmetic, bit for bit in Triton's interpreter.
+
 Exactness: tests/kernels/test_gdn_step.py (Triton's interpreter on CPU, fp32 and bf16 inputs) and
 tests/models/test_gpu_decode.py (CUDA, qwen36_mini's shapes, against fp64) and the decode tests there.
 

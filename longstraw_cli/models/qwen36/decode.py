@@ -205,6 +205,23 @@ def fused_bytes(model) -> int:
     return concatenated_bytes(input_linears(model))
 
 
+def attention_kernels_serve(_module, model, resident: Resident, dtype: torch.dtype) -> bool:
+    """Whether the fused attention kernels (q / k, merge) take this decode: bf16/fp16 activations, every attention
+    layer's pages (so its response slots) in their dtype, a power-of-two head dim."""
+    head_dim = model.config.head_dim
+    return (dtype in (torch.bfloat16, torch.float16) and head_dim & (head_dim - 1) == 0
+            and all(state.k_PKD.dtype == dtype for layer, state in zip(model.model.layers, resident.layers)
+                    if layer.is_attention))
+
+
+def gdn_kernel_serves(module, model, resident: Resident, example_BTC: torch.Tensor) -> bool:
+    """Whether triton_step's one-launch GDN step (`module`) takes every GDN layer of this decode (and the GDN kernels
+    are not forced to their references: LONGSTRAW_GDN_KERNEL)."""
+    return kernel_choice("LONGSTRAW_GDN_KERNEL") == "auto" and all(
+        module.conv_decode_supported(example_BTC, state.conv_CW[None], state.ssm_GKV[None])
+        for layer, state in zip(model.model.layers, resident.layers) if not layer.is_attention)
+
+
 class Qwen36Decoder(StaticDecoder):
     """`step()` feeds `tokens_B` at position num_tokens + step and returns next-token logits [B, V] (fp32+)."""
 
@@ -234,12 +251,7 @@ class Qwen36Decoder(StaticDecoder):
         hooks = [layer.self_attn.decode_pages_fn if layer.is_attention else None for layer in model.model.layers]
         self.pages_fns = [functools.partial(decode_pages_attention, varlen=True)
                           if varlen and hook is decode_pages_attention else hook for hook in hooks]
-        # the attention kernels take bf16/fp16 activations, every attention layer's pages (so its response slots) in
-        # their dtype, a power-of-two head dim
-        dtype = example_BTC.dtype
-        attention = (dtype in (torch.bfloat16, torch.float16) and cfg.head_dim & (cfg.head_dim - 1) == 0
-                     and all(state.k_PKD.dtype == dtype for layer, state in zip(model.model.layers, resident.layers)
-                             if layer.is_attention))
+        attention = functools.partial(attention_kernels_serve, model=model, resident=resident, dtype=example_BTC.dtype)
         needs = "bf16/fp16 activations and pages alike, and a power-of-two head dim"
         qk = self._fused("LONGSTRAW_DECODE_QK", "attention.triton_decode_qk", example_BTC, attention, needs)
         self.qk = None if qk is None else qk.decode_qk
@@ -249,12 +261,9 @@ class Qwen36Decoder(StaticDecoder):
         self.merge = None if merge is None else merge.decode_merge
         self.pages_partials = [functools.partial(decode_pages_partials, varlen=varlen)
                                if merge is not None and hook is decode_pages_attention else None for hook in hooks]
-        # each GDN layer's conv and recurrence in one launch, the conv's window held as a ring (`conv_gdn_decode`)
-        gdn_states = [state for layer, state in zip(model.model.layers, resident.layers) if not layer.is_attention]
-        step_module = optional_module("longstraw_kernels.gdn.triton_step")
-        gdn = kernel_choice("LONGSTRAW_GDN_KERNEL") == "auto" and step_module is not None and all(
-            step_module.conv_decode_supported(example_BTC, ring_from_window(state.conv_CW[None]), state.ssm_GKV[None])
-            for state in gdn_states)
+        # each GDN layer's conv and recurrence in one launch, the conv's window held as a ring
+        # (`conv_gdn_decode_triton`)
+        gdn = functools.partial(gdn_kernel_serves, model=model, resident=resident, example_BTC=example_BTC)
         conv_gdn = self._fused("LONGSTRAW_DECODE_GDN", "gdn.triton_step", example_BTC, gdn,
                                "an fp32 state, a key dim of at most 256, and LONGSTRAW_GDN_KERNEL=auto")
         self.conv_gdn = None if conv_gdn is None else conv_gdn.conv_gdn_decode_triton
@@ -285,13 +294,14 @@ class Qwen36Decoder(StaticDecoder):
         return self.logits(x_BTC)
 
     @staticmethod
-    def _fused(env_var: str, name: str, example_BTC: torch.Tensor, serves: bool, needs: str):
+    def _fused(env_var: str, name: str, example_BTC: torch.Tensor, serves, needs: str):
         """The kernel module longstraw_kernels.`name` where `env_var` asks for `fused` and it serves this decode (CUDA
-        or Triton's interpreter, and `serves`: what the kernel `needs`), else None, said once on CUDA."""
+        or Triton's interpreter, and `serves(module)`: what the kernel `needs`), else None, said once on CUDA."""
         if kernel_choice(env_var, FUSED_CHOICES) != "fused":
             return None
         module = optional_module(f"longstraw_kernels.{name}")
-        if module is not None and serves and (example_BTC.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        where = example_BTC.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+        if module is not None and where and serves(module):
             return module
         if example_BTC.is_cuda:
             say_once(f"decode: {env_var}=fused does not serve here (it needs Triton, {needs}); the modules run")
