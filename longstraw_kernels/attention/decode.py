@@ -25,7 +25,7 @@ from longstraw_kernels import compute_dtype, kernel_choice, optional_module
 from longstraw_kernels.attention.flash import FLASH_DTYPES
 
 __all__ = ["decode_pages_attention", "decode_pages_partials", "response_partials", "merge_partials",
-           "cascade_decode_attention"]
+           "merge_pages_partials", "merge_with_response", "cascade_decode_attention"]
 
 # thread blocks to aim for in one pages call. Fewer than an H200's 132 SMs: each block streams its range at the
 # bandwidth, and every split is a partial to write and merge. qwen36_mini's layer (262,144 pages, 2 kv heads, 64
@@ -146,11 +146,17 @@ def decode_pages_attention(q_BQD: torch.Tensor, k_pages_PKD: torch.Tensor, v_pag
     With no pages the partial is empty: out 0, lse -inf. varlen: on the flash path, the ranges as one varlen call
     (`_flash_varlen_ranges`; `num_splits` ranges, default VARLEN_TARGET_BLOCKS' worth) instead of a batch of equal
     ranges, which flash may split again, and a call for the rest."""
-    B, Q, _ = q_BQD.shape
-    G = Q // k_pages_PKD.shape[1]
     out_NKMD, lse_NKM = decode_pages_partials(q_BQD, k_pages_PKD, v_pages_PKD, scale=scale, num_splits=num_splits,
                                               varlen=varlen)
-    return _rows_back(*merge_partials(out_NKMD.to(lse_NKM.dtype), lse_NKM, q_BQD.dtype), B, G)
+    return merge_pages_partials(out_NKMD, lse_NKM, q_BQD.shape[0], q_BQD.dtype)
+
+
+def merge_pages_partials(out_NKMD: torch.Tensor, lse_NKM: torch.Tensor, batch: int, dtype: torch.dtype):
+    """`decode_pages_partials`' partials merged (in lse's dtype) and their rows m = b * G + g of kv head k back to
+    query head k * G + g of response b. -> (out [B, Q, D] in `dtype`, lse [B, Q])."""
+    K, M, D = out_NKMD.shape[1:]
+    out_KMD, lse_KM = merge_partials(out_NKMD.to(lse_NKM.dtype), lse_NKM, dtype)
+    return _rows_back(out_KMD, lse_KM, batch, M // batch)
 
 
 def _rows_back(out_KMD: torch.Tensor, lse_KM: torch.Tensor, B: int, G: int):
@@ -213,7 +219,13 @@ def cascade_decode_attention(q_BQD, k_pages_PKD, v_pages_PKD, k_BSKD, v_BSKD, fi
     response part over the first `filled_1` slots, merged by log-sum-exp. -> out_BQD in q's dtype."""
     out_p_BQD, lse_p_BQ = pages_fn(q_BQD, k_pages_PKD, v_pages_PKD, scale=scale)
     out_r_NBQD, lse_r_NBQ = response_partials(q_BQD, k_BSKD, v_BSKD, filled_1, scale=scale)
-    dtype = lse_p_BQ.dtype
-    out_BQD, _ = merge_partials(torch.cat([out_p_BQD[None].to(dtype), out_r_NBQD.to(dtype)]),
-                                torch.cat([lse_p_BQ[None], lse_r_NBQ.to(dtype)]), q_BQD.dtype)
+    return merge_with_response(out_p_BQD, lse_p_BQ, out_r_NBQD, lse_r_NBQ, q_BQD.dtype)
+
+
+def merge_with_response(out_p_BQD, lse_p_BQ, out_r_NBQD, lse_r_NBQ, dtype: torch.dtype) -> torch.Tensor:
+    """The pages' merged part and the response's partials merged by log-sum-exp (in the pages' lse dtype).
+    -> out_BQD in `dtype`."""
+    compute = lse_p_BQ.dtype
+    out_BQD, _ = merge_partials(torch.cat([out_p_BQD[None].to(compute), out_r_NBQD.to(compute)]),
+                                torch.cat([lse_p_BQ[None], lse_r_NBQ.to(compute)]), dtype)
     return out_BQD

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from longstraw_kernels.attention.decode import merge_partials
+from longstraw_kernels.attention.decode import merge_pages_partials, merge_with_response
 
 __all__ = ["decode_merge", "decode_merge_reference"]
 
@@ -36,17 +36,12 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 def decode_merge_reference(out_p_NKMD: torch.Tensor, lse_p_NKM: torch.Tensor, out_r_NBQD: torch.Tensor,
                            lse_r_NBQ: torch.Tensor, gate_BQD: torch.Tensor) -> torch.Tensor:
-    """The contract, in torch (the cascade's merges and the gate; the gate's product in fp32, rounded once).
+    """The contract, in torch: the cascade's two merges (`decode_pages_attention`'s and `cascade_decode_attention`'s
+    own) and the gate (its product in fp32, rounded once).
     Pages' rows m = b * G + g of kv head k are query head k * G + g of response b. -> y [B, Q, D] in gate's dtype."""
-    N, K, M, D = out_p_NKMD.shape
-    B, Q = gate_BQD.shape[:2]
-    G = Q // K
     dtype = gate_BQD.dtype
-    o_KMD, lse_KM = merge_partials(out_p_NKMD.float(), lse_p_NKM.float(), dtype)
-    o_BQD = o_KMD.reshape(K, B, G, D).transpose(0, 1).reshape(B, Q, D)
-    lse_BQ = lse_KM.reshape(K, B, G).transpose(0, 1).reshape(B, Q)
-    o_BQD, _ = merge_partials(torch.cat([o_BQD[None].float(), out_r_NBQD.float()]),
-                              torch.cat([lse_BQ[None], lse_r_NBQ.float()]), dtype)
+    o_p_BQD, lse_p_BQ = merge_pages_partials(out_p_NKMD, lse_p_NKM.float(), gate_BQD.shape[0], dtype)
+    o_BQD = merge_with_response(o_p_BQD, lse_p_BQ, out_r_NBQD, lse_r_NBQ, dtype)
     return (o_BQD.float() * torch.sigmoid(gate_BQD.float())).to(dtype)
 
 
