@@ -98,8 +98,9 @@ class ResponseRecurrent:
     turn (gdn/reference.py `ring_window`; LONGSTRAW_DECODE_GDN=fused)."""
 
     def __init__(self, conv_CW: torch.Tensor, ssm_GKV: torch.Tensor, batch: int, ring: bool = False):
-        window_BXW = conv_CW.expand(batch, -1, -1).clone()
-        self.conv_BXW, self.conv_BXR = (None, ring_from_window(window_BXW)) if ring else (window_BXW, None)
+        window_BXW = conv_CW.expand(batch, -1, -1)
+        # the ring is a new tensor already (its cat); the window a copy of the prompt's
+        self.conv_BXW, self.conv_BXR = (None, ring_from_window(window_BXW)) if ring else (window_BXW.clone(), None)
         self.ssm_BGKV = ssm_GKV.expand(batch, -1, -1, -1).clone()
 
     def tensors(self) -> list[torch.Tensor]:
@@ -312,11 +313,10 @@ class Qwen36Decoder(StaticDecoder):
         if self.qk is not None:
             # the norms, RoPE and both cache writes in one launch (LONGSTRAW_DECODE_QK=fused)
             qg_BTX, k_BTX, v_BTX = qkv
-            B, T, _ = qg_BTX.shape
             cos, sin = rope_cos_sin(positions_1, attn.cfg.rotary_dim, attn.cfg.rope_theta, qg_BTX.dtype)
             q_BQD = self.qk(qg_BTX, k_BTX, v_BTX, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, cos, sin,
                             self.step_1, kv.k_BSKD, kv.v_BSKD)
-            gate_BTQD = qg_BTX.view(B, T, attn.num_q, 2 * attn.head_dim)[..., attn.head_dim:]
+            gate_BTQD = attn.split_query_gate(qg_BTX)[1]
         else:
             q_BTQD, k_BTKD, v_BTKD, gate_BTQD = attn.project_from(*qkv, positions_1)
             kv.k_BSKD.index_copy_(1, self.step_1, k_BTKD.to(kv.k_BSKD.dtype))

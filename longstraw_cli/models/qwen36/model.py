@@ -93,13 +93,19 @@ class GatedAttention(nn.Module):
 
     def project_from(self, q_BTX, k_BTX, v_BTX, positions_T: torch.Tensor):
         """`project` from its three linears' outputs (the decode step computes them as one GEMM)."""
-        B, T, _ = q_BTX.shape
-        q_BTQD, gate_BTQD = q_BTX.view(B, T, self.num_q, 2 * self.head_dim).chunk(2, dim=-1)
+        q_BTQD, gate_BTQD = self.split_query_gate(q_BTX)
+        B, T = q_BTQD.shape[:2]
         q_BTQD = self.q_norm(q_BTQD)
         k_BTKD = self.k_norm(k_BTX.view(B, T, self.num_kv, self.head_dim))
         v_BTKD = v_BTX.view(B, T, self.num_kv, self.head_dim)
         cos, sin = rope_cos_sin(positions_T, self.cfg.rotary_dim, self.cfg.rope_theta, q_BTQD.dtype)
         return apply_partial_rope(q_BTQD, cos, sin), apply_partial_rope(k_BTKD, cos, sin), v_BTKD, gate_BTQD
+
+    def split_query_gate(self, q_BTX: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q_proj's output [B, T, Q * 2 D] (each head's query, then its gate) -> (queries, gates) [B, T, Q, D]."""
+        B, T, _ = q_BTX.shape
+        q_BTQD, gate_BTQD = q_BTX.view(B, T, self.num_q, 2 * self.head_dim).chunk(2, dim=-1)
+        return q_BTQD, gate_BTQD
 
     def output(self, o_BTQD: torch.Tensor, gate_BTQD: torch.Tensor) -> torch.Tensor:
         return self.o_proj(self.gated(o_BTQD, gate_BTQD))
