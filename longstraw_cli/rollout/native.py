@@ -23,6 +23,7 @@ import torch
 
 from longstraw_cli.models.slots import response_capacities
 from longstraw_cli.resident.offload import side_stream
+from longstraw_kernels import say_once
 from longstraw_kernels.sampling import race_sample
 
 log = logging.getLogger(__name__)
@@ -298,15 +299,16 @@ class GraphedSteps:
         # buffer: no draw, so the generator is where the steps before left it)
         for k in range(self.n):
             self.sampler.race(self.step_fn.logits_BV, self.tokens_NB[k], self.logp_NB[k], self.entropy_NB[k])
-        graph = torch.cuda.CUDAGraph()
         try:
+            graph = torch.cuda.CUDAGraph()
             if self.sampler.race_BV is not None and self.sampler.generator is not None:
                 graph.register_generator_state(self.sampler.generator)
             with torch.cuda.graph(graph):
                 self._steps()
         except (RuntimeError, AttributeError) as exc:
-            log.warning("%d decode steps could not be captured as one CUDA graph (%s); decoding a step at a time",
-                        self.n, (str(exc).splitlines() or [""])[0][:200])
+            # once a process: each rollout builds its own GraphedSteps and would meet the same error
+            say_once(f"{self.n} decode steps could not be captured as one CUDA graph "
+                     f"({(str(exc).splitlines() or [''])[0][:200]}); decoding a step at a time")
             self.failed = True
             return False
         self.graph, self.capacity = graph, self.decoder.capacity

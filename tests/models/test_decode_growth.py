@@ -243,3 +243,43 @@ def test_steps_per_graph_setting_is_checked(tmp_path):
     for bad in (-1, 1.5, True):
         with pytest.raises((ValueError, ConfigError), match="steps_per_graph must be an integer >= 0"):
             NativeConfig(steps_per_graph=bad)
+
+
+def test_a_failed_capture_of_several_steps_is_said_once_and_they_run_eagerly(caplog):
+    """Where the N-step graph cannot be captured (here the CPU build's CUDAGraph refuses to exist; a GraphedStep
+    whose single-step graph stands at the decoder's capacity stands in for the GPU's), one warning a process however
+    many rollouts meet it, the N steps of that call run eagerly (the tokens single steps sample from the same noise),
+    and the rollout goes on a step at a time (`ready` is False)."""
+    import logging
+
+    from longstraw_cli.rollout import native
+
+    model = random_model("qwen36_tiny", torch.float64, seed=1)
+    resident = model.capture(ids(PROMPT, 2), block_size=16)
+    cfg = SamplingConfig(max_new_tokens=R)
+
+    def run(n_steps, several: bool):
+        decoder = model.decoder(resident, G, R)
+        single = native.GraphedStep.__new__(native.GraphedStep)
+        single.decoder, single.step, single.eager = decoder, decoder.step, False
+        single.logits_BV, single.graph, single.capacity = decoder.step(), "stands in", decoder.capacity
+        sampler = native.Sampler(cfg, torch.Generator().manual_seed(3), decoder, single.logits_BV)
+        tokens = torch.empty(G, n_steps, dtype=torch.long)
+        logp, entropy = torch.empty(G, n_steps, dtype=torch.float64), torch.empty(G, n_steps, dtype=torch.float64)
+        if several:
+            steps = native.GraphedSteps(n_steps, decoder, single, sampler, torch.float64)
+            assert steps.graphed and steps.ready()
+            steps(0, tokens, logp, entropy)
+            assert steps.failed and not steps.ready()
+        else:
+            for k in range(n_steps):
+                sampler(decoder.step(), tokens[:, k], logp[:, k], entropy[:, k])
+        return tokens, logp
+
+    native.say_once.cache_clear()
+    with caplog.at_level(logging.WARNING):
+        want, got = run(3, False), run(3, True)
+        run(3, True)
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    said = [r for r in caplog.records if "could not be captured as one CUDA graph" in r.getMessage()]
+    assert len(said) == 1 and "decoding a step at a time" in said[0].getMessage()
