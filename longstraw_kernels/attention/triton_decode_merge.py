@@ -15,7 +15,8 @@ two roundings and the gate's product rounded once (as the compiled step rounds i
 
 A row with no finite lse anywhere comes out 0 (merge_partials' rule). The contract is `decode_merge_reference`;
 tests/kernels/test_decode_merge.py holds the kernel to it in Triton's interpreter (CPU). Opt in
-(LONGSTRAW_DECODE_MERGE=fused, qwen36/decode.py): not yet run on a GPU.
+(LONGSTRAW_DECODE_MERGE=fused, qwen36/decode.py): passes its GPU tests; on an H200 no faster than the compiled
+step's own merges (qwen36_mini 2.816 against 2.810 ms a step), hence opt in.
 """
 
 from __future__ import annotations

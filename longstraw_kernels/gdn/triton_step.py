@@ -21,7 +21,8 @@ A program owns one (response, value head) pair and BV of its value columns, with
 registers: it reads that slice before it writes it, and no other program touches it, so the state is updated in
 place. Everything is computed in fp32 (the references' `compute_dtype`); outputs are stored in the inputs' dtype.
 
-`conv_gdn_decode_triton` (LONGSTRAW_DECODE_GDN=fused, opt in, not yet run on a GPU): both in one launch, each
+`conv_gdn_decode_triton` (LONGSTRAW_DECODE_GDN=fused, opt in: bit for bit the two launches' on an H200 and no
+faster, qwen36_mini 2.816 against 2.810 ms a step): both in one launch, each
 program convolving the channels it reads (its key head's q and k, its v columns) before the recurrence. Every
 program of a key head reads that head's q and k windows, so a window cannot move in place under them: it is a
 ring of W + 1 slots, input t in slot t mod (W + 1) (reference.py `ring_window`); step t reads the other W slots and

@@ -109,6 +109,7 @@ def measure(model, resident, args, routing, steps_per_graph: int = 0) -> dict:
     return row
 
 
+@torch.no_grad()
 def setup_parts(model, resident, args) -> dict:
     """A rollout's setup taken apart, each part synchronised (no routing record; after `measure`, so nothing
     compiles): building the decoder (buffers, state and weight copies), its step once through the compiled

@@ -70,15 +70,18 @@ from longstraw_kernels.gdn.reference import ring_from_window
 from longstraw_kernels.linear import gate_serves, kernel_entry
 
 # LONGSTRAW_DECODE_PAGES: `batched` (the default: the pages' attention as a batch of equal ranges, flash splitting
-# each again, plus a call for the rest) or `varlen` (opt in, not yet run on a GPU: the ranges as one varlen flash
+# each again, plus a call for the rest) or `varlen` (opt in, no faster on an H200: the ranges as one varlen flash
 # call, `decode_pages_attention(varlen=True)`)
 DECODE_PAGES_CHOICES = ("batched", "varlen")
-# LONGSTRAW_DECODE_QK, LONGSTRAW_DECODE_MERGE and LONGSTRAW_DECODE_GDN: `modules` (the default: the model's query /
-# key norms and RoPE, then the cache writes; the pages' and the response's partials merged by torch ops, then the
-# output gate; GDN's conv, then its recurrence, two launches) or `fused` (opt in, not yet run on a GPU: each in one
-# launch a layer, attention/triton_decode_qk.py, triton_decode_merge.py, gdn/triton_step.py `conv_gdn_decode_triton`;
-# the merge only where the layer's pages hook is the default)
+# LONGSTRAW_DECODE_MERGE and LONGSTRAW_DECODE_GDN: `modules` (the default: the pages' and the response's partials
+# merged by torch ops, then the output gate; GDN's conv, then its recurrence, two launches) or `fused` (opt in: each
+# in one launch a layer, attention/triton_decode_merge.py, gdn/triton_step.py `conv_gdn_decode_triton`; the merge only
+# where the layer's pages hook is the default; on an H200 neither was faster, docs/BENCHMARKS.md)
 FUSED_CHOICES = ("modules", "fused")
+# LONGSTRAW_DECODE_QK: `fused` (the default where it serves: the query / key norms, RoPE and both cache writes in one
+# launch a layer, attention/triton_decode_qk.py; qwen36_mini's step 2.91 -> 2.84 ms in the trainer on an H200) or
+# `modules` (the model's norms and RoPE, then the cache writes)
+QK_CHOICES = ("fused", "modules")
 
 
 class ResponseKV(ResponseSlots):
@@ -254,7 +257,8 @@ class Qwen36Decoder(StaticDecoder):
                           if varlen and hook is decode_pages_attention else hook for hook in hooks]
         attention = functools.partial(attention_kernels_serve, model=model, resident=resident, dtype=example_BTC.dtype)
         needs = "bf16/fp16 activations and pages alike, and a power-of-two head dim"
-        qk = self._fused("LONGSTRAW_DECODE_QK", "attention.triton_decode_qk", example_BTC, attention, needs)
+        qk = self._fused("LONGSTRAW_DECODE_QK", "attention.triton_decode_qk", example_BTC, attention, needs,
+                         QK_CHOICES)
         self.qk = None if qk is None else qk.decode_qk
         # the layers whose pages' partials and the response's merge in one launch with the gate: their pages hook is
         # the default
@@ -295,16 +299,20 @@ class Qwen36Decoder(StaticDecoder):
         return self.logits(x_BTC)
 
     @staticmethod
-    def _fused(env_var: str, name: str, example_BTC: torch.Tensor, serves, needs: str):
-        """The kernel module longstraw_kernels.`name` where `env_var` asks for `fused` and it serves this decode (CUDA
-        or Triton's interpreter, and `serves(module)`: what the kernel `needs`), else None, said once on CUDA."""
-        if kernel_choice(env_var, FUSED_CHOICES) != "fused":
+    def _fused(env_var: str, name: str, example_BTC: torch.Tensor, serves, needs: str,
+               choices: tuple[str, ...] = FUSED_CHOICES):
+        """The kernel module longstraw_kernels.`name` where `env_var` (or its default, the first of `choices`) asks
+        for `fused` and it serves this decode (CUDA or Triton's interpreter, and `serves(module)`: what the kernel
+        `needs`), else None; said once on CUDA where the variable asked for it. A default runs on CUDA only: Triton's
+        interpreter only where the variable asks (as the decode's linears, CPU runs keep the modules)."""
+        asked = env_var in os.environ
+        if kernel_choice(env_var, choices) != "fused":
             return None
         module = optional_module(f"longstraw_kernels.{name}")
-        where = example_BTC.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+        where = example_BTC.is_cuda or (asked and os.environ.get("TRITON_INTERPRET") == "1")
         if module is not None and where and serves(module):
             return module
-        if example_BTC.is_cuda:
+        if example_BTC.is_cuda and asked:
             say_once(f"decode: {env_var}=fused does not serve here (it needs Triton, {needs}); the modules run")
         return None
 
