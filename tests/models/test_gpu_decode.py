@@ -215,3 +215,28 @@ def test_repeated_graph_rollouts_hold_no_memory():
         torch.cuda.synchronize()
         allocated.append(torch.cuda.memory_allocated())
     assert allocated[2] == allocated[1], allocated
+
+
+def test_compiled_norms_capture_what_the_eager_norms_capture(monkeypatch):
+    """LONGSTRAW_NORMS=compiled (qwen36's graph-free CUDA forwards: each norm one torch.compile kernel): the capture's
+    pages and recurrent state within bf16's noise of the eager norms' (the same fp32 arithmetic, fused), and the
+    norms under autograd stay eager (the replay's graph is torch's own)."""
+    from longstraw_cli.models.qwen36 import model as qwen36_model
+
+    model = reduced("qwen36_mini")
+    prompt = torch.randint(0, 250, (3000,), generator=torch.Generator().manual_seed(4)).cuda()
+    eager = model.capture(prompt, block_size=1024)
+    monkeypatch.setenv("LONGSTRAW_NORMS", "compiled")
+    calls = []
+    plain = qwen36_model._compiled_norm
+    monkeypatch.setattr(qwen36_model, "_compiled_norm", lambda fn: calls.append(fn) or plain(fn))
+    compiled = model.capture(prompt, block_size=1024)
+    assert len(calls) > 0
+    for a, b in zip(eager.layers, compiled.layers):
+        for name in ("k_PKD", "v_PKD", "conv_CW", "ssm_GKV"):
+            if hasattr(a, name):
+                assert rel_err(getattr(b, name), getattr(a, name)) < 1e-2, name
+    x = torch.randn(2, 5, model.config.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    calls.clear()
+    model.model.layers[0].input_layernorm(x).sum().backward()
+    assert calls == [] and x.grad is not None
