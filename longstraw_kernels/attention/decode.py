@@ -154,9 +154,8 @@ def decode_pages_attention(q_BQD: torch.Tensor, k_pages_PKD: torch.Tensor, v_pag
 def merge_pages_partials(out_NKMD: torch.Tensor, lse_NKM: torch.Tensor, batch: int, dtype: torch.dtype):
     """`decode_pages_partials`' partials merged (in lse's dtype) and their rows m = b * G + g of kv head k back to
     query head k * G + g of response b. -> (out [B, Q, D] in `dtype`, lse [B, Q])."""
-    K, M, D = out_NKMD.shape[1:]
     out_KMD, lse_KM = merge_partials(out_NKMD.to(lse_NKM.dtype), lse_NKM, dtype)
-    return _rows_back(out_KMD, lse_KM, batch, M // batch)
+    return _rows_back(out_KMD, lse_KM, batch, out_NKMD.shape[2] // batch)
 
 
 def _rows_back(out_KMD: torch.Tensor, lse_KM: torch.Tensor, B: int, G: int):

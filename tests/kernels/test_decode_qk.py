@@ -1,6 +1,7 @@
 """The qwen36 decode's query / key preparation in one launch (`triton_decode_qk.decode_qk`, Triton's interpreter on
 CPU) against its contract (`decode_qk_reference`), and the contract against the model's own path (`project_from`
-and the cache writes). Not yet run on a GPU."""
+and the cache writes). On CUDA, the `gpu` test below (passed on an H200) and tests/models/test_gpu_decode.py's qwen36
+decodes, which take the kernel by default."""
 
 import pytest
 import torch
@@ -82,6 +83,32 @@ def test_qwen36_decode_through_the_fused_qk_equals_the_modules(monkeypatch):
     resident = model.capture(ids(40, 0), block_size=16)
     assert_fused_kernel_decodes(monkeypatch, model, resident, "LONGSTRAW_DECODE_QK", "qk", decode_qk,
                                 sum(layer.is_attention for layer in model.model.layers), 3, 2e-2)
+
+
+def test_a_default_kernel_that_does_not_serve_on_cuda_is_said_once(monkeypatch, caplog):
+    """LONGSTRAW_DECODE_QK's default is the kernel: on CUDA, where it does not serve (fp32 activations, say), the
+    modules run and the run is told once, naming the default, as when the variable asks; off CUDA nothing is said."""
+    import logging
+    from types import SimpleNamespace
+
+    from longstraw_cli.models.qwen36.decode import QK_CHOICES, Qwen36Decoder
+    from longstraw_kernels import say_once
+
+    monkeypatch.delenv("LONGSTRAW_DECODE_QK", raising=False)
+    name, needs, cuda = "attention.triton_decode_qk", "bf16/fp16 activations", SimpleNamespace(is_cuda=True)
+    say_once.cache_clear()
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            assert Qwen36Decoder._fused("LONGSTRAW_DECODE_QK", name, cuda, lambda m: False, needs, QK_CHOICES) is None
+        assert Qwen36Decoder._fused("LONGSTRAW_DECODE_QK", name, torch.zeros(1), lambda m: True, needs,
+                                    QK_CHOICES) is None
+        monkeypatch.setenv("LONGSTRAW_DECODE_QK", "fused")
+        assert Qwen36Decoder._fused("LONGSTRAW_DECODE_QK", name, cuda, lambda m: False, needs, QK_CHOICES) is None
+    said = [r.getMessage() for r in caplog.records if "does not serve" in r.getMessage()]
+    assert said == ["decode: LONGSTRAW_DECODE_QK=fused (the default) does not serve here (it needs Triton, "
+                    "bf16/fp16 activations); the modules run",
+                    "decode: LONGSTRAW_DECODE_QK=fused does not serve here (it needs Triton, bf16/fp16 activations); "
+                    "the modules run"]
 
 
 @torch.no_grad()

@@ -4,7 +4,7 @@ output and the same state, advanced in place, from raw q, k (before their norms)
 strided inputs as the conv's split gives them, grouped value heads, a key dim that is not a power of two, and gate
 inputs on both sides of softplus's threshold. The one-launch form (conv and recurrence, the conv's window as a ring)
 against the two launches and the references over steps that wrap the ring, and the decoder through it. On CUDA,
-tests/models/test_gpu_decode.py checks the two launches at qwen36's shape."""
+tests/models/test_gpu_decode.py checks the two launches at qwen36's shape, and the one launch against them."""
 
 import pytest
 import torch

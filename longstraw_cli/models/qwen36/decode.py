@@ -303,8 +303,9 @@ class Qwen36Decoder(StaticDecoder):
                choices: tuple[str, ...] = FUSED_CHOICES):
         """The kernel module longstraw_kernels.`name` where `env_var` (or its default, the first of `choices`) asks
         for `fused` and it serves this decode (CUDA or Triton's interpreter, and `serves(module)`: what the kernel
-        `needs`), else None; said once on CUDA where the variable asked for it. A default runs on CUDA only: Triton's
-        interpreter only where the variable asks (as the decode's linears, CPU runs keep the modules)."""
+        `needs`), else None; on CUDA a kernel that does not serve is said once, whether asked for or the default (as
+        the decode's linears say it). A default runs on CUDA only: Triton's interpreter only where the variable asks
+        (as the decode's linears, CPU runs keep the modules)."""
         asked = env_var in os.environ
         if kernel_choice(env_var, choices) != "fused":
             return None
@@ -312,14 +313,15 @@ class Qwen36Decoder(StaticDecoder):
         where = example_BTC.is_cuda or (asked and os.environ.get("TRITON_INTERPRET") == "1")
         if module is not None and where and serves(module):
             return module
-        if example_BTC.is_cuda and asked:
-            say_once(f"decode: {env_var}=fused does not serve here (it needs Triton, {needs}); the modules run")
+        if example_BTC.is_cuda:
+            choice = f"{env_var}=fused" if asked else f"{env_var}=fused (the default)"
+            say_once(f"decode: {choice} does not serve here (it needs Triton, {needs}); the modules run")
         return None
 
     def _attention(self, attn, qkv: list[torch.Tensor], positions_1, pages, kv: ResponseKV, pages_fn,
                    pages_partials=None):
         if self.qk is not None:
-            # the norms, RoPE and both cache writes in one launch (LONGSTRAW_DECODE_QK=fused)
+            # the norms, RoPE and both cache writes in one launch (LONGSTRAW_DECODE_QK=fused, the default on CUDA)
             qg_BTX, k_BTX, v_BTX = qkv
             cos, sin = rope_cos_sin(positions_1, attn.cfg.rotary_dim, attn.cfg.rope_theta, qg_BTX.dtype)
             q_BQD = self.qk(qg_BTX, k_BTX, v_BTX, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, cos, sin,
