@@ -4,8 +4,8 @@ Overrides are checked before Hydra composes (unknown keys, bad group options: on
 and the valid choices), the composed config becomes a TrainConfig once, and the Trainer sees nothing else.
 `-m` sweeps, `--cfg job`, `--help` and `hydra.*` overrides are Hydra's own. Under torchrun every rank runs
 Hydra with one shared run dir; rank 0 alone writes `.hydra/`, and every rank logs to `train_rank{RANK}.log`.
-Set HYDRA_FULL_ERROR=1 for tracebacks. A run that stops early ends with one line and the exit status errors.py
-lists; `longstraw train` holds run_dir's lock (runlock.py) while it trains.
+Set HYDRA_FULL_ERROR=1 for tracebacks. A run that stops early ends with one line and the exit status safety/errors.py
+lists; `longstraw train` holds run_dir's lock (safety/runlock.py) while it trains.
 """
 
 from __future__ import annotations
@@ -141,9 +141,9 @@ class BelowError(logging.Filter):
 def _stop(e: BaseException, *, every_rank: bool = True):
     """A run that stops early (errors.RunError): its line in the rank's log file and on stderr, its exit status.
     every_rank=False: an error every rank meets alike (set-up), printed once."""
-    from longstraw_cli.errors import RunError
-    from longstraw_cli.guard import NonFiniteStop
-    from longstraw_cli.preemption import Preempted
+    from longstraw_cli.safety.errors import RunError
+    from longstraw_cli.safety.guard import NonFiniteStop
+    from longstraw_cli.safety.preemption import Preempted
 
     code, kind = (e.exit_code, e.kind) if isinstance(e, RunError) else (2, "error")
     logging.getLogger("longstraw").error("%s", e)
@@ -187,8 +187,8 @@ def _check_resume(overrides: list[str]) -> str | None:
 
 def _check_run_dir(overrides: list[str]) -> str | None:
     """Before Hydra writes `.hydra/` and a log file there: run_dir is a directory and no other launch holds it."""
-    from longstraw_cli import runlock
     from longstraw_cli.config import ConfigError
+    from longstraw_cli.safety import runlock
 
     try:
         run_dir = _run_dir_override(overrides)
@@ -242,8 +242,8 @@ def _task(cfg) -> None:
         if full_error:
             raise
         _fail(str(e))
-    from longstraw_cli.errors import RunError
-    from longstraw_cli.runlock import RunLock
+    from longstraw_cli.safety.errors import RunError
+    from longstraw_cli.safety.runlock import RunLock
     from longstraw_cli.telemetry.progress import notice
     from longstraw_cli.trainer import Trainer
 
@@ -253,7 +253,7 @@ def _task(cfg) -> None:
     try:
         with lock:
             # set-up errors (a bad file, tokenizer, reward spec) are the user's input: one line; errors while
-            # training are not, and keep their traceback, but for the ones that stop a run (errors.py)
+            # training are not, and keep their traceback, but for the ones that stop a run (safety/errors.py)
             try:
                 trainer = Trainer(train_cfg)
             except (ValueError, ImportError) as e:
@@ -284,7 +284,7 @@ def _warn_if_planned_over(cfg, trainer) -> None:
     try:
         line = preflight(cfg, device_total_bytes(trainer.device))
     except Exception as e:  # noqa: BLE001 - an estimate only: never stops a run
-        from longstraw_cli.errors import first_line
+        from longstraw_cli.safety.errors import first_line
 
         logging.getLogger("longstraw").info("no memory plan for this run (%s)", first_line(e))
         return
@@ -314,13 +314,13 @@ def train(argv: list[str]) -> int:
             _fail(problem)
     sys.argv = ["longstraw-train", *argv]
     main = hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(_task)
-    from longstraw_cli.preemption import ABORTED, recorded_outcome
+    from longstraw_cli.safety.preemption import ABORTED, recorded_outcome
 
     with recorded_outcome():
         try:
             main()
         except KeyboardInterrupt:
-            # the training loop takes a first SIGINT as a request to stop with a checkpoint (preemption.py)
+            # the training loop takes a first SIGINT as a request to stop with a checkpoint (safety/preemption.py)
             if os.environ.get("HYDRA_FULL_ERROR") == "1":
                 raise
             _fail("SIGINT outside the training loop: stopped, without a checkpoint", ABORTED, "interrupted")

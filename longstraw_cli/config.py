@@ -29,11 +29,11 @@ from longstraw_cli.rl.reward_adapters import REWARD_STYLES
 from longstraw_cli.rl.task_base import TaskConfig
 from longstraw_cli.rollout.native import NativeConfig, SamplingConfig
 from longstraw_cli.rollout.vllm_engine import VllmConfig
+from longstraw_cli.safety.typed import mismatch
 from longstraw_cli.schedule import SCHEDULES
 from longstraw_cli.telemetry.metrics import WandbConfig
 from longstraw_cli.tokenizer import resolve_tokenizer
 from longstraw_cli.transaction import TransactionConfig
-from longstraw_cli.typed import mismatch
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 ENGINES = ("native", "vllm")
@@ -270,9 +270,9 @@ class TrainConfig:
     reward_style: str = "auto"
     # prompts whose gradients accumulate before one optimizer step (per data-parallel rank)
     prompts_per_step: int = 1
-    # the run stops when this many steps in a row were not applied (non-finite loss or gradient norm; guard.py)
+    # the run stops when this many steps in a row were not applied (non-finite loss or gradient norm; safety/guard.py)
     max_nonfinite_steps: int = 3
-    # how long a collective may wait for the other ranks before the run stops with one line (watchdog.py)
+    # how long a collective may wait for the other ranks before the run stops with one line (safety/watchdog.py)
     dist_timeout_s: float = 1800.0
     # Triton's and torch.compile's caches, kept across launches (compile_cache.py): None: $XDG_CACHE_HOME/longstraw
     # (~/.cache/longstraw); a directory; False: left as Triton and torch set them

@@ -12,11 +12,12 @@ the configured strategy (`strategy=ddp|fsdp2|deepspeed`, distributed/strategy.py
 the checkpoint's whole tensors. Every process group comes from `ParallelDims.new_groups`.
 
 Under faults (README, "What is guaranteed"):
-- a step whose loss or gradient norm is not finite is not applied (guard.py);
+- a step whose loss or gradient norm is not finite is not applied (safety/guard.py);
 - a checkpoint holds every rank's RNG and the config; resume passes over a corrupt one (checkpoint/);
-- SIGTERM / SIGUSR1 end the run after the current step, with a checkpoint (preemption.py);
-- every collective waits at most dist_timeout_s, then the run stops with one line naming it (watchdog.py);
-- prompts and reward values are checked (inputs.py); a run that stops early says why in one line (errors.py).
+- SIGTERM / SIGUSR1 end the run after the current step, with a checkpoint (safety/preemption.py);
+- every collective waits at most dist_timeout_s, then the run stops with one line naming it (safety/watchdog.py);
+- prompts and reward values are checked (safety/inputs.py);
+- a run that stops early says why in one line (safety/errors.py).
 """
 
 from __future__ import annotations
@@ -33,26 +34,27 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from longstraw_cli import checkpoint, compile_cache, watchdog
+from longstraw_cli import checkpoint, compile_cache
 from longstraw_cli.checkpoint import CheckpointManager, trainer_state
 from longstraw_cli.config import TrainConfig
 from longstraw_cli.distributed.ep import ep_slice
 from longstraw_cli.distributed.strategy import make_strategy
 from longstraw_cli.distributed.topology import ParallelDims, env_rank_world
-from longstraw_cli.errors import RunError, first_line
-from longstraw_cli.guard import NonFiniteGuard
-from longstraw_cli.inputs import InputError, check_prompt, check_prompts
 from longstraw_cli.lora import adapters_disabled, apply_lora
 from longstraw_cli.models import build_model, from_pretrained
 from longstraw_cli.models.spec import family_of
 from longstraw_cli.plan import whole_response_advice
-from longstraw_cli.preemption import Preempted, Preemption
 from longstraw_cli.quantize import DenseCache, dense_copies, nf4_modules
 from longstraw_cli.resident.offload import host_available_bytes, host_bytes
 from longstraw_cli.reuse import PromptReuse
 from longstraw_cli.rl.reward_adapters import GroupReward
 from longstraw_cli.rl.tasks import Example, make_task
 from longstraw_cli.rollout.native import Rollout, generate
+from longstraw_cli.safety import watchdog
+from longstraw_cli.safety.errors import RunError, first_line
+from longstraw_cli.safety.guard import NonFiniteGuard
+from longstraw_cli.safety.inputs import InputError, check_prompt, check_prompts
+from longstraw_cli.safety.preemption import Preempted, Preemption
 from longstraw_cli.schedule import lr_factor
 from longstraw_cli.telemetry.memory import PhaseClock
 from longstraw_cli.telemetry.metrics import MetricsLogger

@@ -35,7 +35,7 @@ from longstraw_cli.checkpoint.atomic import TMP_TAG, fsync_dir, remove, replace_
 from longstraw_cli.checkpoint.integrity import CheckpointError, PartlyLoaded, check_parameters, write_marker
 from longstraw_cli.checkpoint.select import CheckpointManager
 from longstraw_cli.checkpoint.trainer_state import read_trainer_state, save_trainer_state
-from longstraw_cli.errors import first_line
+from longstraw_cli.safety.errors import first_line
 
 DCP_DIR = "dcp"
 _TMP_NAME = f"{TMP_TAG}dcp"

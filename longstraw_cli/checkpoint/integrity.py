@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from longstraw_cli.errors import RunError
-from longstraw_cli.guard import NonFiniteStop
+from longstraw_cli.safety.errors import RunError
+from longstraw_cli.safety.guard import NonFiniteStop
 
 COMPLETE_FILE = "COMPLETE"
 

@@ -26,9 +26,9 @@ import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from longstraw_cli.inputs import RewardError, reward_value
 from longstraw_cli.rl.rewards import get_reward
 from longstraw_cli.rl.tasks import Example
+from longstraw_cli.safety.inputs import RewardError, reward_value
 
 
 @dataclass(frozen=True)

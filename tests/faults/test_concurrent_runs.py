@@ -15,7 +15,8 @@ from datetime import datetime
 import pytest
 
 from conftest import rows
-from longstraw_cli import cli, runlock
+from longstraw_cli import cli
+from longstraw_cli.safety import runlock
 
 SMALL = ["prompt_tokens=64", "response_tokens=4", "group_size=2", "logger.backends=[jsonl]"]
 

@@ -121,7 +121,7 @@ def test_a_reward_that_returns_a_string_is_one_line_naming_it(train_here, tmp_pa
 
 
 def test_hydra_full_error_keeps_the_traceback_of_a_trainer_error(train_here, tmp_path, monkeypatch):
-    from longstraw_cli.inputs import InputError
+    from longstraw_cli.safety.inputs import InputError
 
     monkeypatch.syspath_prepend(str(E2E))
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")

@@ -35,7 +35,7 @@ def test_values_that_cannot_be_right_are_refused_at_start(train_here, tmp_path, 
 
 
 def test_a_nonfinite_step_leaves_weights_and_optimizer_state_untouched(one_thread):
-    from longstraw_cli.guard import NonFiniteGuard
+    from longstraw_cli.safety.guard import NonFiniteGuard
 
     torch.manual_seed(0)
     model = build_model("qwen36_tiny", dtype=torch.float64)
@@ -64,7 +64,7 @@ def test_a_nonfinite_step_leaves_weights_and_optimizer_state_untouched(one_threa
 
 
 def test_an_applied_step_ends_the_streak_and_max_in_row_stop_the_run():
-    from longstraw_cli.guard import NonFiniteGuard, NonFiniteStop
+    from longstraw_cli.safety.guard import NonFiniteGuard, NonFiniteStop
 
     guard = NonFiniteGuard(max_in_row=2)
     for step, norm in enumerate([math.nan, 1.0, math.inf, math.nan]):
@@ -79,7 +79,7 @@ def test_an_applied_step_ends_the_streak_and_max_in_row_stop_the_run():
 
 def test_a_nonfinite_parameter_is_never_checkpointed():
     from longstraw_cli.checkpoint.integrity import check_finite
-    from longstraw_cli.guard import NonFiniteStop
+    from longstraw_cli.safety.guard import NonFiniteStop
 
     with pytest.raises(NonFiniteStop, match="parameter b holds a NaN or infinite value; not checkpointed"):
         check_finite({"a": torch.ones(2), "b": torch.tensor([1.0, math.inf])}, step=3)

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from longstraw_cli.errors import RunError
+from longstraw_cli.safety.errors import RunError
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # where a launcher (scripts/slurm/train.sbatch) asks each rank to write how its run ended

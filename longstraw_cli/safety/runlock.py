@@ -24,7 +24,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from longstraw_cli.errors import RunError
+from longstraw_cli.safety.errors import RunError
 
 LOCK_FILE = ".lock"
 # a rank that only asks holds a shared lock for an instant: the holder tries again for this long

@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from longstraw_cli.errors import RunError
+from longstraw_cli.safety.errors import RunError
 
 log = logging.getLogger("longstraw")
 

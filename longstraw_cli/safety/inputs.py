@@ -16,8 +16,8 @@ import math
 import numbers
 from collections.abc import Callable, Iterable, Sequence
 
-from longstraw_cli.errors import RunError
 from longstraw_cli.rl.tasks import Example
+from longstraw_cli.safety.errors import RunError
 
 
 class InputError(RunError, ValueError):

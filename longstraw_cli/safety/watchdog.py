@@ -21,7 +21,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from longstraw_cli.errors import RunError, first_line
+from longstraw_cli.safety.errors import RunError, first_line
 
 # gloo's and the TCP store's words for a peer that does not answer or has gone
 _FAILED_PEER = re.compile(r"timed out|timeout|connection closed by peer|connection reset by peer|broken pipe", re.I)
