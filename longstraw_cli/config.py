@@ -34,6 +34,7 @@ from longstraw_cli.schedule import SCHEDULES
 from longstraw_cli.telemetry.metrics import WandbConfig
 from longstraw_cli.tokenizer import resolve_tokenizer
 from longstraw_cli.transaction import TransactionConfig
+from longstraw_kernels import KernelConfig
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 ENGINES = ("native", "vllm")
@@ -255,6 +256,8 @@ class TrainConfig:
     strategy: StrategyConfig = StrategyConfig()
     # capture.reuse_steps / max_drift / probe_responses / probe_tokens (reuse.py)
     reuse: ReuseConfig = ReuseConfig()
+    # which kernel each op runs (longstraw_kernels/config.py); the trainer puts it in force
+    kernels: KernelConfig = KernelConfig()
     cp: int = 1
     ep: int = 1
     group_size: int = 8
@@ -457,6 +460,7 @@ def train_config(d: dict, world_size: int | None = None, set_keys: tuple[str, ..
         optim=optim,
         lora=lora, checkpoint=_build(CheckpointConfig, d["checkpoint"], "checkpoint"),
         strategy=_build(StrategyConfig, d["strategy"], "strategy"), reuse=reuse,
+        kernels=_kernels(d.get("kernels", {})),
         cp=d["cp"], ep=d["ep"], group_size=d["group_size"], steps=d["steps"], prompt_tokens=d["prompt_tokens"],
         response_tokens=d["response_tokens"], seed=d["seed"], device=device, run_dir=str(d["run_dir"]),
         resume=d["resume"], export_hf=d["export_hf"], reward_style=reward_style,
@@ -464,6 +468,16 @@ def train_config(d: dict, world_size: int | None = None, set_keys: tuple[str, ..
         dist_timeout_s=float(d["dist_timeout_s"]), compile_cache_dir=d.get("compile_cache_dir"),
         set_keys=tuple(set_keys),
     )
+
+
+def _kernels(node: dict) -> KernelConfig:
+    """The kernels section: its own line for a bad choice (`kernels.mla='cuda'; valid: [...]`)."""
+    _take(node, "kernels", {f.name for f in dataclasses.fields(KernelConfig)})
+    _check_types(KernelConfig, node, "kernels")
+    try:
+        return KernelConfig(**node)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_quantize(lora: LoraConfig, model: ModelConfig) -> None:

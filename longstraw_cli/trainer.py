@@ -61,7 +61,7 @@ from longstraw_cli.telemetry.metrics import MetricsLogger
 from longstraw_cli.telemetry.progress import StepProgress, notice
 from longstraw_cli.tokenizer import load_tokenizer, read_chat_template, stop_token_ids
 from longstraw_cli.transaction import Reference, Transaction
-from longstraw_kernels import missing_fast_paths
+from longstraw_kernels import missing_fast_paths, use_kernels
 
 log = logging.getLogger("longstraw")
 
@@ -84,6 +84,8 @@ class Trainer:
         self.rank, local_rank, world_size = env_rank_world()
         # before anything compiles: Triton's and torch.compile's caches where the next launch finds them
         self.compile_caches = compile_cache.setup(cfg.compile_cache_dir)
+        # the ops read their kernel choice from the run's config (as torch's ops read torch.backends)
+        use_kernels(cfg.kernels)
         # validated against the launch's world size when the config was built (config.train_config)
         self.dims = ParallelDims(world_size, cp=cfg.cp, ep=cfg.ep)
         self.dp_rank, _ = self.dims.coords(self.rank)

@@ -2,8 +2,8 @@
 
 `compute_dtype` is the one precision rule of every op and of the model code: fp32 at least, wider when an input is
 (fp64 tests then test the algorithm, not fp32 rounding). The other helpers serve every op that has a Triton kernel:
-an environment variable picks auto (the kernel where it applies) or torch (the reference everywhere), and the
-kernel's module is imported on first use only. `missing_fast_paths` says what a GPU run without an optional
+the run's `kernels` config picks auto (the kernel where it applies) or torch (the reference everywhere; config.py),
+and the kernel's module is imported on first use only. `missing_fast_paths` says what a GPU run without an optional
 package (fla, Triton) runs instead, and what that costs.
 """
 
@@ -13,11 +13,13 @@ import dataclasses
 import functools
 import importlib
 import logging
-import os
 
 import torch
 
-KERNEL_CHOICES = ("auto", "torch")
+from longstraw_kernels.config import KernelConfig, kernel_choice, kernels, use_kernels
+
+__all__ = ["FAST_PATHS", "KernelConfig", "at_least_fp32", "compute_dtype", "kernel_choice", "kernels",
+           "missing_fast_paths", "optional_module", "say_once", "use_kernels"]
 
 
 def compute_dtype(*inputs: torch.Tensor | torch.dtype | None) -> torch.dtype:
@@ -42,15 +44,6 @@ def say_once(message: str) -> None:
     """A warning a process logs once, however many times it is asked (a fast path that does not serve, said by each
     rollout's decoder)."""
     log.warning(message)
-
-
-def kernel_choice(env_var: str, choices: tuple[str, ...] = KERNEL_CHOICES) -> str:
-    """One of `choices` (auto | torch unless given; the first is the default) from `env_var`; any other value is an
-    error naming the valid ones."""
-    choice = os.environ.get(env_var, choices[0])
-    if choice not in choices:
-        raise ValueError(f"{env_var}={choice!r}; valid: {list(choices)}")
-    return choice
 
 
 @functools.cache

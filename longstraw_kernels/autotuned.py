@@ -14,7 +14,7 @@ config: it tunes for itself, once per machine, as before).
 
 Files: autotuned/<GPU>.json beside this module (<GPU>: the CUDA device name with each run of characters other
 than letters and digits made one "_", e.g. NVIDIA_H200), written by scripts/bench/record_autotune.py.
-LONGSTRAW_AUTOTUNED=0 leaves every autotuner to tune for itself.
+`kernels.autotuned=false` leaves every autotuner to tune for itself.
 """
 
 from __future__ import annotations
@@ -23,15 +23,15 @@ import gc
 import importlib
 import json
 import logging
-import os
 import re
 import warnings
 from pathlib import Path
 
+from longstraw_kernels.config import kernels
+
 log = logging.getLogger(__name__)
 
 SHIPPED_DIR = Path(__file__).parent / "autotuned"
-ENV = "LONGSTRAW_AUTOTUNED"
 
 
 def gpu_tag(name: str) -> str:
@@ -136,9 +136,9 @@ _SEEDED: set[str] = set()
 
 def seed_shipped(gpu: str, prefix: str) -> int:
     """Seed the autotuners of modules under `prefix` from the file shipped for `gpu` (a device name), once per
-    process and prefix -> keys seeded (0: no file for this GPU, LONGSTRAW_AUTOTUNED=0, another version, or done
+    process and prefix -> keys seeded (0: no file for this GPU, kernels.autotuned=false, another version, or done
     before). Says in one log line what it did."""
-    if os.environ.get(ENV, "1") == "0" or prefix in _SEEDED:
+    if not kernels().autotuned or prefix in _SEEDED:
         return 0
     _SEEDED.add(prefix)
     path = SHIPPED_DIR / f"{gpu_tag(gpu)}.json"
@@ -151,6 +151,6 @@ def seed_shipped(gpu: str, prefix: str) -> int:
     if problem:
         log.info("autotuned configs for %s not used (%s): the kernels autotune on first use", gpu, problem)
     else:
-        log.info("autotuned configs for %s: %d kernel choices from %s (%s=0: tune afresh)", gpu, seeded,
-                 path.name, ENV)
+        log.info("autotuned configs for %s: %d kernel choices from %s (%s: tune afresh)", gpu, seeded,
+                 path.name, "kernels.autotuned=false")
     return seeded

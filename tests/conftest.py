@@ -32,6 +32,16 @@ with contextlib.suppress(ImportError):
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+@pytest.fixture(autouse=True)
+def default_kernels():
+    """Each test starts on the default kernel choices, and what it (or a Trainer it builds) puts in force ends with
+    it: `use_kernels(op="torch")` in a test needs no undoing."""
+    from longstraw_kernels import KernelConfig, use_kernels
+
+    with use_kernels(KernelConfig()):
+        yield
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """RMS-relative error ||a - b|| / ||b||; fails on NaN/inf and on an all-zero reference."""
     a, b = a.detach().double(), b.detach().double()
@@ -464,26 +474,6 @@ def assert_compiled_step_equals_eager(eager_decoder, compiled_decoder, steps: in
             assert torch.equal(step(), want)
             for decoder in (eager_decoder, compiled_decoder):
                 decoder.tokens_B.copy_(want.argmax(-1))
-
-
-def assert_fused_kernel_decodes(monkeypatch, model, resident, env_var: str, attribute: str, kernel, calls_per_step: int,
-                                steps: int, bound: float, capacity: int = 4) -> None:
-    """`env_var`=fused (qwen36's decode): the decoder's `attribute` is `kernel` (None without the variable), called
-    `calls_per_step` times a step, and its logits are the modules' within `bound` over `steps` steps; another value
-    is refused, naming the choices. The variable is left at `fused`."""
-    modules = model.decoder(resident, 2, capacity)
-    assert getattr(modules, attribute) is None
-    monkeypatch.setenv(env_var, "fused")
-    fused = model.decoder(resident, 2, capacity)
-    assert getattr(fused, attribute) is kernel
-    calls = []
-    monkeypatch.setattr(fused, attribute, lambda *a: calls.append(1) or kernel(*a))
-    assert_decodes_alike(modules, fused, steps, bound)
-    assert len(calls) == steps * calls_per_step
-    monkeypatch.setenv(env_var, "yes")
-    with pytest.raises(ValueError, match=rf"{env_var}='yes'; valid: \[('modules', 'fused'|'fused', 'modules')\]"):
-        model.decoder(resident, 2, capacity)
-    monkeypatch.setenv(env_var, "fused")
 
 
 def assert_decodes_alike(want_decoder, got_decoder, steps: int, bound: float, first=(5, 77)) -> None:

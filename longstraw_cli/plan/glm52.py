@@ -150,11 +150,11 @@ def weight_parts(cfg: Glm52Config, run: Run) -> dict[str, int]:
 
 
 def decode_projection_bytes(cfg: Glm52Config, run: Run) -> int:
-    """Bytes of the decode's concatenated input linears (glm52/decode.py `input_groups`, LONGSTRAW_DECODE_GEMMS's
-    default), copied for the rollout on one rank (cp = 1; under cp > 1 the eager step decoder runs the modules):
-    each layer's (q_a_proj, kv_a_proj_with_mqa[, the indexer's wk]), (q_b_proj[, wq_b]) and the MLP's or shared
-    experts' (gate_proj, up_proj), a group only where no member carries an adapter (LoRA) and none is NF4; nothing
-    where they would pass FUSED_SHARE of the GPU's memory."""
+    """Bytes of the decode's concatenated input linears (glm52/decode.py `input_groups`), copied for the rollout on
+    one rank (cp = 1; under cp > 1 the eager step decoder runs the modules): each layer's (q_a_proj,
+    kv_a_proj_with_mqa[, the indexer's wk]), (q_b_proj[, wq_b]) and the MLP's or shared experts' (gate_proj,
+    up_proj), a group only where no member carries an adapter (LoRA) and none is NF4; nothing where they would pass
+    FUSED_SHARE of the GPU's memory."""
     from longstraw_cli.models import get_family
 
     if run.cp > 1 or run.quantize == "nf4":

@@ -23,7 +23,6 @@ import torch
 
 from longstraw_cli.models.slots import response_capacities
 from longstraw_cli.resident.offload import side_stream
-from longstraw_kernels import say_once
 from longstraw_kernels.sampling import race_sample
 
 log = logging.getLogger(__name__)
@@ -52,8 +51,7 @@ class Rollout:
     logprobs: list[torch.Tensor]
     # entropy of the policy's next-token distribution at each sampled position (None where unknown)
     entropies: list[torch.Tensor] | None = None
-    # decode steps run (the longest response, or up to stop_check_every - 1 more; with native.steps_per_graph N,
-    # up to stop_check_every + N - 2 more)
+    # decode steps run (the longest response, or up to stop_check_every - 1 more)
     decode_steps: int = 0
     # seconds from the decoder's construction to the first step's logits on the device (its buffers, the first
     # step's warm-up run and its CUDA-graph capture): what a rollout pays before its steady steps
@@ -88,15 +86,9 @@ class NativeConfig:
     # (models/slots.py). 1,024: a response up to that length never grows (one graph capture, as with all slots
     # preallocated); on CUDA qwen36's step reads only the filled slots, elsewhere it reads and masks all of them
     response_chunk: int = 1024
-    # 0: each decode step is the model's step (its CUDA graph where cuda_graph) and the sampling after it, a few
-    # launches from the host a token. N >= 1: N whole steps (the model's step, the race's noise and its sampling,
-    # the token fed back, the stop flags) as one CUDA graph where cuda_graph (eagerly elsewhere: the same tokens);
-    # steps that would cross a growth of the response slots or the last token run one at a time, and "all
-    # stopped?" is looked at after the first N steps that reach each stop_check_every
-    steps_per_graph: int = 0
 
     def __post_init__(self):
-        for name, least in (("stop_check_every", 1), ("response_chunk", 1), ("steps_per_graph", 0)):
+        for name, least in (("stop_check_every", 1), ("response_chunk", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
@@ -167,8 +159,7 @@ def generate(model, resident, num_responses: int, cfg: SamplingConfig, generator
     """Sample `num_responses` continuations of the captured prompt; each ends at its first stop token
     (included, it is a trained token) or at max_new_tokens. No host synchronisation per token: sampled tokens
     go straight back into the decoder's input buffer; stops are looked at every `stop_check_every` tokens.
-    on_token(done, max_new_tokens): told after each decode step (or each native.steps_per_graph steps) is launched
-    (progress; host ints only).
+    on_token(done, max_new_tokens): told after each decode step is launched (progress; host ints only).
     routing: a routing replay (models/glm52/routing.py `RoutingReplay`): the decode steps record each token's
     routing into device buffers (grown with the decoder's), moved to host memory as the decode ends
     (`Rollout.routing`)."""
@@ -238,81 +229,9 @@ class Sampler:
     def __call__(self, logits_BV, tokens_B, logp_B, entropy_B) -> None:
         if self.race_BV is not None:
             self.race_BV.exponential_(1.0, generator=self.generator)
-        self.race(logits_BV, tokens_B, logp_B, entropy_B)
+        race_sample(logits_BV, self.race_BV, self.cfg.temperature, self.cfg.top_p, tokens_B, logp_B, entropy_B)
         self.decoder.tokens_B.copy_(tokens_B)
         self.done_B |= stops(tokens_B, self.stop_S)
-
-    def race(self, logits_BV, tokens_B, logp_B, entropy_B) -> None:
-        """The sampling alone, from the noise in the buffer (no draw)."""
-        race_sample(logits_BV, self.race_BV, self.cfg.temperature, self.cfg.top_p, tokens_B, logp_B, entropy_B)
-
-
-class GraphedSteps:
-    """`n` whole decode steps at a time (native.steps_per_graph): the model's step and the `sampler`'s work n times,
-    into staging rows that each call copies into the rollout's columns. Where `step_fn` is a GraphedStep the n
-    steps are one CUDA graph, captured at the decoder's capacity (again after a growth) around the GraphedStep's own
-    (compiled) step function, with the rollout's generator registered to it, so that each replay draws the noise
-    that eager steps would have drawn; elsewhere they run eagerly. A failed capture is said once and leaves the
-    rollout to single steps (`ready`)."""
-
-    def __init__(self, n: int, decoder, step_fn, sampler: Sampler, dtype: torch.dtype):
-        B, device = decoder.tokens_B.shape[0], decoder.device
-        self.n, self.decoder, self.step_fn, self.sampler = n, decoder, step_fn, sampler
-        self.graphed = isinstance(step_fn, GraphedStep)
-        self.step = step_fn.step if self.graphed else step_fn
-        self.tokens_NB = torch.empty(n, B, dtype=torch.long, device=device)
-        self.logp_NB = torch.empty(n, B, dtype=dtype, device=device)
-        self.entropy_NB = torch.empty_like(self.logp_NB)
-        self.graph, self.capacity, self.failed = None, None, False
-
-    def ready(self) -> bool:
-        """Whether n steps may run now: eagerly, always; as a graph, once the single step's graph stands at the
-        decoder's capacity (its compiled step has run there: capturing compiles nothing) and no capture failed."""
-        if not self.graphed:
-            return True
-        single = self.step_fn
-        return (not (self.failed or single.eager) and single.graph is not None
-                and single.capacity == self.decoder.capacity)
-
-    def __call__(self, start: int, sampled_BR, logp_BR, entropy_BR) -> None:
-        """Steps [start, start + n) into the rollout's columns."""
-        if not self.graphed or not self._captured():
-            self._steps()
-        else:
-            self.graph.replay()
-        columns = slice(start, start + self.n)
-        for staged_NB, out_BR in ((self.tokens_NB, sampled_BR), (self.logp_NB, logp_BR),
-                                  (self.entropy_NB, entropy_BR)):
-            out_BR[:, columns].copy_(staged_NB.T)
-
-    def _steps(self) -> None:
-        for k in range(self.n):
-            self.sampler(self.step(), self.tokens_NB[k], self.logp_NB[k], self.entropy_NB[k])
-
-    def _captured(self) -> bool:
-        """The graph at the decoder's capacity, captured here where it is not; False where capture failed (said
-        once; nothing ran, so the caller runs the steps eagerly)."""
-        if self.graph is not None and self.capacity == self.decoder.capacity:
-            return True
-        self.graph = None
-        # the sampling kernels' specialisations for the staging rows, before the capture (from the noise in the
-        # buffer: no draw, so the generator is where the steps before left it)
-        for k in range(self.n):
-            self.sampler.race(self.step_fn.logits_BV, self.tokens_NB[k], self.logp_NB[k], self.entropy_NB[k])
-        try:
-            graph = torch.cuda.CUDAGraph()
-            if self.sampler.race_BV is not None and self.sampler.generator is not None:
-                graph.register_generator_state(self.sampler.generator)
-            with torch.cuda.graph(graph):
-                self._steps()
-        except (RuntimeError, AttributeError) as exc:
-            # once a process: each rollout builds its own GraphedSteps and would meet the same error
-            say_once(f"{self.n} decode steps could not be captured as one CUDA graph "
-                     f"({(str(exc).splitlines() or [''])[0][:200]}); decoding a step at a time")
-            self.failed = True
-            return False
-        self.graph, self.capacity = graph, self.decoder.capacity
-        return True
 
 
 def _generate(model, resident, num_responses: int, cfg: SamplingConfig, generator: torch.Generator | None,
@@ -328,8 +247,6 @@ def _generate(model, resident, num_responses: int, cfg: SamplingConfig, generato
     logp_BR = torch.empty(B, R, dtype=torch.promote_types(model.lm_head.weight.dtype, torch.float32), device=device)
     entropy_BR = torch.empty_like(logp_BR)
     sampler = Sampler(cfg, generator, decoder, first_BV)
-    several = (GraphedSteps(native.steps_per_graph, decoder, step_fn, sampler, logp_BR.dtype)
-               if native.steps_per_graph else None)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     setup_s = time.perf_counter() - start
@@ -340,18 +257,13 @@ def _generate(model, resident, num_responses: int, cfg: SamplingConfig, generato
             decoder.grow()
             if on_grow is not None:
                 on_grow(decoder.capacity)
-        if several is not None and step > 0 and step + several.n <= min(decoder.capacity, R) and several.ready():
-            several(step, sampled_BR, logp_BR, entropy_BR)
-            done = step + several.n
-        else:
-            logits_BV = first_BV if step == 0 else step_fn()
-            sampler(logits_BV, sampled_BR[:, step], logp_BR[:, step], entropy_BR[:, step])
-            done = step + 1
+        logits_BV = first_BV if step == 0 else step_fn()
+        sampler(logits_BV, sampled_BR[:, step], logp_BR[:, step], entropy_BR[:, step])
+        step += 1
         if on_token is not None:
-            on_token(done, R)
-        # "all stopped?" once the steps done reach a multiple of stop_check_every
-        reached, step = done // every > step // every, done
-        if reached and bool(sampler.done_B.all()):
+            on_token(step, R)
+        # "all stopped?" every stop_check_every steps
+        if step % every == 0 and bool(sampler.done_B.all()):
             steps = step
             break
     # each response ends at its first stop token, or at the last step decoded

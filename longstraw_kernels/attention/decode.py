@@ -33,9 +33,6 @@ __all__ = ["decode_pages_attention", "decode_pages_partials", "response_partials
 # 32 0.147, 16 0.153 (scripts/bench/bench_decode_pages.py; docs/BENCHMARKS.md)
 TARGET_BLOCKS = 64
 MIN_SPLIT = 1024
-# the varlen form's ranges times kv heads (each range's rows one thread block of flash's; flash does not split them
-# again): not yet measured
-VARLEN_TARGET_BLOCKS = 132
 
 
 def merge_partials(out_NXD: torch.Tensor, lse_NX: torch.Tensor, dtype: torch.dtype | None = None):
@@ -67,37 +64,8 @@ def _splits(num_pages: int, num_kv: int) -> int:
     return max(1, min(TARGET_BLOCKS // max(num_kv, 1), num_pages // MIN_SPLIT))
 
 
-def _varlen_splits(num_pages: int, num_kv: int) -> int:
-    return max(1, min(VARLEN_TARGET_BLOCKS // max(num_kv, 1), num_pages // MIN_SPLIT))
-
-
-def _flash_varlen_ranges(q_KMD, k_pages_PKD, v_pages_PKD, splits: int, scale: float):
-    """The pages cut into `splits` ranges as the sequences of ONE varlen flash call (range i: pages [i * size,
-    (i + 1) * size), the last one to P), each range's query rows the same M rows: flash runs no split of its own
-    (no combine kernel) and no tail call is left. The pages [P, K, D] are the call's packed keys as they lie.
-    -> (out [splits, K, M, D] in q's dtype, lse [splits, K, M] fp32)."""
-    K, M, D = q_KMD.shape
-    P = k_pages_PKD.shape[0]
-    size = P // splits
-    q_TKD = q_KMD.transpose(0, 1)[None].expand(splits, M, K, D).reshape(splits * M, K, D)
-    bounds = torch.arange(splits + 1, device=q_KMD.device, dtype=torch.int32)
-    # the last bound is P: the rest of the pages (P - splits * size of them) go to the last range
-    cu_k = bounds * size + (bounds == splits).to(torch.int32) * (P - splits * size)
-    out_TKD, lse_KT = _varlen_attention(q_TKD, k_pages_PKD, v_pages_PKD, bounds * M, cu_k, M, P - (splits - 1) * size,
-                                        scale)
-    return out_TKD.view(splits, M, K, D).transpose(1, 2), lse_KT.view(K, splits, M).transpose(0, 1)
-
-
-def _varlen_attention(q_TKD, k_PKD, v_PKD, cu_q, cu_k, max_q: int, max_k: int, scale: float):
-    """aten's varlen flash forward: sequence i is queries cu_q[i]:cu_q[i + 1] against keys cu_k[i]:cu_k[i + 1],
-    no mask. -> (out [T, K, D], lse [K, T] fp32)."""
-    out = torch.ops.aten._flash_attention_forward(q_TKD, k_PKD, v_PKD, cu_q, cu_k, max_q, max_k, 0.0, False, False,
-                                                  scale=scale)
-    return out[0], out[1]
-
-
 def decode_pages_partials(q_BQD: torch.Tensor, k_pages_PKD: torch.Tensor, v_pages_PKD: torch.Tensor, *,
-                          scale: float, num_splits: int | None = None, varlen: bool = False):
+                          scale: float, num_splits: int | None = None):
     """`decode_pages_attention`'s partials before their merge: the rows of kv head k are its group's query heads of
     every response, m = b * G + g. -> (out [N, K, M, D]: flash's dtype, or the torch path's fp32+; lse [N, K, M] fp32+)
     over N ranges of the pages; with no pages one empty partial (out 0, lse -inf)."""
@@ -111,9 +79,6 @@ def decode_pages_partials(q_BQD: torch.Tensor, k_pages_PKD: torch.Tensor, v_page
     attend = _attend_flash if flash else _attend_torch
     # [B, K*G, D] -> [K, B*G, D]: responses and a group's query heads are rows against the group's kv head
     q_KMD = q_BQD.reshape(B, K, G, D).transpose(0, 1).reshape(K, B * G, D)
-    if flash and varlen:
-        splits = min(num_splits or _varlen_splits(P, K), P)
-        return _flash_varlen_ranges(q_KMD, k_pages_PKD, v_pages_PKD, splits, scale)
     splits = num_splits or _splits(P, K)
     size = P // splits
     outs, lses = [], []
@@ -141,13 +106,12 @@ def decode_pages_partials(q_BQD: torch.Tensor, k_pages_PKD: torch.Tensor, v_page
 
 
 def decode_pages_attention(q_BQD: torch.Tensor, k_pages_PKD: torch.Tensor, v_pages_PKD: torch.Tensor, *,
-                           scale: float, num_splits: int | None = None, varlen: bool = False):
+                           scale: float, num_splits: int | None = None):
     """One query token per response against all shared pages. -> (out_BQD in q's dtype, lse_BQ float32+).
-    With no pages the partial is empty: out 0, lse -inf. varlen: on the flash path, the ranges as one varlen call
-    (`_flash_varlen_ranges`; `num_splits` ranges, default VARLEN_TARGET_BLOCKS' worth) instead of a batch of equal
-    ranges, which flash may split again, and a call for the rest."""
-    out_NKMD, lse_NKM = decode_pages_partials(q_BQD, k_pages_PKD, v_pages_PKD, scale=scale, num_splits=num_splits,
-                                              varlen=varlen)
+    With no pages the partial is empty: out 0, lse -inf. On the flash path the pages are a batch of equal ranges,
+    which flash may split again, and a call for the rest (one varlen call over the ranges measured no faster on an
+    H200: 0.156 ms at best against the batch's 0.156, docs/BENCHMARKS.md 2026-12-05)."""
+    out_NKMD, lse_NKM = decode_pages_partials(q_BQD, k_pages_PKD, v_pages_PKD, scale=scale, num_splits=num_splits)
     return merge_pages_partials(out_NKMD, lse_NKM, q_BQD.shape[0], q_BQD.dtype)
 
 
@@ -166,15 +130,10 @@ def _rows_back(out_KMD: torch.Tensor, lse_KM: torch.Tensor, B: int, G: int):
     return out_BQD, lse_BQ
 
 
-# LONGSTRAW_DECODE_KERNEL = auto (default) | torch: torch forces the response part's reference (A/B runs). Read
-# once, at import: the compiled decode step calls the dispatch below
-RESPONSE_KERNEL = kernel_choice("LONGSTRAW_DECODE_KERNEL")
-
-
 def _response_triton(q_BQD: torch.Tensor, k_BSKD: torch.Tensor) -> bool:
     """The Triton kernel reads the response slots (CUDA, flash dtypes, a power-of-two head dim, rows in place)."""
     D = q_BQD.shape[-1]
-    return (RESPONSE_KERNEL == "auto" and q_BQD.is_cuda and q_BQD.dtype in FLASH_DTYPES
+    return (kernel_choice("decode_attention") == "auto" and q_BQD.is_cuda and q_BQD.dtype in FLASH_DTYPES
             and k_BSKD.dtype == q_BQD.dtype and D <= 256 and D & (D - 1) == 0 and k_BSKD.stride(-1) == 1
             and _response_kernel_imports())
 

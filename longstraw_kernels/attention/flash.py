@@ -16,7 +16,7 @@ in every response-only replay) skip it: their share of dq comes from triton_page
 products, with no page-sized buffers. The kernels take no cotangent for the lse, so when the lse itself is used
 (context-parallel merges) the backward is the reference's.
 
-Forward kernels (`LONGSTRAW_ATTENTION` = auto | flash_attn | cudnn | flash):
+Forward kernels (`kernels.attention` = auto | flash_attn | cudnn | flash):
 - flash_attn: the flash-attn package, when installed (source-only: it is imported lazily and never required);
 - cudnn: aten's cuDNN attention (about twice aten flash's rate at head dim 256 on an H200);
 - flash: aten's flash attention, present in every CUDA build of torch.
@@ -30,11 +30,10 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 
-from longstraw_kernels import at_least_fp32
+from longstraw_kernels import at_least_fp32, kernel_choice
 from longstraw_kernels.attention.reference import (
     _ReplayAttention,
     replay_attention_backward,
@@ -83,12 +82,10 @@ def _cudnn_available() -> bool:
 
 
 def forward_backend() -> str:
-    """The forward kernel to use, from LONGSTRAW_ATTENTION (default auto)."""
-    choice = os.environ.get("LONGSTRAW_ATTENTION", "auto")
-    if choice not in ("auto", *FORWARD_BACKENDS):
-        raise ValueError(f"LONGSTRAW_ATTENTION={choice!r}; valid: {['auto', *FORWARD_BACKENDS]}")
+    """The forward kernel to use, from kernels.attention (default auto)."""
+    choice = kernel_choice("attention")
     if choice == "flash_attn" and flash_attn_func() is None:
-        raise ImportError("LONGSTRAW_ATTENTION=flash_attn but flash-attn is not importable; "
+        raise ImportError("kernels.attention=flash_attn but flash-attn is not importable; "
                           "install it (pip install flash-attn --no-build-isolation) or use auto")
     if choice != "auto":
         return choice

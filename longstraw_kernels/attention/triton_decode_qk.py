@@ -4,7 +4,7 @@ After the layer's input GEMM a decode step has, per response, the query heads wi
 ([Q, 2 D]: each head's query, then its gate), the kv heads' keys and values. The model's path (qwen36/model.py
 `project_from`, then the decoder's cache writes) runs the query norm, the key norm, partial RoPE on each, and two
 index copies into the response slots: under torch.compile 8 small kernels a layer (qwen36_mini at 256K, G=8 on an
-H200: 14.5 us of kernel time a layer, docs/BENCHMARKS.md thirty-first session). Here one program a (response, head):
+H200: 14.5 us of kernel time a layer, docs/BENCHMARKS.md, 2026-12-04). Here one program a (response, head):
 
     query head h < Q:  q[b, h] = rope(rmsnorm_1p(qg[b, h, :D], w_q))
     kv head j = h - Q: k_slots[b, step, j] = rope(rmsnorm_1p(k[b, j], w_k)),  v_slots[b, step, j] = v[b, j]
@@ -18,7 +18,7 @@ graph replays one launch at every step.
 
 The contract is `decode_qk_reference`; tests/kernels/test_decode_qk.py holds the kernel to it in Triton's
 interpreter (CPU) and on CUDA (`-m gpu`). qwen36's decode takes it by default where it serves
-(LONGSTRAW_DECODE_QK=modules: the modules; qwen36_mini's step on an H200 2.912 -> 2.844 ms in `longstraw train`).
+(`kernels.decode_qk=torch`: the modules; qwen36_mini's step on an H200 2.912 -> 2.844 ms in `longstraw train`).
 """
 
 from __future__ import annotations

@@ -2,13 +2,12 @@
 
 `reference.py` holds the torch reference; `triton_scores.py` the fused Triton kernel, same contract.
 `indexer_scores` takes the kernel for CUDA tensors in fp32 / bf16 / fp16 when Triton imports, the reference
-otherwise; LONGSTRAW_DSA_KERNEL=torch forces the reference (benchmarks, A/B runs). Few query rows (the decode's) take
-the kernel's few-rows form, the heads folded into the dot's rows and a few programs an SM looping over the key tiles,
-where it serves; LONGSTRAW_DSA_DECODE_SCORES=tiles takes one program a key tile, =loop the head loop's kernel."""
+otherwise; `kernels.dsa=torch` forces the reference (benchmarks, A/B runs). Few query rows (the decode's) take the
+kernel's few-rows form, the heads folded into the dot's rows and a few programs an SM looping over the key tiles,
+where it serves: on an H200 at 8 rows of 262K keys, 0.043 ms at 16 heads and 0.084 at 32 against the head loop's
+0.082 and 0.139 (docs/BENCHMARKS.md, 2026-12-04)."""
 
 from __future__ import annotations
-
-import functools
 
 import torch
 
@@ -27,25 +26,11 @@ def _triton_scores():
     return None if module is None else module.indexer_scores_triton
 
 
-# LONGSTRAW_DSA_DECODE_SCORES: `auto` (the default: few query rows, the decode's, through
-# `indexer_scores_folded_triton` where it serves, the heads folded into one dot, as FOLDED_PROGRAMS_PER_SM programs an
-# SM looping over the key tiles, each loading its queries once and the next key tile while it scores this one),
-# `tiles` (the folded form as one program a key tile) or `loop` (the head loop's kernel for every call). On an H200
-# at 8 rows of 262K keys: the head loop 0.082 ms at 16 heads, 0.139 at 32; one program a tile 0.050 and 0.108; the
-# programs' loop 0.043 and 0.084 (at its default key blocks); glm52_mini's decode step at 256K, G=8 (with the grouped
-# input GEMMs): 2.553 ms with one program a tile, 2.526 with the loop (docs/BENCHMARKS.md, thirty-first session)
-DECODE_SCORES_CHOICES = ("auto", "tiles", "loop")
-
-
 def _folded_scores(q_BTJI: torch.Tensor, k: torch.Tensor):
-    """The folded kernel's entry where it serves and LONGSTRAW_DSA_DECODE_SCORES does not say `loop`, else None."""
-    choice = kernel_choice("LONGSTRAW_DSA_DECODE_SCORES", DECODE_SCORES_CHOICES)
+    """The folded kernel's entry where it serves these query rows, else None."""
     module = optional_module("longstraw_kernels.dsa.triton_scores")
-    if choice == "loop" or module is None or not module.folded_serves(q_BTJI, k):
+    if module is None or not module.folded_serves(q_BTJI, k):
         return None
-    if choice == "auto":
-        return functools.partial(module.indexer_scores_folded_triton,
-                                 programs=module.folded_loop_programs(q_BTJI.device))
     return module.indexer_scores_folded_triton
 
 
@@ -62,8 +47,7 @@ def indexer_scores(q_BTJI: torch.Tensor, w_BTJ: torch.Tensor, k: torch.Tensor, s
 
 
 def _indexer_scores(q_BTJI, w_BTJ, k, scale, offset):
-    choice = kernel_choice("LONGSTRAW_DSA_KERNEL")
-    kernel = _triton_scores() if q_BTJI.is_cuda and choice == "auto" else None
+    kernel = _triton_scores() if q_BTJI.is_cuda and kernel_choice("dsa") == "auto" else None
     # fp64 (tests of the algorithm) has no tensor-core path: the reference computes it
     if kernel is None or compute_dtype(q_BTJI) != torch.float32 or k.dtype not in _KERNEL_DTYPES:
         scores_BTS = indexer_scores_reference(q_BTJI, w_BTJ, k, scale, offset)

@@ -75,7 +75,7 @@ def topk_lowest_position_static(scores__S: torch.Tensor, k: int) -> torch.Tensor
     """`topk_lowest_position`, the same positions, with no host synchronisation and no scan over the keys (a CUDA
     graph replays it in the decode step, a few rows against every key). On CUDA, scores of 32 bits or fewer: a
     radix select in Triton (`triton_topk.py`), behind one opaque op inside a compiled step; elsewhere (or without
-    Triton, or LONGSTRAW_DSA_KERNEL=torch) one top-k over int64 keys that order as the rule does (`_rule_keys`);
+    Triton, or kernels.dsa=torch) one top-k over int64 keys that order as the rule does (`_rule_keys`);
     wider scores (fp64, the CPU tests): two top-k's (`two_topk_positions`)."""
     k = _check(scores__S, k)
     S = scores__S.shape[-1]
@@ -101,8 +101,7 @@ def _packed_key_positions(scores__S: torch.Tensor, k: int) -> torch.Tensor:
 # torch.compile (the page count stays a dynamic size across it, and inductor does not re-trace the kernels)
 @torch.library.custom_op("longstraw::dsa_static_topk", mutates_args=())
 def _static_topk_op(scores_RS: torch.Tensor, k: int) -> torch.Tensor:
-    module = optional_module("longstraw_kernels.dsa.triton_topk") if kernel_choice(
-        "LONGSTRAW_DSA_KERNEL") == "auto" else None
+    module = optional_module("longstraw_kernels.dsa.triton_topk") if kernel_choice("dsa") == "auto" else None
     if module is not None and module.supported(scores_RS):
         return module.topk_positions_triton(scores_RS, k)
     if module is not None:

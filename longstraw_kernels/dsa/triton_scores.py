@@ -4,8 +4,9 @@ One program owns a [BLOCK_T, BLOCK_S] tile of the scores of one sequence. It loa
 each index head j: dot(q_j tile [BLOCK_T, I], key tile^T) -> relu -> times scale * w[:, j] -> accumulated in
 fp32 (relu(scale x) w = relu(x) scale w for scale >= 0). With a causal `offset` (query t sees key s iff
 s <= t + offset), a tile no query of which sees any of its keys is written -inf without loading anything; partly
-visible tiles are masked element by element. For few query rows (the decode's) the heads can be folded into the
-dot's rows instead (FOLD_J, `indexer_scores_folded_triton`): one dot of T x J rows a key tile, not J dots of T.
+visible tiles are masked element by element. For few query rows (the decode's) the heads are folded into the dot's
+rows instead (`indexer_scores_folded_triton`): one dot of T x J rows a key tile, not J dots of T, by a few programs
+an SM that loop over the key tiles.
 
 Precision: q and k both bf16 (or both fp16) take the tensor-core dot with fp32 accumulation: a product of two
 bf16 values is exact in fp32 (8 + 8 significant bits <= 24; fp16: 11 + 11), so this equals the fp32 reference up
@@ -87,11 +88,12 @@ def _folded_loop_kernel(
     HAS_OFFSET: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_I: tl.constexpr,
     FOLD_J: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
-    # the folded form with fewer programs than key tiles (the decode's default; LONGSTRAW_DSA_DECODE_SCORES=tiles takes
-    # the tile-a-program form): a program loads its row tile's queries and weights once and loops over key tiles pid,
-    # pid + programs, ..., the next tile's keys loaded while this one's dot runs (NUM_STAGES). Tiles no query sees are
-    # computed and masked -inf (the decode's rows see nearly every key; the capture's many rows never take the folded
-    # form)
+    # few rows (the decode's), every row's FOLD_J = J heads folded into the dot's rows (r = t * J + j: one
+    # [BLOCK_T * J, I] x [I, BLOCK_S] tensor-core dot for the J dots of BLOCK_T rows, each padded to 16, of the head
+    # loop), by fewer programs than key tiles: a program loads its row tile's queries and weights once and loops over
+    # key tiles pid, pid + programs, ..., the next tile's keys loaded while this one's dot runs (NUM_STAGES). Tiles no
+    # query sees are computed and masked -inf (the decode's rows see nearly every key; the capture's many rows never
+    # take the folded form)
     pid, b = tl.program_id(0), tl.program_id(2).to(tl.int64)
     t0 = tl.program_id(1) * BLOCK_T
     dt_T = tl.arange(0, BLOCK_T)
@@ -120,7 +122,7 @@ def _indexer_scores_kernel(
     stride_kb, stride_ks, stride_ki,
     stride_ob, stride_ot, stride_os,
     HAS_OFFSET: tl.constexpr, LOW_PRECISION: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_I: tl.constexpr, FOLD_J: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_I: tl.constexpr,
 ):
     pid_s, pid_t, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     t0, s0 = pid_t * BLOCK_T, pid_s * BLOCK_S
@@ -144,35 +146,25 @@ def _indexer_scores_kernel(
                           stride_ki)
         q_base = q_ptr + b * stride_qb + t0.to(tl.int64) * stride_qt
         w_base = w_ptr + b * stride_wb + t0.to(tl.int64) * stride_wt
-        if FOLD_J > 0:
-            # few rows (decode, `indexer_scores_folded_triton`): every row's FOLD_J = J heads folded into the dot's
-            # rows, r = t * J + j, one [BLOCK_T * J, I] x [I, BLOCK_S] tensor-core dot for the J dots of BLOCK_T
-            # rows (each padded to 16) of the head loop below; each row group's relu(dot) * w then summed
-            q_RI, w_R = _folded_rows(q_base, w_base, t0, T, I, scale, stride_qt, stride_qj, stride_qi, stride_wt,
-                                     stride_wj, BLOCK_T, BLOCK_I, FOLD_J)
-            acc_TS = _folded_tile(q_RI, w_R, kT_IS, BLOCK_T, BLOCK_S, FOLD_J)
-        else:
-            acc_TS = tl.zeros((BLOCK_T, BLOCK_S), dtype=tl.float32)
-            for j in range(J):
-                q_TI = tl.load(q_base + j * stride_qj + dt_T[:, None] * stride_qt + i_I[None, :] * stride_qi,
-                               mask=valid_T[:, None] & (i_I[None, :] < I), other=0.0)
-                # relu(scale * x) * w = relu(x) * (scale * w) for scale >= 0: one multiply less per score
-                w_T = tl.load(w_base + j * stride_wj + dt_T * stride_wt, mask=valid_T,
-                              other=0.0).to(tl.float32) * scale
-                if LOW_PRECISION:
-                    dots_TS = tl.dot(q_TI, kT_IS, out_dtype=tl.float32)
-                else:
-                    dots_TS = tl.dot(q_TI.to(tl.float32), kT_IS.to(tl.float32), input_precision="ieee",
-                                     out_dtype=tl.float32)
-                acc_TS += tl.maximum(dots_TS, 0.0) * w_T[:, None]
+        acc_TS = tl.zeros((BLOCK_T, BLOCK_S), dtype=tl.float32)
+        for j in range(J):
+            q_TI = tl.load(q_base + j * stride_qj + dt_T[:, None] * stride_qt + i_I[None, :] * stride_qi,
+                           mask=valid_T[:, None] & (i_I[None, :] < I), other=0.0)
+            # relu(scale * x) * w = relu(x) * (scale * w) for scale >= 0: one multiply less per score
+            w_T = tl.load(w_base + j * stride_wj + dt_T * stride_wt, mask=valid_T, other=0.0).to(tl.float32) * scale
+            if LOW_PRECISION:
+                dots_TS = tl.dot(q_TI, kT_IS, out_dtype=tl.float32)
+            else:
+                dots_TS = tl.dot(q_TI.to(tl.float32), kT_IS.to(tl.float32), input_precision="ieee",
+                                 out_dtype=tl.float32)
+            acc_TS += tl.maximum(dots_TS, 0.0) * w_T[:, None]
         _store_tile(out_base, acc_TS, t0, s0, dt_T, ds_S, valid_T, valid_S, offset, stride_ot, stride_os, HAS_OFFSET)
 
 
-# the folded kernel's rows a program (BLOCK_T * J) times its keys: its fp32 [rows, BLOCK_S] tile's elements; in the
-# loop over key tiles (`programs`), half that: on an H200 at 8 rows of 262K keys (bench_dsa.py, 2026-12-04) the loop's
-# best key block was 64 at J = 16 (0.043 ms; 128: 0.061) and 32 at J = 32 (0.084 ms; 64: 0.089)
-FOLDED_TILE_ELEMENTS = 16384
-FOLDED_LOOP_TILE_ELEMENTS = 8192
+# the folded kernel's rows a program (BLOCK_T * J) times its keys: its fp32 [rows, BLOCK_S] tile's elements. On an
+# H200 at 8 rows of 262K keys (bench_dsa.py, 2026-12-04) the best key block was 64 at J = 16 (0.043 ms; 128: 0.061)
+# and 32 at J = 32 (0.084 ms; 64: 0.089); one program a key tile (deleted) was 0.048 and 0.098 at its best
+FOLDED_TILE_ELEMENTS = 8192
 FOLDED_MAX_ROWS = 512
 
 
@@ -187,10 +179,9 @@ def folded_serves(q_BTJI: torch.Tensor, k: torch.Tensor) -> bool:
 def indexer_scores_folded_triton(q_BTJI: torch.Tensor, w_BTJ: torch.Tensor, k: torch.Tensor, scale: float,
                                  offset: int | None = None, *, block_s: int | None = None,
                                  num_warps: int = 8, programs: int | None = None) -> torch.Tensor:
-    """`indexer_scores_triton` for few query rows (`folded_serves`), the heads folded into the dot's rows: one
-    program a key tile for all T rows, or with `programs`, that many programs (a row tile and sequence) looping
-    over the key tiles (`_folded_loop_kernel`). block_s: keys a tile (default: FOLDED_TILE_ELEMENTS over the
-    folded rows, 16 to 256)."""
+    """`indexer_scores_triton` for few query rows (`folded_serves`), the heads folded into the dot's rows, as
+    `programs` programs a row tile and sequence looping over the key tiles (`_folded_loop_kernel`; default
+    `folded_loop_programs`). block_s: keys a tile (default: FOLDED_TILE_ELEMENTS over the folded rows, 16 to 256)."""
     _, T, J, _ = q_BTJI.shape
     if not folded_serves(q_BTJI, k):
         raise ValueError(f"the folded kernel takes bf16/fp16 q and k alike, J a power of two and T x J <= "
@@ -198,13 +189,14 @@ def indexer_scores_folded_triton(q_BTJI: torch.Tensor, w_BTJ: torch.Tensor, k: t
     # T padded to a power of two, and the folded rows to the dot's least 16
     block_t = max(triton.next_power_of_2(max(T, 1)), 16 // J)
     if block_s is None:
-        elements = FOLDED_TILE_ELEMENTS if programs is None else FOLDED_LOOP_TILE_ELEMENTS
-        block_s = min(256, max(16, elements // (block_t * J)))
-    return indexer_scores_triton(q_BTJI, w_BTJ, k, scale, offset, config=(block_t, block_s, num_warps, 2), fold=True,
+        block_s = min(256, max(16, FOLDED_TILE_ELEMENTS // (block_t * J)))
+    if programs is None:
+        programs = folded_loop_programs(q_BTJI.device)
+    return indexer_scores_triton(q_BTJI, w_BTJ, k, scale, offset, config=(block_t, block_s, num_warps, 2),
                                  programs=programs)
 
 
-# the folded loop's programs per SM (the decode's default, dsa/__init__.py; untuned)
+# the folded loop's programs per SM (untuned)
 FOLDED_PROGRAMS_PER_SM = 2
 
 
@@ -217,11 +209,11 @@ def folded_loop_programs(device: torch.device) -> int:
 
 def indexer_scores_triton(q_BTJI: torch.Tensor, w_BTJ: torch.Tensor, k: torch.Tensor, scale: float,
                           offset: int | None = None, *, config: tuple[int, int, int, int] | None = None,
-                          fold: bool = False, programs: int | None = None) -> torch.Tensor:
+                          programs: int | None = None) -> torch.Tensor:
     """Same contract as `reference.indexer_scores_reference`, for fp32 / bf16 / fp16 q and k: -> [B, T, S] fp32.
     `config` = (BLOCK_T, BLOCK_S, num_warps, num_stages), powers of two, blocks >= 16; None: the default of the
-    dot's precision. fold: the heads folded into the dot's rows (`indexer_scores_folded_triton` checks it serves
-    and sizes the config); with `programs`, that many programs loop over the key tiles."""
+    dot's precision. programs: the heads folded into the dot's rows, that many programs looping over the key tiles
+    (`indexer_scores_folded_triton` checks it serves and sizes the config)."""
     B, T, J, I = q_BTJI.shape
     if q_BTJI.dtype not in SUPPORTED_DTYPES or k.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"indexer_scores_triton takes q and k in {SUPPORTED_DTYPES}, got {q_BTJI.dtype} and "
@@ -250,7 +242,7 @@ def indexer_scores_triton(q_BTJI: torch.Tensor, w_BTJ: torch.Tensor, k: torch.Te
     strides = (*q_BTJI.stride(), *w_BTJ.stride(), stride_kb, k.stride(-2), k.stride(-1), *out_BTS.stride())
     offset_arg = S if offset is None else int(offset)
     block_i = max(16, triton.next_power_of_2(I))
-    if fold and programs is not None:
+    if programs is not None:
         grid = (min(programs, triton.cdiv(S, block_s)), triton.cdiv(T, block_t), B)
         _folded_loop_kernel[grid](*args, T, S, I, float(scale), offset_arg, *strides, HAS_OFFSET=offset is not None,
                                   BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_I=block_i, FOLD_J=J, NUM_STAGES=num_stages,
@@ -263,7 +255,7 @@ def indexer_scores_triton(q_BTJI: torch.Tensor, w_BTJ: torch.Tensor, k: torch.Te
         *args, T, S, J, I, float(scale), offset_arg, *strides,
         HAS_OFFSET=offset is not None,
         LOW_PRECISION=low_precision,
-        BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_I=block_i, FOLD_J=J if fold else 0,
+        BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_I=block_i,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out_BTS

@@ -7,7 +7,7 @@ fla's gated backward refuses on Hopper below Triton 3.7.1 (fla issue 640: wrong 
 forwards only. For fla, q and k come in L2-normalised in fp32 and are cast to v's dtype for the kernel; g and
 beta stay fp32; states are fp32 [B, G, K, V], fla's layout.
 
-LONGSTRAW_GDN_KERNEL = auto (default) | torch: torch takes the torch references wherever our own kernels would run
+`kernels.gdn` = auto (default) | torch: torch takes the torch references wherever our own kernels would run
 (`gdn_chunked` where a gradient is needed, `gdn_decode_reference` for the decode step: A/B benchmarks, or a fallback
 should our kernels misbehave); graph-free work over many tokens keeps fla either way.
 """
@@ -50,8 +50,7 @@ def fla_forward():
 @torch.compiler.disable
 def gdn_decode(q_BTHK, k_BTHK, v_BTGV, a_BTG, b_BTG, a_log_G, dt_bias_G, state_BGKV, scale=None):
     """`gdn_decode_reference`'s contract (raw q, k, a, b; state_BGKV advanced in place; -> o_BTGV): one Triton launch
-    a layer on CUDA for one token (`triton_step.py`), the torch reference elsewhere or under
-    LONGSTRAW_GDN_KERNEL=torch."""
+    a layer on CUDA for one token (`triton_step.py`), the torch reference elsewhere or under kernels.gdn=torch."""
     module = _step_module(v_BTGV)
     if module is not None:
         if module.supported(q_BTHK, v_BTGV, state_BGKV):
@@ -66,7 +65,7 @@ def gdn_decode(q_BTHK, k_BTHK, v_BTGV, a_BTG, b_BTG, a_log_G, dt_bias_G, state_B
 @torch.compiler.disable
 def conv_step(mixed_BTX, window_BXW, weight_X1K):
     """`conv_step_reference`'s contract (the window moved on in place; -> silu(conv) [B, T, X]): one Triton launch
-    on CUDA for one token (`triton_step.py`), the torch reference elsewhere or under LONGSTRAW_GDN_KERNEL=torch."""
+    on CUDA for one token (`triton_step.py`), the torch reference elsewhere or under kernels.gdn=torch."""
     module = _step_module(mixed_BTX)
     if module is not None:
         if module.conv_supported(mixed_BTX, window_BXW):
@@ -84,7 +83,7 @@ def _say_decode_takes_the_reference(part: str, inputs: str) -> None:
 
 def _step_module(x: torch.Tensor):
     """triton_step where the decode's kernels serve x (CUDA, auto, Triton imports), else None."""
-    if kernel_choice("LONGSTRAW_GDN_KERNEL") != "auto" or not x.is_cuda:
+    if kernel_choice("gdn") != "auto" or not x.is_cuda:
         return None
     return optional_module("longstraw_kernels.gdn.triton_step")
 
@@ -96,7 +95,7 @@ def triton_chunk():
 
 def use_triton(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV=None, chunk_size=64) -> bool:
     """Whether a gradient-needing call takes `triton_chunk`: CUDA, auto, Triton imports, inputs it supports."""
-    if kernel_choice("LONGSTRAW_GDN_KERNEL") == "torch" or not v_BTGV.is_cuda:
+    if kernel_choice("gdn") == "torch" or not v_BTGV.is_cuda:
         return False
     module = triton_chunk()
     return module is not None and module.supported(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV,

@@ -80,28 +80,6 @@ def conv_step_reference(mixed_BTX, window_BXW, weight_X1K):
     return causal_conv_silu(full_BXS, weight_X1K).transpose(1, 2)
 
 
-def ring_window(ring_BXR: torch.Tensor, step: int) -> torch.Tensor:
-    """The conv's window [B, X, W] (oldest input first) of a ring of R = W + 1 slots at decode step `step`: input
-    t of the response sits in slot t mod R (the prompt's last W inputs are t = -W .. -1), so the window before step
-    t is slots t - W .. t - 1 and slot t mod R is free for input t."""
-    R = ring_BXR.shape[-1]
-    return ring_BXR[..., [(step - R + 1 + j) % R for j in range(R - 1)]]
-
-
-def ring_from_window(window_BXW: torch.Tensor) -> torch.Tensor:
-    """A ring (`ring_window`) holding `window_BXW` as the window of step 0: slot 0 free, slots 1 .. W the window."""
-    return torch.cat([torch.zeros_like(window_BXW[..., :1]), window_BXW], dim=-1)
-
-
-def conv_ring_step_reference(mixed_B1X, ring_BXR, weight_X1K, step: int):
-    """`conv_step_reference` for one token with the window held as a ring (`ring_window`): the input is written into
-    its slot, no other slot moves. -> silu(conv) [B, 1, X] in mixed's dtype."""
-    window_BXW = ring_window(ring_BXR, step).clone()
-    out_B1X = conv_step_reference(mixed_B1X, window_BXW, weight_X1K)
-    ring_BXR[..., step % ring_BXR.shape[-1]] = mixed_B1X[:, 0].to(ring_BXR.dtype)
-    return out_B1X
-
-
 def gdn_decode_reference(q_BTHK, k_BTHK, v_BTGV, a_BTG, b_BTG, a_log_G, dt_bias_G, state_BGKV, scale=None):
     """A few tokens per sequence from raw inputs, without gradient (the decode step: T = 1): q and k before their
     L2 norm, a and b before the gates (g = `gdn_decay`, beta = sigmoid(b), both in the compute dtype), then

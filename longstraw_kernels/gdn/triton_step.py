@@ -1,5 +1,6 @@
-"""One decode token of a GDN layer in two Triton launches, or in one, for CUDA: `conv_step_reference`'s and
-`gdn_decode_reference`'s contracts.
+"""One decode token of a GDN layer in two Triton launches, for CUDA: `conv_step_reference`'s and
+`gdn_decode_reference`'s contracts. (Both in one launch, the conv's window a ring of slots, measured no faster on an
+H200: qwen36_mini's step 2.816 against 2.810 ms, docs/BENCHMARKS.md 2026-12-05; git keeps it, commit de77ffc.)
 
 The decode step's GDN layer ran its conv (a cat, cuDNN's depthwise conv, a SiLU), q and k's L2 norms, the decay g
 and the write strength beta in small torch kernels (fused by torch.compile, but cut off from fla's recurrent
@@ -21,14 +22,6 @@ A program owns one (response, value head) pair and BV of its value columns, with
 registers: it reads that slice before it writes it, and no other program touches it, so the state is updated in
 place. Everything is computed in fp32 (the references' `compute_dtype`); outputs are stored in the inputs' dtype.
 
-`conv_gdn_decode_triton` (LONGSTRAW_DECODE_GDN=fused, opt in: bit for bit the two launches' on an H200 and no
-faster, qwen36_mini 2.816 against 2.810 ms a step): both in one launch, each
-program convolving the channels it reads (its key head's q and k, its v columns) before the recurrence. Every
-program of a key head reads that head's q and k windows, so a window cannot move in place under them: it is a
-ring of W + 1 slots, input t in slot t mod (W + 1) (reference.py `ring_window`); step t reads the other W slots and
-writes slot t mod (W + 1), one program a channel. The conv's output is rounded to the input's dtype before the
-recurrence, as the two launches store it between them: the same arithmetic, bit for bit in Triton's interpreter.
-
 Exactness: tests/kernels/test_gdn_step.py (Triton's interpreter on CPU, fp32 and bf16 inputs) and
 tests/models/test_gpu_decode.py (CUDA, qwen36_mini's shapes, against fp64) and the decode tests there.
 
@@ -42,8 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["conv_decode_supported", "conv_gdn_decode_triton", "conv_step_triton", "conv_supported",
-           "gdn_decode_triton", "supported"]
+__all__ = ["conv_step_triton", "conv_supported", "gdn_decode_triton", "supported"]
 
 # fla's choice for its recurrent kernel (one warp, 8 value columns): at qwen36_mini's shape it moved the state at
 # ~4.6 TB/s on an H200 (0.13 ms for 18 layers' 33 MB each)
@@ -105,48 +97,6 @@ def _decode_step_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_pt
 
 
 @triton.jit
-def _ring_conv(ring_ptr, mixed_ptr, weight_ptr, b, chans, mask, write, t, X, stride_mb, stride_mx, stride_wx,
-               W: tl.constexpr, WP: tl.constexpr):
-    """silu(conv) of channels `chans` of response b at decode step t (fp32, rounded to the input's dtype as the conv
-    kernel stores it), the window read from its ring of W + 1 slots (input t in slot t mod (W + 1): the window is
-    the slots t - W .. t - 1, oldest first, as `_conv_step_kernel` holds it); where `write`, the input goes into
-    slot t mod (W + 1), which no program reads at this step."""
-    offs_w = tl.arange(0, WP)
-    mask_cw = mask[:, None] & (offs_w[None, :] < W)
-    slots = (t + 1 + offs_w) % (W + 1)  # t - W + j mod W + 1
-    base = (b * X + chans) * (W + 1)
-    window = tl.load(ring_ptr + base[:, None] + slots[None, :], mask=mask_cw, other=0.0)
-    new = tl.load(mixed_ptr + b * stride_mb + chans * stride_mx, mask=mask, other=0.0)
-    taps = tl.load(weight_ptr + chans[:, None] * stride_wx + offs_w[None, :], mask=mask_cw, other=0.0)
-    last_tap = tl.load(weight_ptr + chans * stride_wx + W, mask=mask, other=0.0)
-    acc = tl.sum(window.to(tl.float32) * taps.to(tl.float32), 1) + new.to(tl.float32) * last_tap.to(tl.float32)
-    # `write` broadcast to the channels first: Triton's interpreter refuses a mask of a vector and a scalar
-    tl.store(ring_ptr + base + t % (W + 1), new.to(ring_ptr.dtype.element_ty), mask=mask & ((chans * 0 + write) != 0))
-    return (acc * tl.sigmoid(acc)).to(mixed_ptr.dtype.element_ty).to(tl.float32)
-
-
-@triton.jit
-def _conv_decode_step_kernel(mixed_ptr, ring_ptr, weight_ptr, step_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr,
-                             state_ptr, o_ptr, X, stride_mb, stride_mx, stride_wx, stride_ab, stride_ag, stride_bb,
-                             stride_bg, stride_ob, stride_og, scale, eps, H: tl.constexpr, GROUP: tl.constexpr,
-                             G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                             BV: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
-    pid_v, row, b, g, h, offs_k, offs_v, mask_k, mask_v = _program(GROUP, G, K, V, BK, BV)
-    t = tl.load(step_ptr)
-    # every program of key head h convolves its q and k channels; the first (value head h GROUP, the first columns)
-    # alone writes their input into the ring; a program owns its v columns
-    first = ((pid_v == 0) & (g % GROUP == 0)).to(tl.int32)
-    q = _ring_conv(ring_ptr, mixed_ptr, weight_ptr, b, h * K + offs_k, mask_k, first, t, X, stride_mb, stride_mx,
-                   stride_wx, W, WP)
-    k = _ring_conv(ring_ptr, mixed_ptr, weight_ptr, b, H * K + h * K + offs_k, mask_k, first, t, X, stride_mb,
-                   stride_mx, stride_wx, W, WP)
-    v = _ring_conv(ring_ptr, mixed_ptr, weight_ptr, b, 2 * H * K + g * V + offs_v, mask_v, 1, t, X, stride_mb,
-                   stride_mx, stride_wx, W, WP)
-    _recurrence(q, k, v, b, g, row, offs_k, offs_v, mask_k, mask_v, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr,
-                o_ptr, stride_ab, stride_ag, stride_bb, stride_bg, stride_ob, stride_og, scale, eps, K, V)
-
-
-@triton.jit
 def _conv_step_kernel(mixed_ptr, window_ptr, weight_ptr, out_ptr, X, stride_mb, stride_mx, stride_wx,
                       W: tl.constexpr, WP: tl.constexpr, BX: tl.constexpr):
     # one program: response b, channels [pid_x BX, (pid_x + 1) BX); it reads their window before it writes it
@@ -202,46 +152,6 @@ def supported(q_BTHK, v_BTGV, state_BGKV) -> bool:
     return (q_BTHK.shape[1] == 1 and state_BGKV.dtype == torch.float32 and state_BGKV.is_contiguous()
             and q_BTHK.shape[-1] <= MAX_KEY_DIM
             and all(t.dtype in (torch.float32, torch.bfloat16, torch.float16) for t in (q_BTHK, v_BTGV)))
-
-
-def conv_decode_supported(mixed_BTX, ring_BXR, state_BGKV) -> bool:
-    """One token per response, a contiguous ring and an fp32 contiguous state, inputs no wider than fp32, a key dim
-    that fits."""
-    return (mixed_BTX.shape[1] == 1 and ring_BXR.is_contiguous() and state_BGKV.dtype == torch.float32
-            and state_BGKV.is_contiguous() and state_BGKV.shape[2] <= MAX_KEY_DIM
-            and all(t.dtype in (torch.float32, torch.bfloat16, torch.float16) for t in (mixed_BTX, ring_BXR)))
-
-
-# opaque to torch.compile (the compiled decode step), as gdn_decode and conv_step (fla_gpu.py)
-@torch.compiler.disable
-def conv_gdn_decode_triton(mixed_BTX, ring_BXR, weight_X1K, step_1, a_BTG, b_BTG, a_log_G, dt_bias_G, state_BGKV,
-                           num_k_heads: int, scale=None, eps: float = 1e-6):
-    """A GDN layer's decode token in one launch: `conv_ring_step_reference` at step step_1 (a device [1]: the conv's
-    window as a ring of W + 1 slots, reference.py `ring_window`; the input written into its slot), the conv's
-    output split into q, k (num_k_heads H of K) and v (G heads of V), then `gdn_decode_reference` (state_BGKV
-    [B, G, K, V] fp32 advanced in place). The conv's output is rounded to mixed's dtype, as `conv_step_triton`
-    stores it, so the launch computes what the two launches compute. -> o_BTGV in mixed's dtype."""
-    B, T, X = mixed_BTX.shape
-    _, G, K, V = state_BGKV.shape
-    H, R = num_k_heads, ring_BXR.shape[-1]
-    if (not conv_decode_supported(mixed_BTX, ring_BXR, state_BGKV) or state_BGKV.shape[0] != B or G % H
-            or X != 2 * H * K + G * V or ring_BXR.shape != (B, X, R) or R < 2 or weight_X1K.shape != (X, 1, R)
-            or weight_X1K.stride(2) != 1 or step_1.numel() != 1):
-        raise ValueError(f"conv_gdn_decode_triton takes one token of X = 2 H K + G V channels, a contiguous ring "
-                         f"[B, X, W + 1], weights [X, 1, W + 1], an fp32 contiguous state [B, G, K, V] with K <= "
-                         f"{MAX_KEY_DIM}; got mixed {tuple(mixed_BTX.shape)} {mixed_BTX.dtype}, ring "
-                         f"{tuple(ring_BXR.shape)}, weight {tuple(weight_X1K.shape)}, state {tuple(state_BGKV.shape)} "
-                         f"{state_BGKV.dtype}, H = {H}")
-    o_BTGV = torch.empty(B, T, G, V, dtype=mixed_BTX.dtype, device=mixed_BTX.device)
-    a, b, o = a_BTG[:, 0], b_BTG[:, 0], o_BTGV[:, 0]
-    with torch.cuda.device_of(mixed_BTX):
-        _conv_decode_step_kernel[(triton.cdiv(V, BLOCK_V), B * G)](
-            mixed_BTX, ring_BXR, weight_X1K, step_1, a, b, a_log_G, dt_bias_G, state_BGKV, o, X, mixed_BTX.stride(0),
-            mixed_BTX.stride(2), weight_X1K.stride(0), *a.stride(), *b.stride(), *o.stride()[:2],
-            K**-0.5 if scale is None else scale, eps, H=H, GROUP=G // H, G=G, K=K, V=V,
-            BK=max(16, triton.next_power_of_2(K)), BV=BLOCK_V, W=R - 1, WP=triton.next_power_of_2(R),
-            num_warps=NUM_WARPS)
-    return o_BTGV
 
 
 def gdn_decode_triton(q_BTHK, k_BTHK, v_BTGV, a_BTG, b_BTG, a_log_G, dt_bias_G, state_BGKV, scale=None,

@@ -2,7 +2,7 @@
 triton_skinny.py: one Triton launch a linear for a few rows, same contract).
 
 `decode_linear` takes the kernel for CUDA bf16/fp16 inputs of at most `MAX_ROWS` rows when Triton imports, the
-reference otherwise; LONGSTRAW_LINEAR_KERNEL=torch forces the reference (A/B runs).
+reference otherwise; `kernels.decode_linear=torch` forces the reference (A/B runs).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 
 def _module():
-    if kernel_choice("LONGSTRAW_LINEAR_KERNEL") != "auto":
+    if kernel_choice("decode_linear") != "auto":
         return None
     return optional_module("longstraw_kernels.linear.triton_skinny")
 

@@ -29,8 +29,8 @@ linear (glu) is launched plainly, as it ran slower programmatically (with it: 1.
 trigger), and larger prefetches were slower (512 elements: 1.088 ms with glu, 256: 1.043 without).
 With an expert axis (`decode_experts_triton`, glm52's routed experts at decode: EXPERTS) the grid's third axis is
 the expert: its weights, its rows (shared or its own) and its outputs; an expert that no token chose takes no step
-of K, so its weights are not read and its outputs are zeros (glm52's decode takes it by default where it serves,
-LONGSTRAW_DECODE_EXPERTS=torch keeps the torch experts; on an H200 one MoE layer at 8 tokens: glm52_mini 0.063 ms
+of K, so its weights are not read and its outputs are zeros (glm52's decode takes it where it serves,
+`kernels.decode_linear=torch` keeps the torch experts; on an H200 one MoE layer at 8 tokens: glm52_mini 0.063 ms
 against 0.089 dense, GLM-5's 256 experts 1.07 against 1.52 as grouped GEMMs, bench_experts.py).
 Rounding follows the modules (the norm's output, the product, silu's output and the sum in the activations'
 dtype); the norm's output is rounded before the rsqrt is applied, not after, which moves a product by about one
@@ -259,9 +259,9 @@ def decode_linear_triton(x: torch.Tensor, weight_NK: torch.Tensor, *, up_NK: tor
 @functools.cache
 def programmatic_launch(device: torch.device) -> bool:
     """Whether launches on `device` are programmatic dependent launches (module note): CUDA sm90 or later, not
-    Triton's interpreter, and LONGSTRAW_DECODE_PDL not 0 (A/B runs)."""
+    Triton's interpreter."""
     return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
-            and os.environ.get("LONGSTRAW_DECODE_PDL", "1") != "0" and torch.cuda.get_device_capability(device)[0] >= 9)
+            and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 # each column tile's count of the K parts done (split launches), per device: zero between launches (the last part

@@ -4,8 +4,8 @@ fp64, mixed dtypes). Same signature, same saved-tensor contract. Pages in host m
 q on a GPU: the distinct selected rows move to q's device first (`selected_rows`), then the same choice; pages
 that need a gradient there take the reference, which gathers per chunk.
 
-LONGSTRAW_MLA_KERNEL = auto (default) | torch: torch forces the reference (A/B benchmarks, or a fallback should
-the kernel misbehave). Under auto the backward is Triton's too: dq, and the pages' gradients where they need one
+`kernels.mla` = auto (default) | torch: torch forces the reference (A/B benchmarks, or a fallback should the
+kernel misbehave). Under auto the backward is Triton's too: dq, and the pages' gradients where they need one
 (see triton_sparse.TritonSparseMLA).
 """
 
@@ -23,7 +23,7 @@ def triton_module():
 
 
 def use_triton(q_BTHA, latent_PL, rope_PR, idx_BTK) -> bool:
-    if kernel_choice("LONGSTRAW_MLA_KERNEL") == "torch":
+    if kernel_choice("mla") == "torch":
         return False
     if not (q_BTHA.is_cuda and latent_PL.device == q_BTHA.device and rope_PR.device == q_BTHA.device):
         return False
@@ -66,13 +66,14 @@ def _fake_forward(q_BTHA, latent_PL, rope_PR, idx_BTK, scale):
 
 
 def sparse_mla_two_sources(q_BTHA, latent_PL, rope_PR, new_latent_NL, new_rope_NR, idx_BTK, slots: int, *, scale,
-                           attention_fn=sparse_mla_attention, split: bool = False):
+                           attention_fn=sparse_mla_attention):
     """`reference.sparse_mla_two_sources` (the decode's prompt pages and response keys): one Triton launch (and its
-    split parts' combine) over both sources where `attention_fn` is this module's own, `split` is not asked, no
-    gradient is, and the kernel takes both sources on q's device; else each source through `attention_fn` (a
-    model's hook), merged by lse. Inside a compiled graph the one launch is an opaque op
+    split parts' combine) over both sources where `attention_fn` is this module's own, no gradient is asked, and the
+    kernel takes both sources on q's device (on an H200, glm52_mini's decode step at 256K, G=8: 2.764 ms against
+    2.890 with each source apart, docs/BENCHMARKS.md 2026-12-04); else each source through `attention_fn` (a model's
+    hook), merged by lse. Inside a compiled graph the one launch is an opaque op
     (`longstraw::sparse_mla_two_sources`)."""
-    if split or attention_fn is not sparse_mla_attention:
+    if attention_fn is not sparse_mla_attention:
         return reference.sparse_mla_two_sources(q_BTHA, latent_PL, rope_PR, new_latent_NL, new_rope_NR, idx_BTK,
                                                 slots, scale=scale, attention_fn=attention_fn)
     if torch.compiler.is_compiling():

@@ -1,6 +1,6 @@
 """MoE routing at decode: `route_select`, a sigmoid router's top-k experts and their weights from its logits in one
 Triton launch (triton_route.py), which glm52's decode step takes by default where `route_serves`
-(models/glm52/decode.py; LONGSTRAW_DECODE_ROUTER=torch: the router module). Inside a compiled graph it is one opaque op
+(models/glm52/decode.py; `kernels.router=torch`: the router module). Inside a compiled graph it is one opaque op
 (`longstraw::route_select`)."""
 
 from __future__ import annotations

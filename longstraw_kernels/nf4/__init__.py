@@ -2,7 +2,7 @@
 
 `reference.py` holds the torch reference (torchao's arithmetic on the weight's parts); `triton_nf4.py` the GPU
 kernel, the same numbers bit for bit. `dequantize(parts)` takes the kernel for CUDA weights in bf16 / fp16 /
-fp32 when Triton imports, the reference otherwise; LONGSTRAW_NF4_KERNEL=torch forces the reference (A/B runs).
+fp32 when Triton imports, the reference otherwise; `kernels.nf4=torch` forces the reference (A/B runs).
 It is a registered torch op (`longstraw::nf4_dequantize`): torch.compile (the compiled decode step) keeps it as
 one call instead of tracing into it. It has no gradient: the weight is frozen, and the caller's autograd
 (longstraw_cli.quantize) dequantises again in its backward. See README.md.
@@ -22,7 +22,7 @@ _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the kernel's 
 
 def _kernel(device: torch.device, dtype: torch.dtype):
     """The Triton entry for a weight on `device` in `dtype`, or None (the reference computes)."""
-    if kernel_choice("LONGSTRAW_NF4_KERNEL") != "auto" or device.type != "cuda" or dtype not in _KERNEL_DTYPES:
+    if kernel_choice("nf4") != "auto" or device.type != "cuda" or dtype not in _KERNEL_DTYPES:
         return None
     module = optional_module("longstraw_kernels.nf4.triton_nf4")
     return None if module is None else module.dequantize_triton

@@ -2,7 +2,7 @@
 entropy at temperature 1 (reference.py: the torch reference; triton_race.py: two Triton launches, same contract).
 
 `race_sample` takes the kernel for CUDA logits in fp32 / fp64 at top_p = 1 when Triton imports, the reference
-otherwise (top-p's sort stays there); LONGSTRAW_SAMPLE_KERNEL=torch forces the reference (A/B runs). The race's
+otherwise (top-p's sort stays there); `kernels.sampling=torch` forces the reference (A/B runs). The race's
 noise comes from the caller (rollout/native.py draws it from the rollout's generator), so both paths sample the
 same token from the same noise, up to the rounding of near-ties.
 """
@@ -21,7 +21,7 @@ _KERNEL_DTYPES = (torch.float32, torch.float64)
 
 def _kernel(logits_BV: torch.Tensor, top_p: float):
     """The Triton entry for these logits, or None (the reference computes)."""
-    if (kernel_choice("LONGSTRAW_SAMPLE_KERNEL") != "auto" or not logits_BV.is_cuda or top_p < 1
+    if (kernel_choice("sampling") != "auto" or not logits_BV.is_cuda or top_p < 1
             or logits_BV.dtype not in _KERNEL_DTYPES or logits_BV.stride(-1) != 1):
         return None
     module = optional_module("longstraw_kernels.sampling.triton_race")

@@ -87,8 +87,7 @@ def main(argv=None):
                                        "64x256x4x3x2,64x256x4x3x3,64x256x4x3x4,16x256x4x4x4,32x128x4x4x4,"
                                        "64x128x4x4x4,32x256x4x3x8,128x256x4x3x4",
                    help="BLOCK_N x BLOCK_K x warps x stages [x SPLIT: parts of K, 1 when left out [x PREFETCH: "
-                        "elements of each weight row asked of L2 before the wait (sm90 with LONGSTRAW_DECODE_PDL not "
-                        "0), 0 when left out]]")
+                        "elements of each weight row asked of L2 before the wait (sm90), 0 when left out]]")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     torch.manual_seed(0)

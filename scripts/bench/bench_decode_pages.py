@@ -1,8 +1,7 @@
 """The decode step's prompt-pages attention (longstraw_kernels/attention/decode.py, `decode_pages_attention`) at one
 layer's shape, for several counts of page splits: each count's call compiled by torch.compile (as the decode step
 runs it) and replayed as a CUDA graph, with its error against an fp32 softmax over all pages. One JSON row per
-count and form (`--forms`: a batch of equal ranges, or the ranges as one varlen flash call); `tbs`: the pages' bytes
-over the time.
+count; `tbs`: the pages' bytes over the time.
 
     python scripts/bench/bench_decode_pages.py --pages 262144 --kv 2 --heads 16 --dim 256 --group 8
 """
@@ -25,8 +24,6 @@ def main(argv=None):
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--group", type=int, default=8, help="responses (rows per query head)")
     p.add_argument("--splits", default="16,32,48,64,96,128,256")
-    p.add_argument("--forms", default="batched,varlen", help="batched (a batch of equal ranges and the rest) and/or "
-                   "varlen (the ranges as one varlen flash call)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     torch.manual_seed(0)
@@ -36,14 +33,11 @@ def main(argv=None):
     scores = torch.einsum("bkgd,pkd->bkgp", q.float().reshape(B, K, Q // K, D), k.float()) * D**-0.5
     want = (torch.softmax(scores, -1) @ v.float().permute(1, 0, 2)[None]).reshape(B, Q, D)
     del scores
-    for form in args.forms.split(","):
-        for splits in (int(s) for s in args.splits.split(",")):
-            fn = torch.compile(lambda s=splits, f=form: decode_pages_attention(q, k, v, scale=D**-0.5, num_splits=s,
-                                                                               varlen=f == "varlen"))
-            (out, _), ms = graph_ms(fn, 50)
-            emit({"pages": P, "kv": K, "heads": Q, "dim": D, "group": B, "form": form, "splits": splits, "ms": ms,
-                  "err": ((out.float() - want).norm() / want.norm()).item(), "tbs": 2 * k.nbytes / ms / 1e9},
-                 args.out)
+    for splits in (int(s) for s in args.splits.split(",")):
+        fn = torch.compile(lambda s=splits: decode_pages_attention(q, k, v, scale=D**-0.5, num_splits=s))
+        (out, _), ms = graph_ms(fn, 50)
+        emit({"pages": P, "kv": K, "heads": Q, "dim": D, "group": B, "splits": splits, "ms": ms,
+              "err": ((out.float() - want).norm() / want.norm()).item(), "tbs": 2 * k.nbytes / ms / 1e9}, args.out)
 
 
 if __name__ == "__main__":

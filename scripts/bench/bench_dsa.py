@@ -6,9 +6,8 @@ on the first size (kernel vs reference, fails loudly), then per (T, S) one JSON 
 (triton.testing.do_bench), speedup, the kernel's TFLOP/s over the visible (query, key) pairs, max abs diff of the
 finite scores and whether the -inf positions agree. --configs times other tile shapes of the kernel too. For few
 queries (the decode's: --queries 8) the few-rows form with the heads folded into the dot's rows
-(`indexer_scores_folded_triton`) is checked and timed at several key blocks, one program a key tile
-(LONGSTRAW_DSA_DECODE_SCORES=tiles) and its programs looping over the key tiles (`programs=`, the dispatch's
-default for them).
+(`indexer_scores_folded_triton`, a few programs an SM looping over the key tiles) is checked and timed at several
+key blocks.
 
     python scripts/bench/bench_dsa.py --out dsa.jsonl
 """
@@ -25,7 +24,6 @@ import triton
 from longstraw_kernels.dsa import indexer_scores_reference
 from longstraw_kernels.dsa.triton_scores import (
     LOW_PRECISION_CONFIG,
-    folded_loop_programs,
     folded_serves,
     indexer_scores_folded_triton,
     indexer_scores_triton,
@@ -108,28 +106,21 @@ def main(argv=None):
         folded = {}
         if folded_serves(q_BTJI, k_SI):
             ref_BTS = indexer_scores_reference(q_BTJI, w_BTJ, k_SI, scale, offset)
-            errs = {}
-            for name, programs in (("folded kernel", None), ("folded loop", folded_loop_programs(q_BTJI.device))):
-                errs[name] = compare(indexer_scores_folded_triton(q_BTJI, w_BTJ, k_SI, scale, offset,
-                                                                  programs=programs), ref_BTS)
-                if not errs[name][2] or not errs[name][1] < 1e-5:
-                    raise SystemExit(f"the {name} disagrees with the reference: {errs[name]}")
-            folded_err = errs["folded kernel"]
+            folded_err = compare(indexer_scores_folded_triton(q_BTJI, w_BTJ, k_SI, scale, offset), ref_BTS)
+            if not folded_err[2] or not folded_err[1] < 1e-5:
+                raise SystemExit(f"the folded kernel disagrees with the reference: {folded_err}")
             del ref_BTS
-            by_block, loop_by_block = {}, {}
+            by_block = {}
             for block_s in (32, 64, 128, 256):
-                for programs, into in ((None, by_block), (folded_loop_programs(q_BTJI.device), loop_by_block)):
-                    fn = functools.partial(indexer_scores_folded_triton, q_BTJI, w_BTJ, k_SI, scale, offset,
-                                           block_s=block_s, programs=programs)
-                    into[block_s] = round(triton.testing.do_bench(fn, rep=args.rep, return_mode="median"), 4)
-            # each form at its default key block; the loop is what the dispatch runs
-            defaults = {name: round(triton.testing.do_bench(functools.partial(
-                indexer_scores_folded_triton, q_BTJI, w_BTJ, k_SI, scale, offset, programs=programs), rep=args.rep,
+                fn = functools.partial(indexer_scores_folded_triton, q_BTJI, w_BTJ, k_SI, scale, offset,
+                                       block_s=block_s)
+                by_block[block_s] = round(triton.testing.do_bench(fn, rep=args.rep, return_mode="median"), 4)
+            # at its default key block: what the dispatch runs
+            default_ms = round(triton.testing.do_bench(functools.partial(
+                indexer_scores_folded_triton, q_BTJI, w_BTJ, k_SI, scale, offset), rep=args.rep,
                 return_mode="median"), 4)
-                for name, programs in (("folded_default_ms", None),
-                                       ("folded_loop_default_ms", folded_loop_programs(q_BTJI.device)))}
-            folded = {"folded_ms_by_block_s": by_block, "folded_loop_ms_by_block_s": loop_by_block,
-                      "folded_rel_err": folded_err[1], **defaults}
+            folded = {"folded_ms_by_block_s": by_block, "folded_rel_err": folded_err[1],
+                      "folded_default_ms": default_ms}
         best = min(by_config, key=by_config.get)
         row = {
             "T": T, "S": S, "J": J, "I": I, "dtype": args.dtype, "offset": offset,

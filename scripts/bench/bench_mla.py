@@ -2,7 +2,7 @@
 
 First a correctness check at one size (the Triton forward and dq against an fp64 oracle on the same bf16 values;
 the run stops if it fails). Then, for every H and T, the torch path (`reference._SparseMLA`, what runs with
-LONGSTRAW_MLA_KERNEL=torch) and the Triton path (`triton_sparse.TritonSparseMLA`) are timed on the same inputs:
+kernels.mla=torch) and the Triton path (`triton_sparse.TritonSparseMLA`) are timed on the same inputs:
 the forward under no_grad, and forward + backward with q requiring grad (the pages are resident state: no page
 gradient, so the Triton backward is its dq kernel). One JSON line per size: milliseconds (median over repeats,
 CUDA events), speedups, and the Triton path's TFLOP/s counting the matmuls only (forward 2 H K (A + L) per query,

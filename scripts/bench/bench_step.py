@@ -43,6 +43,7 @@ from longstraw_cli.rl.advantages import get_advantage  # noqa: E402
 from longstraw_cli.rl.losses import GroupShape, LossConfig, response_loss  # noqa: E402
 from longstraw_cli.telemetry.memory import PhaseClock, proc_bytes  # noqa: E402
 from longstraw_cli.transaction import Transaction, TransactionConfig  # noqa: E402
+from longstraw_kernels import use_kernels  # noqa: E402
 from longstraw_kernels.attention.flash import forward_backend  # noqa: E402
 from longstraw_kernels.attention.reference import replay_attention as reference_attention  # noqa: E402
 from longstraw_kernels.gdn import gdn_chunked  # noqa: E402
@@ -387,7 +388,7 @@ def use_reference_kernels(model) -> None:
     """The torch reference attention and chunked GDN everywhere (a fallback should a GPU kernel misbehave);
     glm52: the torch sparse MLA and DSA indexer scores instead of their Triton kernels."""
     if model.family == "glm52":
-        os.environ["LONGSTRAW_MLA_KERNEL"] = os.environ["LONGSTRAW_DSA_KERNEL"] = "torch"
+        use_kernels(mla="torch", dsa="torch")
         return
     for layer in model.model.layers:
         if layer.is_attention:

@@ -112,7 +112,7 @@ def profile_steps(model, resident, row: dict, args) -> None:
                              for t in (torch.long, logits.dtype, logits.dtype))
 
     # what the rollout runs after each step: the race's noise, then its sampling (the Triton kernel on CUDA;
-    # LONGSTRAW_SAMPLE_KERNEL=torch for the reference)
+    # kernels.sampling=torch for the reference)
     def sample():
         race_sample(logits, race.exponential_(1.0, generator=g), 1.0, 1.0, tokens, logp, entropy)
 

@@ -6,14 +6,12 @@ kernels). `profile_decode.py` profiles one step alone; this is the loop around i
 
     python scripts/bench/profile_rollout.py --model glm52_mini --prompt 262144 --group 8 --tokens 1024
     python scripts/bench/profile_rollout.py --prompts passkey --record on --no-profile \
-        --variants ";LONGSTRAW_DSA_DECODE_SCORES=loop;LONGSTRAW_DECODE_ROUTER=torch"
-    python scripts/bench/profile_rollout.py --prompts passkey --no-profile --steps-per-graph 0,4,8,16
+        --variants ";kernels.router=torch;kernels.decode_linear=torch"
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import os
 import time
@@ -30,6 +28,7 @@ from longstraw_cli.rl.task_base import TaskConfig  # noqa: E402
 from longstraw_cli.rl.tasks import make_task  # noqa: E402
 from longstraw_cli.rollout import native  # noqa: E402
 from longstraw_cli.tokenizer import ByteTokenizer  # noqa: E402
+from longstraw_kernels import use_kernels  # noqa: E402
 
 
 def prompt_ids(kind: str, tokens: int, response: int) -> torch.Tensor:
@@ -42,24 +41,14 @@ def prompt_ids(kind: str, tokens: int, response: int) -> torch.Tensor:
     return torch.tensor(tokenizer.encode(task.prompt_text(task.example(0))))
 
 
-@contextlib.contextmanager
-def environment(variant: str):
-    """The ','-separated VAR=VALUE settings of `variant` in os.environ inside the block (the kernels read their
-    variables as a decoder is built and as its graph is captured: each rollout does both), restored after."""
-    settings = dict(item.split("=", 1) for item in variant.split(",") if item)
-    before = {name: os.environ.get(name) for name in settings}
-    os.environ.update(settings)
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+def kernel_variant(variant: str):
+    """The kernel choices of `variant`, ','-separated op=choice (`kernels.` optional: `kernels.router=torch`), in
+    force inside the block (a decoder reads them as it is built and its graph captured: each rollout does both)."""
+    choices = dict(item.removeprefix("kernels.").split("=", 1) for item in variant.split(",") if item)
+    return use_kernels(**{op: value.lower() == "true" if op == "autotuned" else value for op, value in choices.items()})
 
 
-def measure(model, resident, args, routing, steps_per_graph: int = 0) -> dict:
+def measure(model, resident, args, routing) -> dict:
     """A decode step: the rollout less its setup, the offload included (as the trainer's time/decode_step), over
     --repeats rollouts after one to warm up; the offload alone, a rollout; the kernels a step (--profile)."""
     sampling, generator = native.SamplingConfig(max_new_tokens=args.tokens), torch.Generator("cuda").manual_seed(0)
@@ -77,7 +66,7 @@ def measure(model, resident, args, routing, steps_per_graph: int = 0) -> dict:
 
     def rollout():
         out = native.generate(model, resident, args.group, sampling, generator,
-                              native.NativeConfig(steps_per_graph=steps_per_graph), routing=routing)
+                              native.NativeConfig(), routing=routing)
         if routing is not None:
             routing.release(out.routing)
         return out
@@ -145,11 +134,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--record", default="off,on", help="routing replay's recording: off and/or on (MoE)")
     parser.add_argument("--variants", default="",
-                        help="';'-separated environment settings to compare in this process, each ','-separated "
-                             "VAR=VALUE (empty: as set), e.g. ';LONGSTRAW_DECODE_ROUTER=torch'")
-    parser.add_argument("--steps-per-graph", default="0",
-                        help="','-separated rollout.native.steps_per_graph values to compare (0: the model's step "
-                             "alone as a graph, the sampling after it)")
+                        help="';'-separated kernel choices to compare in this process, each ','-separated "
+                             "kernels.OP=CHOICE (empty: the defaults), e.g. ';kernels.router=torch'")
     parser.add_argument("--setup-parts", action="store_true",
                         help="also time the rollout's setup apart: the decoder's build, an eager step, the first "
                              "graphed step (warm-up and capture)")
@@ -160,18 +146,17 @@ def main() -> None:
     for kind in args.prompts.split(","):
         resident = model.capture(prompt_ids(kind, args.prompt, args.tokens).cuda(), block_size=16384)
         records = [value == "on" for value in args.record.split(",")] if routes else [False]
-        grouping = [int(n) for n in args.steps_per_graph.split(",")]
-        for variant, record, n in itertools.product(args.variants.split(";"), records, grouping):
-            # a fresh replay a measurement (its offload is timed by wrapping it); dynamo's graphs dropped: a variable
+        for variant, record in itertools.product(args.variants.split(";"), records):
+            # a fresh replay a measurement (its offload is timed by wrapping it); dynamo's graphs dropped: a choice
             # the step's layer function reads (a decoder attribute dynamo guards on) compiles graphs of its own, and
             # past dynamo's recompile limit (8 a function) a variant would run its layers uncompiled, silently
             routing = family_of(model).routing_replay("auto") if record else None
             torch._dynamo.reset()
-            with environment(variant):
+            with kernel_variant(variant):
                 row = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
                        "model": args.model, "prompt": args.prompt, "prompt_kind": kind, "group": args.group,
                        "tokens": args.tokens, "variant": variant, "record_routing": routing is not None,
-                       "steps_per_graph": n, **measure(model, resident, args, routing, n)}
+                       **measure(model, resident, args, routing)}
                 if args.setup_parts:
                     row.update(setup_parts(model, resident, args))
             emit(row, args.out)

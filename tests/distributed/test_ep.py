@@ -20,6 +20,7 @@ from longstraw_cli.distributed.ep import (
     expert_bounds,
     local_experts,
 )
+from longstraw_kernels import use_kernels
 
 # world size -> name -> (tokens per rank, E, k, C, I, experts that may be chosen (None: all), dtype).
 # Replicated mode uses every rank's tokens together on every rank. Fewer token shards than ranks: EP groups of
@@ -200,7 +201,7 @@ def test_local_experts_matches_hf():
 def test_grouped_gemm_path_is_the_loop_and_serves_only_where_it_should(monkeypatch):
     """`grouped_expert_ffn` (torch._grouped_mm) gives the per-expert loop's rows and gradients, idle experts
     included (exactly so on the CPU, where torch runs it a group at a time); `expert_ffn` takes it only on a
-    CUDA device (bf16, sm90+), never on the CPU or with LONGSTRAW_EXPERTS_KERNEL=torch; other values are refused."""
+    CUDA device (bf16, sm90+), never on the CPU or with kernels.experts=torch."""
     from longstraw_cli.models.glm52.experts import expert_ffn, grouped_expert_ffn, grouped_mm_serves
 
     inputs, _, _ = problem((13,), 5, 1, 16, 8, None, F32, seed=2)
@@ -221,11 +222,8 @@ def test_grouped_gemm_path_is_the_loop_and_serves_only_where_it_should(monkeypat
         assert torch.equal(got, ref)
     # a tensor of counts is taken as the list is
     assert torch.equal(expert_ffn(x_MC, torch.tensor(counts), gate_up, down), loop_MC)
-    monkeypatch.setenv("LONGSTRAW_EXPERTS_KERNEL", "torch")
+    use_kernels(experts="torch")
     assert not grouped_mm_serves(x_MC.bfloat16(), gate_up.bfloat16(), down.bfloat16())
-    monkeypatch.setenv("LONGSTRAW_EXPERTS_KERNEL", "loop")
-    with pytest.raises(ValueError, match=r"LONGSTRAW_EXPERTS_KERNEL='loop'; valid: \['auto', 'torch'\]"):
-        grouped_mm_serves(x_MC, gate_up, down)
 
 
 def test_a_gpu_without_grouped_gemms_says_so_once(caplog):

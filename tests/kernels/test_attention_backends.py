@@ -1,4 +1,4 @@
-"""Choosing the fused attention kernel: the LONGSTRAW_ATTENTION setting, the flash-attn import guard and its
+"""Choosing the fused attention kernel: the kernels.attention setting, the flash-attn import guard and its
 fallback, and the layout plumbing of each kernel's call (checked on CPU through a stand-in flash-attn)."""
 
 import sys
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import rel_err
+from longstraw_kernels import KernelConfig, use_kernels
 from longstraw_kernels.attention import flash
 from longstraw_kernels.attention.reference import naive_attention
 
@@ -20,17 +21,15 @@ def no_flash_attn(monkeypatch):
     flash.flash_attn_func.cache_clear()
 
 
-def test_bad_setting_names_the_choices(monkeypatch):
-    monkeypatch.setenv("LONGSTRAW_ATTENTION", "triton")
-    with pytest.raises(ValueError, match=r"LONGSTRAW_ATTENTION='triton'.*flash_attn.*cudnn.*flash"):
-        flash.forward_backend()
+def test_bad_setting_names_the_choices():
+    with pytest.raises(ValueError, match=r"kernels.attention='triton'.*auto.*cudnn.*flash.*flash_attn"):
+        KernelConfig(attention="triton")
 
 
-def test_without_flash_attn_auto_falls_back(no_flash_attn, monkeypatch):
-    monkeypatch.delenv("LONGSTRAW_ATTENTION", raising=False)
+def test_without_flash_attn_auto_falls_back(no_flash_attn):
     assert flash.flash_attn_func() is None
     assert flash.forward_backend() in ("cudnn", "flash")
-    monkeypatch.setenv("LONGSTRAW_ATTENTION", "flash_attn")
+    use_kernels(attention="flash_attn")
     with pytest.raises(ImportError, match="pip install flash-attn"):
         flash.forward_backend()
 
@@ -52,7 +51,6 @@ def test_flash_attn_is_used_when_installed(monkeypatch):
     fake = types.ModuleType("flash_attn")
     fake.flash_attn_func = _fake_flash_attn_func
     monkeypatch.setitem(sys.modules, "flash_attn", fake)
-    monkeypatch.delenv("LONGSTRAW_ATTENTION", raising=False)
     flash.flash_attn_func.cache_clear()
     try:
         assert flash.forward_backend() == "flash_attn"

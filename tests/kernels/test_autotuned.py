@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from longstraw_kernels import autotuned
+from longstraw_kernels import autotuned, use_kernels
 
 CONFIGS = [triton.Config({"BLOCK": 16}, num_warps=1), triton.Config({"BLOCK": 32}, num_warps=2)]
 
@@ -84,9 +84,8 @@ def test_seed_shipped_reads_the_gpu_file_once_and_can_be_turned_off(fresh, tmp_p
     (tmp_path / "Toy_GPU_1.json").write_text(json.dumps(_chosen(key, CONFIGS[1])))
     monkeypatch.setattr(autotuned, "SHIPPED_DIR", tmp_path)
     monkeypatch.setattr(autotuned, "_SEEDED", set())
-    monkeypatch.setenv(autotuned.ENV, "0")
-    assert autotuned.seed_shipped("Toy GPU 1", __name__) == 0 and not fresh.cache
-    monkeypatch.delenv(autotuned.ENV)
+    with use_kernels(autotuned=False):
+        assert autotuned.seed_shipped("Toy GPU 1", __name__) == 0 and not fresh.cache
     assert autotuned.seed_shipped("Other GPU", __name__) == 0  # no file for it
     monkeypatch.setattr(autotuned, "_SEEDED", set())
     assert autotuned.seed_shipped("Toy GPU 1", __name__) == 1 and fresh.cache[key] is CONFIGS[1]

@@ -196,26 +196,25 @@ def test_a_gated_norm_the_kernel_does_not_take_is_said_once(monkeypatch, caplog)
     assert not linear.gate_serves(96, torch.ones(16), torch.float32) and not caplog.records
 
 
-def test_programmatic_launch_is_for_cuda_sm90_and_can_be_turned_off(monkeypatch):
-    """`programmatic_launch`: CUDA of compute capability 9.0 or more, not under Triton's interpreter, and not with
-    LONGSTRAW_DECODE_PDL=0 (the A/B switch); decided once per device."""
+def test_programmatic_launch_is_for_cuda_sm90(monkeypatch):
+    """`programmatic_launch`: CUDA of compute capability 9.0 or more, not under Triton's interpreter; decided once
+    per device."""
     from longstraw_kernels.linear import triton_skinny
 
     cuda = torch.device("cuda", 0)
 
-    def decided(capability=(9, 0), interpreted=False, env=None):
+    def decided(capability=(9, 0), interpreted=False):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-        for name, value in (("TRITON_INTERPRET", "1" if interpreted else None), ("LONGSTRAW_DECODE_PDL", env)):
-            if value is None:
-                monkeypatch.delenv(name, raising=False)
-            else:
-                monkeypatch.setenv(name, value)
+        if interpreted:
+            monkeypatch.setenv("TRITON_INTERPRET", "1")
+        else:
+            monkeypatch.delenv("TRITON_INTERPRET", raising=False)
         triton_skinny.programmatic_launch.cache_clear()
         return triton_skinny.programmatic_launch(cuda)
 
     try:
-        assert decided() and decided(env="1") and decided(capability=(10, 0))
-        assert not decided(env="0") and not decided(capability=(8, 0)) and not decided(interpreted=True)
+        assert decided() and decided(capability=(10, 0))
+        assert not decided(capability=(8, 0)) and not decided(interpreted=True)
         assert not triton_skinny.programmatic_launch(torch.device("cpu"))
     finally:
         monkeypatch.undo()

@@ -74,56 +74,62 @@ def test_contract_is_the_models_path():
 
 
 @torch.no_grad()
-def test_qwen36_decode_through_the_fused_qk_equals_the_modules(monkeypatch):
-    """LONGSTRAW_DECODE_QK=fused: the decoder's attention layers prepare q and k through the kernel (Triton's
-    interpreter here), with the modules' logits over several steps in bf16; another value is refused."""
-    from conftest import assert_fused_kernel_decodes, ids
+def test_qwen36_decode_through_the_fused_qk_equals_the_modules():
+    """The decoder's attention layers prepare q and k through the kernel (Triton's interpreter here: on CPU the
+    decoder keeps the modules, so the test hands it the kernel), with the modules' logits over several steps in
+    bf16, the kernel called once a layer a step."""
+    from conftest import assert_decodes_alike, ids
 
     model = random_model("qwen36_tiny", torch.bfloat16)
     resident = model.capture(ids(40, 0), block_size=16)
-    assert_fused_kernel_decodes(monkeypatch, model, resident, "LONGSTRAW_DECODE_QK", "qk", decode_qk,
-                                sum(layer.is_attention for layer in model.model.layers), 3, 2e-2)
+    modules, fused, calls = model.decoder(resident, 2, 4), model.decoder(resident, 2, 4), []
+    assert modules.qk is None and fused.qk is None
+    fused.qk = lambda *a: calls.append(1) or decode_qk(*a)
+    assert_decodes_alike(modules, fused, 3, 2e-2)
+    assert len(calls) == 3 * sum(layer.is_attention for layer in model.model.layers)
 
 
-def test_a_default_kernel_that_does_not_serve_on_cuda_is_said_once(monkeypatch, caplog):
-    """LONGSTRAW_DECODE_QK's default is the kernel: on CUDA, where it does not serve (fp32 activations, say), the
-    modules run and the run is told once, naming the default, as when the variable asks; off CUDA nothing is said."""
+def test_the_decoder_takes_the_kernel_on_cuda_where_it_serves_and_says_once_where_not(caplog):
+    """On CUDA the decoder takes the kernel where it serves (bf16 activations and pages, a power-of-two head dim);
+    where it does not (fp32 activations, say) the modules run and the run is told once; kernels.decode_qk=torch
+    keeps the modules without a word, and off CUDA nothing is said."""
     import logging
     from types import SimpleNamespace
 
-    from longstraw_cli.models.qwen36.decode import QK_CHOICES, Qwen36Decoder
-    from longstraw_kernels import say_once
+    from conftest import ids
+    from longstraw_cli.models.qwen36.decode import Qwen36Decoder
+    from longstraw_kernels import say_once, use_kernels
 
-    monkeypatch.delenv("LONGSTRAW_DECODE_QK", raising=False)
-    name, needs, cuda = "attention.triton_decode_qk", "bf16/fp16 activations", SimpleNamespace(is_cuda=True)
+    model = random_model("qwen36_tiny", torch.bfloat16)
+    resident = model.capture(ids(40, 0), block_size=16)
+
+    def on_cuda(dtype):
+        return SimpleNamespace(is_cuda=True, dtype=dtype)
+
     say_once.cache_clear()
     with caplog.at_level(logging.WARNING):
+        assert Qwen36Decoder._qk_kernel(model, resident, on_cuda(torch.bfloat16)) is decode_qk
         for _ in range(2):
-            assert Qwen36Decoder._fused("LONGSTRAW_DECODE_QK", name, cuda, lambda m: False, needs, QK_CHOICES) is None
-        assert Qwen36Decoder._fused("LONGSTRAW_DECODE_QK", name, torch.zeros(1), lambda m: True, needs,
-                                    QK_CHOICES) is None
-        monkeypatch.setenv("LONGSTRAW_DECODE_QK", "fused")
-        assert Qwen36Decoder._fused("LONGSTRAW_DECODE_QK", name, cuda, lambda m: False, needs, QK_CHOICES) is None
+            assert Qwen36Decoder._qk_kernel(model, resident, on_cuda(torch.float32)) is None
+        assert Qwen36Decoder._qk_kernel(model, resident, torch.zeros(1, dtype=torch.bfloat16)) is None
+        with use_kernels(decode_qk="torch"):
+            assert Qwen36Decoder._qk_kernel(model, resident, on_cuda(torch.bfloat16)) is None
     said = [r.getMessage() for r in caplog.records if "does not serve" in r.getMessage()]
-    assert said == ["decode: LONGSTRAW_DECODE_QK=fused (the default) does not serve here (it needs Triton, "
-                    "bf16/fp16 activations); the modules run",
-                    "decode: LONGSTRAW_DECODE_QK=fused does not serve here (it needs Triton, bf16/fp16 activations); "
-                    "the modules run"]
+    assert said == ["decode: the fused q / k kernel does not serve here (it needs Triton, bf16/fp16 activations and "
+                    "pages alike, and a power-of-two head dim); the modules run"]
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("merge", ["modules", "fused"])
-def test_compiled_step_with_the_fused_qk_equals_eager(fresh_dynamo, monkeypatch, merge):
+def test_compiled_step_with_the_fused_qk_equals_eager(fresh_dynamo):
     """The kernel is one opaque op writing the slots in place: dynamo and AOTAutograd's functionalization (the
-    compiled decode step's path, `aot_eager` here) keep its writes, so the compiled steps equal the eager ones; with
-    the fused merge (triton_decode_merge.py, another opaque op) too."""
+    compiled decode step's path, `aot_eager` here) keep its writes, so the compiled steps equal the eager ones."""
     from conftest import ids
 
-    monkeypatch.setenv("LONGSTRAW_DECODE_QK", "fused")
-    monkeypatch.setenv("LONGSTRAW_DECODE_MERGE", merge)
     model = random_model("qwen36_tiny", torch.bfloat16)
     resident = model.capture(ids(40, 0), block_size=16)
-    assert_compiled_step_equals_eager(model.decoder(resident, 2, 4), model.decoder(resident, 2, 4))
+    eager, compiled = model.decoder(resident, 2, 4), model.decoder(resident, 2, 4)
+    eager.qk = compiled.qk = decode_qk
+    assert_compiled_step_equals_eager(eager, compiled)
 
 
 @pytest.mark.gpu

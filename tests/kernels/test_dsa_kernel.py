@@ -9,7 +9,7 @@ import torch
 
 from conftest import rel_err
 from longstraw_cli.models.glm52 import model as glm52_model
-from longstraw_kernels import dsa
+from longstraw_kernels import dsa, use_kernels
 from longstraw_kernels.dsa import indexer_scores, indexer_scores_reference
 
 pytest.importorskip("triton")
@@ -109,28 +109,24 @@ def test_folded_kernel_matches_fp64_reference(T, J, shared, offset):
                  selection=True)
 
 
-# the folded form's loop (the decode's default): 3 programs over the 16 key tiles (each program 5 or
-# 6 of them, the last partial), 1 program over all, and more programs than tiles
+# the folded loop's program count: 3 programs over the 16 key tiles (each program 5 or 6 of them, the last partial),
+# 1 program over all, and more programs than tiles
 @pytest.mark.parametrize("T", [3, 8])
 @pytest.mark.parametrize("J", [4, 16])
 @pytest.mark.parametrize("offset", [None, 500, "early"])
 @pytest.mark.parametrize("programs", [1, 3, 40])
-def test_folded_loop_matches_fp64_reference_and_the_tile_a_program_form(T, J, offset, programs):
+def test_folded_loop_matches_fp64_reference_at_any_program_count(T, J, offset, programs):
     offset = -min(2, T - 1) if offset == "early" else offset
     q_BTJI, w_BTJ, k = make_case(2, T, 1000, J, 24, False, torch.float16, seed=T * J + (offset or 0))
     out_BTS = triton_scores.indexer_scores_folded_triton(q_BTJI, w_BTJ, k, SCALE, offset, block_s=64,
                                                          programs=programs)
     matches_fp64(out_BTS, q_BTJI, w_BTJ, k, offset, f"folded loop fp16, T={T} J={J} offset={offset} "
                  f"programs={programs}", selection=True)
-    tiles = triton_scores.indexer_scores_folded_triton(q_BTJI, w_BTJ, k, SCALE, offset, block_s=64)
-    assert torch.equal(out_BTS, tiles)
 
 
 def test_folded_kernel_serves_few_rows_of_half_precision_only(monkeypatch):
-    """fp32, mixed dtypes, J not a power of two and more than FOLDED_MAX_ROWS folded rows are refused (and the
-    dispatch keeps the head loop's kernel for them); the dispatch takes its loop over the key tiles by default, one
-    program a tile under LONGSTRAW_DSA_DECODE_SCORES=tiles, the head loop under =loop, and another value is refused
-    naming the valid ones."""
+    """fp32, mixed dtypes, J not a power of two and more than FOLDED_MAX_ROWS folded rows are refused, and the
+    dispatch keeps the head loop's kernel for them; where it serves, the dispatch takes it."""
     def case(T, J, dtype, k_dtype=None):
         q_BTJI, w_BTJ, k = make_case(1, T, 64, J, 16, True, dtype, device="cpu")
         return q_BTJI, k.to(k_dtype or dtype)
@@ -141,32 +137,25 @@ def test_folded_kernel_serves_few_rows_of_half_precision_only(monkeypatch):
     assert not serves(*case(8, 6, torch.float16)) and not serves(*case(32, 32, torch.float16))
     with pytest.raises(ValueError, match="folded kernel takes"):
         triton_scores.indexer_scores_folded_triton(*make_case(1, 8, 64, 6, 16, True, torch.float16), SCALE)
-    # the folded form launches the kernel with its heads folded (FOLD_J = J); the head loop's, FOLD_J = 0
+    # the folded form launches the loop over key tiles with its heads folded (FOLD_J = J); the head loop, its own
     launched = []
 
     class Spy:
-        def __init__(self, kernel):
-            self.kernel = kernel
+        def __init__(self, name):
+            self.name, self.kernel = name, getattr(triton_scores, name)
 
         def __getitem__(self, grid):
-            return lambda *args, **meta: (launched.append(meta["FOLD_J"]), self.kernel[grid](*args, **meta))[1]
+            return lambda *args, **meta: (launched.append((self.name, meta.get("FOLD_J"))),
+                                          self.kernel[grid](*args, **meta))[1]
 
-    monkeypatch.setattr(triton_scores, "_indexer_scores_kernel", Spy(triton_scores._indexer_scores_kernel))
+    for name in ("_indexer_scores_kernel", "_folded_loop_kernel"):
+        monkeypatch.setattr(triton_scores, name, Spy(name))
     q_BTJI, w_BTJ, k = make_case(1, 8, 64, 16, 16, True, torch.float16, device="cpu")
     triton_scores.indexer_scores_folded_triton(q_BTJI, w_BTJ, k, SCALE)
     triton_scores.indexer_scores_triton(q_BTJI, w_BTJ, k, SCALE)
-    assert launched == [16, 0]
-    loop = dsa._folded_scores(q_BTJI, k)
-    assert loop.func is triton_scores.indexer_scores_folded_triton and loop.keywords["programs"] > 0
-    assert dsa._folded_scores(*case(8, 16, torch.float32)) is None
-    monkeypatch.setenv("LONGSTRAW_DSA_DECODE_SCORES", "tiles")
+    assert launched == [("_folded_loop_kernel", 16), ("_indexer_scores_kernel", None)]
     assert dsa._folded_scores(q_BTJI, k) is triton_scores.indexer_scores_folded_triton
     assert dsa._folded_scores(*case(8, 16, torch.float32)) is None
-    monkeypatch.setenv("LONGSTRAW_DSA_DECODE_SCORES", "loop")
-    assert dsa._folded_scores(q_BTJI, k) is None
-    monkeypatch.setenv("LONGSTRAW_DSA_DECODE_SCORES", "yes")
-    with pytest.raises(ValueError, match=r"LONGSTRAW_DSA_DECODE_SCORES='yes'; valid: \['auto', 'tiles', 'loop'\]"):
-        dsa._folded_scores(q_BTJI, k)
 
 
 def test_mixed_dtypes_take_the_fp32_path():
@@ -178,13 +167,10 @@ def test_mixed_dtypes_take_the_fp32_path():
     assert err < 1e-5
 
 
-def test_dispatch_on_cpu_is_the_reference_and_the_env_choice_is_checked(monkeypatch):
+def test_dispatch_on_cpu_is_the_reference():
     q_BTJI, w_BTJ, k = make_case(2, 9, 40, 4, 16, False, torch.float32, seed=5, device="cpu")
     assert torch.equal(indexer_scores(q_BTJI, w_BTJ, k, SCALE, 3),
                        indexer_scores_reference(q_BTJI, w_BTJ, k, SCALE, 3))
-    monkeypatch.setenv("LONGSTRAW_DSA_KERNEL", "triton")
-    with pytest.raises(ValueError, match="LONGSTRAW_DSA_KERNEL"):
-        indexer_scores(q_BTJI, w_BTJ, k, SCALE)
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -241,17 +227,14 @@ def test_cuda_bf16_realistic_sizes(shared, T):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("J", [16, 32], ids=["glm52_mini_heads", "glm5_heads"])
-def test_cuda_folded_decode_rows(J, monkeypatch):
-    """The decode's 8 rows against 20,000 shared bf16 keys, the heads folded into the dot's rows, one program a key
-    tile and the programs' loop over the tiles (the default): as close to the fp64 reference as the head loop's
-    kernel, and the loop is what the dispatch runs for them."""
+def test_cuda_folded_decode_rows(J):
+    """The decode's 8 rows against 20,000 shared bf16 keys, the heads folded into the dot's rows, the programs
+    looping over the key tiles: as close to the fp64 reference as the head loop's kernel, and what the dispatch runs
+    for them."""
     q_BTJI, w_BTJ, k = make_case(1, 8, 20000, J, 128, True, torch.bfloat16, device="cuda")
     out_BTS = triton_scores.indexer_scores_folded_triton(q_BTJI, w_BTJ, k, 128**-0.5, 19990)
-    matches_fp64(out_BTS, q_BTJI, w_BTJ, k, 19990, f"folded bf16, T=8 J={J}", scale=128**-0.5)
-    loop_BTS = triton_scores.indexer_scores_folded_triton(q_BTJI, w_BTJ, k, 128**-0.5, 19990,
-                                                          programs=triton_scores.folded_loop_programs(k.device))
-    matches_fp64(loop_BTS, q_BTJI, w_BTJ, k, 19990, f"folded loop bf16, T=8 J={J}", scale=128**-0.5)
-    assert torch.equal(indexer_scores(q_BTJI, w_BTJ, k, 128**-0.5, 19990), loop_BTS)
+    matches_fp64(out_BTS, q_BTJI, w_BTJ, k, 19990, f"folded loop bf16, T=8 J={J}", scale=128**-0.5)
+    assert torch.equal(indexer_scores(q_BTJI, w_BTJ, k, 128**-0.5, 19990), out_BTS)
 
 
 @pytest.mark.gpu
@@ -268,11 +251,11 @@ def test_cuda_fp32_ieee_and_awkward_sizes():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_env_forces_the_reference(monkeypatch):
+def test_cuda_torch_choice_forces_the_reference():
     q_BTJI, w_BTJ, k = make_case(1, 100, 300, 4, 16, True, torch.bfloat16, device="cuda")
-    monkeypatch.setenv("LONGSTRAW_DSA_KERNEL", "torch")
-    assert torch.equal(indexer_scores(q_BTJI, w_BTJ, k, SCALE, 250),
-                       indexer_scores_reference(q_BTJI, w_BTJ, k, SCALE, 250))
+    with use_kernels(dsa="torch"):
+        assert torch.equal(indexer_scores(q_BTJI, w_BTJ, k, SCALE, 250),
+                           indexer_scores_reference(q_BTJI, w_BTJ, k, SCALE, 250))
     assert dsa._triton_scores() is not None, "Triton must import on a CUDA machine"
 
 

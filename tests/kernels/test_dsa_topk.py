@@ -5,6 +5,7 @@ boundaries, -0.0 beside +0.0, negatives, infinities and masked (-inf) keys."""
 import pytest
 import torch
 
+from longstraw_kernels import use_kernels
 from longstraw_kernels.dsa.topk import topk_lowest_position, topk_lowest_position_static
 
 pytest.importorskip("triton")
@@ -55,8 +56,8 @@ def test_rows_strided_and_errors():
 
 
 def test_static_rule_on_cuda_takes_the_kernel_behind_one_op(monkeypatch):
-    """`topk_lowest_position_static` on CUDA goes through the opaque op to the kernel (or the packed keys where the
-    environment chooses torch); on CPU it stays the packed keys."""
+    """`topk_lowest_position_static` on CUDA goes through the opaque op to the kernel (or the packed keys under
+    kernels.dsa=torch); on CPU it stays the packed keys."""
     calls = []
     real = triton_topk.topk_positions_triton
     monkeypatch.setattr(triton_topk, "topk_positions_triton", lambda s, k: calls.append(k) or real(s, k))
@@ -65,7 +66,7 @@ def test_static_rule_on_cuda_takes_the_kernel_behind_one_op(monkeypatch):
     assert torch.equal(topk_lowest_position_static(scores, 100), want) and not calls
     if torch.cuda.is_available():
         assert torch.equal(topk_lowest_position_static(scores.cuda(), 100).cpu(), want) and calls == [100]
-        monkeypatch.setenv("LONGSTRAW_DSA_KERNEL", "torch")
+        use_kernels(dsa="torch")
         assert torch.equal(topk_lowest_position_static(scores.cuda(), 100).cpu(), want) and calls == [100]
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conftest import randomize_, rel_err
+from longstraw_kernels import use_kernels
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -39,7 +40,7 @@ def test_flash_replay_attention_matches_reference(backend, page_ranges, B, R, S,
 
     if page_ranges:
         monkeypatch.setattr(flash, "PAGE_SPLIT_MIN_PAGES", 1000)
-    monkeypatch.setenv("LONGSTRAW_ATTENTION", backend)
+    use_kernels(attention=backend)
     monkeypatch.setattr(flash, "BACKWARD_PAGE_CHUNK", 1000)  # several page chunks in the backward
     flash._warn_cudnn_fallback.cache_clear()
     q, kp, vp, kn, vn = attention_inputs(B, R, S, P, Q, K, D, torch.bfloat16)
@@ -311,15 +312,13 @@ def test_decode_linear_programmatic_launch_in_a_graph_equals_plain_launches(monk
             x = decode_linear_triton(h, down, residual=x, config=(*launch_config(8, C, F, False)[:5], prefetch))
         return x
 
-    def with_pdl(on):
-        monkeypatch.setenv("LONGSTRAW_DECODE_PDL", "1" if on else "0")
-        triton_skinny.programmatic_launch.cache_clear()
-        return triton_skinny.programmatic_launch(inputs[0].device)
-
+    # the plain launches, the reference: programmatic_launch answered False
+    monkeypatch.setattr(triton_skinny, "programmatic_launch", lambda device: False)
     try:
-        assert not with_pdl(False)
         wants = [chain(x, 0) for x in inputs]
-        assert with_pdl(True)
+        monkeypatch.undo()
+        triton_skinny.programmatic_launch.cache_clear()
+        assert triton_skinny.programmatic_launch(inputs[0].device)
         for prefetch in (0, 512, 8192):
             for x, want in zip(inputs, wants):
                 assert torch.equal(chain(x, prefetch), want), prefetch  # eager, programmatic

@@ -1,6 +1,6 @@
 """The decode's fused router (longstraw_kernels/moe, Triton's interpreter on CPU; on a GPU compiled) against the
 model's `TopkRouter` (every group kept): the same experts in the same order, the same weights; glm52's decode through
-it (the default where it serves) gives the module path's logits and routing records (LONGSTRAW_DECODE_ROUTER=torch)."""
+it (the default where it serves) gives the module path's logits and routing records (kernels.router=torch)."""
 
 import dataclasses
 import logging
@@ -15,6 +15,7 @@ from longstraw_cli.models.glm52.config import NAMED_CONFIGS
 from longstraw_cli.models.glm52.model import TopkRouter
 from longstraw_cli.models.glm52.routing import RoutingReplay
 from longstraw_cli.rollout.native import NativeConfig, SamplingConfig, generate
+from longstraw_kernels import use_kernels
 
 pytest.importorskip("triton")
 from longstraw_kernels.moe import route_select, route_serves  # noqa: E402
@@ -71,9 +72,8 @@ def test_serves_fp32_logits_on_cuda_only():
 
 def test_glm52_decode_takes_the_fused_router_where_it_serves(monkeypatch, caplog):
     """By default every MoE layer of the decode routes through `fused_route` where it serves: the same logits as
-    the router module's decode (LONGSTRAW_DECODE_ROUTER=torch; fp32) and the same routing records; not where a
-    group is masked (glm52_tiny's own 1 of 2 groups: said on CUDA only, where the kernel would run); another value
-    is refused naming the valid ones."""
+    the router module's decode (kernels.router=torch; fp32) and the same routing records; not where a group is
+    masked (glm52_tiny's own 1 of 2 groups: said on CUDA only, where the kernel would run)."""
     model = random_model("glm52_tiny", torch.float32, topk_group=2)
     resident = model.capture(ids(50, 0), block_size=16)
     assert not model.decoder(resident, 3, 4).router_fused  # the CPU: route_serves says no
@@ -82,7 +82,7 @@ def test_glm52_decode_takes_the_fused_router_where_it_serves(monkeypatch, caplog
     monkeypatch.setattr(decode, "route_select", lambda *a: calls.append(1) or route_select(*a))
     fused = model.decoder(resident, 3, 4)
     assert fused.router_fused
-    monkeypatch.setenv("LONGSTRAW_DECODE_ROUTER", "torch")
+    use_kernels(router="torch")
     plain = model.decoder(resident, 3, 4)
     assert not plain.router_fused
     for _ in range(2):
@@ -96,19 +96,16 @@ def test_glm52_decode_takes_the_fused_router_where_it_serves(monkeypatch, caplog
     sampling, native = SamplingConfig(temperature=0, max_new_tokens=6), NativeConfig(cuda_graph=False)
     rollouts = {}
     for choice in ("torch", "auto"):
-        monkeypatch.setenv("LONGSTRAW_DECODE_ROUTER", choice)
+        use_kernels(router=choice)
         rollouts[choice] = generate(model, resident, 3, sampling, native=native, routing=RoutingReplay())
     for want, got in zip(rollouts["torch"].routing.tensors(), rollouts["auto"].routing.tensors()):
         assert torch.equal(want, got)
     assert len(calls) > 2 * moe_layers
     grouped = random_model("glm52_tiny", torch.float32)
-    monkeypatch.setenv("LONGSTRAW_DECODE_ROUTER", "auto")
+    use_kernels(router="auto")
     decode.say_once.cache_clear()
     assert not grouped.decoder(grouped.capture(ids(50, 0), block_size=16), 3, 4).router_fused
     assert "fused kernel does not serve" not in caplog.text  # on the CPU nothing to say
-    monkeypatch.setenv("LONGSTRAW_DECODE_ROUTER", "fused")
-    with pytest.raises(ValueError, match=r"LONGSTRAW_DECODE_ROUTER='fused'; valid: \['auto', 'torch'\]"):
-        model.decoder(resident, 3, 4)
 
 
 @pytest.mark.gpu
@@ -125,7 +122,7 @@ def test_cuda_compiled_decode_step_with_the_fused_router(monkeypatch, caplog):
     resident = model.capture(prompt, block_size=4096)
     logits = {}
     for choice in ("torch", "auto"):
-        monkeypatch.setenv("LONGSTRAW_DECODE_ROUTER", choice)
+        use_kernels(router=choice)
         decoder = model.decoder(resident, 8, 16)
         assert decoder.router_fused == (choice == "auto")
         decoder.tokens_B.copy_(torch.arange(8, device="cuda") * 7)

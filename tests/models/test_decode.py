@@ -25,6 +25,7 @@ from longstraw_cli.models.projections import EachLinear, InProjections
 from longstraw_cli.models.qwen36 import decode as qwen36_decode
 from longstraw_cli.rollout.native import NativeConfig, SamplingConfig, generate
 from longstraw_cli.tokenizer import ByteTokenizer
+from longstraw_kernels import use_kernels
 from longstraw_kernels.attention.decode import cascade_decode_attention, decode_pages_attention
 from longstraw_kernels.attention.reference import naive_attention
 from longstraw_kernels.dsa.topk import topk_lowest_position, topk_lowest_position_static, two_topk_positions
@@ -174,8 +175,8 @@ def test_skinny_experts_read_no_weight_of_an_expert_no_token_chose():
 
 def test_glm52_decode_takes_the_skinny_experts_where_they_serve(monkeypatch):
     """By default every MoE layer of the step goes through `skinny_experts` where it serves, with the dense experts'
-    logits (fp32; Triton's interpreter); where it does not serve (CPU), or under LONGSTRAW_DECODE_EXPERTS=torch, the
-    grouped-or-dense rule stands; any other value is refused naming the valid ones."""
+    logits (fp32; Triton's interpreter); where it does not serve (CPU), or under kernels.decode_linear=torch, the
+    grouped-or-dense rule stands."""
     from longstraw_cli.models.glm52 import decode
 
     model = random_model("glm52_tiny", torch.float32)
@@ -184,7 +185,7 @@ def test_glm52_decode_takes_the_skinny_experts_where_they_serve(monkeypatch):
     monkeypatch.setattr(decode, "skinny_serves", lambda *a: True)
     skinny, calls = model.decoder(resident, 3, 4), []
     assert skinny.experts_skinny
-    monkeypatch.setenv("LONGSTRAW_DECODE_EXPERTS", "torch")
+    use_kernels(decode_linear="torch")
     dense = model.decoder(resident, 3, 4)
     assert not dense.experts_skinny
     monkeypatch.setattr(decode, "skinny_experts", lambda *a: calls.append(1) or skinny_experts(*a))
@@ -194,17 +195,14 @@ def test_glm52_decode_takes_the_skinny_experts_where_they_serve(monkeypatch):
         for decoder in (dense, skinny):
             decoder.tokens_B.copy_(want.argmax(-1))
     assert len(calls) == 2 * sum(hasattr(layer.mlp, "experts_fn") for layer in model.model.layers) > 0
-    monkeypatch.setenv("LONGSTRAW_DECODE_EXPERTS", "skinny")
-    with pytest.raises(ValueError, match=r"LONGSTRAW_DECODE_EXPERTS='skinny'; valid: \['auto', 'torch'\]"):
-        model.decoder(resident, 3, 4)
 
 
 def test_glm52_decode_attends_to_the_pages_and_the_response_keys_in_one_kernel(monkeypatch):
     """By default each layer of the step attends to the prompt's pages and the responses' own keys in one sparse
     attention (`sparse_mla_two_sources`; here the Triton kernel in Triton's interpreter): the logits of each source
-    apart, merged (LONGSTRAW_DECODE_MLA=split; the same kernel per source), with every key selected (index_topk
+    apart, merged (each layer's hook swapped for the same kernel per source), with every key selected (index_topk
     above the prompt's 40: the filled response slots too). A layer whose sparse attention hook is swapped attends
-    through its hook, each source apart; a bad value is refused."""
+    through its hook, each source apart."""
     from longstraw_kernels.mla import dispatch, triton_sparse
 
     model = random_model("glm52_tiny", torch.float32, index_topk=64)
@@ -214,15 +212,24 @@ def test_glm52_decode_attends_to_the_pages_and_the_response_keys_in_one_kernel(m
     forward = triton_sparse.sparse_mla_forward
     monkeypatch.setattr(triton_sparse, "sparse_mla_forward",
                         lambda *a, **kw: (launched.append("new" in kw), forward(*a, **kw))[1])
-    fused = model.decoder(resident, 2, 6)
-    monkeypatch.setenv("LONGSTRAW_DECODE_MLA", "split")
-    split = model.decoder(resident, 2, 6)
-    assert split.mla_split and not fused.mla_split
+    fused, split = model.decoder(resident, 2, 6), model.decoder(resident, 2, 6)
+    attentions = [layer.self_attn for layer in model.model.layers]
+
+    def each_source_apart():
+        """`split`'s step with every layer's hook swapped (the same kernel, called per source)."""
+        for attn in attentions:
+            attn.sparse_attention_fn = lambda *a, **kw: dispatch.sparse_mla_attention(*a, **kw)
+        try:
+            return split.step()
+        finally:
+            for attn in attentions:
+                attn.sparse_attention_fn = dispatch.sparse_mla_attention
+
     for decoder in (split, fused):
         decoder.tokens_B.copy_(torch.tensor([5, 77]))  # the two responses differ from their first token on
     for step in range(4):
         with torch.no_grad():  # as the rollout runs it (a gradient asked takes each source apart)
-            want, got = split.step(), fused.step()
+            want, got = each_source_apart(), fused.step()
         assert rel_err(got, want) < 1e-5
         if step == 0:
             fused_first = got.clone()
@@ -233,37 +240,30 @@ def test_glm52_decode_attends_to_the_pages_and_the_response_keys_in_one_kernel(m
     hooked = []
     model.model.layers[1].self_attn.sparse_attention_fn = lambda *a, **kw: (
         hooked.append(1), dispatch.reference.sparse_mla_attention(*a, **kw))[1]
-    monkeypatch.setenv("LONGSTRAW_DECODE_MLA", "auto")
     launched.clear()
     hooked_decoder = model.decoder(resident, 2, 6)
     hooked_decoder.tokens_B.copy_(torch.tensor([5, 77]))
     with torch.no_grad():
         assert rel_err(hooked_decoder.step(), fused_first) < 1e-5
     assert len(hooked) == 2 and launched.count(True) == layers - 1
-    monkeypatch.setenv("LONGSTRAW_DECODE_MLA", "one")
-    with pytest.raises(ValueError, match=r"LONGSTRAW_DECODE_MLA='one'; valid: \['auto', 'split'\]"):
-        model.decoder(resident, 2, 6)
 
 
 @torch.no_grad()
 def test_glm52_decode_groups_the_linears_that_read_one_input(monkeypatch):
-    """By default (LONGSTRAW_DECODE_GEMMS=grouped) each layer's attention input linears with the indexer's wk, q_b_proj
-    with the indexer's wq_b, and the MLP's (or shared experts') gate and up as one GEMM each: the default decode's
-    logits of every linear its own GEMM (=each, fp64); one by one where LoRA wraps them or the copies would pass a 16th
-    of the device's memory; another value is refused naming the valid ones."""
+    """Each layer's attention input linears with the indexer's wk, q_b_proj with the indexer's wq_b, and the MLP's
+    (or shared experts') gate and up as one GEMM each: the logits of every linear its own GEMM (fp64); one by one
+    where LoRA wraps them or the copies would pass a 16th of the device's memory."""
     from longstraw_cli.models.glm52 import decode
 
     model = random_model("glm52_tiny", torch.float64)
     resident = model.capture(ids(50, 0), block_size=16)
-    monkeypatch.delenv("LONGSTRAW_DECODE_GEMMS", raising=False)
     grouped = model.decoder(resident, 2, 5)
-    monkeypatch.setenv("LONGSTRAW_DECODE_GEMMS", "each")
+    monkeypatch.setattr(decode, "device_total_bytes", lambda device: 0)
     each = model.decoder(resident, 2, 5)
-    assert all(type(p) is decode.ModuleProjections for p in each.projections)
-    monkeypatch.setenv("LONGSTRAW_DECODE_GEMMS", "grouped")
+    monkeypatch.undo()
+    assert all(isinstance(p, EachLinear) for proj in each.projections for p in (proj.x_in, proj.q_in, proj.mlp_in))
     sizes = []
     for layer, proj in zip(model.model.layers, grouped.projections):
-        assert isinstance(proj, decode.GroupedProjections)
         assert all(isinstance(p, InProjections) for p in (proj.x_in, proj.q_in, proj.mlp_in))
         sizes.append(len(proj.x_in.sizes))
         assert len(proj.x_in.sizes) == (3 if layer.self_attn.indexer is not None else 2)
@@ -280,13 +280,9 @@ def test_glm52_decode_groups_the_linears_that_read_one_input(monkeypatch):
         monkeypatch.setattr(decode, "device_total_bytes", lambda device, total=total: total)
         assert all(isinstance(proj.x_in, kind) for proj in model.decoder(resident, 2, 5).projections)
     monkeypatch.undo()
-    monkeypatch.setenv("LONGSTRAW_DECODE_GEMMS", "grouped")
     apply_lora(model, LoraConfig(rank=2))
     lora = model.decoder(resident, 2, 5)
     assert all(isinstance(proj.x_in, EachLinear) for proj in lora.projections)
-    monkeypatch.setenv("LONGSTRAW_DECODE_GEMMS", "fused")
-    with pytest.raises(ValueError, match=r"LONGSTRAW_DECODE_GEMMS='fused'; valid: \['grouped', 'each'\]"):
-        model.decoder(resident, 2, 5)
 
 
 @pytest.mark.parametrize("name", ["qwen36_tiny", "glm52_tiny"])
@@ -470,62 +466,3 @@ def test_offloaded_decode_keeps_latent_pages_on_the_host_and_moves_index_keys_on
             assert used.index_PI is None
         else:
             assert used.index_PI is not host.index_PI and torch.equal(used.index_PI, host.index_PI)
-
-
-@pytest.mark.parametrize("P, splits", [(1000, 7), (1000, 1), (64, 4), (5, 5)])
-def test_pages_as_varlen_ranges_cover_every_page_once(P, splits, monkeypatch):
-    """The varlen form's packing (`_flash_varlen_ranges`; flash itself runs on CUDA only, tests/models/
-    test_gpu_decode.py): with the varlen call replaced by a per-sequence softmax that reads the bounds it is given,
-    the ranges' merge is the full softmax over all P pages, the last range taking the rest."""
-    from longstraw_kernels.attention import decode
-
-    seen = []
-
-    def varlen(q_TKD, k_PKD, v_PKD, cu_q, cu_k, max_q, max_k, scale):
-        seen.append((cu_q.tolist(), cu_k.tolist(), max_q, max_k))
-        assert cu_q.dtype == cu_k.dtype == torch.int32
-        outs, lses = [], []
-        for i in range(len(cu_q) - 1):
-            (qa, qb), (ka, kb) = cu_q[i:i + 2].tolist(), cu_k[i:i + 2].tolist()
-            q, k, v = q_TKD[qa:qb].transpose(0, 1), k_PKD[ka:kb].transpose(0, 1), v_PKD[ka:kb].transpose(0, 1)
-            s = q @ k.transpose(-1, -2) * scale
-            outs.append((torch.softmax(s, -1) @ v).transpose(0, 1))
-            lses.append(torch.logsumexp(s, -1))
-        return torch.cat(outs), torch.cat(lses, dim=1)
-
-    monkeypatch.setattr(decode, "_varlen_attention", varlen)
-    B, Q, K, D = 3, 8, 2, 16
-    q, k, v = randn(B, Q, D, seed=0), randn(P, K, D, seed=1), randn(P, K, D, seed=2)
-    q_KMD = q.reshape(B, K, Q // K, D).transpose(0, 1).reshape(K, B * Q // K, D)
-    out_SKMD, lse_SKM = decode._flash_varlen_ranges(q_KMD, k, v, splits, D**-0.5)
-    out_KMD, lse_KM = decode.merge_partials(out_SKMD, lse_SKM)
-    out, lse = decode._rows_back(out_KMD, lse_KM, B, Q // K)
-    no_keys = q.new_empty(B, 0, K, D)
-    ref_out, ref_lse = naive_attention(q[:, None], k, v, no_keys, no_keys, scale=D**-0.5)
-    assert rel_err(out, ref_out[:, 0]) < 1e-12 and rel_err(lse, ref_lse[..., 0]) < 1e-12
-    size = P // splits
-    assert seen == [([i * B * Q // K for i in range(splits + 1)], [i * size for i in range(splits)] + [P], B * Q // K,
-                     P - (splits - 1) * size)]
-
-
-@torch.no_grad()
-def test_qwen36_decode_takes_the_varlen_pages_form_only_when_asked(monkeypatch):
-    """LONGSTRAW_DECODE_PAGES=varlen gives each attention layer's default pages hook the varlen form, and its step
-    runs (off CUDA both forms are the torch softmax: their logits are not compared here; the varlen packing is
-    `test_pages_as_varlen_ranges_cover_every_page_once`'s); a layer whose hook is swapped (context parallel) keeps
-    its hook; another value is refused naming the valid ones."""
-    model = random_model("qwen36_tiny", torch.float64)
-    resident = model.capture(ids(40, 0), block_size=16)
-    batched = model.decoder(resident, 2, 3)
-    attention = [i for i, layer in enumerate(model.model.layers) if layer.is_attention]
-    assert [batched.pages_fns[i] is decode_pages_attention for i in attention] == [True] * len(attention)
-    monkeypatch.setenv("LONGSTRAW_DECODE_PAGES", "varlen")
-    hook = functools.partial(decode_pages_attention, num_splits=2)
-    model.model.layers[attention[-1]].self_attn.decode_pages_fn = hook
-    varlen = model.decoder(resident, 2, 3)
-    assert all(varlen.pages_fns[i].keywords == {"varlen": True} for i in attention[:-1])
-    assert varlen.pages_fns[attention[-1]] is hook
-    assert varlen.step().shape == batched.step().shape
-    monkeypatch.setenv("LONGSTRAW_DECODE_PAGES", "ragged")
-    with pytest.raises(ValueError, match=r"LONGSTRAW_DECODE_PAGES='ragged'; valid: \['batched', 'varlen'\]"):
-        model.decoder(resident, 2, 3)

@@ -70,9 +70,12 @@ def test_glm52_recording_step_compiles_once_whatever_the_layers_and_prompt_lengt
 def test_glm52_layer_pattern_compiles_one_graph_per_kind_of_layer(fresh_dynamo, gemms, monkeypatch):
     """GLM-5's layer pattern (3 dense layers, then MoE, every indexer "full"; its widths do not matter to dynamo):
     the decode step's layer function compiles 2 graphs, dense and MoE, whatever the depth, and the steps equal
-    eager's; with each layer's input linears as one GEMM (the default, LONGSTRAW_DECODE_GEMMS=grouped: a projections
-    object of each layer's own, one of the compiled function's inputs) and every linear its own (=each)."""
-    monkeypatch.setenv("LONGSTRAW_DECODE_GEMMS", gemms)
+    eager's; with each layer's input linears as one GEMM (a projections object of each layer's own, one of the
+    compiled function's inputs) and every linear its own (where the copies would not fit)."""
+    from longstraw_cli.models.glm52 import decode
+
+    if gemms == "each":
+        monkeypatch.setattr(decode, "device_total_bytes", lambda device: 0)
     model = build_model("glm52_tiny", seed=0, num_hidden_layers=7, first_k_dense_replace=3, indexer_types=None)
     resident = model.capture(ids(300, 0), block_size=256)
     eager, compiled = model.decoder(resident, 2, 4), model.decoder(resident, 2, 4)

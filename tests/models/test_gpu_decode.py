@@ -29,13 +29,12 @@ def randn(*shape, seed, dtype=torch.bfloat16):
     return torch.randn(*shape, generator=g, device="cuda").to(dtype)
 
 
-@pytest.mark.parametrize("varlen", [False, True], ids=["batched", "varlen"])
 @pytest.mark.parametrize("B, Q, K, D, P", [(8, 16, 2, 256, 100_003), (3, 24, 4, 256, 5000), (8, 16, 2, 128, 700)])
-def test_flash_split_pages_attention_matches_fp64(B, Q, K, D, P, varlen):
-    """Both flash forms of the pages' attention (a batch of equal ranges and the rest; the ranges as one varlen
-    call, LONGSTRAW_DECODE_PAGES=varlen) against fp64; 100,003 pages leave a rest the last range takes."""
+def test_flash_split_pages_attention_matches_fp64(B, Q, K, D, P):
+    """The flash form of the pages' attention (a batch of equal ranges, and a call for the rest) against fp64;
+    100,003 pages leave a rest."""
     q, k, v = randn(B, Q, D, seed=0), randn(P, K, D, seed=1), randn(P, K, D, seed=2)
-    out, lse = decode_pages_attention(q, k, v, scale=D**-0.5, varlen=varlen)
+    out, lse = decode_pages_attention(q, k, v, scale=D**-0.5)
     ref_out, ref_lse = decode_pages_attention(q.double(), k.double(), v.double(), scale=D**-0.5, num_splits=1)
     assert out.dtype == torch.bfloat16 and rel_err(out.double(), ref_out) < 1e-2
     assert rel_err(lse.double(), ref_lse) < 1e-4
@@ -137,55 +136,6 @@ def test_graph_decode_captures_again_after_each_growth(name):
     assert compiled.decode_steps == 40 and all(len(r) == 40 for r in compiled.responses)
 
 
-@pytest.mark.parametrize("compile", [False, True], ids=["graph", "compiled"])
-def test_gdn_in_one_launch_decodes_what_two_launches_decode(compile, monkeypatch):
-    """LONGSTRAW_DECODE_GDN=fused (qwen36: each GDN layer's conv and recurrence in one launch, the conv's window a
-    ring): the same greedy tokens and log-probs as the two launches, bit for bit (the same arithmetic, the conv's
-    output rounded to bf16 between them in both; tests/kernels/test_gdn_step.py in Triton's interpreter), over 40
-    tokens whose slots grow at 8, 16 and 32."""
-    model = reduced("qwen36_mini")
-    prompt = torch.randint(0, 250, (3000,), generator=torch.Generator().manual_seed(3)).cuda()
-    resident = model.capture(prompt, block_size=1024)
-    greedy, native = SamplingConfig(temperature=0, max_new_tokens=40), NativeConfig(compile=compile, response_chunk=8)
-    two = generate(model, resident, 4, greedy, native=native)
-    monkeypatch.setenv("LONGSTRAW_DECODE_GDN", "fused")
-    assert model.decoder(resident, 4, 8).conv_gdn is not None
-    one = generate(model, resident, 4, greedy, native=native)
-    for a, b, la, lb in zip(one.responses, two.responses, one.logprobs, two.logprobs):
-        assert torch.equal(a, b) and torch.equal(la, lb)
-
-
-@pytest.mark.parametrize("compile", [False, True], ids=["graph", "compiled"])
-@pytest.mark.parametrize("name", ["qwen36_mini", "glm52_mini"])
-def test_several_steps_as_one_graph_sample_what_single_steps_sample(name, compile, caplog, monkeypatch):
-    """rollout.native.steps_per_graph=8: eight whole steps (the model's step, the race's noise from the rollout's
-    generator, the sampling, the token fed back, the stop flags) as one CUDA graph, over 40 tokens whose slots grow at
-    8, 16 and 32: the same tokens, log-probs and entropies as single steps, bit for bit (the same kernels on the
-    same noise: the generator is registered to the graph), with stop tokens too; the graph stood at each call of
-    the eight steps (no capture refused)."""
-    from longstraw_cli.rollout import native
-
-    model = reduced(name)
-    prompt = torch.randint(0, 250, (3000,), generator=torch.Generator().manual_seed(2)).cuda()
-    resident = model.capture(prompt, block_size=1024)
-    captured, plain = [], native.GraphedSteps._captured
-
-    def counted(self):
-        captured.append(plain(self))
-        return captured[-1]
-
-    monkeypatch.setattr(native.GraphedSteps, "_captured", counted)
-    for stop_token_ids in ((), tuple(range(0, 250, 9))):
-        cfg = SamplingConfig(max_new_tokens=40, stop_token_ids=stop_token_ids)
-        single, grouped = (generate(model, resident, 4, cfg, torch.Generator("cuda").manual_seed(5),
-                                    NativeConfig(compile=compile, response_chunk=8, steps_per_graph=n))
-                           for n in (0, 8))
-        for field in ("responses", "logprobs", "entropies"):
-            assert all(torch.equal(a, b) for a, b in zip(getattr(single, field), getattr(grouped, field))), field
-    assert captured and all(captured)
-    assert not [r for r in caplog.records if "could not be captured" in r.getMessage()]
-
-
 @pytest.mark.parametrize("name", ["qwen36_mini", "glm52_mini"])
 def test_longstraw_train_on_cuda_two_steps(name, tmp_path):
     run_dir = tmp_path / "run"
@@ -215,28 +165,3 @@ def test_repeated_graph_rollouts_hold_no_memory():
         torch.cuda.synchronize()
         allocated.append(torch.cuda.memory_allocated())
     assert allocated[2] == allocated[1], allocated
-
-
-def test_compiled_norms_capture_what_the_eager_norms_capture(monkeypatch):
-    """LONGSTRAW_NORMS=compiled (qwen36's graph-free CUDA forwards: each norm one torch.compile kernel): the capture's
-    pages and recurrent state within bf16's noise of the eager norms' (the same fp32 arithmetic, fused), and the
-    norms under autograd stay eager (the replay's graph is torch's own)."""
-    from longstraw_cli.models.qwen36 import model as qwen36_model
-
-    model = reduced("qwen36_mini")
-    prompt = torch.randint(0, 250, (3000,), generator=torch.Generator().manual_seed(4)).cuda()
-    eager = model.capture(prompt, block_size=1024)
-    monkeypatch.setenv("LONGSTRAW_NORMS", "compiled")
-    calls = []
-    plain = qwen36_model._compiled_norm
-    monkeypatch.setattr(qwen36_model, "_compiled_norm", lambda fn: calls.append(fn) or plain(fn))
-    compiled = model.capture(prompt, block_size=1024)
-    assert len(calls) > 0
-    for a, b in zip(eager.layers, compiled.layers):
-        for name in ("k_PKD", "v_PKD", "conv_CW", "ssm_GKV"):
-            if hasattr(a, name):
-                assert rel_err(getattr(b, name), getattr(a, name)) < 1e-2, name
-    x = torch.randn(2, 5, model.config.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    calls.clear()
-    model.model.layers[0].input_layernorm(x).sum().backward()
-    assert calls == [] and x.grad is not None

@@ -10,6 +10,7 @@ import torch
 import longstraw_kernels.dsa as dsa
 from conftest import grads, ids, random_model, rel_err
 from longstraw_cli.models import build_model
+from longstraw_kernels import use_kernels
 from longstraw_kernels.mla import dispatch as mla_dispatch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -56,13 +57,13 @@ def test_triton_kernels_match_the_torch_paths_in_bf16(monkeypatch):
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, model.config.vocab_size, (6001,), generator=g).cuda()
     response = torch.randint(0, model.config.vocab_size, (200,), generator=g).cuda()
-    monkeypatch.setenv("LONGSTRAW_MLA_KERNEL", "torch")
-    monkeypatch.setenv("LONGSTRAW_DSA_KERNEL", "torch")
+    use_kernels(mla="torch")
+    use_kernels(dsa="torch")
     logp32, g32 = run(model32, prompt, response, block_size=2048)
     del model32
     logp_torch, g_torch = run(model, prompt, response, block_size=2048)
-    monkeypatch.delenv("LONGSTRAW_MLA_KERNEL")
-    monkeypatch.delenv("LONGSTRAW_DSA_KERNEL")
+    use_kernels(mla="auto")
+    use_kernels(dsa="auto")
     # count what ran: every indexer call through the Triton scores, every sparse MLA call through Triton
     ran = collections.Counter()
     triton_scores = dsa._triton_scores()
@@ -105,7 +106,7 @@ def test_grouped_expert_gemms_serve_on_the_gpu_and_match_the_loop(monkeypatch):
 
     ref = run(torch.float32, False)
     grouped = run(torch.bfloat16, True)
-    monkeypatch.setenv("LONGSTRAW_EXPERTS_KERNEL", "torch")
+    use_kernels(experts="torch")
     loop = run(torch.bfloat16, False)
     for name, r, gr, lo in zip(("y", "dx", "dgate_up", "ddown"), ref, grouped, loop):
         assert rel_err(gr, r) < 1.5 * rel_err(lo, r) + 1e-3, (name, rel_err(gr, r), rel_err(lo, r))

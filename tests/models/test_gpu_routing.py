@@ -79,7 +79,7 @@ def test_recording_costs_the_decode_step_at_most_five_percent(setup):
     does. History: at 64 tokens the bound became 0.075 ms added a step when the decode's Triton top-k made the step
     1.50 -> 1.20 ms (recording added 0.064-0.070 ms); this test then measured 1.053x (0.064 ms added) and failed.
     The cost was pinning new host memory for every record's offload; with the buffers reused (`release`) it
-    measured 0.9783 vs 0.9854 ms, 1.007x (H200, 2026-12-04, twenty-ninth session)."""
+    measured 0.9783 vs 0.9854 ms, 1.007x (H200, 2026-12-04)."""
     model, resident = setup
     tokens = 512
 

@@ -249,7 +249,7 @@ def test_longstraw_plan_scores_only_what_the_trainer_scores(capsys, extra, scori
 
 @pytest.mark.parametrize("lora_rank", [0, 4])
 def test_plan_counts_the_decodes_concatenated_input_linears(lora_rank):
-    """`decode_projections` is what glm52's decoder copies (LONGSTRAW_DECODE_GEMMS's default): every layer's input
+    """`decode_projections` is what glm52's decoder copies (its grouped input GEMMs): every layer's input
     groups without LoRA, the indexer's wk and wq_b with them on "full" layers; under LoRA's default targets only the
     groups none of whose linears is adapted; none under cp > 1 (the eager step decoder) or past a 16th of the GPU."""
     from longstraw_cli.models.projections import InProjections

@@ -61,25 +61,3 @@ def test_transaction_times_its_phases_on_the_callers_clock():
     with clock.phase("replay"):
         pass
     assert clock.seconds["replay"] >= replay and len(clock.seconds) == 5
-
-
-def test_compiled_norms_round_where_the_norms_round(monkeypatch):
-    """LONGSTRAW_NORMS=compiled's forms (one inductor kernel a norm, `emulate_precision_casts`): bit for bit the
-    eager norms' in bf16 on CPU (without the option, inductor keeps the gated norm's rounding in fp32 and moves it
-    by one unit in the last place); graph_free_norm takes them only for graph-free CUDA forwards."""
-    from longstraw_cli.models.qwen36 import model as qwen36_model
-    from longstraw_kernels.linear import gated_rms_norm, rms_norm_one_plus
-
-    g = torch.Generator().manual_seed(0)
-    x, z = (torch.randn(1, 70, 256, generator=g).bfloat16() for _ in range(2))
-    w_one_plus, w = torch.randn(256, generator=g) * 0.1, torch.randn(256, generator=g).bfloat16()
-    compiled = qwen36_model._compiled_norm
-    assert torch.equal(compiled(rms_norm_one_plus)(x, w_one_plus, 1e-6), rms_norm_one_plus(x, w_one_plus, 1e-6))
-    assert torch.equal(compiled(gated_rms_norm)(x, z, w, 1e-6), gated_rms_norm(x, z, w, 1e-6))
-    monkeypatch.setenv("LONGSTRAW_NORMS", "compiled")
-    monkeypatch.setattr(qwen36_model, "_compiled_norm", lambda fn: pytest.fail("compiled on CPU"))
-    with torch.no_grad():
-        qwen36_model.graph_free_norm(rms_norm_one_plus, x, w_one_plus, 1e-6)
-    monkeypatch.setenv("LONGSTRAW_NORMS", "fused")
-    with pytest.raises(ValueError, match=r"LONGSTRAW_NORMS='fused'; valid: \['eager', 'compiled'\]"):
-        qwen36_model.graph_free_norm(rms_norm_one_plus, x, w_one_plus, 1e-6)

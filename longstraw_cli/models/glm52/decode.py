@@ -53,18 +53,6 @@ from longstraw_kernels.dsa.topk import topk_lowest_position_static
 from longstraw_kernels.mla import sparse_mla_two_sources
 from longstraw_kernels.moe import route_select, route_serves
 
-# LONGSTRAW_DECODE_ROUTER: `auto` (the default: `fused_route` where it serves) or `torch` (the router module)
-DECODE_ROUTER_CHOICES = ("auto", "torch")
-# LONGSTRAW_DECODE_MLA: `auto` (the default: the prompt's pages and the responses' keys in one sparse attention where
-# `sparse_mla_two_sources` takes them: the pages on the device, the layer's `sparse_attention_fn` the default) or
-# `split` (each source through the layer's `sparse_attention_fn`, merged by their lse)
-DECODE_MLA_CHOICES = ("auto", "split")
-# LONGSTRAW_DECODE_GEMMS: `grouped` (the default: the linears that read one input as one GEMM over a concatenated
-# copy of their weights, `input_groups`, where they are plain and the copies fit FUSED_SHARE of the device's memory;
-# glm52_mini's decode step at 256K, G=8 on an H200: 2.754 -> 2.551 ms, docs/BENCHMARKS.md thirty-first session) or
-# `each` (every linear its own GEMM)
-DECODE_GEMMS_CHOICES = ("grouped", "each")
-
 
 def fused_route(gate, x_NC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`gate(x_NC)` (models/glm52/model.py `TopkRouter`, every group kept) for the decode step: the router's fp32
@@ -89,31 +77,17 @@ class ResponseMLA(ResponseSlots):
                           if full_indexer else None)
 
 
-class ModuleProjections:
-    """A decode layer's projections as the model's modules run them (the default): the attention's input linears,
-    q_b_proj, the indexer's linears and the MLP's gate and up, each its own GEMM."""
-
-    def attention(self, attn, x_BTC, cos, sin):
-        """-> (q_nope, q_rope, latent, rope key, index keys or None, the index queries' function)."""
-        q_resid_BTQ, q_nope, q_rope = attn.project_q(x_BTC, cos, sin)
-        latent_BTL, rope_BTR = attn.project_kv(x_BTC, cos, sin)
-        if attn.indexer is None:
-            return q_nope, q_rope, latent_BTL, rope_BTR, None, None
-        return (q_nope, q_rope, latent_BTL, rope_BTR, attn.indexer.keys(x_BTC, cos, sin),
-                lambda: attn.indexer.queries(x_BTC, q_resid_BTQ, cos, sin))
-
-    def mlp(self, mlp, x_BTC):
-        return mlp(x_BTC)
-
-
-class GroupedProjections(ModuleProjections):
-    """The same from one GEMM a group (models/projections.py; `input_groups`): the attention's input linears with
-    the indexer's wk, q_b_proj with the indexer's wq_b, the MLP's gate and up."""
+class LayerProjections:
+    """A decode layer's projections, from one GEMM a group where the decoder made the group's concatenated copy
+    (models/projections.py `one_gemm_each`; `input_groups`), else one by one: the attention's input linears with the
+    indexer's wk, q_b_proj with the indexer's wq_b, the MLP's gate and up. glm52_mini's decode step at 256K, G=8 on
+    an H200: 2.754 ms with every linear its own GEMM, 2.551 grouped (docs/BENCHMARKS.md, 2026-12-04)."""
 
     def __init__(self, x_in, q_in, mlp_in):
         self.x_in, self.q_in, self.mlp_in = x_in, q_in, mlp_in
 
     def attention(self, attn, x_BTC, cos, sin):
+        """-> (q_nope, q_rope, latent, rope key, index keys or None, the index queries' function)."""
         x_outs = self.x_in(x_BTC)
         q_outs = self.q_in(attn.q_a_layernorm(x_outs[0]))
         q_nope, q_rope = attn.q_heads(q_outs[0], cos, sin)
@@ -164,12 +138,12 @@ class Glm52Decoder(StaticDecoder):
         # fewer than the experts; else every expert densely, weighted by the routing (`dense_experts`). On an H200, a
         # layer compiled and graph-replayed at B = 8 (`bench_experts.py`): GLM-5's 256 experts, k = 8 (57 chosen):
         # 4.66 ms dense, 1.52 grouped, 1.07 skinny; glm52_mini's 32, k = 4 (21 chosen): 0.089 dense, 0.106 grouped,
-        # 0.063 skinny. LONGSTRAW_DECODE_EXPERTS=torch keeps the grouped-or-dense rule (A/B runs)
+        # 0.063 skinny. kernels.decode_linear=torch keeps the grouped-or-dense rule (A/B runs)
         cfg = model.config
         x_1C = torch.empty(1, cfg.hidden_size, dtype=model.lm_head.weight.dtype, device=self.device)
         self.experts_grouped = batch * cfg.num_experts_per_tok < cfg.n_routed_experts and bool(moe) and all(
             grouped_mm_serves(x_1C, mlp.experts.gate_up_proj, mlp.experts.down_proj) for mlp in moe)
-        skinny = kernel_choice("LONGSTRAW_DECODE_EXPERTS") == "auto"
+        skinny = kernel_choice("decode_linear") == "auto"
         self.experts_skinny = skinny and bool(moe) and all(
             skinny_serves(x_1C.expand(batch, -1), mlp.experts.gate_up_proj, mlp.experts.down_proj) for mlp in moe)
         local = bool(moe) and all(mlp.experts_fn is local_experts for mlp in moe)
@@ -178,8 +152,9 @@ class Glm52Decoder(StaticDecoder):
                      f"bf16/fp16, plain contiguous expert weights, Triton); the "
                      f"{'grouped GEMMs' if self.experts_grouped else 'dense experts (every expert read)'} run them")
         # each MoE layer's choice and weights in one kernel after its router's GEMM (`fused_route`), where every
-        # group is kept and the kernel serves (LONGSTRAW_DECODE_ROUTER=torch: the router module)
-        fused = kernel_choice("LONGSTRAW_DECODE_ROUTER", DECODE_ROUTER_CHOICES) == "auto"
+        # group is kept and the kernel serves (kernels.router=torch: the router module). On an H200, glm52_mini's
+        # decode step at 256K, G=8: 3.207 -> 3.071 ms (docs/BENCHMARKS.md, 2026-12-04)
+        fused = kernel_choice("router") == "auto"
         self.router_fused = fused and bool(moe) and cfg.topk_group == cfg.n_group and route_serves(
             torch.empty(batch, cfg.n_routed_experts, dtype=moe[0].gate.weight.dtype, device=self.device),
             cfg.num_experts_per_tok)
@@ -187,11 +162,8 @@ class Glm52Decoder(StaticDecoder):
             say_once(f"decode router: the fused kernel does not serve (it needs every group kept, topk_group="
                      f"{cfg.topk_group} of n_group={cfg.n_group}, and fp32 router logits with Triton); the router "
                      f"module runs (a top-k, a sort and ~4 small kernels a layer)")
-        grouped = kernel_choice("LONGSTRAW_DECODE_GEMMS", DECODE_GEMMS_CHOICES) == "grouped"
-        self.projections = ([GroupedProjections(*layer) for layer in one_gemm_each(
-            input_groups(model), device_total_bytes(self.device))] if grouped
-                            else [ModuleProjections()] * len(model.model.layers))
-        self.mla_split = kernel_choice("LONGSTRAW_DECODE_MLA", DECODE_MLA_CHOICES) == "split"
+        self.projections = [LayerProjections(*layer)
+                            for layer in one_gemm_each(input_groups(model), device_total_bytes(self.device))]
         # torch.compile fuses the step's ~2,000 small kernels (seen on an H200, glm52_mini at 256K, G=8: see
         # docs/BENCHMARKS.md). Not over NF4 experts (lora.quantize=nf4): compiling their dequantisation has not
         # run on a GPU. The page count is a dynamic size of the compiled layer function (`compiled`): its graphs (and
@@ -224,7 +196,7 @@ class Glm52Decoder(StaticDecoder):
             x_BTC, idx_BTK = self.layer_fn(self, layer, pages, buf, proj, x_BTC, cos, sin, idx_BTK, positions_1)
         return self.logits(x_BTC)
 
-    def layer(self, layer, pages, buf: ResponseMLA, proj: ModuleProjections, x_BTC, cos, sin, idx_BTK, positions_1):
+    def layer(self, layer, pages, buf: ResponseMLA, proj: LayerProjections, x_BTC, cos, sin, idx_BTK, positions_1):
         """One decoder layer of the step -> (its output [B, 1, C], the DSA selection it used, for the next
         "shared" indexer layer)."""
         h_BTC, idx_BTK = self._attention(layer.self_attn, proj, layer.input_layernorm(x_BTC), cos, sin, pages, buf,
@@ -246,13 +218,12 @@ class Glm52Decoder(StaticDecoder):
         B = buf.latent_BSL.shape[0]
         out_BTHL, _ = sparse_mla_two_sources(attn.absorb(q_nope, q_rope), pages.latent_PL, pages.rope_PR,
                                              buf.latent_BSL.reshape(B * S, -1), buf.rope_BSR.reshape(B * S, -1),
-                                             idx_BTK, S, scale=attn.scale, attention_fn=attn.sparse_attention_fn,
-                                             split=self.mla_split)
+                                             idx_BTK, S, scale=attn.scale, attention_fn=attn.sparse_attention_fn)
         return attn.output(out_BTHL), idx_BTK
 
     def _select(self, attn, queries, pages, buf, P: int, S: int):
         """Top-k over the prompt's index keys and the filled response slots; -1 for what is not visible.
-        queries() -> the index queries and weights (`ModuleProjections.attention`)."""
+        queries() -> the index queries and weights (`LayerProjections.attention`)."""
         q_BTJI, w_BTJ = queries()
         # the prompt's keys are shared: the B responses are B query rows of one call, so the keys are read once
         pages_1BP = attn.indexer.scores(q_BTJI.transpose(0, 1), w_BTJ.transpose(0, 1), [pages.index_PI])

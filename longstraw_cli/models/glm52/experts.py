@@ -50,10 +50,9 @@ log = logging.getLogger(__name__)
 def grouped_mm_serves(x_MC, gate_up_L2IC, down_LCI) -> bool:
     """Whether `expert_ffn` runs as two grouped GEMMs (torch._grouped_mm: one launch for all experts, no host
     synchronisation): bf16 activations and plain bf16 weights on one CUDA device of compute capability >= 9.0,
-    every matrix dimension a multiple of 8 (16-byte rows). `LONGSTRAW_EXPERTS_KERNEL=torch` keeps the per-expert
-    loop (A/B runs), as the other kernels' variables do (`auto`, the default; other values are an error).
-    Elsewhere (CPU, NF4 experts, other dtypes) the loop runs."""
-    if kernel_choice("LONGSTRAW_EXPERTS_KERNEL") == "torch":
+    every matrix dimension a multiple of 8 (16-byte rows). `kernels.experts=torch` keeps the per-expert loop
+    (A/B runs). Elsewhere (CPU, NF4 experts, other dtypes) the loop runs."""
+    if kernel_choice("experts") == "torch":
         return False
     tensors = (x_MC, gate_up_L2IC, down_LCI)
     if not all(type(t) in (torch.Tensor, nn.Parameter) and t.dtype == torch.bfloat16 and t.is_cuda for t in tensors):

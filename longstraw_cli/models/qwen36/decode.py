@@ -11,8 +11,7 @@ Attention reads the prompt pages once per step for all responses (cascade attent
 group's query heads are the rows of one call over the pages, merged by log-sum-exp with each response's own
 keys). GDN takes one recurrent step per response, on CUDA in two Triton launches a layer: the conv, moving its
 window on in place (`conv_step`), then the q/k norms, the gates and the recurrence, advancing the state in place
-(`gdn_decode`); with LONGSTRAW_DECODE_GDN=fused in one (the window then a ring of slots that each input takes in
-turn, so that the programs that read a channel's window never see it moved). The projections, norms and MLP are
+(`gdn_decode`). The projections, norms and MLP are
 the model's own modules, so decode computes what replay computes, in another order of summation (and the conv and
 beta = sigmoid(b) in fp32 where the model's paths round them to the activations' dtype first, as HF does).
 
@@ -38,16 +37,17 @@ the residual add (GDN's gated output norm inside it too, where the kernel takes 
 norm, gate, up and silu * up in one, down with the residual add (qwen36_mini on an H200: the compiled step 451 ->
 301 launches, the trainer's decode loop 3.35 -> 3.20 ms a step; with K split for the narrow linears, the pages in
 fewer splits and the gated norm, 2.90 ms). Elsewhere the modules run (`ModuleLinears`);
-LONGSTRAW_LINEAR_KERNEL=torch forces them.
+`kernels.decode_linear=torch` forces them.
+
+The attention layers' query / key norms, RoPE and both cache writes run as one Triton launch a layer
+(attention/triton_decode_qk.py) where it serves (CUDA, bf16/fp16, a power-of-two head dim; qwen36_mini's step 2.912
+-> 2.844 ms in `longstraw train` on an H200); `kernels.decode_qk=torch` keeps the modules.
 
 Legend: B responses, S response capacity, C hidden, Q query heads, K kv heads, D head dim, X conv channels,
 W conv window, G GDN value heads, Dk/Dv GDN head dims, V vocab.
 """
 
 from __future__ import annotations
-
-import functools
-import os
 
 import torch
 from torch import nn
@@ -59,29 +59,9 @@ from longstraw_cli.models.slots import ResponseSlots, slot_buffer
 from longstraw_cli.resident import Resident
 from longstraw_cli.resident.offload import device_total_bytes, left_on_host, rollout_pages, stage_rollout_pages
 from longstraw_kernels import kernel_choice, optional_module, say_once
-from longstraw_kernels.attention.decode import (
-    cascade_decode_attention,
-    decode_pages_attention,
-    decode_pages_partials,
-    response_partials,
-)
+from longstraw_kernels.attention.decode import cascade_decode_attention, decode_pages_attention
 from longstraw_kernels.gdn import conv_step, gdn_decode
-from longstraw_kernels.gdn.reference import ring_from_window
 from longstraw_kernels.linear import gate_serves, kernel_entry
-
-# LONGSTRAW_DECODE_PAGES: `batched` (the default: the pages' attention as a batch of equal ranges, flash splitting
-# each again, plus a call for the rest) or `varlen` (opt in, no faster on an H200: the ranges as one varlen flash
-# call, `decode_pages_attention(varlen=True)`)
-DECODE_PAGES_CHOICES = ("batched", "varlen")
-# LONGSTRAW_DECODE_MERGE and LONGSTRAW_DECODE_GDN: `modules` (the default: the pages' and the response's partials
-# merged by torch ops, then the output gate; GDN's conv, then its recurrence, two launches) or `fused` (opt in: each
-# in one launch a layer, attention/triton_decode_merge.py, gdn/triton_step.py `conv_gdn_decode_triton`; the merge only
-# where the layer's pages hook is the default; on an H200 neither was faster, docs/BENCHMARKS.md)
-FUSED_CHOICES = ("modules", "fused")
-# LONGSTRAW_DECODE_QK: `fused` (the default where it serves: the query / key norms, RoPE and both cache writes in one
-# launch a layer, attention/triton_decode_qk.py; qwen36_mini's step 2.91 -> 2.84 ms in the trainer on an H200) or
-# `modules` (the model's norms and RoPE, then the cache writes)
-QK_CHOICES = ("fused", "modules")
 
 
 class ResponseKV(ResponseSlots):
@@ -96,18 +76,15 @@ class ResponseKV(ResponseSlots):
 
 
 class ResponseRecurrent:
-    """One GDN layer's conv window and recurrent state, per response (copies: the prompt's state is shared). The
-    window is conv_BXW, moved on in place each step, or with `ring` conv_BXR: W + 1 slots that take each input in
-    turn (gdn/reference.py `ring_window`; LONGSTRAW_DECODE_GDN=fused)."""
+    """One GDN layer's conv window and recurrent state, per response (copies: the prompt's state is shared); the
+    window is moved on in place each step."""
 
-    def __init__(self, conv_CW: torch.Tensor, ssm_GKV: torch.Tensor, batch: int, ring: bool = False):
-        window_BXW = conv_CW.expand(batch, -1, -1)
-        # the ring is a new tensor already (its cat); the window a copy of the prompt's
-        self.conv_BXW, self.conv_BXR = (None, ring_from_window(window_BXW)) if ring else (window_BXW.clone(), None)
+    def __init__(self, conv_CW: torch.Tensor, ssm_GKV: torch.Tensor, batch: int):
+        self.conv_BXW = conv_CW.expand(batch, -1, -1).clone()
         self.ssm_BGKV = ssm_GKV.expand(batch, -1, -1, -1).clone()
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.conv_BXW, self.conv_BXR, self.ssm_BGKV) if t is not None]
+        return [self.conv_BXW, self.ssm_BGKV]
 
 
 # by layer type, the (mixer's, MLP's) linears that read one input: one GEMM each (plan/qwen36.py counts the same)
@@ -209,21 +186,13 @@ def fused_bytes(model) -> int:
     return concatenated_bytes(input_linears(model))
 
 
-def attention_kernels_serve(_module, model, resident: Resident, dtype: torch.dtype) -> bool:
-    """Whether the fused attention kernels (q / k, merge) take this decode: bf16/fp16 activations, every attention
-    layer's pages (so its response slots) in their dtype, a power-of-two head dim."""
+def qk_kernel_serves(model, resident: Resident, dtype: torch.dtype) -> bool:
+    """Whether the fused q / k kernel takes this decode: bf16/fp16 activations, every attention layer's pages (so
+    its response slots) in their dtype, a power-of-two head dim."""
     head_dim = model.config.head_dim
     return (dtype in (torch.bfloat16, torch.float16) and head_dim & (head_dim - 1) == 0
             and all(state.k_PKD.dtype == dtype for layer, state in zip(model.model.layers, resident.layers)
                     if layer.is_attention))
-
-
-def gdn_kernel_serves(module, model, resident: Resident, example_BTC: torch.Tensor) -> bool:
-    """Whether triton_step's one-launch GDN step (`module`) takes every GDN layer of this decode (and the GDN kernels
-    are not forced to their references: LONGSTRAW_GDN_KERNEL)."""
-    return kernel_choice("LONGSTRAW_GDN_KERNEL") == "auto" and all(
-        module.conv_decode_supported(example_BTC, state.conv_CW[None], state.ssm_GKV[None])
-        for layer, state in zip(model.model.layers, resident.layers) if not layer.is_attention)
 
 
 class Qwen36Decoder(StaticDecoder):
@@ -249,29 +218,10 @@ class Qwen36Decoder(StaticDecoder):
         # cross-rank hook (context parallel) keeps its collectives out of the compiler
         self.compile_safe = all(layer.self_attn.decode_pages_fn is decode_pages_attention
                                 for layer in model.model.layers if layer.is_attention)
-        # each attention layer's pages attention: its hook (context parallel swaps in a cross-rank one), in the
-        # varlen form where it is the default and LONGSTRAW_DECODE_PAGES asks for it
-        varlen = kernel_choice("LONGSTRAW_DECODE_PAGES", DECODE_PAGES_CHOICES) == "varlen"
-        hooks = [layer.self_attn.decode_pages_fn if layer.is_attention else None for layer in model.model.layers]
-        self.pages_fns = [functools.partial(decode_pages_attention, varlen=True)
-                          if varlen and hook is decode_pages_attention else hook for hook in hooks]
-        attention = functools.partial(attention_kernels_serve, model=model, resident=resident, dtype=example_BTC.dtype)
-        needs = "bf16/fp16 activations and pages alike, and a power-of-two head dim"
-        qk = self._fused("LONGSTRAW_DECODE_QK", "attention.triton_decode_qk", example_BTC, attention, needs,
-                         QK_CHOICES)
-        self.qk = None if qk is None else qk.decode_qk
-        # the layers whose pages' partials and the response's merge in one launch with the gate: their pages hook is
-        # the default
-        merge = self._fused("LONGSTRAW_DECODE_MERGE", "attention.triton_decode_merge", example_BTC, attention, needs)
-        self.merge = None if merge is None else merge.decode_merge
-        self.pages_partials = [functools.partial(decode_pages_partials, varlen=varlen)
-                               if merge is not None and hook is decode_pages_attention else None for hook in hooks]
-        # each GDN layer's conv and recurrence in one launch, the conv's window held as a ring
-        # (`conv_gdn_decode_triton`)
-        gdn = functools.partial(gdn_kernel_serves, model=model, resident=resident, example_BTC=example_BTC)
-        conv_gdn = self._fused("LONGSTRAW_DECODE_GDN", "gdn.triton_step", example_BTC, gdn,
-                               "an fp32 state, a key dim of at most 256, and LONGSTRAW_GDN_KERNEL=auto")
-        self.conv_gdn = None if conv_gdn is None else conv_gdn.conv_gdn_decode_triton
+        # each attention layer's pages attention: its hook (context parallel swaps in a cross-rank one)
+        self.pages_fns = [layer.self_attn.decode_pages_fn if layer.is_attention else None
+                          for layer in model.model.layers]
+        self.qk = self._qk_kernel(model, resident, example_BTC)
         self.layers = []
         for layer, state, pages in zip(model.model.layers, resident.layers, self.pages):
             if layer.is_attention:
@@ -282,7 +232,7 @@ class Qwen36Decoder(StaticDecoder):
                 torch._dynamo.maybe_mark_dynamic(pages.k_PKD, 0)
                 torch._dynamo.maybe_mark_dynamic(pages.v_PKD, 0)
             else:
-                self.layers.append(ResponseRecurrent(state.conv_CW, state.ssm_GKV, batch, ring=conv_gdn is not None))
+                self.layers.append(ResponseRecurrent(state.conv_CW, state.ssm_GKV, batch))
 
     def step(self) -> torch.Tensor:
         model = self.model
@@ -292,36 +242,29 @@ class Qwen36Decoder(StaticDecoder):
             inputs = linears.mixer_inputs(x_BTC)
             if layer.is_attention:
                 x_BTC = linears.mixer_residual(x_BTC, self._attention(
-                    layer.self_attn, inputs, positions_1, stage(i), state, self.pages_fns[i], self.pages_partials[i]))
+                    layer.self_attn, inputs, positions_1, stage(i), state, self.pages_fns[i]))
             else:
                 x_BTC = linears.gdn_residual(x_BTC, *self._gdn(layer.linear_attn, inputs, state))
             x_BTC = linears.mlp_residual(x_BTC)
         return self.logits(x_BTC)
 
     @staticmethod
-    def _fused(env_var: str, name: str, example_BTC: torch.Tensor, serves, needs: str,
-               choices: tuple[str, ...] = FUSED_CHOICES):
-        """The kernel module longstraw_kernels.`name` where `env_var` (or its default, the first of `choices`) asks
-        for `fused` and it serves this decode (CUDA or Triton's interpreter, and `serves(module)`: what the kernel
-        `needs`), else None; on CUDA a kernel that does not serve is said once, whether asked for or the default (as
-        the decode's linears say it). A default runs on CUDA only: Triton's interpreter only where the variable asks
-        (as the decode's linears, CPU runs keep the modules)."""
-        asked = env_var in os.environ
-        if kernel_choice(env_var, choices) != "fused":
+    def _qk_kernel(model, resident: Resident, example_BTC: torch.Tensor):
+        """The fused q / k kernel's entry where kernels.decode_qk is auto and it serves this decode (CUDA, Triton,
+        `qk_kernel_serves`), else None; on CUDA, where it does not serve, said once (as the decode's linears say
+        it). CPU runs keep the modules (Triton's interpreter runs the kernel in its own tests)."""
+        if kernel_choice("decode_qk") != "auto" or not example_BTC.is_cuda:
             return None
-        module = optional_module(f"longstraw_kernels.{name}")
-        where = example_BTC.is_cuda or (asked and os.environ.get("TRITON_INTERPRET") == "1")
-        if module is not None and where and serves(module):
-            return module
-        if example_BTC.is_cuda:
-            choice = f"{env_var}=fused" if asked else f"{env_var}=fused (the default)"
-            say_once(f"decode: {choice} does not serve here (it needs Triton, {needs}); the modules run")
+        module = optional_module("longstraw_kernels.attention.triton_decode_qk")
+        if module is not None and qk_kernel_serves(model, resident, example_BTC.dtype):
+            return module.decode_qk
+        say_once("decode: the fused q / k kernel does not serve here (it needs Triton, bf16/fp16 activations and "
+                 "pages alike, and a power-of-two head dim); the modules run")
         return None
 
-    def _attention(self, attn, qkv: list[torch.Tensor], positions_1, pages, kv: ResponseKV, pages_fn,
-                   pages_partials=None):
+    def _attention(self, attn, qkv: list[torch.Tensor], positions_1, pages, kv: ResponseKV, pages_fn):
         if self.qk is not None:
-            # the norms, RoPE and both cache writes in one launch (LONGSTRAW_DECODE_QK=fused, the default on CUDA)
+            # the norms, RoPE and both cache writes in one launch
             qg_BTX, k_BTX, v_BTX = qkv
             cos, sin = rope_cos_sin(positions_1, attn.cfg.rotary_dim, attn.cfg.rope_theta, qg_BTX.dtype)
             q_BQD = self.qk(qg_BTX, k_BTX, v_BTX, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, cos, sin,
@@ -332,12 +275,6 @@ class Qwen36Decoder(StaticDecoder):
             kv.k_BSKD.index_copy_(1, self.step_1, k_BTKD.to(kv.k_BSKD.dtype))
             kv.v_BSKD.index_copy_(1, self.step_1, v_BTKD.to(kv.v_BSKD.dtype))
             q_BQD = q_BTQD[:, 0]
-        if pages_partials is not None:
-            # both merges and the gate in one launch (LONGSTRAW_DECODE_MERGE=fused)
-            out_p, lse_p = pages_partials(q_BQD, pages.k_PKD, pages.v_PKD, scale=attn.scale)
-            out_r, lse_r = response_partials(q_BQD, kv.k_BSKD, kv.v_BSKD, self.num_filled(), scale=attn.scale)
-            y_BQD = self.merge(out_p, lse_p, out_r, lse_r, gate_BTQD[:, 0])
-            return y_BQD.reshape(y_BQD.shape[0], 1, -1)
         o_BQD = cascade_decode_attention(q_BQD, pages.k_PKD, pages.v_PKD, kv.k_BSKD, kv.v_BSKD,
                                          self.num_filled(), scale=attn.scale, pages_fn=pages_fn)
         return attn.gated(o_BQD[:, None], gate_BTQD)
@@ -345,10 +282,6 @@ class Qwen36Decoder(StaticDecoder):
     def _gdn(self, gdn, inputs: list[torch.Tensor], state: ResponseRecurrent):
         """-> (the recurrence's output o_BTGV, the gate z_BTX of its output norm)."""
         mixed_BTX, z_BTX, b_BTG, a_BTG = inputs
-        if self.conv_gdn is not None:
-            # one launch: the conv (the input written into its ring slot), the norms, the gates, the recurrence
-            return self.conv_gdn(mixed_BTX, state.conv_BXR, gdn.conv1d.weight, self.step_1, a_BTG, b_BTG, gdn.A_log,
-                                 gdn.dt_bias, state.ssm_BGKV, gdn.num_k), z_BTX
         # on CUDA two launches: the conv (its window moved on in place), then the q/k norms, the gates and the
         # recurrence (the state advanced in place)
         q_BTHK, k_BTHK, v_BTGV = gdn.split_heads(conv_step(mixed_BTX, state.conv_BXW, gdn.conv1d.weight))

@@ -18,7 +18,6 @@ Dk/Dv GDN head dims, X conv channels, W conv window (kernel - 1), P pages, V voc
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -33,32 +32,12 @@ from longstraw_cli.models.qwen36.rope import apply_partial_rope, rope_cos_sin
 from longstraw_cli.resident import AttentionPages, RecurrentState, Resident
 from longstraw_cli.resident.offload import OFFLOAD_CHOICES, host_buffer
 from longstraw_cli.resident.state import prefix
-from longstraw_kernels import at_least_fp32, compute_dtype, kernel_choice
+from longstraw_kernels import at_least_fp32, compute_dtype
 from longstraw_kernels.attention import blockwise_causal_attention, replay_attention
 from longstraw_kernels.attention.decode import decode_pages_attention
 from longstraw_kernels.gdn import gdn_forward
 from longstraw_kernels.gdn.reference import causal_conv_silu, gdn_decay, l2norm
 from longstraw_kernels.linear import gated_rms_norm, rms_norm_one_plus
-
-# LONGSTRAW_NORMS: `eager` (the default: each norm as torch's kernels, ~6 a call) or `compiled` (graph-free CUDA
-# forwards, the capture's and the scoring's, run each norm as one torch.compile kernel; the reference's arithmetic
-# fused, in fp32 alike)
-NORM_CHOICES = ("eager", "compiled")
-
-
-@functools.cache
-def _compiled_norm(fn):
-    # inductor keeps a fused kernel's intermediates in fp32 unless told to round where the reference rounds
-    return torch.compile(fn, dynamic=True, options={"emulate_precision_casts": True})
-
-
-def graph_free_norm(fn, x: torch.Tensor, *args):
-    """fn(x, *args), through its compiled form where LONGSTRAW_NORMS asks and nothing needs its graph: CUDA, no
-    autograd, not inside a compiled region (the decode step fuses its norms itself)."""
-    if (not torch.compiler.is_compiling() and kernel_choice("LONGSTRAW_NORMS", NORM_CHOICES) == "compiled"
-            and x.is_cuda and not torch.is_grad_enabled()):
-        return _compiled_norm(fn)(x, *args)
-    return fn(x, *args)
 
 
 class RMSNorm(nn.Module):
@@ -71,7 +50,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the decode linear kernel's reference norm (its prologue computes the same)
-        return graph_free_norm(rms_norm_one_plus, x, self.weight, self.eps)
+        return rms_norm_one_plus(x, self.weight, self.eps)
 
 
 class GatedRMSNorm(nn.Module):
@@ -83,7 +62,7 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        return graph_free_norm(gated_rms_norm, x, z, self.weight, self.eps)
+        return gated_rms_norm(x, z, self.weight, self.eps)
 
 
 class GatedAttention(nn.Module):
