@@ -11,7 +11,7 @@ gradients once per step through
 the configured strategy (`strategy=ddp|fsdp2|deepspeed`, distributed/strategy.py), which also gives and takes
 the checkpoint's whole tensors. Every process group comes from `ParallelDims.new_groups`.
 
-Under faults (README, "What is guaranteed"):
+Under faults (docs/guide/faults.md):
 - a step whose loss or gradient norm is not finite is not applied (safety/guard.py);
 - a checkpoint holds every rank's RNG and the config; resume passes over a corrupt one (checkpoint/);
 - SIGTERM / SIGUSR1 end the run after the current step, with a checkpoint (safety/preemption.py);

@@ -313,7 +313,7 @@ class BlockWriter:
     next paged layer's on the side stream while this layer computes), `done(l)` once the layer wrote the block
     (its rows [start, end) go back to the host on the side stream), `finish()` after the last layer (waits for
     the copies: the host pages are complete). Per block each paged layer's earlier pages cross to the device
-    once: traffic grows as prompt^2 / block_size, like the attention FLOPs it overlaps (docs in README)."""
+    once: traffic grows as prompt^2 / block_size, like the attention FLOPs it overlaps (docs/guide/long-context.md)."""
 
     def __init__(self, resident, device, start: int, end: int):
         self.resident, self.start, self.end = resident, start, end

@@ -1,6 +1,6 @@
-"""`longstraw train` as a verl or a TRL user runs it (README): a model directory with its tokenizer and chat
-template, their data files as they are, their reward functions, several prompts per step, a validation file,
-a schedule, TensorBoard, and the exported model loaded back by transformers and peft."""
+"""`longstraw train` as a verl or a TRL user runs it (docs/guide/verl-trl.md): a model directory with its tokenizer
+and chat template, their data files as they are, their reward functions, several prompts per step, a validation
+file, a schedule, TensorBoard, and the exported model loaded back by transformers and peft."""
 
 import json
 import sys

@@ -1,5 +1,6 @@
-"""What a user types: paths with `~` and environment variables, token counts with K/M, and the README's own
-commands, which must pass the CLI's checks as printed (read from README.md, so the README cannot drift)."""
+"""What a user types: paths with `~` and environment variables, token counts with K/M, and the docs' own
+commands, which must pass the CLI's checks as printed (read from README.md and docs/guide/*.md, so the docs cannot
+drift)."""
 
 import re
 import shlex
@@ -101,10 +102,19 @@ def test_train_takes_token_counts_as_plan_does():
         typed(["prompt_tokens=1M"])
 
 
-def readme_train_commands() -> list[list[str]]:
-    """The arguments of every `longstraw train` / `-m longstraw_cli train` command in README.md's bash blocks and
-    inline code, split as a shell splits them."""
-    text = (REPO / "README.md").read_text()
+# the pages whose commands are checked: the README and every page of the user guide
+DOCS = [REPO / "README.md", *sorted((REPO / "docs" / "guide").glob("*.md"))]
+VERL_REWARD = "task.reward=verl_reward.py:compute_score"
+TRL_REWARD = "task.reward=my_rewards:accuracy_reward"
+
+
+def doc_train_commands() -> dict[str, list[list[str]]]:
+    """The arguments of every `longstraw train` / `-m longstraw_cli train` command in the bash blocks and inline
+    code of each page of DOCS, split as a shell splits them, by page (its path relative to the repository)."""
+    return {str(page.relative_to(REPO)): train_commands(page.read_text()) for page in DOCS}
+
+
+def train_commands(text: str) -> list[list[str]]:
     lines = [line for block in re.findall(r"```bash\n(.*?)```", text, re.S)
              for line in block.replace("\\\n", " ").splitlines()]
     # inline: the commands whose arguments are all overrides (`longstraw train [overrides]` describes the form)
@@ -119,26 +129,44 @@ def readme_train_commands() -> list[list[str]]:
     return commands
 
 
-def test_the_readmes_train_commands_pass_the_clis_checks():
+def test_the_docs_hold_the_commands_a_user_starts_from():
+    """The README shows the trainer in a few commands (a verl one among them); the guide's pages hold their own,
+    the verl and TRL commands of docs/guide/verl-trl.md with them."""
+    pages = doc_train_commands()
+    assert len(pages["README.md"]) >= 8, pages["README.md"]
+    assert sum(map(len, pages.values())) >= 30, pages
+    guide = pages["docs/guide/verl-trl.md"]
+    assert [VERL_REWARD in c for c in guide].count(True) == [TRL_REWARD in c for c in guide].count(True) == 1, guide
+    assert any(VERL_REWARD in c for c in pages["README.md"]), pages["README.md"]
+
+
+def test_the_docs_train_commands_pass_the_clis_checks():
     """Every command as printed passes what `longstraw train` checks before Hydra (keys, group options, the
     grammar); the verl and TRL ones are composed into a TrainConfig below."""
-    commands = readme_train_commands()
-    verl = [c for c in commands if "task.reward=verl_reward.py:compute_score" in c]
-    trl = [c for c in commands if "task.reward=my_rewards:accuracy_reward" in c]
-    assert len(verl) == len(trl) == 1 and len(commands) >= 12, commands
-    for command in commands:
-        _, args = parse_train_argv(command)
-        assert check_overrides(args.overrides) is None, command
+    for page, commands in doc_train_commands().items():
+        for command in commands:
+            _, args = parse_train_argv(command)
+            assert check_overrides(args.overrides) is None, (page, command)
 
 
-def test_the_readmes_verl_and_trl_commands_make_a_config(home):
-    """Their files and model directory are the user's: without model.path, the rest of each makes a TrainConfig,
-    with `~` expanded."""
-    commands = readme_train_commands()
-    for reward in ("task.reward=verl_reward.py:compute_score", "task.reward=my_rewards:accuracy_reward"):
-        [command] = [c for c in commands if reward in c]
-        cfg = typed([arg for arg in command if not arg.startswith("model.path=")])
-        assert cfg.task.name == "dataset" and "~" not in cfg.task.path and cfg.export_hf
-        if "verl" in reward:
+def test_the_docs_verl_and_trl_commands_make_a_config(home):
+    """Their files, model directory and GPU are the user's: without model.path and device, the rest of each
+    makes a TrainConfig, with `~` expanded."""
+    commands = [c for page in doc_train_commands().values() for c in page]
+    verl = [c for c in commands if VERL_REWARD in c]
+    trl = [c for c in commands if TRL_REWARD in c]
+    assert verl and trl, commands
+    for command in verl + trl:
+        cfg = typed([arg for arg in command if not arg.startswith(("model.path=", "device="))])
+        assert cfg.task.name == "dataset" and "~" not in cfg.task.path, command
+        if command in verl:
+            assert cfg.reward == VERL_REWARD.partition("=")[2]
             assert cfg.task.path == str(home / "data" / "gsm8k" / "train.parquet")
-            assert cfg.task.val_path == str(home / "data" / "gsm8k" / "test.parquet")
+            if any(arg.startswith("task.val_path=") for arg in command):
+                assert cfg.task.val_path == str(home / "data" / "gsm8k" / "test.parquet") and cfg.task.val_every
+        else:
+            assert cfg.reward == TRL_REWARD.partition("=")[2]
+            assert cfg.task.chat_template_kwargs == {"enable_thinking": False}
+    # the full commands of the guide: validation, a schedule, a logger, the export
+    [full_verl] = [c for c in verl if any(arg.startswith("task.val_path=") for arg in c)]
+    assert typed([a for a in full_verl if not a.startswith(("model.path=", "device="))]).export_hf
