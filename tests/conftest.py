@@ -334,7 +334,7 @@ def torchrun(args, cwd, nproc=2) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="session")
 def torchrun_once(tmp_path_factory):
     """`torchrun_once(ARGS)` -> the run dir of `longstraw train ARGS` on 2 ranks under torchrun (which must
-    succeed), launched once a session for each ARGS: tests that compare with the same run share its launch."""
+    succeed), launched once per pytest run for each ARGS: tests that compare with the same run share its launch."""
     done = {}
 
     def run(args: list[str]) -> Path:
