@@ -193,6 +193,15 @@ def test_python_m_plan_is_the_longstraw_plan_command(capsys):
     assert "longest prompt" in out and "phases: capture" in out
 
 
+def test_plan_into_a_closed_pipe_ends_without_a_traceback():
+    """`longstraw plan | head -4`: the reader is gone before the table is written; the rest goes nowhere, quietly."""
+    proc = subprocess.Popen([sys.executable, "-m", "longstraw_cli", "plan"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=300) == 0 and err == "", err
+
+
 def test_longstraw_plan_command_reads_the_training_config(capsys):
     """`longstraw plan` with train's overrides: the same numbers as plan() on the composed config."""
     from longstraw_cli.__main__ import main as longstraw
