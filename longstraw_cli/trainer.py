@@ -159,12 +159,13 @@ class Trainer:
         self.start_step = self._resume() if cfg.resume else 0
         log.info("rank %d of %d (%s, strategy %s), starting at step %d of %d", self.rank, world_size, self.dims,
                  self.strategy.name, self.start_step, cfg.steps)
+        self.progress = StepProgress(cfg.steps, self.start_step, enabled=cfg.logger.progress, rank=self.rank,
+                                     heartbeat_s=cfg.logger.heartbeat_s)
         self.metrics = MetricsLogger(
             self.run_dir, backends=cfg.logger.backends, rank=self.rank, wandb_cfg=cfg.logger.wandb,
             resume_step=self.start_step if cfg.resume else None, config=cfg.as_dict(),
+            console=self.progress.console,
         )
-        self.progress = StepProgress(cfg.steps, self.start_step, enabled=cfg.logger.progress, rank=self.rank,
-                                     heartbeat_s=cfg.logger.heartbeat_s)
 
     def _notices(self) -> None:
         """What the user asked for that does not apply, as one line each (rank 0)."""

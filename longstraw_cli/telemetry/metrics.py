@@ -7,7 +7,9 @@ checkpoint by the killed process, are dropped before logging starts, so the resu
 uninterrupted run writes. A fresh run (resume_step None) replaces an existing metrics.jsonl.
 
 Key conventions the console and `plot_memory` rely on: `time/<phase>` in seconds, `mem/<what>` in bytes. The
-console prints each time in the unit that keeps three figures (s, ms or us) and each memory in MiB or GiB.
+console line fits the terminal's width: the step, its headline figures (reward, loss, the step's time summed over
+its phases, its peak memory, ...), the least telling dropped first where the line is too long; metrics.jsonl has
+them all.
 Only rank 0 logs; on other ranks every method is a no-op and nothing is created.
 
 W&B: a fresh run draws a run id and keeps it in run_dir/wandb_run_id; a resumed run opens the same id
@@ -34,12 +36,6 @@ BACKENDS = ("console", "jsonl", "wandb", "tensorboard")
 METRICS_FILE = "metrics.jsonl"
 WANDB_ID_FILE = "wandb_run_id"
 TENSORBOARD_DIR = "tensorboard"
-
-# console order: training signal first, then time by phase in the trainer's order, then memory
-_HEAD_KEYS = ("reward_mean", "reward_std", "loss", "pg_loss", "kl_loss", "kl_mean", "ppo_kl", "clip_frac",
-              "ratio_mean", "grad_norm", "num_tokens", "tokens")
-_PHASES = ("rollout", "reward", "capture", "score", "replay", "prompt", "finalize", "step")
-
 
 @dataclass(frozen=True)
 class WandbConfig:
@@ -86,7 +82,7 @@ def _fmt_bytes(n: float) -> str:
 
 
 def _fmt_seconds(v: float) -> str:
-    """A time with its unit chosen by size: fast phases and per-step figures are milliseconds, never `0.00s`."""
+    """A time with its unit chosen by size: fast steps are milliseconds, never `0.00s`."""
     if abs(v) >= 1:
         return f"{v:.2f}s"
     if abs(v) >= 1e-3:
@@ -98,38 +94,57 @@ def _fmt_value(v: float) -> str:
     return str(v) if isinstance(v, int) else f"{v:.4g}"
 
 
-def _console_order(keys) -> list[str]:
-    keys = list(keys)
-    head = [k for k in _HEAD_KEYS if k in keys]
-    phase_rank = {f"time/{p}": i for i, p in enumerate(_PHASES)}
-    times = sorted((k for k in keys if k.startswith("time/")), key=lambda k: (phase_rank.get(k, len(_PHASES)), k))
-    mems = sorted((k for k in keys if k.startswith("mem/")), key=lambda k: (k != "mem/resident", k))
-    rest = sorted(set(keys) - set(head) - set(times) - set(mems))
-    return head + rest + times + mems
+# the console line's figures, in its order, each with the rank it keeps when the line is too long for the
+# terminal (0 is dropped last)
+_LINE_KEYS = (("reward_mean", 0), ("reward_std", 4), ("val/reward_mean", 1), ("loss", 2), ("nonfinite_steps", 1),
+              ("kl_mean", 6), ("grad_norm", 5), ("entropy", 7))
+# per-step figures derived from a phase (the rollout's), not phases of their own: not added to the step's time
+_DERIVED_TIMES = ("time/decode_step", "time/decode_setup")
 
 
-def format_line(step: int, metrics: dict[str, float]) -> str:
-    """One compact line (rich markup): `step 12 | reward_mean 0.5 loss ... | capture 1.20s ... | resident 1.2 GiB`."""
-    signal, times, mems = [], [], []
-    for k in _console_order(metrics):
-        v = metrics[k]
-        if k.startswith("time/"):
-            times.append(f"{escape(k[5:])} {_fmt_seconds(v)}")
-        elif k.startswith("mem/"):
-            mems.append(f"{escape(k[4:])} {_fmt_bytes(v)}")
-        else:
-            signal.append(f"[dim]{escape(k)}[/] {_fmt_value(v)}")
-    groups = [f"[bold]step {step}[/]"] + [" ".join(g) for g in (signal, times, mems) if g]
-    return " [dim]|[/] ".join(groups)
+def _line_fields(step: int, metrics: dict[str, float]) -> list[tuple[int, str, str]]:
+    """(rank, label, value) of each figure the console line may show, in its order."""
+    fields = [(0, "step", str(step))]
+    for key, rank in _LINE_KEYS:
+        # a non-finite step is news; none is not
+        if key in metrics and (key != "nonfinite_steps" or metrics[key]):
+            fields.append((rank, key, _fmt_value(metrics[key])))
+    fields += [(8, key, _fmt_value(metrics[key])) for key in sorted(metrics) if key.startswith("reward/")]
+    seconds = sum(v for k, v in metrics.items() if k.startswith("time/") and k not in _DERIVED_TIMES)
+    if seconds:
+        fields.append((3, "time", _fmt_seconds(seconds)))
+    # the GPU's peak over the step's phases; on CPU the process's resident set
+    peaks = [v for k, v in metrics.items() if k.startswith("mem/peak_")]
+    if peaks or "mem/rss_peak" in metrics:
+        fields.append((3, "peak" if peaks else "rss", _fmt_bytes(max(peaks) if peaks else metrics["mem/rss_peak"])))
+    return fields
+
+
+def format_line(step: int, metrics: dict[str, float], width: int = 80) -> str:
+    """The step's console line (rich markup), at most `width` columns: `step 12  reward_mean 0.5 ... time 1.20s
+    peak 3.10 GiB`. The headline figures only, the least telling dropped first where the terminal is narrow; every
+    figure is in metrics.jsonl and the rank's log."""
+    fields = _line_fields(step, metrics)
+
+    def plain(kept) -> int:
+        return len("  ".join(f"{label} {value}" for _, label, value in kept))
+
+    while len(fields) > 1 and plain(fields) > width:
+        fields.remove(max(fields[1:], key=lambda field: field[0]))
+    return "  ".join(f"[bold]{label} {value}[/]" if label == "step" else f"[dim]{escape(label)}[/] {escape(value)}"
+                     for _, label, value in fields)
 
 
 class MetricsLogger:
     """Logs `{"step": step, **metrics}` per step to the chosen backends ("console", "jsonl", "wandb").
 
-    `config` (a plain dict) is the run configuration handed to wandb.init. Usable as a context manager."""
+    `config` (a plain dict) is the run configuration handed to wandb.init. `console`: the rich console the line is
+    printed on, the live progress display's (progress.py), so that the line goes above it and not onto it; its width
+    is the line's. Usable as a context manager."""
 
     def __init__(self, run_dir: Path, *, backends: Sequence[str] = ("console", "jsonl"), rank: int = 0,
-                 wandb_cfg: WandbConfig | None = None, resume_step: int | None = None, config: dict | None = None):
+                 wandb_cfg: WandbConfig | None = None, resume_step: int | None = None, config: dict | None = None,
+                 console: Console | None = None):
         if isinstance(backends, str):
             backends = (backends,)
         unknown = [b for b in backends if b not in BACKENDS]
@@ -159,7 +174,7 @@ class MetricsLogger:
             self._truncate(resume_step)
             self._file = open(self.path, "a")
         if "console" in self.backends:
-            self._console = Console(highlight=False)
+            self._console = console or Console(highlight=False)
         if "wandb" in self.backends:
             cfg = wandb_cfg or WandbConfig()
             self._wandb_run = wandb.init(project=cfg.project, name=cfg.name, mode=cfg.mode,
@@ -209,8 +224,8 @@ class MetricsLogger:
             self._file.flush()
             os.fsync(self._file.fileno())
         if self._console is not None:
-            # soft_wrap: one line per step whatever the terminal width
-            self._console.print(format_line(step, values), soft_wrap=True)
+            line = format_line(step, values, width=self._console.width)
+            self._console.print(line, soft_wrap=True, highlight=False)
         if self._wandb_run is not None:
             self._wandb_run.log(values, step=step)
         if self._tensorboard is not None:

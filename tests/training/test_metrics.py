@@ -1,14 +1,19 @@
-"""metrics.jsonl (rows, resume truncation, rank gating), the console line, the wandb backend's import error and
-calls, WandbConfig validation and the memory plot."""
+"""metrics.jsonl (rows, resume truncation, rank gating), the console line (its figures, its width, above the live
+progress line), the wandb backend's import error and calls, WandbConfig validation and the memory plot."""
 
+import io
 import json
+import re
 import sys
 import types
 
 import pytest
+from rich.console import Console
+from rich.text import Text
 
 from longstraw_cli.telemetry.metrics import MetricsLogger, WandbConfig, format_line, read_metrics
 from longstraw_cli.telemetry.plot import plot_memory
+from longstraw_cli.telemetry.progress import StepProgress
 
 
 def row(step):
@@ -16,6 +21,11 @@ def row(step):
     return {"reward_mean": 0.25 * (step % 4), "loss": -0.01 * step, "clip_frac": 0.125, "grad_norm": 1.5 + step,
             "num_tokens": 100 + step, "time/capture": 0.5, "time/replay": 1.25 + step,
             "mem/resident": 3 * 2**30, "mem/peak_replay": (4 + 0.5 * step) * 2**30}
+
+
+def plain(step, metrics, width=80) -> str:
+    """The console line as the terminal shows it."""
+    return Text.from_markup(format_line(step, metrics, width=width)).plain
 
 
 def run(run_dir, steps, resume_step=None):
@@ -73,7 +83,7 @@ def test_bad_inputs(tmp_path):
             logger.log(0, {"loss": "low"})
 
 
-def test_console_line_is_one_line_in_a_stable_order(tmp_path, capsys):
+def test_console_line_is_one_line_of_headline_figures_in_a_stable_order(tmp_path, capsys):
     shuffled = dict(reversed(list(row(2).items())))
     line = format_line(2, shuffled)
     assert line == format_line(2, row(2))
@@ -81,19 +91,49 @@ def test_console_line_is_one_line_in_a_stable_order(tmp_path, capsys):
         logger.log(2, shuffled)
     out = capsys.readouterr().out
     assert out.count("\n") == 1 and not (tmp_path / "metrics.jsonl").exists()
-    order = ["step 2", "reward_mean 0.5", "loss -0.02", "clip_frac 0.125", "grad_norm 3.5", "num_tokens 102",
-             "capture 500ms", "replay 3.25s", "resident 3.00 GiB", "peak_replay 5.00 GiB"]
+    # the step's time is its phases' sum; its memory the highest phase peak (on CPU, the process's resident set)
+    order = ["step 2", "reward_mean 0.5", "loss -0.02", "grad_norm 3.5", "time 3.75s", "peak 5.00 GiB"]
     positions = [out.index(piece) for piece in order]
     assert positions == sorted(positions), out
-    assert "300.0 MiB" in format_line(0, {"mem/resident": 300 * 2**20})
+    assert "clip_frac" not in out and "resident" not in out
+    assert "rss 300.0 MiB" in plain(0, {"mem/rss_peak": 300 * 2**20})
+
+
+def test_console_line_fits_the_terminal_dropping_the_least_telling_first():
+    metrics = {**row(3), "reward_std": 0.125, "kl_mean": 0.001, "entropy": 5.5, "val/reward_mean": 0.75,
+               "reward/acc": 0.5, "time/decode_step": 100.0}
+    wide = plain(3, metrics, width=200)
+    for piece in ("step 3", "reward_mean 0.75", "reward_std 0.125", "val/reward_mean 0.75", "loss -0.03",
+                  "kl_mean 0.001", "grad_norm 4.5", "entropy 5.5", "reward/acc 0.5", "time 4.75s", "peak 5.50 GiB"):
+        assert piece in wide, wide
+    for width in (100, 80, 60, 40):
+        line = plain(3, metrics, width=width)
+        assert len(line) <= width and line.startswith("step 3  reward_mean 0.75"), line
+    narrow = plain(3, metrics, width=60)
+    assert "val/reward_mean" in narrow and "entropy" not in narrow and "reward/acc" not in narrow
+    assert "nonfinite_steps" not in wide and "nonfinite_steps 1" in plain(3, {**metrics, "nonfinite_steps": 1})
+
+
+def test_step_line_is_printed_above_the_live_progress_line(tmp_path):
+    """On a terminal the live line (step n/N, the phase, the ETA) is cleared before the step's line is printed,
+    which then stands on a line of its own."""
+    console = Console(file=io.StringIO(), force_terminal=True, width=120, color_system=None)
+    progress = StepProgress(3, 0, enabled=True, rank=0, console=console)
+    with MetricsLogger(tmp_path, backends=("console",), console=progress.console) as logger:
+        progress.phase("replay")
+        progress.step_done()
+        logger.log(0, row(0))
+    progress.close()
+    pieces = re.split(r"[\r\n]", console.file.getvalue())
+    [line] = [p for p in pieces if "reward_mean" in p]
+    assert "ETA" not in line and Text.from_ansi(line).plain.startswith("step 0  reward_mean 0"), pieces
 
 
 def test_console_times_keep_their_figures():
-    # a decode step of 4.8 ms and a reward of 0.2 ms once printed as `0.00s`
-    line = format_line(0, {"time/decode_step": 0.0048, "time/reward": 2.1e-4, "time/capture": 64.3,
-                           "time/step": 0.0})
-    assert "decode_step 4.8ms" in line and "reward 210us" in line and "capture 64.30s" in line
-    assert "step 0us" in line and "0.00s" not in line
+    # a step of 4.8 ms once printed as `0.00s`
+    assert "time 4.8ms" in plain(0, {"time/capture": 0.0048})
+    assert "time 210us" in plain(0, {"time/reward": 2.1e-4})
+    assert "time 64.30s" in plain(0, {"time/capture": 64.3})
 
 
 def test_wandb_missing_gives_install_hint(tmp_path, monkeypatch):
