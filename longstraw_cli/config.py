@@ -238,6 +238,8 @@ class LoggerConfig:
     progress: bool | None = None
     # without the live display: a line each heartbeat_s seconds a phase runs (0: none)
     heartbeat_s: float = 60.0
+    # responses a step logged with their prompt's tail and reward (telemetry/samples.py; 0: none)
+    samples: int = 2
 
 
 @dataclass(frozen=True)
@@ -447,13 +449,16 @@ def train_config(d: dict, world_size: int | None = None, set_keys: tuple[str, ..
     heartbeat_s = logger_node.pop("heartbeat_s", LoggerConfig.heartbeat_s)
     if isinstance(heartbeat_s, bool) or not isinstance(heartbeat_s, (int, float)) or heartbeat_s < 0:
         raise ConfigError(f"logger.heartbeat_s={heartbeat_s!r}; valid: a number of seconds >= 0 (0: no heartbeat)")
+    samples = logger_node.pop("samples", LoggerConfig.samples)
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
+        raise ConfigError(f"logger.samples={samples!r}; valid: an integer >= 0 (responses logged a step; 0: none)")
     _take(logger_node, "logger", set())
     wandb = _build(WandbConfig, wandb_node, "logger.wandb") if wandb_node is not None else None
 
     return TrainConfig(
         model=model, task=task, reward=reward, loss=loss, transaction=transaction,
         rollout=RolloutConfig(engine, sampling, vllm, native, replay_routing),
-        logger=LoggerConfig(backends, wandb, progress, float(heartbeat_s)),
+        logger=LoggerConfig(backends, wandb, progress, float(heartbeat_s), samples),
         optim=optim,
         lora=lora, checkpoint=_build(CheckpointConfig, d["checkpoint"], "checkpoint"),
         strategy=_build(StrategyConfig, d["strategy"], "strategy"), reuse=reuse,

@@ -1,10 +1,11 @@
 """Per-step metrics: run_dir/metrics.jsonl (the record), a one-line console summary, optionally Weights & Biases
-and TensorBoard.
+and TensorBoard; and each step's samples (samples.py): run_dir/samples.jsonl, a W&B table, TensorBoard text.
 
 metrics.jsonl holds one JSON object per line, `{"step": step, **metrics}`, each row flushed and fsynced. A
 resumed run passes `resume_step` (the first step it will log): rows with step >= resume_step, logged after the
 checkpoint by the killed process, are dropped before logging starts, so the resumed file equals the one an
-uninterrupted run writes. A fresh run (resume_step None) replaces an existing metrics.jsonl.
+uninterrupted run writes. A fresh run (resume_step None) replaces an existing metrics.jsonl. samples.jsonl is cut
+back and replaced alike.
 
 Key conventions the console and `plot_memory` rely on: `time/<phase>` in seconds, `mem/<what>` in bytes. The
 console line fits the terminal's width: the step, its headline figures (reward, loss, the step's time summed over
@@ -30,6 +31,10 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
+
+from longstraw_cli.telemetry.samples import COLUMNS as SAMPLE_COLUMNS
+from longstraw_cli.telemetry.samples import SAMPLES_FILE
+from longstraw_cli.telemetry.samples import markdown as samples_markdown
 
 WANDB_MODES = ("offline", "online", "disabled")
 BACKENDS = ("console", "jsonl", "wandb", "tensorboard")
@@ -158,20 +163,25 @@ class MetricsLogger:
         self.backends = tuple(backends)
         self.last_step: int | None = None
         self._file = None
+        self._samples_file = None
         self._console = None
-        self._wandb_run = None
+        self._wandb = self._wandb_run = None
         self._tensorboard = None
         if not self.active:
             return
 
         # before touching any file: a missing package should fail the run at once, not at the first log
         if "wandb" in self.backends:
-            wandb = _import_wandb()
+            wandb = self._wandb = _import_wandb()
         if "tensorboard" in self.backends:
             summary_writer = _import_tensorboard()
         if "jsonl" in self.backends:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._truncate(resume_step)
+            kept = _truncate(self.path, resume_step)
+            if kept:
+                self.last_step = kept[-1]["step"]
+            if (self.run_dir / SAMPLES_FILE).exists():
+                _truncate(self.run_dir / SAMPLES_FILE, resume_step)
             self._file = open(self.path, "a")
         if "console" in self.backends:
             self._console = console or Console(highlight=False)
@@ -194,21 +204,23 @@ class MetricsLogger:
         path.write_text(run_id + "\n")
         return run_id
 
-    def _truncate(self, resume_step: int | None) -> None:
-        """Keeps rows with step < resume_step (none for a fresh run), rewritten atomically."""
-        for stale in self.run_dir.glob(f"{METRICS_FILE}.tmp-*"):
-            stale.unlink()
-        kept = []
-        if resume_step is not None and self.path.exists():
-            kept = [row for row in read_metrics(self.path) if row["step"] < resume_step]
-        tmp = self.path.with_name(f"{METRICS_FILE}.tmp-{os.getpid()}")
-        with open(tmp, "w") as f:
-            f.writelines(json.dumps(row) + "\n" for row in kept)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
-        if kept:
-            self.last_step = kept[-1]["step"]
+    def destinations(self, samples: int = 0) -> list[str]:
+        """Where this logger writes, one line each for the user (rank 0; none elsewhere); `samples`: the responses a
+        step logs (log_samples)."""
+        if not self.active:
+            return []
+        lines = []
+        if self._file is not None:
+            lines.append(f"metrics: every figure of each step in {self.path.resolve()}" + (
+                f"; {samples} response{'s' * (samples != 1)} a step in {(self.run_dir / SAMPLES_FILE).resolve()}"
+                if samples else ""))
+        if self._tensorboard is not None:
+            where = (self.run_dir / TENSORBOARD_DIR).resolve()
+            lines.append(f"tensorboard: event files in {where} (tensorboard --logdir {where})")
+        if self._wandb_run is not None:
+            lines.append(f"wandb: run {getattr(self._wandb_run, 'id', '?')} in "
+                         f"{getattr(self._wandb_run, 'dir', self.run_dir)}")
+        return lines
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.active:
@@ -233,10 +245,29 @@ class MetricsLogger:
                 self._tensorboard.add_scalar(key, value, step)
             self._tensorboard.flush()
 
+    def log_samples(self, step: int, samples: Sequence[dict]) -> None:
+        """A step's samples (samples.py): rows of samples.jsonl, a W&B table, TensorBoard text."""
+        if not self.active or not samples:
+            return
+        rows = [{"step": step, **sample} for sample in samples]
+        if "jsonl" in self.backends:
+            if self._samples_file is None:
+                self._samples_file = open(self.run_dir / SAMPLES_FILE, "a")
+            self._samples_file.writelines(json.dumps(row) + "\n" for row in rows)
+            self._samples_file.flush()
+        if self._wandb_run is not None:
+            table = self._wandb.Table(columns=list(SAMPLE_COLUMNS),
+                                      data=[[row[c] for c in SAMPLE_COLUMNS] for row in rows])
+            self._wandb_run.log({"samples": table}, step=step)
+        if self._tensorboard is not None:
+            self._tensorboard.add_text("samples", samples_markdown(step, samples), step)
+            self._tensorboard.flush()
+
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        for f in (self._file, self._samples_file):
+            if f is not None:
+                f.close()
+        self._file = self._samples_file = None
         if self._wandb_run is not None:
             self._wandb_run.finish()
             self._wandb_run = None
@@ -249,6 +280,23 @@ class MetricsLogger:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _truncate(path: Path, resume_step: int | None) -> list[dict]:
+    """Keeps the rows of a jsonl file with step < resume_step (none for a fresh run), rewritten atomically;
+    -> the rows kept."""
+    for stale in path.parent.glob(f"{path.name}.tmp-*"):
+        stale.unlink()
+    kept = []
+    if resume_step is not None and path.exists():
+        kept = [row for row in read_metrics(path) if row["step"] < resume_step]
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return kept
 
 
 def _import_wandb():

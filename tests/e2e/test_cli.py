@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 
-from conftest import composed, longstraw, rows
+from conftest import composed, longstraw, rows, torchrun
 from longstraw_cli.cli import check_overrides
 from longstraw_cli.config import ConfigError
 
@@ -72,6 +72,8 @@ def test_bad_keys_and_group_options_are_caught_before_hydra(override, expected):
     (["model=glm52_tiny", "model.override_config={num_experts_per_tok:9}"], "num_experts_per_tok=9 does not fit"),
     # a synthetic task's fixed text is checked at start, not at step 0
     (["task=passkey", "prompt_tokens=10"], "task 'passkey': prompt_tokens=10 is too small; its fixed text alone is"),
+    (["logger.samples=-1"], "logger.samples=-1; valid: an integer >= 0"),
+    (["logger.samples=all"], "logger.samples='all'; valid: an integer >= 0"),
 ])
 def test_bad_input_exits_2_with_one_line(train_here, tmp_path, args, expected):
     code, _, err = train_here([*args, f"run_dir={tmp_path / 'run'}"])
@@ -372,6 +374,21 @@ def test_torchrun_ranks_share_one_run_dir(tmp_path, strategy):
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         assert "rank 0 of 1 (" in (run / "train_rank0.log").read_text()
         assert (run / "checkpoints" / "step_00000003" / "COMPLETE").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_torchrun_data_parallel_ranks_merge_their_rewards_extra_figures(tmp_path):
+    """Two data-parallel ranks whose rewards give different keys at one step (passkey's examples 0 and 1):
+    `reward/<key>` is each key's mean over the responses that gave it, on either rank."""
+    out = torchrun(["task=passkey", "prompt_tokens=256", "response_tokens=4", "group_size=2", "steps=2",
+                    "logger.backends=[jsonl]", "task.reward=rewards_for_tests:verl_extras",
+                    f"run_dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    first, second = rows(tmp_path / "run")
+    assert first["reward/parity_0"] == first["reward/parity_1"] == 1.0
+    for row in (first, second):
+        assert 0 <= row["reward/chars"] <= 4 * 4 and row["reward_mean"] == pytest.approx(row["reward/chars"] / 10)
 
 
 @pytest.mark.slow
