@@ -14,7 +14,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from longstraw_cli.compile_cache import check_setting as compile_cache_refusal
 from longstraw_cli.distributed.strategy import StrategyConfig
@@ -266,7 +266,8 @@ class TrainConfig:
     seed: int = 0
     device: str = "cpu"
     run_dir: str = "runs/local"
-    resume: bool = False
+    # true: continue run_dir's newest checkpoint (run_dir must exist: cli.py); auto: continue where there is one
+    resume: bool | Literal["auto"] = False
     export_hf: bool = False
     # rl/reward_adapters.py: how the reward is called (auto | native | verl | trl)
     reward_style: str = "auto"

@@ -267,8 +267,11 @@ class Trainer:
         """The newest intact checkpoint of either format into the strategy (checkpoint/) -> the step to start at."""
         found = checkpoint.resume(self.checkpoints, self.strategy, self.cfg.as_dict(), map_location=self.device)
         if found is None:
-            # a requeued job whose first launch saved nothing yet lands here: said at the start of train
-            self.resumed = f"resume=true: {self.checkpoints.dir.resolve()} holds no checkpoint yet; starting at step 0"
+            # a requeued job whose first launch saved nothing yet, or resume=auto's first launch: said at the start
+            # of train
+            value = "auto" if self.cfg.resume == "auto" else "true"
+            self.resumed = (f"resume={value}: {self.checkpoints.dir.resolve()} holds no checkpoint yet; starting at "
+                            f"step 0")
             return 0
         path, state = found
         self.resumed = f"resumed from {Path(path).resolve()} at step {int(state['step'])} of {self.cfg.steps}"

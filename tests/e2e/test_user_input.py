@@ -128,7 +128,7 @@ def test_the_readmes_train_commands_pass_the_clis_checks():
     assert len(verl) == len(trl) == 1 and len(commands) >= 12, commands
     for command in commands:
         _, args = parse_train_argv(command)
-        assert check_overrides(args.overrides) is None, command
+        assert check_overrides(args.overrides, multirun=args.multirun) is None, command
 
 
 def test_the_readmes_verl_and_trl_commands_make_a_config(home):

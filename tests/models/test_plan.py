@@ -240,6 +240,11 @@ def test_longstraw_plan_plans_the_shape_override_config_gives(capsys):
     (["model=glm52_tiny", "ep=3"], "ep=3 must divide cp=1"),
     (["ep=2", "cp=2"], "model family 'qwen36' has no routed experts"),
     (["modle=qwen36"], "unknown config key 'modle'"),
+    # plan's own keys are among the valid ones, the closest named
+    (["gpu_mem=80"], "unknown config key 'gpu_mem' (did you mean 'gpu_mem_gib'?); valid keys at the top level: "
+                     "['algo', 'capture', 'checkpoint', 'compile_cache_dir', 'cp', 'device', 'dist_timeout_s', 'ep', "
+                     "'export_hf', 'gpu_mem_gib', 'group_size', 'host_mem_gib', 'kernels', "),
+    (["optim.lr=1e-3,3e-3"], "optim.lr=1e-3,3e-3 is a sweep (a comma list)"),
     # a path takes ~ as train's does (expanded, then found missing)
     (["model.path=~/no-such-model"], "model.path='/"),
 ])
