@@ -1,7 +1,9 @@
 """`longstraw train [overrides]` and `longstraw plan [overrides]`: Hydra at the edge.
 
-Overrides are checked before Hydra composes (unknown keys, bad group options: one line naming the bad value
-and the valid choices), the composed config becomes a TrainConfig once, and the Trainer sees nothing else.
+Overrides are checked before Hydra composes (unknown keys, bad group options, a comma list without -m: one line
+naming the bad value and the valid choices). A single job's config is then composed and checked as a TrainConfig
+before Hydra writes anything, so a refused launch leaves no run dir behind; the run dir is made here, then Hydra
+composes the same config, which becomes the TrainConfig the Trainer sees, and nothing else.
 `-m` sweeps, `--cfg job`, `--help` and `hydra.*` overrides are Hydra's own. Under torchrun every rank runs
 Hydra with one shared run dir; rank 0 alone writes `.hydra/`, and every rank logs to `train_rank{RANK}.log`.
 Set HYDRA_FULL_ERROR=1 for tracebacks. A run that stops early ends with one line and the exit status safety/errors.py
