@@ -359,7 +359,7 @@ def _task(cfg, made_run_dir: bool = False) -> None:
     set_keys = tuple(o.partition("=")[0].lstrip("+~") for o in hydra_cfg.overrides.task)
     train_cfg = _train_config(cfg, hydra_cfg.runtime.output_dir, set_keys)
     from longstraw_cli.safety.errors import RunError
-    from longstraw_cli.safety.runlock import RunLock
+    from longstraw_cli.safety.runlock import RunLock, RunLockError
     from longstraw_cli.telemetry.progress import notice
     from longstraw_cli.trainer import Trainer
 
@@ -389,7 +389,8 @@ def _task(cfg, made_run_dir: bool = False) -> None:
     except RunError as e:
         if full_error:
             raise
-        if trainer is None and made_run_dir:
+        # not where another launch holds the lock: it may have made the directory at the same moment
+        if trainer is None and made_run_dir and not isinstance(e, RunLockError):
             _remove_refused(train_cfg.run_dir)
         _stop(e)
 

@@ -56,6 +56,19 @@ def test_a_second_trainer_on_a_run_dir_in_use_is_refused_and_touches_nothing(tra
     assert code == 0, err
 
 
+def test_a_launch_the_lock_refuses_leaves_the_run_dir_it_found_missing(train_here, tmp_path, monkeypatch):
+    """Two launches that both found run_dir missing and made it: the one the lock refuses does not remove it (a
+    launch refused at set-up removes a run dir it made), since the other trains there."""
+    run = tmp_path / "run"
+    # both asked before either held the lock, and both made the directory
+    monkeypatch.setattr(runlock, "check", lambda run_dir: None)
+    monkeypatch.setattr(cli, "_prepare_run_dir", lambda overrides: run.mkdir(exist_ok=True) or True)
+    with runlock.RunLock(run):
+        code, _, err = train_here([*SMALL, "steps=1", f"run_dir={run}"])
+        assert code == 2 and f"is in use by another longstraw train (pid {os.getpid()} on " in err, err
+        assert (run / runlock.LOCK_FILE).is_file()
+
+
 def test_default_run_ids_differ_within_one_second(monkeypatch):
     class Frozen(datetime):
         @classmethod
