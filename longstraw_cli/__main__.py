@@ -9,6 +9,10 @@ COMMANDS = ("train", "plan")
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    from longstraw_cli.safety.output import guard_console
+
+    # before anything is printed: a closed pipe or terminal never stops a run (the run dir's log has it all)
+    guard_console()
     if not argv or argv[0] in ("-h", "--help"):
         print(f"usage: longstraw <command> [overrides]\ncommands: {', '.join(COMMANDS)}\n"
               "  longstraw train --help    the config groups and their options\n"

@@ -1,7 +1,9 @@
 """`longstraw train [overrides]` and `longstraw plan [overrides]`: Hydra at the edge.
 
-Overrides are checked before Hydra composes (unknown keys, bad group options: one line naming the bad value
-and the valid choices), the composed config becomes a TrainConfig once, and the Trainer sees nothing else.
+Overrides are checked before Hydra composes (unknown keys, bad group options, a comma list without -m: one line
+naming the bad value and the valid choices). A single job's config is then composed and checked as a TrainConfig
+before Hydra writes anything, so a refused launch leaves no run dir behind; the run dir is made here, then Hydra
+composes the same config, which becomes the TrainConfig the Trainer sees, and nothing else.
 `-m` sweeps, `--cfg job`, `--help` and `hydra.*` overrides are Hydra's own. Under torchrun every rank runs
 Hydra with one shared run dir; rank 0 alone writes `.hydra/`, and every rank logs to `train_rank{RANK}.log`.
 Set HYDRA_FULL_ERROR=1 for tracebacks. A run that stops early ends with one line and the exit status safety/errors.py
@@ -11,11 +13,14 @@ lists; `longstraw train` holds run_dir's lock (safety/runlock.py) while it train
 from __future__ import annotations
 
 import contextlib
+import difflib
+import functools
 import json
 import logging
 import os
 import re
 import secrets
+import shutil
 import sys
 import time
 from datetime import datetime
@@ -29,7 +34,14 @@ CONF_DIR = Path(__file__).resolve().parent / "conf"
 GROUPS = ("model", "task", "algo", "rollout", "logger", "strategy")
 
 
+@functools.cache
 def _run_id() -> str:
+    """This launch's run id, drawn once (`train` clears it for the next launch in this process): the run dir checked
+    and made before Hydra starts is the one Hydra then uses."""
+    return _draw_run_id()
+
+
+def _draw_run_id() -> str:
     """One id shared by all ranks of a launch: torchrun's rendezvous id (unique with --standalone), else the
     slurm job, else the master endpoint under torchrun, else the local time and a random suffix (two launches in
     one second get two ids)."""
@@ -72,8 +84,9 @@ def group_options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
-def check_overrides(overrides: list[str]) -> str | None:
-    """The first problem with the command-line overrides as one line, or None."""
+def check_overrides(overrides: list[str], *, multirun: bool = False, own_keys: tuple[str, ...] = ()) -> str | None:
+    """The first problem with the command-line overrides as one line, or None. A comma list is a sweep, which only
+    `-m` (multirun) runs; `own_keys`: a command's top-level keys beside the training config's (`longstraw plan`'s)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
@@ -82,17 +95,21 @@ def check_overrides(overrides: list[str]) -> str | None:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException as e:
         return f"cannot parse overrides {overrides}: {str(e).splitlines()[0]}"
-    chosen = []
+    chosen = {}
     for o in parsed:
         key = o.key_or_group
+        if o.is_sweep_override() and not multirun and not key.startswith("hydra"):
+            as_list = "" if key in GROUPS else f", or a list in brackets ({key}=[{o.get_value_string()}])"
+            return (f"{o.input_line} is a sweep (a comma list), which `longstraw train -m` runs as one job per "
+                    f"value; give one value{as_list}")
         values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.get_value_element_as_str()]
         if key in GROUPS:
             for v in values:
                 if v not in group_options(key):
                     return f"{key}={v}: no such {key} config; valid: {group_options(key)}"
-            chosen.append(f"{key}={values[0]}")
+            chosen[key] = values[0]
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=chosen)
+        cfg = compose("config", overrides=[f"{k}={v}" for k, v in chosen.items()])
     for o in parsed:
         key = o.key_or_group
         if key in GROUPS or key.startswith("hydra.") or key == "hydra" or o.is_add() or o.is_delete():
@@ -101,10 +118,46 @@ def check_overrides(overrides: list[str]) -> str | None:
         node = OmegaConf.select(cfg, parent) if parent else cfg
         # keys(), not `in`: a mandatory value (???) is "not in" a DictConfig but is a valid key to set
         if not OmegaConf.is_dict(node) or leaf not in node.keys():
-            where = f"under {parent!r}" if parent and OmegaConf.is_dict(node) else "at the top level"
-            valid = sorted(node.keys()) if OmegaConf.is_dict(node) else sorted(cfg.keys())
-            return f"unknown config key {key!r}; valid keys {where}: {[str(k) for k in valid if k != 'hydra']}"
+            return _unknown_key(key, cfg, chosen, own_keys)
     return None
+
+
+def _unknown_key(key: str, cfg, chosen: dict[str, str], own_keys: tuple[str, ...]) -> str:
+    """One line for a key the composed config lacks: the other options of its group that have it (`task.path` is
+    task=jsonl's and task=dataset's, not char_choice's), a close name, and the valid keys of the nearest section
+    that exists."""
+    parent = key.rpartition(".")[0]
+    while parent and not OmegaConf.is_dict(OmegaConf.select(cfg, parent)):
+        parent = parent.rpartition(".")[0]
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    valid = sorted({str(k) for k in node.keys() if k != "hydra"} | (set() if parent else set(own_keys)))
+    line = f"unknown config key {key!r}"
+    group, _, subkey = key.partition(".")
+    if group in GROUPS:
+        choice = chosen.get(group) or _default_option(group)
+        others = [f"{group}={option}" for option in group_options(group)
+                  if option != choice and _option_has(group, option, subkey)]
+        line += f" for {group}={choice}" + (f" (it is a key of {', '.join(others)})" if others else "")
+    close = difflib.get_close_matches(key[len(parent) + 1 if parent else 0:], valid, n=1)
+    if close:
+        line += f" (did you mean {(parent + '.' if parent else '') + close[0]!r}?)"
+    return f"{line}; valid keys {f'under {parent!r}' if parent else 'at the top level'}: {valid}"
+
+
+def _default_option(group: str) -> str:
+    """The option config.yaml's defaults list chooses for `group`."""
+    for entry in OmegaConf.load(CONF_DIR / "config.yaml").defaults:
+        if OmegaConf.is_dict(entry) and group in entry:
+            return str(entry[group])
+    return "?"
+
+
+def _option_has(group: str, option: str, subkey: str) -> bool:
+    """Whether conf/<group>/<option>.yaml sets `subkey` (dotted)."""
+    node = OmegaConf.load(CONF_DIR / group / f"{option}.yaml")
+    parent, _, leaf = subkey.rpartition(".")
+    node = OmegaConf.select(node, parent) if parent else node
+    return OmegaConf.is_dict(node) and leaf in node.keys()
 
 
 def _rank() -> int:
@@ -157,31 +210,45 @@ def _stop(e: BaseException, *, every_rank: bool = True):
     _fail(str(e), code, kind, every_rank=every_rank)
 
 
-def _override(overrides: list[str], name: str) -> str | None:
-    """The value of the last `name=` override (the one Hydra takes), if one is given."""
-    values = [value for key, sep, value in (o.partition("=") for o in overrides)
-              if sep and key.lstrip("+~") == name]
-    return values[-1] if values and values[-1] not in ("", "null") else None
+def _override_value(overrides: list[str], name: str):
+    """The value of the last `name=` override (the one Hydra takes) as Hydra's grammar reads it, or None."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    values = [o.value() for o in OverridesParser.create().parse_overrides(overrides)
+              if o.key_or_group == name and not o.is_delete()]
+    return values[-1] if values else None
 
 
 def _run_dir_override(overrides: list[str]) -> str | None:
     """The value of the last `run_dir=` override (the one Hydra takes), expanded, if one is given."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     from longstraw_cli.config import expand_path
 
-    values = [o.value() for o in OverridesParser.create().parse_overrides(overrides)
-              if o.key_or_group == "run_dir" and not o.is_delete()]
-    return expand_path(values[-1], "run_dir") if values and isinstance(values[-1], str) and values[-1] else None
+    value = _override_value(overrides, "run_dir")
+    return expand_path(value, "run_dir") if isinstance(value, str) and value else None
 
 
 def _check_resume(overrides: list[str]) -> str | None:
-    """Before Hydra makes a run dir: resume=true names the run to continue, unless a relaunch keeps its id."""
-    resume = _override(overrides, "resume")
-    if resume and resume.lower() == "true" and _run_dir_override(overrides) is None and not _run_id_is_stable():
+    """Before Hydra makes a run dir: resume=true continues a run dir that exists, resume=auto continues one where
+    there is one; both name it with run_dir. Not where a relaunch keeps its run id (a requeued slurm job, torchrun
+    with its own --rdzv-id): its default directory, runs/<run id>, is the same at every launch, and the first finds
+    none."""
+    from longstraw_cli.config import ConfigError
+
+    resume = _override_value(overrides, "resume")
+    if not (resume is True or resume == "auto") or _run_id_is_stable():
+        return None
+    value = "true" if resume is True else "auto"
+    try:
+        run_dir = _run_dir_override(overrides)
+    except ConfigError as e:
+        return str(e)
+    if run_dir is None:
         # a launch without run_dir gets a directory of its own: there would be nothing to resume
-        return ("resume=true needs run_dir=<the run's directory>: without one every launch starts a new "
+        return (f"resume={value} needs run_dir=<the run's directory>: without one every launch starts a new "
                 "directory (runs/<run id>), which holds no checkpoint to continue")
+    if resume is True and not Path(run_dir).exists():
+        return (f"resume=true: run_dir={run_dir!r} does not exist, so there is no run to continue; resume=auto "
+                "continues a run where there is one and starts one where there is none")
     return None
 
 
@@ -214,8 +281,9 @@ def hydra_quoted(arg: str) -> str:
     return f"{key}='{value}'" if key.lstrip("+") in PATH_KEYS else arg
 
 
-def _task(cfg) -> None:
-    from hydra.core.hydra_config import HydraConfig
+def _train_config(cfg, run_dir: str, set_keys: tuple[str, ...] = ()):
+    """The composed job config (without its hydra node) as a TrainConfig, run_dir null given `run_dir`; a problem is
+    one line and exit 2 (its traceback with HYDRA_FULL_ERROR=1)."""
     from omegaconf.errors import InterpolationResolutionError
 
     from longstraw_cli.config import ConfigError, train_config
@@ -231,23 +299,72 @@ def _task(cfg) -> None:
             raise
         # '${HOME}' in quotes reaches Hydra, which reads it as a reference to a config key
         _fail(f"{e.full_key}: {str(e).splitlines()[0]}; an environment variable is $VAR (or ${{oc.env:VAR}})")
-    hydra_cfg = HydraConfig.get()
     if container["run_dir"] is None:
-        container["run_dir"] = hydra_cfg.runtime.output_dir
-    # this job's overrides (a sweep's included): a notice names only what the user set
-    set_keys = tuple(o.partition("=")[0].lstrip("+~") for o in hydra_cfg.overrides.task)
+        container["run_dir"] = run_dir
     try:
-        train_cfg = train_config(container, set_keys=set_keys)
+        return train_config(container, set_keys=set_keys)
     except ConfigError as e:
         if full_error:
             raise
         _fail(str(e))
+
+
+def _checked_job(overrides: list[str]) -> str:
+    """Before Hydra writes anything: the job's config composed and checked as `_task` checks it, so that a refused
+    launch leaves no run dir behind (one line, exit 2); -> the run dir Hydra will make (this launch's run id is
+    drawn once: `_run_id`)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import open_dict, read_write
+
+    try:
+        with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+            cfg = compose("config", overrides=overrides, return_hydra_config=True)
+    except HydraException as e:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        _fail(f"cannot compose the config from {overrides}: {str(e).splitlines()[0]}")
+    run_dir = str(OmegaConf.select(cfg, "hydra.run.dir"))
+    with read_write(cfg), open_dict(cfg):
+        del cfg["hydra"]
+    _train_config(cfg, run_dir)
+    return run_dir
+
+
+def _make_run_dir(run_dir: str) -> str | None:
+    """The run dir made before Hydra would (where a failure is Hydra's traceback); one line where it cannot be."""
+    try:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"run_dir={run_dir!r} cannot be made: {e.strerror or e}"
+    if not os.access(run_dir, os.W_OK | os.X_OK):
+        return f"run_dir={run_dir!r} is not writable"
+    return None
+
+
+def _remove_refused(run_dir: str) -> None:
+    """A launch refused at set-up (a bad data row, reward or tokenizer) leaves no directory behind where it made it:
+    it holds Hydra's .hydra/ and a log of the line already printed. One process only: under torchrun another rank
+    may still be writing its log there."""
+    if os.environ.get("WORLD_SIZE", "1") == "1":
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _task(cfg, made_run_dir: bool = False) -> None:
+    """The job Hydra runs; `made_run_dir`: this launch made the run dir (removed again on a refused set-up)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hydra_cfg = HydraConfig.get()
+    # this job's overrides (a sweep's included): a notice names only what the user set
+    set_keys = tuple(o.partition("=")[0].lstrip("+~") for o in hydra_cfg.overrides.task)
+    train_cfg = _train_config(cfg, hydra_cfg.runtime.output_dir, set_keys)
     from longstraw_cli.safety.errors import RunError
-    from longstraw_cli.safety.runlock import RunLock
+    from longstraw_cli.safety.runlock import RunLock, RunLockError
     from longstraw_cli.telemetry.progress import notice
     from longstraw_cli.trainer import Trainer
 
-
+    full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    trainer = None
     # rank 0 writes run_dir: it holds the lock (the other ranks' CLI asked before Hydra wrote anything)
     lock = RunLock(train_cfg.run_dir) if os.environ.get("RANK", "0") == "0" else contextlib.nullcontext()
     try:
@@ -259,6 +376,8 @@ def _task(cfg) -> None:
             except (ValueError, ImportError) as e:
                 if full_error:
                     raise
+                if made_run_dir:
+                    _remove_refused(train_cfg.run_dir)
                 _stop(e, every_rank=False)
             # after set-up, whose errors stay one line: where this run's logs, metrics and checkpoints go
             where = f"run dir {Path(train_cfg.run_dir).resolve()}"
@@ -270,6 +389,9 @@ def _task(cfg) -> None:
     except RunError as e:
         if full_error:
             raise
+        # not where another launch holds the lock: it may have made the directory at the same moment
+        if trainer is None and made_run_dir and not isinstance(e, RunLockError):
+            _remove_refused(train_cfg.run_dir)
         _stop(e)
 
 
@@ -305,18 +427,28 @@ def parse_train_argv(argv: list[str]):
 def train(argv: list[str]) -> int:
     import hydra
 
+    from longstraw_cli.safety.preemption import ABORTED, recorded_outcome
+
     argv, args = parse_train_argv(argv)
+    # a new launch: its own run id (a second launch in this process, as tests make, gets another)
+    _run_id.cache_clear()
     if not (args.help or args.hydra_help):
-        problem = check_overrides(args.overrides) or _check_resume(args.overrides)
+        problem = check_overrides(args.overrides, multirun=args.multirun) or _check_resume(args.overrides)
         if not problem and not args.multirun and not args.cfg:
             problem = _check_run_dir(args.overrides)
         if problem:
             _fail(problem)
-    sys.argv = ["longstraw-train", *argv]
-    main = hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(_task)
-    from longstraw_cli.safety.preemption import ABORTED, recorded_outcome
-
     with recorded_outcome():
+        # one job: nothing is written before its config has passed the checks (a sweep's jobs are checked each in
+        # its own directory, as Hydra makes them)
+        one_job = not (args.help or args.hydra_help or args.multirun or args.cfg)
+        made_run_dir = one_job and _prepare_run_dir(args.overrides)
+
+        def task(cfg) -> None:
+            _task(cfg, made_run_dir)
+
+        sys.argv = ["longstraw-train", *argv]
+        main = hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(task)
         try:
             main()
         except KeyboardInterrupt:
@@ -325,6 +457,17 @@ def train(argv: list[str]) -> int:
                 raise
             _fail("SIGINT outside the training loop: stopped, without a checkpoint", ABORTED, "interrupted")
     return 0
+
+
+def _prepare_run_dir(overrides: list[str]) -> bool:
+    """The job's config checked, then its run dir made (`_checked_job`, `_make_run_dir`; one line and exit 2 on a
+    problem); -> whether this launch made it."""
+    run_dir = _checked_job(overrides)
+    made = not Path(run_dir).exists()
+    problem = _make_run_dir(run_dir)
+    if problem:
+        _fail(problem)
+    return made
 
 
 # `longstraw plan`'s keys beyond the training config's
@@ -376,7 +519,7 @@ def plan(argv: list[str]) -> int:
             overrides.append(f"{key}={counts[0]}")
         else:
             overrides.append(arg)
-    problem = check_overrides(overrides)
+    problem = check_overrides(overrides, own_keys=tuple(PLAN_KEYS))
     if problem:
         _fail(problem)
     gib = {}

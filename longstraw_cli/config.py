@@ -14,7 +14,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from longstraw_cli.compile_cache import check_setting as compile_cache_refusal
 from longstraw_cli.distributed.strategy import StrategyConfig
@@ -239,6 +239,8 @@ class LoggerConfig:
     progress: bool | None = None
     # without the live display: a line each heartbeat_s seconds a phase runs (0: none)
     heartbeat_s: float = 60.0
+    # responses a step logged with their prompt's tail and reward (telemetry/samples.py; 0: none)
+    samples: int = 2
 
 
 @dataclass(frozen=True)
@@ -267,7 +269,8 @@ class TrainConfig:
     seed: int = 0
     device: str = "cpu"
     run_dir: str = "runs/local"
-    resume: bool = False
+    # true: continue run_dir's newest checkpoint (run_dir must exist: cli.py); auto: continue where there is one
+    resume: bool | Literal["auto"] = False
     export_hf: bool = False
     # rl/reward_adapters.py: how the reward is called (auto | native | verl | trl)
     reward_style: str = "auto"
@@ -450,13 +453,16 @@ def train_config(d: dict, world_size: int | None = None, set_keys: tuple[str, ..
     heartbeat_s = logger_node.pop("heartbeat_s", LoggerConfig.heartbeat_s)
     if isinstance(heartbeat_s, bool) or not isinstance(heartbeat_s, (int, float)) or heartbeat_s < 0:
         raise ConfigError(f"logger.heartbeat_s={heartbeat_s!r}; valid: a number of seconds >= 0 (0: no heartbeat)")
+    samples = logger_node.pop("samples", LoggerConfig.samples)
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
+        raise ConfigError(f"logger.samples={samples!r}; valid: an integer >= 0 (responses logged a step; 0: none)")
     _take(logger_node, "logger", set())
     wandb = _build(WandbConfig, wandb_node, "logger.wandb") if wandb_node is not None else None
 
     return TrainConfig(
         model=model, task=task, reward=reward, loss=loss, transaction=transaction,
         rollout=RolloutConfig(engine, sampling, vllm, native, replay_routing),
-        logger=LoggerConfig(backends, wandb, progress, float(heartbeat_s)),
+        logger=LoggerConfig(backends, wandb, progress, float(heartbeat_s), samples),
         optim=optim,
         lora=lora, checkpoint=_build(CheckpointConfig, d["checkpoint"], "checkpoint"),
         strategy=_build(StrategyConfig, d["strategy"], "strategy"), reuse=reuse,

@@ -47,7 +47,7 @@ from longstraw_cli.plan import whole_response_advice
 from longstraw_cli.quantize import DenseCache, dense_copies, nf4_modules
 from longstraw_cli.resident.offload import host_available_bytes, host_bytes
 from longstraw_cli.reuse import PromptReuse
-from longstraw_cli.rl.reward_adapters import GroupReward
+from longstraw_cli.rl.reward_adapters import GroupReward, Scores
 from longstraw_cli.rl.tasks import Example, make_task
 from longstraw_cli.rollout.native import Rollout, generate
 from longstraw_cli.safety import watchdog
@@ -59,6 +59,7 @@ from longstraw_cli.schedule import lr_factor
 from longstraw_cli.telemetry.memory import PhaseClock
 from longstraw_cli.telemetry.metrics import MetricsLogger
 from longstraw_cli.telemetry.progress import StepProgress, notice
+from longstraw_cli.telemetry.samples import StepRecord, extra_means, merge_sums
 from longstraw_cli.tokenizer import load_tokenizer, read_chat_template, stop_token_ids
 from longstraw_cli.transaction import Reference, Transaction
 from longstraw_kernels import missing_fast_paths, use_kernels
@@ -155,18 +156,21 @@ class Trainer:
             self._check_host_memory(cfg.prompt_tokens)
         # where an error inside `train` came from: "iteration" (then the clock's phase) or a step's later part
         self.clock, self.section = PhaseClock(self.device), "set-up"
+        # what the step under way keeps for the user (its samples, its rewards' extra figures); one a step
+        self.record = StepRecord(0)
         self.last_checkpoint: Path | None = None
         # resume=true: what it found, one line at the start of train
         self.resumed: str | None = None
         self.start_step = self._resume() if cfg.resume else 0
         log.info("rank %d of %d (%s, strategy %s), starting at step %d of %d", self.rank, world_size, self.dims,
                  self.strategy.name, self.start_step, cfg.steps)
+        self.progress = StepProgress(cfg.steps, self.start_step, enabled=cfg.logger.progress, rank=self.rank,
+                                     heartbeat_s=cfg.logger.heartbeat_s)
         self.metrics = MetricsLogger(
             self.run_dir, backends=cfg.logger.backends, rank=self.rank, wandb_cfg=cfg.logger.wandb,
             resume_step=self.start_step if cfg.resume else None, config=cfg.as_dict(),
+            console=self.progress.console,
         )
-        self.progress = StepProgress(cfg.steps, self.start_step, enabled=cfg.logger.progress, rank=self.rank,
-                                     heartbeat_s=cfg.logger.heartbeat_s)
 
     def _notices(self) -> None:
         """What the user asked for that does not apply, as one line each (rank 0)."""
@@ -265,8 +269,11 @@ class Trainer:
         """The newest intact checkpoint of either format into the strategy (checkpoint/) -> the step to start at."""
         found = checkpoint.resume(self.checkpoints, self.strategy, self.cfg.as_dict(), map_location=self.device)
         if found is None:
-            # a requeued job whose first launch saved nothing yet lands here: said at the start of train
-            self.resumed = f"resume=true: {self.checkpoints.dir.resolve()} holds no checkpoint yet; starting at step 0"
+            # a requeued job whose first launch saved nothing yet, or resume=auto's first launch: said at the start
+            # of train
+            value = "auto" if self.cfg.resume == "auto" else "true"
+            self.resumed = (f"resume={value}: {self.checkpoints.dir.resolve()} holds no checkpoint yet; starting at "
+                            f"step 0")
             return 0
         path, state = found
         self.resumed = f"resumed from {Path(path).resolve()} at step {int(state['step'])} of {self.cfg.steps}"
@@ -384,11 +391,19 @@ class Trainer:
         return native
 
     def reward(self, example, rollout: Rollout) -> torch.Tensor:
+        """A training prompt's G rewards; the step's record keeps its samples and the reward's extra figures."""
+        texts, scores = self.reward_scores(example, rollout)
+        self.record.add(example, lambda: self.task.prompt_text(example), texts,
+                        [len(r) for r in rollout.responses], scores)
+        return torch.tensor(scores.values, dtype=torch.float64)
+
+    def reward_scores(self, example, rollout: Rollout) -> tuple[list[str], Scores]:
+        """The decoded responses and what the reward gave for them. A reward that fails or returns what is not a
+        finite number (RewardError) stops the run before any gradient of the step: nothing of it is logged or
+        saved."""
         ids = [r.tolist() for r in rollout.responses]
         texts = [self.tokenizer.decode(i) for i in ids]
-        # a reward that fails or returns what is not a finite number (RewardError) stops the run before any
-        # gradient of the step: nothing of it is logged or saved
-        return torch.tensor(self.reward_fn(example, texts, ids), dtype=torch.float64)
+        return texts, self.reward_fn.score(example, texts, ids)
 
     def set_lr(self, step: int) -> float:
         """The schedule's rate for optimizer step `step`: a function of the steps applied before it, which are the
@@ -404,6 +419,8 @@ class Trainer:
 
     def iteration(self, step: int) -> dict[str, float]:
         clock = self.clock = PhaseClock(self.device, on_phase=self.progress.phase)
+        # rank 0 keeps the step's samples for the user; every rank the sums of its rewards' extra figures
+        self.record = StepRecord(self.cfg.logger.samples if self.rank == 0 else 0)
         lr = self.set_lr(step)
         self.transaction.begin()
         prompts, rollouts, parts, num_prompts = [], [], [], self.cfg.prompts_per_step
@@ -502,7 +519,7 @@ class Trainer:
                 resident = self.capture(self._encode(example))
                 rollout = generate(self.model, resident, self.cfg.group_size, self.sampling, generator,
                                    native=self._native_decode())
-                rewards = self.reward(example, rollout)
+                rewards = torch.tensor(self.reward_scores(example, rollout)[1].values, dtype=torch.float64)
                 totals += torch.stack([rewards.sum(), torch.tensor(float(len(rewards)))]).to(totals)
         if self.dims.dp > 1:
             dist.all_reduce(totals, group=self.groups.dp)
@@ -583,6 +600,8 @@ class Trainer:
         own["nonfinite_steps"] = self.guard.total
         self.section = "the metrics all-reduce"
         metrics = self._across_ranks(own)
+        own.update(extra_means(self.record.extra_sums))
+        metrics.update(self._reward_extras())
         if self.val_task is not None and val_every and done % val_every == 0:
             self.section = "validation"
             val = self.validate(step)
@@ -590,6 +609,7 @@ class Trainer:
             own.update(val)
         self.progress.step_done()
         self.metrics.log(step, metrics)
+        self.metrics.log_samples(step, self.record.samples)
         # each rank's log keeps its own times and peaks (metrics.jsonl has the worst rank's)
         log.info("rank %d step %d %s", self.rank, step, json.dumps(own))
         self.guard.stop_if_due(step)
@@ -600,6 +620,17 @@ class Trainer:
         if (due and self.cfg.checkpoint.enabled) or stop:
             self._save(done)
         return stop
+
+    def _reward_extras(self) -> dict[str, float]:
+        """`reward/<key>`: the mean of each extra figure the step's rewards gave (samples.py), over every response
+        that gave it on any rank. Data-parallel ranks may meet rows whose reward gives other keys: their sums and
+        counts are gathered (one small object collective a step), not all-reduced key by key."""
+        sums = self.record.extra_sums
+        if self.dims.dp > 1:
+            parts = [None] * self.dims.world_size
+            dist.all_gather_object(parts, sums)
+            sums = merge_sums(parts)
+        return extra_means(sums)
 
     def _across_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
         """A new dict: over all ranks, the max of times and memory (the worst rank's, under context and expert
@@ -623,6 +654,8 @@ class Trainer:
     def train(self) -> None:
         # said once the set-up has passed (bad input or a refused resume stays one line)
         self._speed_notices()
+        for line in self.metrics.destinations(self.cfg.logger.samples):
+            notice(line, self.rank)
         if self.resumed:
             notice(self.resumed, self.rank)
         try:

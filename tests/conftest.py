@@ -408,9 +408,9 @@ def train_here(tmp_path, monkeypatch, capsys):
     GlobalHydra.instance().clear()
 
 
-def rows(run_dir: Path) -> list[dict]:
-    """The metrics.jsonl rows of a run."""
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def rows(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
+    """The metrics.jsonl (or `name`: samples.jsonl) rows of a run."""
+    return [json.loads(line) for line in (run_dir / name).read_text().splitlines()]
 
 
 def composed(overrides: list[str]) -> dict:

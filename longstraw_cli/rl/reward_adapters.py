@@ -6,7 +6,9 @@ The trainer asks one thing of a reward: the G rewards of one prompt's G decoded 
 - `native`: `fn(response: str, example: Example) -> float`, once per response (rl/rewards.py's built-ins).
 - `verl`: `compute_score(data_source, solution_str, ground_truth, extra_info) -> float | {"score": float, ...}`,
   once per response, by keyword, as verl's reward manager calls it: `data_source` and `extra_info` are the row's
-  columns, `ground_truth` the answer as the row holds it.
+  columns, `ground_truth` the answer as the row holds it. The dict's other keys with a number (or a bool) are the
+  step's `reward/<key>` metrics (their mean over the responses that gave them), as verl logs them; a key with
+  anything else is named once in a warning and not logged.
 - `trl`: `reward_func(prompts, completions, **kwargs) -> list[float]`, once per group, as TRL's GRPOTrainer
   calls it: G copies of the prompt, the G completions (for a prompt of chat messages, each completion is
   `[{"role": "assistant", "content": text}]`), `completion_ids`, and every other column of the row repeated G
@@ -22,13 +24,18 @@ is written (no metrics row, no checkpoint).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import logging
+import numbers
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from longstraw_cli.rl.rewards import get_reward
 from longstraw_cli.rl.tasks import Example
 from longstraw_cli.safety.inputs import RewardError, reward_value
+
+log = logging.getLogger("longstraw")
 
 
 @dataclass(frozen=True)
@@ -91,6 +98,14 @@ def _score(value, style: str):
     return value.get("score") if style == "verl" and isinstance(value, dict) else value
 
 
+@dataclass
+class Scores:
+    """A group's rewards, and for each response the other figures its reward returned (verl's dict keys)."""
+
+    values: list[float]
+    extra: list[dict[str, float]] = field(default_factory=list)
+
+
 class GroupReward:
     """`spec` (a registered name, module:function or file.py:function) called in `style` on a whole group."""
 
@@ -98,6 +113,8 @@ class GroupReward:
         if style not in REWARD_STYLES:
             raise ValueError(f"task.reward_style={style!r}; valid: {list(REWARD_STYLES)}")
         self.spec, self.fn = spec, get_reward(spec)
+        # a verl dict's keys that are not numbers, warned about once each
+        self.unlogged: set[str] = set()
         try:
             signature = inspect.signature(self.fn)
         except (TypeError, ValueError):
@@ -116,6 +133,9 @@ class GroupReward:
                                  f"{STYLES[self.style].signature} ({e}){columns}") from None
 
     def __call__(self, example: Example, responses: Sequence[str], response_ids: Sequence[list[int]]) -> list[float]:
+        return self.score(example, responses, response_ids).values
+
+    def score(self, example: Example, responses: Sequence[str], response_ids: Sequence[list[int]]) -> Scores:
         row = example.origin
         try:
             values = STYLES[self.style].call(self.fn, example, responses, response_ids)
@@ -124,4 +144,30 @@ class GroupReward:
         if len(values) != len(responses):
             raise RewardError(f"reward {self.spec!r} returned {len(values)} values for {len(responses)} responses "
                               f"on {row}")
-        return [reward_value(self.spec, _score(v, self.style), row) for v in values]
+        return Scores([reward_value(self.spec, _score(v, self.style), row) for v in values],
+                      [self._extra(v) for v in values])
+
+    def _extra(self, value) -> dict[str, float]:
+        """A verl dict's keys beside "score" whose values are numbers (a bool as 0 / 1), as floats."""
+        if self.style != "verl" or not isinstance(value, dict):
+            return {}
+        extra = {}
+        for key, v in value.items():
+            if key == "score":
+                continue
+            if hasattr(v, "item") and not isinstance(v, numbers.Real):
+                # a figure computed with torch or numpy: its number where it holds one
+                with contextlib.suppress(TypeError, ValueError, RuntimeError):
+                    v = v.item()
+            if isinstance(v, numbers.Real):
+                extra[str(key)] = float(v)
+            elif key not in self.unlogged:
+                self.unlogged.add(key)
+                log.warning("reward %r returns %r = %s, not a number: not logged as reward/%s", self.spec, key,
+                            _short(v), key)
+        return extra
+
+
+def _short(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -4,6 +4,7 @@
 - guard.py: a step with a non-finite loss or gradient norm is not applied; too many in a row stop the run.
 - preemption.py: SIGTERM, SIGUSR1 and a first SIGINT stop after the step with a checkpoint (exit 75).
 - runlock.py: one writer per run_dir (an advisory lock).
+- output.py: a stdout or stderr whose reader went away (a pipe into tee, Ctrl-C) never stops the program.
 - watchdog.py: a collective that waits past dist_timeout_s stops the run, naming the collective.
 - inputs.py: checks of prompts and reward values that the config cannot make, at load.
 - typed.py: config values against their dataclass field's type (config.py's checks).

@@ -67,16 +67,15 @@ class Preemption:
         self.signum = self.signum or signum
 
     def _interrupt(self) -> None:
-        # os.write, not print: the handler may run while the main thread is inside a print to stderr
         if self.interrupted:
-            os.write(2, b"longstraw: interrupted: a second SIGINT: stopped at once, without a checkpoint\n")
+            _say(b"longstraw: interrupted: a second SIGINT: stopped at once, without a checkpoint\n")
             write_outcome(f"failed {ABORTED}")
             # no exception: unwinding could block in a collective or in a process group's teardown
             os._exit(ABORTED)
         self.interrupted = True
         if os.environ.get("RANK", "0") == "0":
-            os.write(2, b"longstraw: SIGINT: stopping after this step with a checkpoint (SIGINT again: stop at once, "
-                        b"without one)\n")
+            _say(b"longstraw: SIGINT: stopping after this step with a checkpoint (SIGINT again: stop at once, "
+                 b"without one)\n")
 
     def agreed(self, device: torch.device) -> str | None:
         """The signal's name if any rank has received one, on every rank; a collective over all ranks."""
@@ -86,6 +85,14 @@ class Preemption:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             signum = int(flag.item())
         return signal.Signals(signum).name if signum else None
+
+
+def _say(line: bytes) -> None:
+    """A line on stderr from the signal handler: os.write, not print, since the handler may run while the main thread
+    is inside a print to stderr. On a terminal the progress line is cleared first; where the reader is gone (a Ctrl-C
+    that also ended `| tee`) the line is dropped: the run must go on to its checkpoint."""
+    with contextlib.suppress(OSError):
+        os.write(2, (b"\r\x1b[2K" if os.isatty(2) else b"") + line)
 
 
 def write_outcome(outcome: str) -> None:

@@ -1,13 +1,16 @@
 """Per-step metrics: run_dir/metrics.jsonl (the record), a one-line console summary, optionally Weights & Biases
-and TensorBoard.
+and TensorBoard; and each step's samples (samples.py): run_dir/samples.jsonl, a W&B table, TensorBoard text.
 
 metrics.jsonl holds one JSON object per line, `{"step": step, **metrics}`, each row flushed and fsynced. A
 resumed run passes `resume_step` (the first step it will log): rows with step >= resume_step, logged after the
 checkpoint by the killed process, are dropped before logging starts, so the resumed file equals the one an
-uninterrupted run writes. A fresh run (resume_step None) replaces an existing metrics.jsonl.
+uninterrupted run writes. A fresh run (resume_step None) replaces an existing metrics.jsonl. samples.jsonl is cut
+back and replaced alike.
 
 Key conventions the console and `plot_memory` rely on: `time/<phase>` in seconds, `mem/<what>` in bytes. The
-console prints each time in the unit that keeps three figures (s, ms or us) and each memory in MiB or GiB.
+console line fits the terminal's width: the step, its headline figures (reward, loss, the step's time summed over
+its phases, its peak memory, ...), the least telling dropped first where the line is too long; metrics.jsonl has
+them all.
 Only rank 0 logs; on other ranks every method is a no-op and nothing is created.
 
 W&B: a fresh run draws a run id and keeps it in run_dir/wandb_run_id; a resumed run opens the same id
@@ -29,17 +32,15 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
+from longstraw_cli.telemetry.samples import COLUMNS as SAMPLE_COLUMNS
+from longstraw_cli.telemetry.samples import SAMPLES_FILE
+from longstraw_cli.telemetry.samples import markdown as samples_markdown
+
 WANDB_MODES = ("offline", "online", "disabled")
 BACKENDS = ("console", "jsonl", "wandb", "tensorboard")
 METRICS_FILE = "metrics.jsonl"
 WANDB_ID_FILE = "wandb_run_id"
 TENSORBOARD_DIR = "tensorboard"
-
-# console order: training signal first, then time by phase in the trainer's order, then memory
-_HEAD_KEYS = ("reward_mean", "reward_std", "loss", "pg_loss", "kl_loss", "kl_mean", "ppo_kl", "clip_frac",
-              "ratio_mean", "grad_norm", "num_tokens", "tokens")
-_PHASES = ("rollout", "reward", "capture", "score", "replay", "prompt", "finalize", "step")
-
 
 @dataclass(frozen=True)
 class WandbConfig:
@@ -86,7 +87,7 @@ def _fmt_bytes(n: float) -> str:
 
 
 def _fmt_seconds(v: float) -> str:
-    """A time with its unit chosen by size: fast phases and per-step figures are milliseconds, never `0.00s`."""
+    """A time with its unit chosen by size: fast steps are milliseconds, never `0.00s`."""
     if abs(v) >= 1:
         return f"{v:.2f}s"
     if abs(v) >= 1e-3:
@@ -98,38 +99,57 @@ def _fmt_value(v: float) -> str:
     return str(v) if isinstance(v, int) else f"{v:.4g}"
 
 
-def _console_order(keys) -> list[str]:
-    keys = list(keys)
-    head = [k for k in _HEAD_KEYS if k in keys]
-    phase_rank = {f"time/{p}": i for i, p in enumerate(_PHASES)}
-    times = sorted((k for k in keys if k.startswith("time/")), key=lambda k: (phase_rank.get(k, len(_PHASES)), k))
-    mems = sorted((k for k in keys if k.startswith("mem/")), key=lambda k: (k != "mem/resident", k))
-    rest = sorted(set(keys) - set(head) - set(times) - set(mems))
-    return head + rest + times + mems
+# the console line's figures, in its order, each with the rank it keeps when the line is too long for the
+# terminal (0 is dropped last)
+_LINE_KEYS = (("reward_mean", 0), ("reward_std", 4), ("val/reward_mean", 1), ("loss", 2), ("nonfinite_steps", 1),
+              ("kl_mean", 6), ("grad_norm", 5), ("entropy", 7))
+# per-step figures derived from a phase (the rollout's), not phases of their own: not added to the step's time
+_DERIVED_TIMES = ("time/decode_step", "time/decode_setup")
 
 
-def format_line(step: int, metrics: dict[str, float]) -> str:
-    """One compact line (rich markup): `step 12 | reward_mean 0.5 loss ... | capture 1.20s ... | resident 1.2 GiB`."""
-    signal, times, mems = [], [], []
-    for k in _console_order(metrics):
-        v = metrics[k]
-        if k.startswith("time/"):
-            times.append(f"{escape(k[5:])} {_fmt_seconds(v)}")
-        elif k.startswith("mem/"):
-            mems.append(f"{escape(k[4:])} {_fmt_bytes(v)}")
-        else:
-            signal.append(f"[dim]{escape(k)}[/] {_fmt_value(v)}")
-    groups = [f"[bold]step {step}[/]"] + [" ".join(g) for g in (signal, times, mems) if g]
-    return " [dim]|[/] ".join(groups)
+def _line_fields(step: int, metrics: dict[str, float]) -> list[tuple[int, str, str]]:
+    """(rank, label, value) of each figure the console line may show, in its order."""
+    fields = [(0, "step", str(step))]
+    for key, rank in _LINE_KEYS:
+        # a non-finite step is news; none is not
+        if key in metrics and (key != "nonfinite_steps" or metrics[key]):
+            fields.append((rank, key, _fmt_value(metrics[key])))
+    fields += [(8, key, _fmt_value(metrics[key])) for key in sorted(metrics) if key.startswith("reward/")]
+    seconds = sum(v for k, v in metrics.items() if k.startswith("time/") and k not in _DERIVED_TIMES)
+    if seconds:
+        fields.append((3, "time", _fmt_seconds(seconds)))
+    # the GPU's peak over the step's phases; on CPU the process's resident set
+    peaks = [v for k, v in metrics.items() if k.startswith("mem/peak_")]
+    if peaks or "mem/rss_peak" in metrics:
+        fields.append((3, "peak" if peaks else "rss", _fmt_bytes(max(peaks) if peaks else metrics["mem/rss_peak"])))
+    return fields
+
+
+def format_line(step: int, metrics: dict[str, float], width: int = 80) -> str:
+    """The step's console line (rich markup), at most `width` columns: `step 12  reward_mean 0.5 ... time 1.20s
+    peak 3.10 GiB`. The headline figures only, the least telling dropped first where the terminal is narrow; every
+    figure is in metrics.jsonl and the rank's log."""
+    fields = _line_fields(step, metrics)
+
+    def plain(kept) -> int:
+        return len("  ".join(f"{label} {value}" for _, label, value in kept))
+
+    while len(fields) > 1 and plain(fields) > width:
+        fields.remove(max(fields[1:], key=lambda field: field[0]))
+    return "  ".join(f"[bold]{label} {value}[/]" if label == "step" else f"[dim]{escape(label)}[/] {escape(value)}"
+                     for _, label, value in fields)
 
 
 class MetricsLogger:
     """Logs `{"step": step, **metrics}` per step to the chosen backends ("console", "jsonl", "wandb").
 
-    `config` (a plain dict) is the run configuration handed to wandb.init. Usable as a context manager."""
+    `config` (a plain dict) is the run configuration handed to wandb.init. `console`: the rich console the line is
+    printed on, the live progress display's (progress.py), so that the line goes above it and not onto it; its width
+    is the line's. Usable as a context manager."""
 
     def __init__(self, run_dir: Path, *, backends: Sequence[str] = ("console", "jsonl"), rank: int = 0,
-                 wandb_cfg: WandbConfig | None = None, resume_step: int | None = None, config: dict | None = None):
+                 wandb_cfg: WandbConfig | None = None, resume_step: int | None = None, config: dict | None = None,
+                 console: Console | None = None):
         if isinstance(backends, str):
             backends = (backends,)
         unknown = [b for b in backends if b not in BACKENDS]
@@ -143,23 +163,28 @@ class MetricsLogger:
         self.backends = tuple(backends)
         self.last_step: int | None = None
         self._file = None
+        self._samples_file = None
         self._console = None
-        self._wandb_run = None
+        self._wandb = self._wandb_run = None
         self._tensorboard = None
         if not self.active:
             return
 
         # before touching any file: a missing package should fail the run at once, not at the first log
         if "wandb" in self.backends:
-            wandb = _import_wandb()
+            wandb = self._wandb = _import_wandb()
         if "tensorboard" in self.backends:
             summary_writer = _import_tensorboard()
         if "jsonl" in self.backends:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._truncate(resume_step)
+            kept = _truncate(self.path, resume_step)
+            if kept:
+                self.last_step = kept[-1]["step"]
+            if (self.run_dir / SAMPLES_FILE).exists():
+                _truncate(self.run_dir / SAMPLES_FILE, resume_step)
             self._file = open(self.path, "a")
         if "console" in self.backends:
-            self._console = Console(highlight=False)
+            self._console = console or Console(highlight=False)
         if "wandb" in self.backends:
             cfg = wandb_cfg or WandbConfig()
             self._wandb_run = wandb.init(project=cfg.project, name=cfg.name, mode=cfg.mode,
@@ -179,21 +204,23 @@ class MetricsLogger:
         path.write_text(run_id + "\n")
         return run_id
 
-    def _truncate(self, resume_step: int | None) -> None:
-        """Keeps rows with step < resume_step (none for a fresh run), rewritten atomically."""
-        for stale in self.run_dir.glob(f"{METRICS_FILE}.tmp-*"):
-            stale.unlink()
-        kept = []
-        if resume_step is not None and self.path.exists():
-            kept = [row for row in read_metrics(self.path) if row["step"] < resume_step]
-        tmp = self.path.with_name(f"{METRICS_FILE}.tmp-{os.getpid()}")
-        with open(tmp, "w") as f:
-            f.writelines(json.dumps(row) + "\n" for row in kept)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
-        if kept:
-            self.last_step = kept[-1]["step"]
+    def destinations(self, samples: int = 0) -> list[str]:
+        """Where this logger writes, one line each for the user (rank 0; none elsewhere); `samples`: the responses a
+        step logs (log_samples)."""
+        if not self.active:
+            return []
+        lines = []
+        if self._file is not None:
+            lines.append(f"metrics: every figure of each step in {self.path.resolve()}" + (
+                f"; {samples} response{'s' * (samples != 1)} a step in {(self.run_dir / SAMPLES_FILE).resolve()}"
+                if samples else ""))
+        if self._tensorboard is not None:
+            where = (self.run_dir / TENSORBOARD_DIR).resolve()
+            lines.append(f"tensorboard: event files in {where} (tensorboard --logdir {where})")
+        if self._wandb_run is not None:
+            lines.append(f"wandb: run {getattr(self._wandb_run, 'id', '?')} in "
+                         f"{getattr(self._wandb_run, 'dir', self.run_dir)}")
+        return lines
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.active:
@@ -209,8 +236,8 @@ class MetricsLogger:
             self._file.flush()
             os.fsync(self._file.fileno())
         if self._console is not None:
-            # soft_wrap: one line per step whatever the terminal width
-            self._console.print(format_line(step, values), soft_wrap=True)
+            line = format_line(step, values, width=self._console.width)
+            self._console.print(line, soft_wrap=True, highlight=False)
         if self._wandb_run is not None:
             self._wandb_run.log(values, step=step)
         if self._tensorboard is not None:
@@ -218,10 +245,29 @@ class MetricsLogger:
                 self._tensorboard.add_scalar(key, value, step)
             self._tensorboard.flush()
 
+    def log_samples(self, step: int, samples: Sequence[dict]) -> None:
+        """A step's samples (samples.py): rows of samples.jsonl, a W&B table, TensorBoard text."""
+        if not self.active or not samples:
+            return
+        rows = [{"step": step, **sample} for sample in samples]
+        if "jsonl" in self.backends:
+            if self._samples_file is None:
+                self._samples_file = open(self.run_dir / SAMPLES_FILE, "a")
+            self._samples_file.writelines(json.dumps(row) + "\n" for row in rows)
+            self._samples_file.flush()
+        if self._wandb_run is not None:
+            table = self._wandb.Table(columns=list(SAMPLE_COLUMNS),
+                                      data=[[row[c] for c in SAMPLE_COLUMNS] for row in rows])
+            self._wandb_run.log({"samples": table}, step=step)
+        if self._tensorboard is not None:
+            self._tensorboard.add_text("samples", samples_markdown(step, samples), step)
+            self._tensorboard.flush()
+
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        for f in (self._file, self._samples_file):
+            if f is not None:
+                f.close()
+        self._file = self._samples_file = None
         if self._wandb_run is not None:
             self._wandb_run.finish()
             self._wandb_run = None
@@ -234,6 +280,23 @@ class MetricsLogger:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _truncate(path: Path, resume_step: int | None) -> list[dict]:
+    """Keeps the rows of a jsonl file with step < resume_step (none for a fresh run), rewritten atomically;
+    -> the rows kept."""
+    for stale in path.parent.glob(f"{path.name}.tmp-*"):
+        stale.unlink()
+    kept = []
+    if resume_step is not None and path.exists():
+        kept = [row for row in read_metrics(path) if row["step"] < resume_step]
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return kept
 
 
 def _import_wandb():

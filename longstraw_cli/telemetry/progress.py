@@ -48,7 +48,8 @@ class StepProgress:
 
     def __init__(self, total_steps: int, start_step: int, *, enabled: bool | None, rank: int,
                  console: Console | None = None, heartbeat_s: float = 0.0):
-        console = console or Console()
+        # the metrics logger prints its step lines on this console too: rich puts them above the live line
+        self.console = console = console or Console(highlight=False)
         self.live = rank == 0 and (console.is_terminal if enabled is None else enabled)
         self._phase, self._prompt, self._since = "", "", time.perf_counter()
         self._step, self._count = start_step, None

@@ -34,3 +34,11 @@ def overflow_from_example_2(response: str, example) -> float:
 def as_string(response: str, example):
     """Not a number: a reward must not pass this off as 0.5."""
     return "0.5"
+
+
+
+def verl_extras(data_source, solution_str, ground_truth, extra_info=None):
+    """verl's style with extra figures: `chars` for every response, and a key named by the parity of the answer's
+    characters (`parity_0`, `parity_1`), which two data-parallel ranks' prompts of one step may not share."""
+    return {"score": len(solution_str) / 10, "chars": len(solution_str),
+            f"parity_{sum(map(ord, ground_truth)) % 2}": 1.0}

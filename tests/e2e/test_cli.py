@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 
-from conftest import composed, longstraw, rows
+from conftest import composed, longstraw, rows, torchrun
 from longstraw_cli.cli import check_overrides
 from longstraw_cli.config import ConfigError
 
@@ -28,16 +28,30 @@ DETERMINISTIC = ("reward_mean", "reward_std", "loss", "pg_loss", "grad_norm", "e
     ("model=qwen99", "model=qwen99: no such model config; valid: ['glm52', 'glm52_mini', 'glm52_tiny', 'qwen36', "
          "'qwen36_mini', 'qwen36_tiny']"),
     ("foo=1", "unknown config key 'foo'; valid keys at the top level"),
-    ("optim.lrr=3", "unknown config key 'optim.lrr'; valid keys under 'optim': ['betas', 'lr'"),
+    ("optim.lrr=3", "unknown config key 'optim.lrr' (did you mean 'optim.lr'?); valid keys under 'optim': ['betas', "
+                    "'lr'"),
     ("algo=ppo", "algo=ppo: no such algo config; valid: ['dapo', 'dr_grpo', 'grpo', 'gspo']"),
     ("strategy=zero3", "strategy=zero3: no such strategy config; valid: ['ddp', 'deepspeed', 'fsdp2']"),
-    ("strategy.zero_stage=1", "unknown config key 'strategy.zero_stage'; valid keys under 'strategy': ['name']"),
+    ("strategy.zero_stage=1", "unknown config key 'strategy.zero_stage' for strategy=ddp (it is a key of "
+                              "strategy=deepspeed); valid keys under 'strategy': ['name']"),
+    # a key of another option of the group, a close name, a key of a section the chosen option lacks
+    ("task.path=x", "unknown config key 'task.path' for task=char_choice (it is a key of task=dataset, task=jsonl); "
+                    "valid keys under 'task': ['alphabet', "),
+    ("rollout.native.cuda_grap=x", "(did you mean 'rollout.native.cuda_graph'?); valid keys under 'rollout.native'"),
+    ("logger.wandb.project=p", "unknown config key 'logger.wandb.project' for logger=console (it is a key of "
+                               "logger=wandb); valid keys under 'logger': ['backends', "),
+    # a comma list without -m: Hydra's six lines of "Ambiguous value"
+    ("optim.lr=1e-3,3e-3", "optim.lr=1e-3,3e-3 is a sweep (a comma list), which `longstraw train -m` runs as one job "
+                           "per value; give one value, or a list in brackets (optim.lr=[1e-3,3e-3])"),
+    ("model=qwen36_tiny,glm52_tiny", "is a sweep (a comma list), which `longstraw train -m` runs as one job per "
+                                     "value; give one value"),
 ])
 def test_bad_keys_and_group_options_are_caught_before_hydra(override, expected):
     assert expected in check_overrides([override])
     assert check_overrides(["model=qwen36_tiny", "group_size=3", "optim.lr=0.1", "hydra.run.dir=x"]) is None
     # sweeps are checked value by value
-    assert "model=nope" in check_overrides(["model=qwen36_tiny,nope"])
+    assert "model=nope" in check_overrides(["model=qwen36_tiny,nope"], multirun=True)
+    assert check_overrides(["optim.lr=1e-3,3e-3", "task=jsonl", "task.path=x"], multirun=True) is None
 
 
 @pytest.mark.parametrize("args, expected", [
@@ -72,12 +86,31 @@ def test_bad_keys_and_group_options_are_caught_before_hydra(override, expected):
     (["model=glm52_tiny", "model.override_config={num_experts_per_tok:9}"], "num_experts_per_tok=9 does not fit"),
     # a synthetic task's fixed text is checked at start, not at step 0
     (["task=passkey", "prompt_tokens=10"], "task 'passkey': prompt_tokens=10 is too small; its fixed text alone is"),
+    (["logger.samples=-1"], "logger.samples=-1; valid: an integer >= 0"),
+    (["logger.samples=all"], "logger.samples='all'; valid: an integer >= 0"),
 ])
 def test_bad_input_exits_2_with_one_line(train_here, tmp_path, args, expected):
     code, _, err = train_here([*args, f"run_dir={tmp_path / 'run'}"])
     assert code == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and expected in lines[0], err
+    # refused before anything was written: no run dir (.hydra/, an empty log) is left behind
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["optim.lr=1e-3,3e-3"], "optim.lr=1e-3,3e-3 is a sweep (a comma list)"),
+    (["run_dir=/proc/no/such/dir"], "run_dir='/proc/no/such/dir' cannot be made: No such file or directory"),
+    (["run_dir=/dev/null/run"], "run_dir='/dev/null/run' cannot be made: Not a directory"),
+    (["task.path=x"], "unknown config key 'task.path' for task=char_choice (it is a key of task=dataset, task=jsonl)"),
+    (["group_size=1"], "group_size must be an integer >= 2, got 1"),
+])
+def test_a_refused_launch_says_one_line_and_leaves_no_run_dir(train_here, tmp_path, args, expected):
+    """Without run_dir the run dir would be runs/<run id>: nothing of it is made before the config's checks pass."""
+    code, _, err = train_here(args)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and expected in lines[0], err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_console_script_exits_2_with_one_line_and_no_traceback(tmp_path):
@@ -103,6 +136,11 @@ def test_bad_jsonl_row_names_file_and_line(train_here, tmp_path):
     code, _, err = train_here(["task=jsonl", f"task.path={data}", f"run_dir={tmp_path / 'run'}"])
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert f"{data}:2" in err
+    # refused at set-up, after Hydra made the run dir: it goes again (it held .hydra/ and a log of that line)
+    assert not (tmp_path / "run").exists()
+    (tmp_path / "kept").mkdir()
+    code, _, err = train_here(["task=jsonl", f"task.path={data}", f"run_dir={tmp_path / 'kept'}"])
+    assert code == 2 and (tmp_path / "kept" / "train_rank0.log").exists()
 
 
 def test_cfg_job_prints_and_does_not_run(train_here, tmp_path):
@@ -122,12 +160,12 @@ def test_multirun_sweep_runs_each_job(train_here, tmp_path):
 
 
 def test_console_says_where_the_run_went(train_here, tmp_path):
-    """One line each: the run dir, what resume=true found, every checkpoint written, the export, the end."""
+    """One line each: the run dir, what resume=auto found, every checkpoint written, the export, the end."""
     run = tmp_path / "run"
-    code, _, err = train_here([*SMALL, "steps=1", "resume=true", f"run_dir={run}"])
+    code, _, err = train_here([*SMALL, "steps=1", "resume=auto", f"run_dir={run}"])
     assert code == 0, err
     ckpt = run / "checkpoints"
-    assert f"longstraw: resume=true: {ckpt} holds no checkpoint yet; starting at step 0" in err
+    assert f"longstraw: resume=auto: {ckpt} holds no checkpoint yet; starting at step 0" in err
     assert f"longstraw: run dir {run}\n" in err
     assert f"longstraw: checkpoint {ckpt / 'step_00000001'} written (after step 0)" in err
     assert f"longstraw: finished 1 step in {run}; last checkpoint {ckpt / 'step_00000001'}" in err
@@ -141,9 +179,28 @@ def test_resume_without_a_run_dir_is_refused(train_here, tmp_path, monkeypatch):
     # a launch without run_dir gets a new directory: nothing to resume there (a slurm job id is kept on requeue)
     for name in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(name, raising=False)
-    code, _, err = train_here(["resume=true"])
-    assert code == 2 and len(err.strip().splitlines()) == 1
-    assert "resume=true needs run_dir=" in err and not (tmp_path / "runs").exists()
+    for value in ("true", "auto"):
+        code, _, err = train_here([f"resume={value}"])
+        assert code == 2 and len(err.strip().splitlines()) == 1
+        assert f"resume={value} needs run_dir=" in err and not (tmp_path / "runs").exists()
+
+
+def test_resume_true_of_a_run_dir_that_does_not_exist_is_refused(train_here, tmp_path, monkeypatch):
+    """A typo in run_dir: one line, exit 2, no directory made. resume=auto starts a run there; a relaunch that keeps
+    its run id (a requeued slurm job) may find its directory not made yet, and starts too."""
+    for name in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    code, _, err = train_here([*SMALL, "steps=1", "resume=true", "run_dir=runs/typo"])
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0] == ("longstraw: error: resume=true: run_dir='runs/typo' does not exist, so there is no run to "
+                        "continue; resume=auto continues a run where there is one and starts one where there is none")
+    assert not (tmp_path / "runs").exists()
+    monkeypatch.setenv("SLURM_JOB_ID", "1234")
+    code, _, err = train_here([*SMALL, "steps=1", "resume=true", "run_dir=runs/requeued"])
+    assert code == 0 and "resume=true: " in err and "holds no checkpoint yet; starting at step 0" in err
+    code, _, err = train_here([*SMALL, "steps=1", "resume=maybe", "run_dir=runs/x"])
+    assert code == 2 and "resume='maybe' must be true or false or auto" in err
 
 
 def test_train_config_is_typed_and_frozen():
@@ -372,6 +429,21 @@ def test_torchrun_ranks_share_one_run_dir(tmp_path, strategy):
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         assert "rank 0 of 1 (" in (run / "train_rank0.log").read_text()
         assert (run / "checkpoints" / "step_00000003" / "COMPLETE").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_torchrun_data_parallel_ranks_merge_their_rewards_extra_figures(tmp_path):
+    """Two data-parallel ranks whose rewards give different keys at one step (passkey's examples 0 and 1):
+    `reward/<key>` is each key's mean over the responses that gave it, on either rank."""
+    out = torchrun(["task=passkey", "prompt_tokens=256", "response_tokens=4", "group_size=2", "steps=2",
+                    "logger.backends=[jsonl]", "task.reward=rewards_for_tests:verl_extras",
+                    f"run_dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    first, second = rows(tmp_path / "run")
+    assert first["reward/parity_0"] == first["reward/parity_1"] == 1.0
+    for row in (first, second):
+        assert 0 <= row["reward/chars"] <= 4 * 4 and row["reward_mean"] == pytest.approx(row["reward/chars"] / 10)
 
 
 @pytest.mark.slow

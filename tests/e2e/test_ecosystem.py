@@ -13,8 +13,10 @@ from conftest import chat_model_dir, rows
 FAST = ["group_size=2", "response_tokens=6", "logger.backends=[jsonl]"]
 VERL_REWARD = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    # varies within a group: every step has a gradient
-    return float(ground_truth in solution_str) + sum(map(ord, solution_str)) / 1000
+    # varies within a group: every step has a gradient; verl's extra keys: a number, a bool, a string
+    acc = ground_truth in solution_str
+    return {"score": float(acc) + sum(map(ord, solution_str)) / 1000, "length": len(solution_str), "acc": acc,
+            "pred": solution_str[-3:]}
 """
 TRL_REWARDS = """
 def char_reward(completions, solution, **kwargs):
@@ -58,8 +60,10 @@ def verl_args(model_dir, files, run):
 def test_verl_style_run(train_here, model_dir, verl_files, tmp_path):
     run = tmp_path / "run"
     code, _, err = train_here([*verl_args(model_dir, verl_files, run), "steps=2", "logger=tensorboard",
-                               "logger.backends=[jsonl,tensorboard]", "logger.progress=true", "export_hf=true"])
+                               "logger.backends=[jsonl,tensorboard]", "logger.progress=true", "export_hf=true",
+                               "logger.samples=3"])
     assert code == 0, err
+    assert f"longstraw: tensorboard: event files in {run / 'tensorboard'}" in err
     # prompt_tokens was not set: no notice that it does not apply (tests/e2e/test_user_input.py sets it)
     assert "does not apply" not in err
     first, second = rows(run)
@@ -70,6 +74,21 @@ def test_verl_style_run(train_here, model_dir, verl_files, tmp_path):
     assert "val/reward_mean" not in first and second["val/prompts"] == 2 and second["val/reward_mean"] > 0
     assert second["epoch"] == pytest.approx(4 / 6)
     assert any((run / "tensorboard").iterdir())
+    # the reward's other numbers are metrics, the mean of the step's responses; a string is named once
+    samples = rows(run, "samples.jsonl")
+    for row in (first, second):
+        step = [s for s in samples if s["step"] == row["step"]]
+        assert 0 <= row["reward/acc"] <= 1 and row["reward/length"] > 0 and "reward/pred" not in row
+        assert [s["step"] for s in step] == [row["step"]] * 3
+    assert err.count("returns 'pred' = ") == 1 and "not logged as reward/pred" in err
+    # three responses a step, of both prompts (two a prompt), with what they were judged against
+    origins = [s["origin"] for s in samples[:3]]
+    assert origins[0] == origins[1] != origins[2] and origins[2].startswith(f"{verl_files / 'train.parquet'} row ")
+    for sample in samples:
+        assert sample["prompt_tail"].endswith("<|im_start|>assistant\n") and "What is" in sample["prompt_tail"]
+        assert sample["answer"] == str(2 * int(sample["prompt_tail"].split("What is ")[1].split("+")[0]))
+        assert isinstance(sample["response"], str) and 1 <= sample["response_tokens"] <= 6
+        assert isinstance(sample["reward"], float) and set(sample) >= {"reward/acc", "reward/length"}
 
     from transformers import AutoTokenizer, GenerationConfig
 

@@ -146,7 +146,7 @@ def test_the_docs_train_commands_pass_the_clis_checks():
     for page, commands in doc_train_commands().items():
         for command in commands:
             _, args = parse_train_argv(command)
-            assert check_overrides(args.overrides) is None, (page, command)
+            assert check_overrides(args.overrides, multirun=args.multirun) is None, (page, command)
 
 
 def test_the_docs_verl_and_trl_commands_make_a_config(home):

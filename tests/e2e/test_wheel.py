@@ -25,6 +25,36 @@ def test_the_checkout_root_holds_no_top_level_module_but_ours():
     assert names and all(name.startswith("longstraw") for name in names), sorted(names)
 
 
+def test_make_demo_installs_the_package_alone_and_make_test_the_test_extras():
+    """`make demo` reinstalled the test extras (deepspeed, triton, torchao, ...) at every run; the demo needs none."""
+    if shutil.which("make") is None:
+        pytest.skip("no make here")
+
+    def commands(target: str) -> str:
+        return subprocess.run(["make", "-n", target], cwd=REPO, capture_output=True, text=True, check=True).stdout
+
+    demo, test = commands("demo"), commands("test")
+    assert "pip install -q -e .\n" in demo and "[test" not in demo and "longstraw_cli train" in demo
+    assert 'pip install -q -e ".[test,plot,math]"' in test and "pytest" in test
+
+
+# what the extras bring, and the GPU packages
+EXTRAS = ("transformers", "triton", "deepspeed", "torchao", "datasets", "peft", "tensorboard", "matplotlib",
+          "math_verify", "wandb", "fla", "vllm")
+
+
+@pytest.mark.slow
+def test_the_default_job_runs_without_any_extra(tmp_path):
+    """`make demo`'s job (one step of it) with every extra's package unimportable."""
+    block = "; ".join(f"sys.modules[{name!r}] = None" for name in EXTRAS)
+    script = f"import sys; {block}; from longstraw_cli.__main__ import main; sys.exit(main(['train', 'steps=1']))"
+    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    [run] = (tmp_path / "runs").iterdir()
+    assert (run / "checkpoints" / "step_00000001" / "COMPLETE").is_file()
+
+
 @pytest.mark.slow
 def test_wheel_installed_outside_the_checkout_trains(tmp_path):
     # build from a copy: a build/ directory left in the checkout could hold stale files

@@ -56,6 +56,19 @@ def test_a_second_trainer_on_a_run_dir_in_use_is_refused_and_touches_nothing(tra
     assert code == 0, err
 
 
+def test_a_launch_the_lock_refuses_leaves_the_run_dir_it_found_missing(train_here, tmp_path, monkeypatch):
+    """Two launches that both found run_dir missing and made it: the one the lock refuses does not remove it (a
+    launch refused at set-up removes a run dir it made), since the other trains there."""
+    run = tmp_path / "run"
+    # both asked before either held the lock, and both made the directory
+    monkeypatch.setattr(runlock, "check", lambda run_dir: None)
+    monkeypatch.setattr(cli, "_prepare_run_dir", lambda overrides: run.mkdir(exist_ok=True) or True)
+    with runlock.RunLock(run):
+        code, _, err = train_here([*SMALL, "steps=1", f"run_dir={run}"])
+        assert code == 2 and f"is in use by another longstraw train (pid {os.getpid()} on " in err, err
+        assert (run / runlock.LOCK_FILE).is_file()
+
+
 def test_default_run_ids_differ_within_one_second(monkeypatch):
     class Frozen(datetime):
         @classmethod
@@ -65,9 +78,13 @@ def test_default_run_ids_differ_within_one_second(monkeypatch):
     for name in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(cli, "datetime", Frozen)
-    first, second = cli._run_id(), cli._run_id()
+    first, second = cli._draw_run_id(), cli._draw_run_id()
     assert first.startswith("20260102-030405") and second.startswith("20260102-030405")
     assert first != second
+    # one launch draws one: the run dir checked before Hydra starts is the one Hydra makes
+    cli._run_id.cache_clear()
+    assert cli._run_id() == cli._run_id()
+    cli._run_id.cache_clear()
 
 
 def test_a_rank_that_asks_while_its_launch_writes_the_lock_waits_for_the_name(tmp_path, monkeypatch):

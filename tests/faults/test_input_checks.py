@@ -22,7 +22,7 @@ def one_line(train_here, args: list[str], expected: str) -> None:
 
 
 @pytest.mark.parametrize("override, expected", [
-    ("resume=no", "resume='no' must be true or false"),
+    ("resume=no", "resume='no' must be true or false or auto"),
     ("export_hf=no", "export_hf='no' must be true or false"),
     ("rollout.native.compile=1", "rollout.native.compile=1 must be true or false"),
     ("capture.block_size=1.5", "capture.block_size=1.5 must be an integer"),

@@ -141,3 +141,43 @@ def test_sigterm_to_torchrun_checkpoints_every_rank_and_resume_continues(tmp_pat
     assert f"starting at step {done} of {STEPS}" in (run / "train_rank1.log").read_text()
     assert [r["step"] for r in rows(run)] == list(range(STEPS))
     assert (run / "checkpoints" / f"step_{STEPS:08d}" / "COMPLETE").is_file()
+
+
+@pytest.mark.slow
+def test_sigint_under_a_pipe_whose_reader_it_kills_still_checkpoints(tmp_path):
+    """`longstraw train ... 2>&1 | tee run.log`, then Ctrl-C: the terminal sends SIGINT to the whole process group,
+    the reader dies with it, and every later write of the trainer's goes to a closed pipe. The run still finishes its
+    step, writes the checkpoint and exits 75; its log in the run dir has the step lines and the last line."""
+    run = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(E2E), os.environ.get("PYTHONPATH")]))}
+    # the logger's console too: the step lines are written to the pipe
+    argv = [sys.executable, "-m", "longstraw_cli", "train", *COMMON, "logger.backends=[console,jsonl]",
+            f"run_dir={run}"]
+    trainer = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               process_group=0)
+    # the reader in the trainer's process group, as a shell puts a pipeline's processes in one
+    pipe = subprocess.Popen(["tee", "run.log"], cwd=tmp_path, stdin=trainer.stdout, stdout=subprocess.DEVNULL,
+                            process_group=trainer.pid)
+    trainer.stdout.close()
+    try:
+        deadline = time.monotonic() + 300
+        metrics = run / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+            assert trainer.poll() is None, (run / "train_rank0.log").read_text()[-2000:]
+            assert time.monotonic() < deadline, "the run logged no step in time"
+            time.sleep(0.05)
+        os.killpg(trainer.pid, signal.SIGINT)
+        assert pipe.wait(timeout=30) != 0
+        code = trainer.wait(timeout=300)
+    finally:
+        for proc in (trainer, pipe):
+            if proc.poll() is None:
+                proc.kill()
+    log = (run / "train_rank0.log").read_text()
+    assert code == 75, log[-3000:]
+    done = len(rows(run))
+    assert 1 <= done < STEPS
+    assert (run / "checkpoints" / f"step_{done:08d}" / "COMPLETE").is_file()
+    assert f"SIGINT received: stopped after step {done - 1} with checkpoint step_{done:08d}" in log
+    assert all(f"rank 0 step {s} " in log for s in range(done)), log[-3000:]

@@ -193,6 +193,15 @@ def test_python_m_plan_is_the_longstraw_plan_command(capsys):
     assert "longest prompt" in out and "phases: capture" in out
 
 
+def test_plan_into_a_closed_pipe_ends_without_a_traceback():
+    """`longstraw plan | head -4`: the reader is gone before the table is written; the rest goes nowhere, quietly."""
+    proc = subprocess.Popen([sys.executable, "-m", "longstraw_cli", "plan"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=300) == 0 and err == "", err
+
+
 def test_longstraw_plan_command_reads_the_training_config(capsys):
     """`longstraw plan` with train's overrides: the same numbers as plan() on the composed config."""
     from longstraw_cli.__main__ import main as longstraw
@@ -231,6 +240,11 @@ def test_longstraw_plan_plans_the_shape_override_config_gives(capsys):
     (["model=glm52_tiny", "ep=3"], "ep=3 must divide cp=1"),
     (["ep=2", "cp=2"], "model family 'qwen36' has no routed experts"),
     (["modle=qwen36"], "unknown config key 'modle'"),
+    # plan's own keys are among the valid ones, the closest named
+    (["gpu_mem=80"], "unknown config key 'gpu_mem' (did you mean 'gpu_mem_gib'?); valid keys at the top level: "
+                     "['algo', 'capture', 'checkpoint', 'compile_cache_dir', 'cp', 'device', 'dist_timeout_s', 'ep', "
+                     "'export_hf', 'gpu_mem_gib', 'group_size', 'host_mem_gib', 'kernels', "),
+    (["optim.lr=1e-3,3e-3"], "optim.lr=1e-3,3e-3 is a sweep (a comma list)"),
     # a path takes ~ as train's does (expanded, then found missing)
     (["model.path=~/no-such-model"], "model.path='/"),
 ])

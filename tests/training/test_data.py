@@ -3,6 +3,7 @@ their reward functions, a learning-rate schedule, several prompts per step, and 
 
 import io
 import json
+import logging
 import math
 import sys
 
@@ -12,7 +13,7 @@ import torch
 from conftest import CHATML, chat_model_dir, randomize_, rel_err
 from longstraw_cli.config import ModelConfig
 from longstraw_cli.rl.reward_adapters import GroupReward, RewardError
-from longstraw_cli.rl.tasks import TaskConfig, make_task
+from longstraw_cli.rl.tasks import Example, TaskConfig, make_task
 from longstraw_cli.schedule import lr_factor
 from longstraw_cli.tokenizer import (
     ByteTokenizer,
@@ -188,12 +189,31 @@ def test_verl_and_trl_rewards_are_called_their_way(reward_files, tmp_path):
     verl = GroupReward("verl_reward.py:compute_score", "auto", verl_task.example(0))
     assert verl.style == "verl"
     assert verl(verl_task.example(1), ["2", " 2 ", "3"], [[50], [32, 50, 32], [51]]) == [1.0, 1.0, 0.0]
+    # the dict's other keys are the step's reward/<key> metrics
+    assert verl.score(verl_task.example(1), ["2"], [[50]]).extra == [{"acc": 1.0}]
 
     rows = [{"prompt": [{"role": "user", "content": "Say a"}], "solution": "a"}]
     trl_task = make_task(TaskConfig("jsonl", path=str(write_jsonl(tmp_path / "t.jsonl", rows))), ByteTokenizer())
     trl = GroupReward("trl_rewards_mod:match", "auto", trl_task.example(0))
     assert trl.style == "trl"
     assert trl(trl_task.example(0), ["a", "b"], [[97], [98]]) == [1.0, 0.0]
+
+
+def test_a_verl_rewards_other_numbers_are_kept_and_the_rest_named_once(tmp_path, caplog):
+    (tmp_path / "extra.py").write_text(
+        "import torch\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return {'score': 1.0, 'acc': solution_str == ground_truth, 'steps': torch.tensor(3),\n"
+        "            'pred': solution_str}\n")
+    example = Example("p", "a")
+    spec = f"{tmp_path / 'extra.py'}:compute_score"
+    verl = GroupReward(spec, "auto", example)
+    caplog.set_level(logging.WARNING, logger="longstraw")
+    scores = verl.score(example, ["a", "b"], [[97], [98]])
+    assert scores.values == [1.0, 1.0]
+    assert scores.extra == [{"acc": 1.0, "steps": 3.0}, {"acc": 0.0, "steps": 3.0}]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"reward {spec!r} returns 'pred' = 'a', not a number: not logged as reward/pred"]
 
 
 def test_reward_signature_is_checked_at_start_with_one_line(reward_files, tmp_path):
