@@ -473,7 +473,8 @@ def _prepare_run_dir(overrides: list[str]) -> bool:
 # `longstraw plan`'s keys beyond the training config's
 PLAN_KEYS = {"gpu_mem_gib": "GPU memory per rank in GiB (default 139: an H200)",
              "host_mem_gib": "host memory per rank for offloaded pages in GiB (default 128: an H200 machine's share)",
-             "kernels": "auto | gpu | reference (default auto: gpu for bf16/fp16)"}
+             "plan_kernels": "the kernels whose saved tensors the plan counts: auto | gpu | reference (default auto: "
+                             "gpu for bf16/fp16; the run's own choices are kernels.*)"}
 PLAN_USAGE = """usage: longstraw plan [overrides]   (the same: python -m longstraw_cli.plan [overrides])
 The per-rank memory of one transaction by phase, and the longest prompt that fits per placement, for the run
 that `longstraw train` would launch with the same overrides and defaults (model, cp, ep, group_size,
@@ -505,7 +506,7 @@ def plan(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(PLAN_USAGE)
         return 0
-    own, overrides, prompts = {"gpu_mem_gib": "139", "host_mem_gib": "128", "kernels": "auto"}, [], None
+    own, overrides, prompts = {"gpu_mem_gib": "139", "host_mem_gib": "128", "plan_kernels": "auto"}, [], None
     # a path key's ~ quoted for Hydra's grammar, as train does
     for arg in map(hydra_quoted, argv):
         key, sep, value = arg.partition("=")
@@ -528,14 +529,14 @@ def plan(argv: list[str]) -> int:
             gib[key] = float(own[key])
         except ValueError:
             _fail(f"{key}={own[key]!r} is not a number (GiB)")
-    if own["kernels"] not in planner.KERNELS:
-        _fail(f"kernels={own['kernels']!r}; valid: {list(planner.KERNELS)}")
+    if own["plan_kernels"] not in planner.KERNELS:
+        _fail(f"plan_kernels={own['plan_kernels']!r}; valid: {list(planner.KERNELS)}")
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=overrides)
     # the training config's own checks of model.name / path / dtype
     try:
         model_cfg, title, common = plan_arguments(cfg, gpu_mem_gib=gib["gpu_mem_gib"],
-                                                  host_mem_gib=gib["host_mem_gib"], kernels=own["kernels"])
+                                                  host_mem_gib=gib["host_mem_gib"], kernels=own["plan_kernels"])
     except (ConfigError, ValueError) as e:
         _fail(str(e))
     if OmegaConf.select(cfg, "rollout.engine") == "vllm":

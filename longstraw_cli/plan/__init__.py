@@ -214,8 +214,8 @@ def report(cfg, title: str, prompts: list[int], **common) -> int:
     ep = f", ep={common['ep']}" if common.get("ep", 1) > 1 else ""
     print(f"{title} ({cfg.num_hidden_layers} layers), cp={common['cp']}{ep}, G={common['group_size']}, "
           f"R={common['response_tokens']}, {common['dtype']}, lora_rank={common['lora_rank']}, "
-          f"quantize={common.get('quantize', 'none')}, block={common['block_size']}, kernels={plans[0]['kernels']}, "
-          f"gradient={common.get('gradient', 'response_only')}"
+          f"quantize={common.get('quantize', 'none')}, block={common['block_size']}, "
+          f"plan_kernels={plans[0]['kernels']}, gradient={common.get('gradient', 'response_only')}"
           f"{', walk_checkpoint' if common.get('walk_checkpoint') else ''}"
           f"{', replay_block=' + str(common['replay_block']) if common.get('replay_block') else ''}; GiB per rank")
     print(f"{'prompt':>9} " + " ".join(f"{c:>9}" for c in COLUMNS.values())

@@ -234,7 +234,7 @@ def test_longstraw_plan_plans_the_shape_override_config_gives(capsys):
     (["cp=x"], "cp='x' must be an integer"),
     (["cp=0"], "cp must be an int >= 1, got 0"),
     (["gpu_mem_gib=lots"], "gpu_mem_gib='lots' is not a number"),
-    (["kernels=fast"], "kernels='fast'; valid: ['auto', 'gpu', 'reference']"),
+    (["plan_kernels=fast"], "plan_kernels='fast'; valid: ['auto', 'gpu', 'reference']"),
     (["prompt_tokens=3Q"], "prompt_tokens='3Q' is not a token count; e.g. 65536, 64K, 2M"),
     (["prompt_tokens=1M,x"], "prompt_tokens='x' is not a token count"),
     (["model=glm52_tiny", "ep=3"], "ep=3 must divide cp=1"),
