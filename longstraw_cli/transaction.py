@@ -1,10 +1,11 @@
-"""One GRPO transaction for one prompt, model-agnostic:
+"""One GRPO (or SFT) transaction for one prompt, model-agnostic:
 
     capture -> score (old, reference) -> replay x G -> finalize -> step
 
 The prompt is captured once without autograd (`capture`, the one place that captures the policy: the caller
 calls it before rollout, or after a rollout that does not need it, and hands the resident state to `run`);
-old-policy and reference log-probs are scored graph-free from the resident state; each response is replayed alone
+old-policy and reference log-probs are scored graph-free from the resident state (no old ones for a loss without
+an importance ratio: algo=sft, rl/losses.py); each response is replayed alone
 with autograd and its loss backpropagated at once, so at most one response graph is alive; gradients accumulate
 in .grad, are finalized once (the one distributed reduction, a no-op on one rank) and one optimizer step is
 taken. A strategy (distributed/strategy.py) owns the replay's forward/backward, the finalization (clipping to
@@ -51,8 +52,8 @@ import torch
 from longstraw_cli.distributed.local_strategy import LocalStrategy
 from longstraw_cli.resident.gradient import StateGrad, check_gradient_mode
 from longstraw_cli.resident.offload import OFFLOAD_NAMES
-from longstraw_cli.rl.advantages import get_advantage
-from longstraw_cli.rl.losses import GroupShape, LossConfig, response_loss, sum_stats, summarize_stats
+from longstraw_cli.rl.advantages import get_advantage, min_group_size
+from longstraw_cli.rl.losses import GroupShape, LossConfig, get_loss, response_loss, sum_stats, summarize_stats
 from longstraw_cli.telemetry.memory import GraphMemory, PhaseClock
 
 log = logging.getLogger(__name__)
@@ -246,7 +247,8 @@ class Transaction:
                 with self._routed_replay(routing, i), self.strategy.replay(first + i, count) as logprobs:
                     logp = logprobs(view, response, chunk_size=self.cfg.logprob_chunk)
                     ref = None if ref_logprobs is None else ref_logprobs[i]
-                    loss, s = response_loss(self.loss_cfg, logp, old_logprobs[i], advantages[i], group, ref)
+                    old = None if old_logprobs is None else old_logprobs[i]
+                    loss, s = response_loss(self.loss_cfg, logp, old, advantages[i], group, ref)
                     self.strategy.backward(loss if scale == 1.0 else loss * scale)
                     del logp, loss
                 stats.append(s)
@@ -263,10 +265,11 @@ class Transaction:
         with meter:
             for i, response in enumerate(responses):
                 ref = None if ref_logprobs is None else ref_logprobs[i]
+                old = None if old_logprobs is None else old_logprobs[i]
 
-                def loss_grad(logp_R: torch.Tensor, i=i, ref=ref) -> torch.Tensor:
+                def loss_grad(logp_R: torch.Tensor, i=i, ref=ref, old=old) -> torch.Tensor:
                     leaf = logp_R.detach().requires_grad_()
-                    loss, s = response_loss(self.loss_cfg, leaf, old_logprobs[i], advantages[i], group, ref)
+                    loss, s = response_loss(self.loss_cfg, leaf, old, advantages[i], group, ref)
                     (loss if scale == 1.0 else loss * scale).backward()
                     stats.append(s)
                     return leaf.grad
@@ -315,12 +318,17 @@ class Transaction:
                    prompt: int = 0, num_prompts: int = 1, routing=None) -> PromptPart:
         """score -> replay x G (-> the prompt's walk, exact) for prompt `prompt` of the step's `num_prompts`:
         gradients accumulate in .grad. `routing`: the rollout's routing record (routing replay on), or None."""
-        if len(responses) < 2:
-            raise ValueError(f"a GRPO group needs >= 2 responses, got {len(responses)}")
+        least = min_group_size(self.cfg.advantage)
+        if len(responses) < least:
+            raise ValueError(f"advantage {self.cfg.advantage!r} needs groups of >= {least} responses, got "
+                             f"{len(responses)}")
         if any(len(r) == 0 for r in responses):
             raise ValueError("every response needs at least one token")
         with clock.phase("score"), self.strategy.full_weights():
-            if self.routing_replay is not None and routing is None:
+            # a loss without an importance ratio (sft) scores no old log-probs, and its replays route on their own
+            if not get_loss(self.loss_cfg.name).needs_old:
+                old_logprobs = None
+            elif self.routing_replay is not None and routing is None:
                 old_logprobs, routing = self.score_recording(resident, responses, old_logprobs)
             elif old_logprobs is None:
                 old_logprobs = self.score(resident, responses)

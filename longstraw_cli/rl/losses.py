@@ -1,10 +1,10 @@
-"""GRPO-family policy losses written as a sum of per-response terms.
+"""GRPO-family policy losses, and SFT's negative log-likelihood, written as a sum of per-response terms.
 
 LongStraw replays one response at a time with autograd and calls backward per response, so every group
 loss here is written as L = sum_i L_i, where L_i reads response i alone plus group constants known before
 any replay (`GroupShape`). Each aggregation is then a per-response weight w_i on the token sum:
 
-    token_mean               L_i = sum_t l_it / total_tokens           (DAPO)
+    token_mean               L_i = sum_t l_it / total_tokens           (DAPO, SFT)
     seq_mean_token_mean      L_i = sum_t l_it / (G * R_i)              (GRPO, GSPO)
     seq_mean_token_sum_norm  L_i = sum_t l_it / (G * max_tokens)       (Dr. GRPO's constant normaliser)
 
@@ -16,6 +16,9 @@ Variants (registered by name, each with its default clip range and aggregation):
     dapo     the same surrogate with clip-higher (0.2 / 0.28) and one token mean over the whole group
     gspo     sequence ratio s_i = exp(mean_t(logp_t - old_t)), token form s_it = sg[s_i] exp(logp_t - sg[logp_t])
              (value s_i, gradient s_i d logp_t), clipped with GSPO's small ranges (3e-4 / 4e-4)
+    sft      the negative log-likelihood -w_i logp_t of given responses (no old log-probs, no clip), one token mean
+             over the whole group by default (TRL's SFT loss over the completion tokens); the weight w_i is the
+             "advantage" slot, filled by a weight estimator (rl/advantages.py: one, reward)
 
 Simplified against verl's core_algos: outcome advantages only (one float per response), no dual-clip
 (clip_ratio_c), no entropy bonus, no truncated importance sampling against rollout log-probs; DAPO's
@@ -79,6 +82,10 @@ class LossVariant:
     clip_low: float
     clip_high: float
     aggregation: str
+    # what fills the advantage slot: "baseline" (group-relative advantages) or "weight" (rl/advantages.py kinds)
+    takes: str = "baseline"
+    # whether the surrogate reads old log-probs (an importance ratio); without, none are scored
+    needs_old: bool = True
 
 
 LOSS_REGISTRY: dict[str, LossVariant] = {}
@@ -92,13 +99,14 @@ def _choose(kind: str, value: str, registry: dict) -> object:
     return registry[value]
 
 
-def register_loss(name: str, *, clip_low: float, clip_high: float, aggregation: str):
+def register_loss(name: str, *, clip_low: float, clip_high: float, aggregation: str, takes: str = "baseline",
+                  needs_old: bool = True):
     """Register a policy-loss function under `name` with the variant's default clip range and aggregation."""
 
     def decorator(fn: PolicyLossFn) -> PolicyLossFn:
         if name in LOSS_REGISTRY:
             raise ValueError(f"loss {name!r} is already registered")
-        LOSS_REGISTRY[name] = LossVariant(fn, clip_low, clip_high, aggregation)
+        LOSS_REGISTRY[name] = LossVariant(fn, clip_low, clip_high, aggregation, takes, needs_old)
         return fn
 
     return decorator
@@ -240,25 +248,39 @@ def sequence_ppo_surrogate(
     return _clipped_surrogate(torch.exp(log_ratio_R), advantage, clip_low, clip_high)
 
 
+@register_loss("sft", clip_low=0.0, clip_high=0.0, aggregation="token_mean", takes="weight", needs_old=False)
+def negative_log_likelihood(
+    logp_R: Tensor, old_logp_R: Tensor, weight: float, clip_low: float, clip_high: float
+) -> Surrogate:
+    ones_R = torch.ones_like(logp_R.detach())
+    return Surrogate(-weight * logp_R, ones_R, torch.zeros_like(ones_R, dtype=torch.bool))
+
+
 # ---------------------------------------------------------------- the per-response loss
 
 
 def response_loss(
     cfg: LossConfig,
     logp_R: Tensor,
-    old_logp_R: Tensor,
+    old_logp_R: Tensor | None,
     advantage: float,
     group: GroupShape,
     ref_logp_R: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Loss term of one response; summed over the G responses of `group` it is the variant's group loss.
 
-    logp_R carries the graph; old_logp_R and ref_logp_R are treated as constants. Math runs in at least
+    logp_R carries the graph; old_logp_R and ref_logp_R are treated as constants (old_logp_R None: a variant that
+    reads none, sft, whose ratio is then 1). Math runs in at least
     float32. Stats are sums and counts so that any set of responses (and ranks) aggregates exactly; see
     `sum_stats` and `summarize_stats`. Keys: num_tokens, loss, pg_loss, clipped_tokens, ratio_sum,
     ppo_kl_sum (sum of old - logp), and, when ref_logp_R is given, kl_loss and kl_sum. Here
     loss = pg_loss + kl_coef * kl_loss, each the response's share of the group value.
     """
+    variant = get_loss(cfg.name)
+    if old_logp_R is None:
+        if variant.needs_old:
+            raise ValueError(f"loss {cfg.name!r} needs old_logp_R (its importance ratio); got None")
+        old_logp_R = logp_R.detach()
     if logp_R.dim() != 1 or old_logp_R.shape != logp_R.shape:
         raise ValueError(
             f"logp_R and old_logp_R must be 1-D of one length, got {tuple(logp_R.shape)} and {tuple(old_logp_R.shape)}"
@@ -274,7 +296,7 @@ def response_loss(
     dtype = torch.promote_types(logp_R.dtype, torch.float32)
     logp_R = logp_R.to(dtype)
     old_logp_R = old_logp_R.detach().to(dtype)
-    surrogate = get_loss(cfg.name).fn(logp_R, old_logp_R, float(advantage), cfg.clip_low, cfg.clip_high)
+    surrogate = variant.fn(logp_R, old_logp_R, float(advantage), cfg.clip_low, cfg.clip_high)
     weight = AGGREGATION_REGISTRY[cfg.aggregation](num_tokens, group, cfg)
     pg_loss = weight * surrogate.loss_R.sum()
     loss = pg_loss

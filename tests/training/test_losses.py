@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from longstraw_cli.rl.advantages import GRPO_STD_EPS, get_advantage
+from longstraw_cli.rl.advantages import GRPO_STD_EPS, advantage_kind, get_advantage, min_group_size
 from longstraw_cli.rl.losses import (
     KL_REGISTRY,
     GroupShape,
@@ -174,6 +174,39 @@ def test_kl_coef_positive_without_reference_raises():
     cfg = LossConfig(name="grpo", kl_coef=0.01)
     with pytest.raises(ValueError, match="ref_logp_R"):
         response_loss(cfg, _log([0.5]), _log([0.5]), 1.0, GROUP)
+
+
+def test_sft_is_the_token_mean_nll_of_the_group_and_reads_no_old_logprobs():
+    """algo=sft: L = -sum_i w_i sum_t logp_it / (tokens of the group), old log-probs None (ratio 1, nothing
+    clipped); a weight scales its response's share; a policy-gradient loss refuses None."""
+    cfg = LossConfig(name="sft")
+    assert (cfg.aggregation, cfg.clip_low, cfg.clip_high) == ("token_mean", 0.0, 0.0)
+    new_p = ([0.5, 0.25, 0.5], [0.125, 0.5])
+    losses, grads, stats = [], [], []
+    for i, weight in enumerate((1.0, 2.0)):
+        logp = _log(new_p[i]).requires_grad_()
+        loss, st = response_loss(cfg, logp, None, weight, GROUP)
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(logp.grad.tolist())
+        stats.append(st)
+    _close(losses, [4 * LN2 / 5, 2.0 * 4 * LN2 / 5])
+    _close(grads[0] + grads[1], [-1 / 5] * 3 + [-2 / 5] * 2)
+    summary = summarize_stats(sum_stats(stats))
+    assert (summary["clip_frac"], summary["ratio_mean"], summary["ppo_kl"]) == (0.0, 1.0, 0.0)
+    with pytest.raises(ValueError, match="'grpo' needs old_logp_R"):
+        response_loss(LossConfig(name="grpo"), _log([0.5]), None, 1.0, GROUP)
+
+
+def test_weight_estimators_take_groups_of_one():
+    rewards = torch.tensor([0.0, 1.0, 0.5])
+    assert get_advantage("one")(rewards).tolist() == [1.0, 1.0, 1.0]
+    assert get_advantage("reward")(rewards).tolist() == [0.0, 1.0, 0.5]
+    assert get_advantage("one")(torch.tensor([3.0])).tolist() == [1.0]
+    assert [min_group_size(n) for n in ("grpo", "dr_grpo", "one", "reward")] == [2, 2, 1, 1]
+    assert (get_loss("sft").takes, get_loss("grpo").takes) == (advantage_kind("one"), advantage_kind("grpo"))
+    with pytest.raises(ValueError, match="finite"):
+        get_advantage("reward")(torch.tensor([float("inf")]))
 
 
 # ---------------------------------------------------------------- sum over responses == group loss
