@@ -9,7 +9,8 @@ files (`resolve_tokenizer`), else the byte tokenizer. Chat prompts (a list of {"
 through the tokenizer's chat template with the generation prompt added (`render_prompt`); a custom template (a
 file or the template text) replaces the tokenizer's, and gives the byte tokenizer one. Generation stops at any of
 `stop_token_ids`: EOS, the chat template's end-of-turn token (found by rendering a probe conversation: the first
-special token after the assistant's text) and the model directory's generation_config.json `eos_token_id`s.
+special token after the assistant's text) and the model directory's generation_config.json `eos_token_id`s. A
+response given as text (rollout=data) is rendered as the template's continuation of its prompt (`render_response`).
 
 A model's embedding table is often larger than its tokenizer (Qwen's and GLM's are padded; a random model's
 vocabulary is its own), and the policy samples from the whole table, which is also what training scores. So
@@ -42,7 +43,7 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict], **kwargs) -> str: ...
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str: ...
 
 
 REPLACEMENT = "\ufffd"
@@ -60,12 +61,13 @@ class ByteTokenizer:
     def __init__(self, chat_template: str | None = None):
         self.chat_template = chat_template
 
-    def apply_chat_template(self, messages: list[dict], **kwargs) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         """Renders a custom template (model.chat_template): the byte tokenizer has none of its own."""
         if self.chat_template is None:
             raise ValueError("the byte tokenizer has no chat template: give model.tokenizer=<an HF tokenizer "
                              "directory> or model.chat_template=<a Jinja template file>, or plain string prompts")
-        return _render_jinja(self.chat_template, messages, eos_token="", bos_token="", **kwargs)
+        return _render_jinja(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                             eos_token="", bos_token="", **kwargs)
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -100,11 +102,12 @@ class HFTokenizer:
         self.stop_token_ids = (self.eos_token_id, *([end_of_turn] if end_of_turn not in (None, self.eos_token_id)
                                                      else []))
 
-    def apply_chat_template(self, messages: list[dict], **kwargs) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         if getattr(self.hf, "chat_template", None) is None:
             raise ValueError(f"tokenizer {self.name!r} has no chat template: give model.chat_template=<a Jinja "
                              "template file>, or plain string prompts")
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           **kwargs)
 
     def _end_of_turn(self) -> int | None:
         """The first special token the template puts after an assistant's text (ChatML's <|im_end|>)."""
@@ -139,7 +142,7 @@ class HFTokenizer:
         return "".join(text)
 
 
-def _render_jinja(template: str, messages: list[dict], **context) -> str:
+def _render_jinja(template: str, messages: list[dict], add_generation_prompt: bool, **context) -> str:
     # transformers renders chat templates the same way: a sandbox, trimmed blocks, raise_exception
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -148,7 +151,8 @@ def _render_jinja(template: str, messages: list[dict], **context) -> str:
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
-    return env.from_string(template).render(messages=messages, add_generation_prompt=True, **context)
+    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                            **context)
 
 
 def read_chat_template(spec: str | None) -> str | None:
@@ -202,6 +206,29 @@ def render_prompt(tokenizer: Tokenizer, prompt: str | list[dict], chat_template:
     elif chat_template is False:
         raise ValueError("task.chat_template=false, but the prompt is a list of chat messages")
     return tokenizer.apply_chat_template(prompt, **(kwargs or {}))
+
+
+def render_response(tokenizer: Tokenizer, prompt: str | list[dict], response: str | list[dict],
+                    chat_template: bool | None, kwargs: dict | None = None) -> str | None:
+    """The text that follows the rendered prompt (`render_prompt`) when `response` answers it, or None where the
+    prompt is plain text (no template: the response is its own text). Through the chat template: the conversation
+    with the response as its last turn(s) (a string is one assistant message), rendered without a generation
+    prompt, less the rendered prompt: the template's own continuation, its end-of-turn included. A template whose
+    conversation does not begin with the rendered prompt has no such continuation: a ValueError."""
+    templated = not isinstance(prompt, str) or chat_template
+    if not templated:
+        if not isinstance(response, str):
+            raise ValueError("a response of chat messages needs a prompt that goes through the chat template "
+                             "(chat messages, or task.chat_template=true)")
+        return None
+    asked = render_prompt(tokenizer, prompt, chat_template, kwargs)
+    turns = [{"role": "assistant", "content": response}] if isinstance(response, str) else list(response)
+    messages = ([{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)) + turns
+    whole = tokenizer.apply_chat_template(messages, add_generation_prompt=False, **(kwargs or {}))
+    if not whole.startswith(asked):
+        raise ValueError("the chat template renders the conversation with its response differently from the prompt "
+                         "with its generation prompt: the response's tokens cannot be told apart")
+    return whole[len(asked):]
 
 
 def load_tokenizer(spec: str, chat_template: str | None = None) -> Tokenizer:
