@@ -15,22 +15,38 @@ the rest (rl/reward_adapters.py).
 Order: index i is position i % N of epoch i // N. With `shuffle` every epoch has its own order, drawn from
 (seed, epoch), so example i is the same whether or not examples 0..i-1 were drawn: a resumed run asks for
 example i directly.
+
+Given responses (rollout=data, `TaskConfig.given_responses`): an example is a GROUP, every row with the same
+prompt (text, or messages compared as JSON) in file order, so N counts prompts. A row's `task.response_key`
+(default: the first of RESPONSE_KEYS the first row has) holds one response or a list of them, each text, chat
+messages (the turns after the prompt) or token ids; `task.reward_key` (default: the first of REWARD_KEYS, or none)
+a number or one per response; `task.logprob_key` (no default) per response its tokens' old log-probs. They reach the
+rollout as `Example.given` (rollout/given.py tokenizes them); the example's other columns are its first row's.
+Grouping reads every row's prompt once at start, for `dataset` too.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
+import math
+import numbers
 import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from longstraw_cli.rl.task_base import Example, Task, TaskConfig, check_index, register_task
+from longstraw_cli.rl.task_base import Example, GivenResponses, Task, TaskConfig, check_index, register_task
 from longstraw_cli.tokenizer import Tokenizer
 
 # where an answer is looked for when task.answer_key is unset: ours, verl's, TRL's math sets, others
 ANSWER_KEYS = ("answer", "reward_model.ground_truth", "solution", "ground_truth")
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+# where the responses and their rewards are looked for (rollout=data) when task.response_key / reward_key are unset:
+# ours (one row a prompt, its responses a list), TRL's prompt-completion rows (one row a response), others
+RESPONSE_KEYS = ("responses", "completion", "completions", "response")
+REWARD_KEYS = ("rewards", "reward")
 
 
 def lookup(row: dict, dotted: str) -> Any:
@@ -60,6 +76,56 @@ def _check_prompt(prompt: Any, key: str, where: str) -> None:
                          f"[{{'role': str, 'content': str}}, ...], got {str(prompt)[:80]}")
 
 
+def _is_messages(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value)
+
+
+def _is_response(value: Any) -> bool:
+    return isinstance(value, str) or _is_messages(value) or _is_ids(value)
+
+
+def _is_empty(response: Any) -> bool:
+    return response == "" or (_is_messages(response) and all(m["content"] == "" for m in response))
+
+
+def _responses(value: Any, key: str, where: str) -> list:
+    """A row's response column as a list: one response (text, messages or ids) or a list of them."""
+    responses = [value] if _is_response(value) else value
+    if not isinstance(responses, list) or not responses or not all(map(_is_response, responses)):
+        raise ValueError(f"{where}: {key!r} must be a response (text, chat messages [{{'role': str, 'content': "
+                         f"str}}, ...] or token ids) or a list of them, got {str(value)[:80]}")
+    for n, response in enumerate(responses):
+        if _is_empty(response):
+            raise ValueError(f"{where}: {key!r} response {n} is empty")
+    return responses
+
+
+def _numbers(value: Any, count: int, key: str, where: str) -> list[float]:
+    """A row's rewards: a number (one response) or a list of `count` numbers, each finite."""
+    values = [value] if count == 1 and not isinstance(value, list) else value
+    if (not isinstance(values, list) or len(values) != count
+            or not all(isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) for v in values)):
+        raise ValueError(f"{where}: {key!r} must give {count} finite number{'s' * (count > 1)}, one per response, "
+                         f"got {str(value)[:80]}")
+    return [float(v) for v in values]
+
+
+def _logprob_lists(value: Any, count: int, key: str, where: str) -> list[tuple[float, ...]]:
+    """A row's old log-probs: per response a list of numbers (for one response, the list itself)."""
+    lists = [value] if count == 1 and isinstance(value, list) and not any(isinstance(v, list) for v in value) \
+        else value
+    if not isinstance(lists, list) or len(lists) != count or not all(isinstance(v, list) for v in lists):
+        raise ValueError(f"{where}: {key!r} must give {count} list{'s' * (count > 1)} of log-probs, one per "
+                         f"response, got {str(value)[:80]}")
+    return [tuple(_numbers(v, len(v), key, where)) if v else () for v in lists]
+
+
 class FileTask(Task):
     """Rows of a file by index (see the module doc); subclasses read the rows and say where row j is."""
 
@@ -75,12 +141,21 @@ class FileTask(Task):
         self.rows = self._read()
         if len(self.rows) == 0:
             raise ValueError(f"task {self.name!r}: {str(self.path)!r} has no rows")
-        self.num_examples = len(self.rows)
         first = self.rows[0]
         self.answer_key = cfg.answer_key or next((k for k in ANSWER_KEYS if _has(first, k)), None)
+        # rollout=data: the rows of each prompt (one group an example); None: an example is a row
+        self.groups: list[list[int]] | None = None
+        if cfg.given_responses:
+            self.response_key = cfg.response_key or next((k for k in RESPONSE_KEYS if _has(first, k)), None)
+            if self.response_key is None:
+                raise ValueError(f"{self._where(0)}: rollout=data reads responses, but the row has none of "
+                                 f"{list(RESPONSE_KEYS)} (task.response_key names the column); it has {sorted(first)}")
+            self.reward_key = cfg.reward_key or next((k for k in REWARD_KEYS if _has(first, k)), None)
+            self.groups = self._group()
+        self.num_examples = len(self)
         self._order: tuple[int, list[int]] | None = None
-        for j in self._checked_at_start():
-            self.row_example(j)
+        for k in self._checked_at_start():
+            self.group_example(k)
 
     def _read(self):
         raise NotImplementedError
@@ -89,44 +164,82 @@ class FileTask(Task):
         return f"{self.path} row {j}"
 
     def _checked_at_start(self) -> range:
-        return range(len(self.rows))
+        return range(len(self))
 
     def examples_checked_at_start(self) -> Iterator[Example]:
-        return (self.row_example(j) for j in self._checked_at_start())
+        return (self.group_example(k) for k in self._checked_at_start())
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self.rows) if self.groups is None else len(self.groups)
 
     def row_index(self, i: int) -> int:
-        """The row behind example i."""
-        epoch, position = divmod(check_index(i), len(self.rows))
+        """The row (the group, with given responses) behind example i."""
+        epoch, position = divmod(check_index(i), len(self))
         if not self.cfg.shuffle:
             return position
         if self._order is None or self._order[0] != epoch:
-            order = list(range(len(self.rows)))
+            order = list(range(len(self)))
             random.Random(f"{self.name}:{self.cfg.seed}:{epoch}").shuffle(order)
             self._order = (epoch, order)
         return self._order[1][position]
 
     def example(self, i: int) -> Example:
-        return self.row_example(self.row_index(i))
+        return self.group_example(self.row_index(i))
+
+    def _prompt(self, row: dict, where: str) -> Any:
+        prompt = self._column(row, self.cfg.prompt_key, "task.prompt_key", where)
+        _check_prompt(prompt, self.cfg.prompt_key, where)
+        return prompt
+
+    def _prompt_rows(self):
+        """Every row, as far as its prompt is concerned (`dataset` reads the prompt's column alone)."""
+        return self.rows
+
+    def _group(self) -> list[list[int]]:
+        """The rows of each prompt, in the order prompts first appear; a digest of each prompt is what is kept."""
+        groups: dict[bytes, list[int]] = {}
+        for j, row in enumerate(self._prompt_rows()):
+            prompt = self._prompt(dict(row), self._where(j))
+            digest = hashlib.sha256(json.dumps(prompt, sort_keys=True, ensure_ascii=False).encode()).digest()
+            groups.setdefault(digest, []).append(j)
+        return list(groups.values())
+
+    def group_example(self, k: int) -> Example:
+        """Example k: row k, or with given responses the first row of group k, its responses collected."""
+        if self.groups is None:
+            return self.row_example(k)
+        rows = self.groups[k]
+        example = self.row_example(rows[0])
+        responses, where, rewards, logprobs = [], [], [], []
+        for j in rows:
+            row, at = dict(self.rows[j]), self._where(j)
+            mine = _responses(self._column(row, self.response_key, "task.response_key", at), self.response_key, at)
+            responses += mine
+            where += [at] if len(mine) == 1 else [f"{at} response {n}" for n in range(len(mine))]
+            if self.reward_key is not None:
+                value = self._column(row, self.reward_key, "task.reward_key", at)
+                rewards += _numbers(value, len(mine), self.reward_key, at)
+            if self.cfg.logprob_key is not None:
+                value = self._column(row, self.cfg.logprob_key, "task.logprob_key", at)
+                logprobs += _logprob_lists(value, len(mine), self.cfg.logprob_key, at)
+        given = GivenResponses(tuple(responses), tuple(where), tuple(rewards) if self.reward_key else None,
+                               tuple(logprobs) if self.cfg.logprob_key else None)
+        return dataclasses.replace(example, given=given)
+
+    @staticmethod
+    def _column(row: dict, key: str, setting: str, where: str) -> Any:
+        try:
+            return lookup(row, key)
+        except KeyError:
+            raise ValueError(f"{where}: missing field {key!r} ({setting}); the row has {sorted(row)}") from None
 
     def row_example(self, j: int) -> Example:
         row, where, cfg = dict(self.rows[j]), self._where(j), self.cfg
-        try:
-            prompt = lookup(row, cfg.prompt_key)
-        except KeyError:
-            raise ValueError(f"{where}: missing field {cfg.prompt_key!r} (task.prompt_key); the row has "
-                             f"{sorted(row)}") from None
-        _check_prompt(prompt, cfg.prompt_key, where)
+        prompt = self._prompt(row, where)
         answer = ""
         ground_truth = None
         if self.answer_key is not None:
-            try:
-                ground_truth = lookup(row, self.answer_key)
-            except KeyError:
-                raise ValueError(f"{where}: missing field {self.answer_key!r} (task.answer_key); the row has "
-                                 f"{sorted(row)}") from None
+            ground_truth = self._column(row, self.answer_key, "task.answer_key", where)
             if ground_truth is None or isinstance(ground_truth, bool):
                 raise ValueError(f"{where}: {self.answer_key!r} must be a string, a number or a list, got "
                                  f"{ground_truth!r}")
@@ -193,3 +306,6 @@ class HFDataset(FileTask):
         # a million-row file is not read whole at start: the first row fixes the columns, the others are
         # checked as they are served
         return range(1)
+
+    def _prompt_rows(self):
+        return self.rows.select_columns([self.cfg.prompt_key.split(".")[0]])

@@ -10,7 +10,22 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from longstraw_cli.tokenizer import Tokenizer, render_prompt
+from longstraw_cli.tokenizer import Tokenizer, render_prompt, render_response
+
+
+@dataclass(frozen=True)
+class GivenResponses:
+    """rollout=data: the responses a file gives for one prompt, from every row with that prompt in file order
+    (data.py), before tokenization (rollout/given.py)."""
+
+    # each text, chat messages [{"role": ..., "content": ...}] (the turns after the prompt) or token ids
+    responses: tuple
+    # where each came from, for messages ("train.jsonl:3", "train.jsonl:4 response 1")
+    where: tuple[str, ...]
+    # one number per response; None: the task's reward gives them
+    rewards: tuple[float, ...] | None = None
+    # per response its tokens' old log-probs; None: scored from the resident state
+    logprobs: tuple[tuple[float, ...], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -24,6 +39,8 @@ class Example:
     ground_truth: Any = None
     # where the example came from, for error messages ("data.parquet row 17")
     where: str = ""
+    # rollout=data: the responses the rows give for this prompt; None elsewhere
+    given: GivenResponses | None = None
 
     @property
     def origin(self) -> str:
@@ -45,6 +62,13 @@ class TaskConfig:
     prompt_key: str = "prompt"  # a dotted path into the row
     answer_key: str | None = None  # dotted; None: the first of data.ANSWER_KEYS the first row has, else none
     shuffle: bool = False  # a new seeded order every epoch
+    # rollout=data (data.py): the columns of the responses, their rewards and old log-probs (dotted; None: the
+    # first of data.RESPONSE_KEYS / REWARD_KEYS the first row has; no log-probs); `given_responses` is set by the
+    # config from rollout=data, not a key: rows with one prompt then form one group
+    response_key: str | None = None
+    reward_key: str | None = None
+    logprob_key: str | None = None
+    given_responses: bool = False
     val_path: str | None = None  # evaluated every val_every steps: mean reward, logged as val/reward_mean
     val_every: int = 0
     val_examples: int = 0  # 0: every row of val_path
@@ -96,6 +120,12 @@ class Task:
     def prompt_text(self, example: Example) -> str:
         """The prompt as the model reads it: chat messages through the tokenizer's template."""
         return render_prompt(self.tokenizer, example.prompt, self.cfg.chat_template, self.cfg.chat_template_kwargs)
+
+    def response_text(self, example: Example, response: str | list[dict]) -> str | None:
+        """A given response's text as it follows the prompt the model reads (`render_response`): the chat template's
+        continuation, or None for a plain-text prompt (the response is its own text)."""
+        return render_response(self.tokenizer, example.prompt, response, self.cfg.chat_template,
+                               self.cfg.chat_template_kwargs)
 
     def examples_checked_at_start(self) -> Iterator[Example]:
         """The examples whose prompts the trainer checks before any work (inputs.check_prompts). None here:
