@@ -24,9 +24,11 @@ from longstraw_cli.models import MODEL_NAMES, families, family_of, hf_model_conf
 from longstraw_cli.quantize import dtype_refusal, torchao_nf4
 from longstraw_cli.resident.offload import offload_refusal
 from longstraw_cli.reuse import ReuseConfig, refusal
-from longstraw_cli.rl.losses import LossConfig
+from longstraw_cli.rl.advantages import ADVANTAGE_REGISTRY, advantage_kind, min_group_size
+from longstraw_cli.rl.losses import LossConfig, get_loss
 from longstraw_cli.rl.reward_adapters import REWARD_STYLES
 from longstraw_cli.rl.task_base import TaskConfig
+from longstraw_cli.rl.tasks import TASKS
 from longstraw_cli.rollout.native import NativeConfig, SamplingConfig
 from longstraw_cli.rollout.vllm_engine import VllmConfig
 from longstraw_cli.safety.typed import mismatch
@@ -37,7 +39,8 @@ from longstraw_cli.transaction import TransactionConfig
 from longstraw_kernels import KernelConfig
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
-ENGINES = ("native", "vllm")
+# native and vllm sample; data and synthetic give responses without a decode (rollout/given.py)
+ENGINES = ("native", "vllm", "data", "synthetic")
 BACKENDS = ("console", "jsonl", "wandb", "tensorboard")
 
 
@@ -347,9 +350,15 @@ def train_config(d: dict, world_size: int | None = None, set_keys: tuple[str, ..
     _take(d, "the config", top | {"algo", "capture"})
     for name in ("prompt_tokens", "response_tokens"):
         d[name] = parse_tokens(d[name], name)
+    advantage = d["algo"].get("advantage", "grpo")
+    try:
+        # a group-relative advantage needs two responses; algo=sft's weights take one
+        least_group = min_group_size(advantage)
+    except ValueError as e:
+        raise ConfigError(f"algo.advantage: {e}") from None
     for name in ("cp", "ep", "group_size", "steps", "prompt_tokens", "response_tokens", "prompts_per_step",
                  "max_nonfinite_steps"):
-        _positive(name, d[name], 2 if name == "group_size" else 1)
+        _positive(name, d[name], least_group if name == "group_size" else 1)
     _check_types(TrainConfig, {k: v for k, v in d.items() if not isinstance(v, dict)}, "")
     if not 0 < d["dist_timeout_s"] < math.inf:
         raise ConfigError(f"dist_timeout_s must be a finite number of seconds > 0, got {d['dist_timeout_s']}")
@@ -397,10 +406,15 @@ def train_config(d: dict, world_size: int | None = None, set_keys: tuple[str, ..
     reward_style = task_node.pop("reward_style", "auto")
     if reward_style not in REWARD_STYLES:
         raise ConfigError(f"task.reward_style={reward_style!r}; valid: {list(REWARD_STYLES)}")
-    task = _build(TaskConfig, task_node, "task", prompt_tokens=d["prompt_tokens"], seed=d["seed"])
+    engine = d["rollout"].get("engine")
+    if engine not in ENGINES:
+        raise ConfigError(f"rollout.engine={engine!r}; valid: {list(ENGINES)}")
+    task = _build(TaskConfig, task_node, "task", prompt_tokens=d["prompt_tokens"], seed=d["seed"],
+                  given_responses=engine == "data")
     algo = dict(d["algo"])
-    advantage = algo.pop("advantage", "grpo")
+    algo.pop("advantage", None)
     loss = _build(LossConfig, algo, "algo", max_response_tokens=d["response_tokens"])
+    _check_pairing(loss.name, advantage, engine, task.name)
     capture = _take(dict(d["capture"]), "capture", {"block_size", "score_batch", "logprob_chunk", "gradient",
                                                    "walk_checkpoint", "reuse_steps", "max_drift", "probe_responses",
                                                    "probe_tokens", "offload", "replay_block"})
@@ -414,7 +428,7 @@ def train_config(d: dict, world_size: int | None = None, set_keys: tuple[str, ..
     if transaction.replay_block:
         _check_recomputed(d, strategy, world_size, "capture.replay_block", "the blockwise replays",
                           "computes each response block twice")
-    refused = refusal(reuse, gradient=transaction.gradient, engine=d["rollout"].get("engine"),
+    refused = refusal(reuse, gradient=transaction.gradient, engine=engine,
                       prompts_per_step=d["prompts_per_step"])
     if refused:
         raise ConfigError(refused)
@@ -423,9 +437,7 @@ def train_config(d: dict, world_size: int | None = None, set_keys: tuple[str, ..
         raise ConfigError(refused)
 
     rollout_node = dict(d["rollout"])
-    engine = rollout_node.pop("engine")
-    if engine not in ENGINES:
-        raise ConfigError(f"rollout.engine={engine!r}; valid: {list(ENGINES)}")
+    rollout_node.pop("engine")
     vllm_node = rollout_node.pop("vllm", None)
     native_node = rollout_node.pop("native", None)
     replay_routing = rollout_node.pop("replay_routing", "auto")
@@ -474,6 +486,23 @@ def train_config(d: dict, world_size: int | None = None, set_keys: tuple[str, ..
         dist_timeout_s=float(d["dist_timeout_s"]), compile_cache_dir=d.get("compile_cache_dir"),
         set_keys=tuple(set_keys),
     )
+
+
+def _check_pairing(loss: str, advantage: str, engine: str, task: str) -> None:
+    """The algorithm, its advantage estimator, the rollout and the task go together (one line where they do not):
+    a loss takes advantages of its kind; algo=sft trains on given responses; rollout=data reads a file task's."""
+    takes = get_loss(loss).takes
+    if advantage_kind(advantage) != takes:
+        valid = sorted(n for n in ADVANTAGE_REGISTRY if advantage_kind(n) == takes)
+        raise ConfigError(f"algo.advantage={advantage} is a {advantage_kind(advantage)}; algo={loss} takes a {takes}: "
+                          f"valid: {valid}")
+    if not get_loss(loss).needs_old and engine in ("native", "vllm"):
+        raise ConfigError(f"algo={loss} trains on given responses, not sampled ones: needs rollout=data (or "
+                          f"rollout=synthetic, for benchmarks); got rollout={engine}")
+    if engine == "data" and (task not in TASKS or TASKS[task].uses_prompt_tokens):
+        files = sorted(name for name, cls in TASKS.items() if not cls.uses_prompt_tokens)
+        raise ConfigError(f"rollout=data reads responses from the task's rows: needs a file task; valid: "
+                          f"{[f'task={name}' for name in files]}; got task={task}")
 
 
 def _kernels(node: dict) -> KernelConfig:

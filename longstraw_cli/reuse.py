@@ -100,6 +100,9 @@ def refusal(cfg: ReuseConfig, *, gradient: str, engine: str, prompts_per_step: i
     if engine == "vllm":
         return (f"capture.reuse_steps={k} with rollout=vllm: vLLM samples from the current weights on a "
                 f"fresh prompt, not from the resident state; use rollout=native or reuse_steps=1")
+    if engine != "native":
+        return (f"capture.reuse_steps={k} with rollout={engine}: its responses are not sampled from the resident "
+                f"state; use rollout=native or reuse_steps=1")
     if prompts_per_step > 1:
         return (f"capture.reuse_steps={k} holds one prompt's state: needs prompts_per_step=1, got "
                 f"prompts_per_step={prompts_per_step}")

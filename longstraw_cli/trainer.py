@@ -5,9 +5,9 @@
 
 The prompt is captured once per iteration (by the transaction's `capture`) and that one resident state serves
 rollout, scoring and replay. With vLLM the rollout runs first, in vLLM (weights pushed first), and the capture
-follows the reward. One `PhaseClock` per iteration times every phase (and its CUDA peak memory). Data parallel
-ranks take different prompts (example index (step * prompts_per_step + b) * dp + dp_rank) and finalize
-gradients once per step through
+follows the reward; so it does with responses that need no decode (rollout=data | synthetic: rollout/given.py).
+One `PhaseClock` per iteration times every phase (and its CUDA peak memory). Data parallel ranks take different
+prompts (example index (step * prompts_per_step + b) * dp + dp_rank) and finalize gradients once per step through
 the configured strategy (`strategy=ddp|fsdp2|deepspeed`, distributed/strategy.py), which also gives and takes
 the checkpoint's whole tensors. Every process group comes from `ParallelDims.new_groups`.
 
@@ -49,6 +49,7 @@ from longstraw_cli.resident.offload import host_available_bytes, host_bytes
 from longstraw_cli.reuse import PromptReuse
 from longstraw_cli.rl.reward_adapters import GroupReward, Scores
 from longstraw_cli.rl.tasks import Example, make_task
+from longstraw_cli.rollout.given import DataResponses, SyntheticResponses
 from longstraw_cli.rollout.native import Rollout, generate
 from longstraw_cli.safety import watchdog
 from longstraw_cli.safety.errors import RunError, first_line
@@ -109,13 +110,22 @@ class Trainer:
         self.tokenizer = load_tokenizer(cfg.model.tokenizer, read_chat_template(cfg.model.chat_template))
         # the data and the reward are the user's input: checked before the model is built
         self.task = make_task(cfg.task, self.tokenizer)
+        # validation samples its own responses: its rows are not read for given ones
         self.val_task = None if cfg.task.val_path is None else make_task(
-            dataclasses.replace(cfg.task, path=cfg.task.val_path, shuffle=False), self.tokenizer)
+            dataclasses.replace(cfg.task, path=cfg.task.val_path, shuffle=False, given_responses=False),
+            self.tokenizer)
         # the prompts a file task checks at start render, and fit with response_tokens in the model's positions
         self.max_positions = cfg.model.max_positions()
         checked = [self.task] + ([] if self.val_task is None else [self.val_task])
         check_prompts((ex for task in checked for ex in task.examples_checked_at_start()), self.prompt_ids,
                       self.max_positions, cfg.response_tokens)
+        # rollout=data: the responses of the groups a file task checks at start, tokenized and checked alike
+        self.data_responses = None if not cfg.task.given_responses else DataResponses(
+            self.task, self.tokenizer, group_size=cfg.group_size, response_tokens=cfg.response_tokens,
+            vocab_size=cfg.model.family_config()[1].vocab_size,
+            stop_token_ids=stop_token_ids(self.tokenizer, cfg.model.path), device=self.device)
+        for example in self.task.examples_checked_at_start() if self.data_responses is not None else ():
+            self.data_responses.token_ids(example)
         # the reward binds to a file task's first row's columns; a synthetic task's first prompt is built here
         # (under a second at 1M tokens) so that fixed text longer than prompt_tokens is one line now, not at step 0
         first = self.task.example(0)
@@ -144,6 +154,8 @@ class Trainer:
         # the ranks of one CP group sample the same responses: they share the generator's seed
         self.generator = torch.Generator(self.device).manual_seed(cfg.seed * 1000 + self.dp_rank)
         self.engine = self._vllm_engine() if cfg.rollout.engine == "vllm" else None
+        # what gives a prompt's responses where the native rollout does not (None: it does)
+        self.source = self._sources()[cfg.rollout.engine]()
         # capture.reuse_steps > 1: one prompt's resident state held across steps (reuse.py); not checkpointed
         self.reuse = PromptReuse(cfg.reuse) if cfg.reuse.active else None
         # capture.offload=cpu: host bytes of pages already checked against the host's memory
@@ -253,6 +265,18 @@ class Trainer:
         if dist.is_initialized():
             dist.barrier()
         return VllmEngine(str(export_dir), self.cfg.rollout.vllm)
+
+    def _sources(self) -> dict:
+        """rollout.engine -> a builder of what gives a prompt's responses (example, prompt ids) -> Rollout without
+        the resident state, or None for the native rollout, which decodes from it."""
+        return {
+            "native": lambda: None,
+            "vllm": lambda: self.rollout_vllm,
+            "data": lambda: self.data_responses,
+            "synthetic": lambda: SyntheticResponses(
+                group_size=self.cfg.group_size, response_tokens=self.cfg.response_tokens,
+                vocab_size=self.tokenizer.vocab_size, generator=self.generator, device=self.device),
+        }
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     def _save(self, step: int) -> None:
@@ -373,15 +397,16 @@ class Trainer:
                      self.peak_seen / 2**30)
         return count
 
-    def rollout_vllm(self, prompt_ids: torch.Tensor) -> Rollout:
-        """G responses from vLLM, after pushing the policy's weights; no resident state needed."""
+    def rollout_vllm(self, example: Example, prompt_ids: torch.Tensor) -> Rollout:
+        """G responses from vLLM, after pushing the policy's weights; no resident state needed. vLLM's log-probs come
+        from its own kernels and precision: the transaction re-scores them from our resident state."""
         self.engine.update_weights(self.model)
         # vLLM gives response i of a request seed + i: draw request seeds far apart
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator, device=self.device)) * 1024 % (2**31)
         rollout = self.engine.generate(prompt_ids.tolist(), self.cfg.group_size, self.sampling, seed)
         # free vLLM's weights and KV cache while the transaction runs (a no-op unless configured)
         self.engine.sleep()
-        return Rollout([r.to(self.device) for r in rollout.responses], [l.to(self.device) for l in rollout.logprobs])
+        return Rollout([r.to(self.device) for r in rollout.responses], None)
 
     def _native_decode(self):
         """The rollout's decode settings; no CUDA graph where the strategy's hooks run around module calls."""
@@ -392,18 +417,18 @@ class Trainer:
 
     def reward(self, example, rollout: Rollout) -> torch.Tensor:
         """A training prompt's G rewards; the step's record keeps its samples and the reward's extra figures."""
-        texts, scores = self.reward_scores(example, rollout)
+        texts, scores = self.reward_scores(example, rollout, given=rollout.rewards)
         self.record.add(example, lambda: self.task.prompt_text(example), texts,
                         [len(r) for r in rollout.responses], scores)
         return torch.tensor(scores.values, dtype=torch.float64)
 
-    def reward_scores(self, example, rollout: Rollout) -> tuple[list[str], Scores]:
-        """The decoded responses and what the reward gave for them. A reward that fails or returns what is not a
-        finite number (RewardError) stops the run before any gradient of the step: nothing of it is logged or
-        saved."""
+    def reward_scores(self, example, rollout: Rollout, given: list[float] | None = None) -> tuple[list[str], Scores]:
+        """The decoded responses and what the reward gave for them (`given`: the rewards they came with, the reward
+        not called). A reward that fails or returns what is not a finite number (RewardError) stops the run before
+        any gradient of the step: nothing of it is logged or saved."""
         ids = [r.tolist() for r in rollout.responses]
         texts = [self.tokenizer.decode(i) for i in ids]
-        return texts, self.reward_fn.score(example, texts, ids)
+        return texts, Scores(given) if given is not None else self.reward_fn.score(example, texts, ids)
 
     def set_lr(self, step: int) -> float:
         """The schedule's rate for optimizer step `step`: a function of the steps applied before it, which are the
@@ -448,7 +473,7 @@ class Trainer:
     def prompt(self, step: int, prompt: int, clock: PhaseClock):
         """One prompt of the step: capture, rollout, reward, then score and replay x G (gradients accumulate)."""
         example, prompt_ids = self.example(step, prompt)
-        if self.engine is None:
+        if self.source is None:
             # ranks call the model a data-dependent number of times here: fsdp2 gathers the weights once around it
             with self.strategy.full_weights():
                 with clock.phase("capture"):
@@ -456,19 +481,19 @@ class Trainer:
                 with clock.phase("rollout"):
                     rollout = self.rollout(resident)
         else:
+            # vLLM, or responses without a decode (rollout=data | synthetic): the capture follows the reward
             with clock.phase("rollout"):
-                rollout = self.rollout_vllm(prompt_ids)
+                rollout = self.source(example, prompt_ids)
         with clock.phase("reward"):
             rewards = self.reward(example, rollout)
-        if self.engine is not None:
+        if self.source is not None:
             with clock.phase("capture"):
                 resident = self.capture(prompt_ids)
-        # native rollout's log-probs are the graph-free on-policy scores of the same resident state; vLLM's come
-        # from its own kernels and precision, so the transaction re-scores them from our resident state
-        old = rollout.logprobs if self.engine is None else None
-        part = self.transaction.accumulate(prompt_ids, rollout.responses, rewards, resident, old_logprobs=old,
-                                           clock=clock, prompt=prompt, num_prompts=self.cfg.prompts_per_step,
-                                           routing=rollout.routing)
+        # the native rollout's log-probs are the graph-free on-policy scores of the same resident state; None (vLLM's
+        # responses, given ones without recorded log-probs): the transaction scores them from the resident state
+        part = self.transaction.accumulate(prompt_ids, rollout.responses, rewards, resident,
+                                           old_logprobs=rollout.logprobs, clock=clock, prompt=prompt,
+                                           num_prompts=self.cfg.prompts_per_step, routing=rollout.routing)
         self._release_routing(rollout)
         return prompt_ids, rollout, part
 

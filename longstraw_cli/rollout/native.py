@@ -47,8 +47,9 @@ class SamplingConfig:
 @dataclass
 class Rollout:
     responses: list[torch.Tensor]
-    # log p of each sampled token under the policy (temperature 1), graph-free: the on-policy old log-probs
-    logprobs: list[torch.Tensor]
+    # log p of each sampled token under the policy (temperature 1), graph-free: the on-policy old log-probs; None:
+    # the transaction scores them from the resident state (vLLM's responses, responses without a decode: given.py)
+    logprobs: list[torch.Tensor] | None
     # entropy of the policy's next-token distribution at each sampled position (None where unknown)
     entropies: list[torch.Tensor] | None = None
     # decode steps run (the longest response, or up to stop_check_every - 1 more)
@@ -59,6 +60,9 @@ class Rollout:
     # routing replay (rollout.replay_routing): what each response token was routed to, recorded by the decode
     # step, in host memory (the family's record, opaque here: models/glm52/routing.py); None where not recorded
     routing: object | None = None
+    # the responses' rewards where they come with them (rollout=data's reward column, rollout=synthetic's); None: the
+    # task's reward gives them
+    rewards: list[float] | None = None
 
 
 @dataclass(frozen=True)
