@@ -551,6 +551,7 @@ def plan_arguments(cfg, *, gpu_mem_gib: float, host_mem_gib: float, kernels: str
     config, its name or path, the keyword arguments of `plan.plan` but prompt_tokens). ConfigError / ValueError on
     a bad value."""
     from longstraw_cli.config import ConfigError, ModelConfig, expand_paths
+    from longstraw_cli.rl.losses import get_loss
     from longstraw_cli.rollout.native import NativeConfig
 
     model = ModelConfig(**expand_paths({"model": OmegaConf.to_container(cfg.model, resolve=True)})["model"])
@@ -562,6 +563,7 @@ def plan_arguments(cfg, *, gpu_mem_gib: float, host_mem_gib: float, kernels: str
             raise ConfigError(f"{key}={value!r} must be an integer")
         return value
 
+    engine = OmegaConf.select(cfg, "rollout.engine")
     common = dict(
         cp=integer("cp"), ep=integer("ep"), group_size=integer("group_size"),
         response_tokens=integer("response_tokens"), dtype=model.dtype, lora_rank=integer("lora.rank"),
@@ -578,8 +580,12 @@ def plan_arguments(cfg, *, gpu_mem_gib: float, host_mem_gib: float, kernels: str
         # rollout=vllm has no native section: the native decode's default is planned
         response_chunk=(integer("rollout.native.response_chunk") if OmegaConf.select(cfg, "rollout.native")
                         else NativeConfig.response_chunk),
-        # the score phase runs a forward for the KL reference or for a rollout that gives no log-probs of ours
-        scoring=float(OmegaConf.select(cfg, "algo.kl_coef")) > 0 or OmegaConf.select(cfg, "rollout.engine") != "native")
+        # the score phase runs a forward for the KL reference or for a rollout that gives no log-probs of ours to a
+        # loss that reads them (algo=sft reads none)
+        scoring=float(OmegaConf.select(cfg, "algo.kl_coef")) > 0 or (engine != "native" and get_loss(
+            str(OmegaConf.select(cfg, "algo.name"))).needs_old),
+        # rollout=data | synthetic: no decode, no rollout phase
+        decode=engine in ("native", "vllm"))
     integer("prompt_tokens")  # checked here; the callers take one length (train) or a list (plan) of their own
     return model_cfg, model.path or model.name, common
 

@@ -4,13 +4,14 @@ Every family plans the same phases (the family's hook, FamilySpec.plan, says wha
 
     capture = weights + optimizer + resident + one capture block's activations
     score   = weights + optimizer + resident + one graph-free scoring batch (none where nothing is scored: the
-              native rollout's log-probs serve as the old ones and algo.kl_coef is 0)
+              native rollout's log-probs serve as the old ones, or algo=sft reads none, and algo.kl_coef is 0)
     replay  = weights + optimizer + grads + resident + one response graph + the logits chunk's backward
     step    = weights + optimizer + grads + resident + AdamW's foreach temporary
     prompt  = exact mode's reverse walk (capture.gradient=exact)
     drift   = the reuse probe (capture.reuse_steps > 1)
     rollout = weights + optimizer + resident + the decode's buffers (R response slots at worst, and the old copy of
-              one buffer while the last growth copies it) + one decode step
+              one buffer while the last growth copies it) + one decode step (none without a decode: responses
+              given by rollout=data or drawn by rollout=synthetic)
     peak    = the largest phase
 
 `plan()` checks the settings once (the training config's own refusals) and calls the family's hook with a `Run`;
@@ -69,7 +70,7 @@ def plan(model_name_or_cfg, *, cp: int = 1, ep: int = 1, prompt_tokens: int, gro
          walk_checkpoint: bool = False, reuse: bool = False, probe_tokens: int = 1024, quantize: str = "none",
          offload: str = "none", host_mem_gib: float = 128.0, offload_copy_gib: float | str = "auto",
          replay_routing: bool | str = "auto", replay_block: int = 0,
-         response_chunk: int = NativeConfig.response_chunk, scoring: bool = True) -> dict:
+         response_chunk: int = NativeConfig.response_chunk, scoring: bool = True, decode: bool = True) -> dict:
     """Per-rank bytes of one transaction by component and by phase, with `peak`, `budget` and `fits`.
     kernels: "gpu" (the CUDA kernels), "reference" (the torch kernels), "auto": gpu for bf16/fp16, where the
     models dispatch to them on CUDA, reference otherwise. gradient: response_only | exact. reuse: capture reuse
@@ -81,7 +82,8 @@ def plan(model_name_or_cfg, *, cp: int = 1, ep: int = 1, prompt_tokens: int, gro
     whether the family's routing records are held (auto: where the family routes). replay_block
     (capture.replay_block): the response replayed and scored in blocks of that many tokens (0: whole). scoring:
     whether the score phase runs a forward (`longstraw plan` sets it from algo.kl_coef > 0 or rollout=vllm); without
-    one the phase holds no activations."""
+    one the phase holds no activations. decode: whether a decode samples the responses (rollout=native | vllm: the
+    rollout phase); `longstraw plan` sets it false for rollout=data | synthetic."""
     spec, cfg = _family(model_name_or_cfg)
     check_gradient_mode(gradient)
     refused = offload_refusal(offload, gradient=gradient)
@@ -117,7 +119,7 @@ def plan(model_name_or_cfg, *, cp: int = 1, ep: int = 1, prompt_tokens: int, gro
               kernels=kernels, gradient=gradient, walk_checkpoint=walk_checkpoint, reuse=reuse,
               probe_tokens=probe_tokens, quantize=quantize, offload=offload, gpu_mem_gib=gpu_mem_gib,
               host_mem_gib=host_mem_gib, offload_copy_gib=offload_copy_gib, replay_routing=replay_routing,
-              replay_block=replay_block, response_chunk=response_chunk, scoring=scoring)
+              replay_block=replay_block, response_chunk=response_chunk, scoring=scoring, decode=decode)
     for value in (dtype, moment_dtype or dtype):
         itemsize(value)
     out = _hook(spec)(cfg, run)
@@ -129,7 +131,7 @@ def plan(model_name_or_cfg, *, cp: int = 1, ep: int = 1, prompt_tokens: int, gro
         "response_tokens": response_tokens, "dtype": dtype, "lora_rank": lora_rank, "block_size": block_size,
         "score_batch": score_batch, "kernels": kernels, "gradient": gradient, "walk_checkpoint": walk_checkpoint,
         "quantize": quantize, "offload": offload, "offload_copy_gib": offload_copy_gib, "replay_block": replay_block,
-        "scoring": scoring, **out, "peak": peak, "budget": budget, "host_budget": host_budget,
+        "scoring": scoring, "decode": decode, **out, "peak": peak, "budget": budget, "host_budget": host_budget,
         "fits": peak <= budget and out["host"] + out.get("routing_records_host", 0) <= host_budget,
     }
 
@@ -217,7 +219,8 @@ def report(cfg, title: str, prompts: list[int], **common) -> int:
           f"quantize={common.get('quantize', 'none')}, block={common['block_size']}, "
           f"plan_kernels={plans[0]['kernels']}, gradient={common.get('gradient', 'response_only')}"
           f"{', walk_checkpoint' if common.get('walk_checkpoint') else ''}"
-          f"{', replay_block=' + str(common['replay_block']) if common.get('replay_block') else ''}; GiB per rank")
+          f"{', replay_block=' + str(common['replay_block']) if common.get('replay_block') else ''}"
+          f"{'' if common.get('decode', True) else ', no decode (responses given)'}; GiB per rank")
     print(f"{'prompt':>9} " + " ".join(f"{c:>9}" for c in COLUMNS.values())
           + f" {'bound':>9} {'peak':>9} {'phase':>8}  fits")
     for p in plans:

@@ -68,6 +68,9 @@ class Run:
     # a rollout that does not give them (rollout=vllm); else the native rollout's own log-probs serve and the
     # phase holds only what the phase before it left (transaction.py `accumulate`)
     scoring: bool = True
+    # whether a decode samples the responses (the rollout phase): not with responses given or drawn without one
+    # (rollout=data | synthetic, rollout/given.py)
+    decode: bool = True
 
     @property
     def replays_in_blocks(self) -> bool:

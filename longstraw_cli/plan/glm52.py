@@ -434,7 +434,8 @@ def plan(cfg: Glm52Config, run: Run) -> dict:
     projections = decode_projection_bytes(cfg, run)
     rollout_base = (weights + optimizer + dequant + rollout_device + decode + decode_step + records + decode_growth
                     + projections)
-    phases["rollout"] = rollout_base
+    if run.decode:
+        phases["rollout"] = rollout_base
     copies = rollout_copies(run, rollout_base, per_layer) if host and run.cp == 1 else 0
 
     notes = [f"weights: replicated {parts['replicated'] / GIB:.2f} GiB, routed experts {parts['experts'] / GIB:.2f} "
@@ -444,9 +445,9 @@ def plan(cfg: Glm52Config, run: Run) -> dict:
                 f"at once" if run.quantize == "nf4" else ""),
              f"pages {pages['total'] / GIB:.2f} GiB ({captured} tokens per rank: latent "
              f"{pages['latent_pages'] / GIB:.2f}, rope {pages['rope_pages'] / GIB:.2f}, index keys "
-             f"{pages['index_pages'] / GIB:.2f}); rollout decode buffers {decode / GIB:.2f} GiB (+ "
-             f"{decode_growth / GIB:.2f} while the last growth copies one), input linears concatenated "
-             f"{projections / GIB:.2f} GiB"
+             f"{pages['index_pages'] / GIB:.2f})"
+             + (f"; rollout decode buffers {decode / GIB:.2f} GiB (+ {decode_growth / GIB:.2f} while the last growth "
+                f"copies one), input linears concatenated {projections / GIB:.2f} GiB" if run.decode else "")
              + (f"; routing records in host memory {records / GIB:.3f} GiB (on the GPU: the rollout's decode "
                 f"{records / GIB:.3f}, scoring {records_score / GIB:.3f}, a replay {records_replay / GIB:.3f})"
                 if records else "")]

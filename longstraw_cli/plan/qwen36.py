@@ -391,13 +391,14 @@ def plan(cfg: Qwen36Config, run: Run) -> dict:
     # none past FUSED_SHARE of the GPU's memory (qwen36/decode.py)
     projections = decode_copies(decode_projection_bytes(cfg, run.dtype, run.lora_rank, run.quantize), run)
     decoding = decode + decode_growth + decode_step + projections
-    phases["rollout"] = weights + optimizer + on_device + boundaries + tail + dequant + decoding
+    if run.decode:
+        phases["rollout"] = weights + optimizer + on_device + boundaries + tail + dequant + decoding
     # the offloaded rollout: no staged layer; the copies of host pages that fit (whole layers)
     rollout_base = weights + optimizer + resident["total"] - host + boundaries + tail + dequant + decoding
     copies = rollout_copies(run, rollout_base, [layer_pages] * num_attn) if host else 0
     notes = [f"rollout decode buffers {decode / GIB:.2f} GiB (K/V of {R} slots and GDN states per response; + "
              f"{decode_growth / GIB:.2f} while the last growth copies one layer's), input linears concatenated "
-             f"{projections / GIB:.2f} GiB"]
+             f"{projections / GIB:.2f} GiB"] if run.decode else []
     if exact:
         notes.append(f"exact: boundary states {boundaries / GIB:.2f}, state gradient {state_grad / GIB:.2f}, block "
                      f"graph {block_graph / GIB:.2f}, page gradient {page_grad_transient / GIB:.2f}")
