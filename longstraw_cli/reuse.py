@@ -6,7 +6,9 @@ consecutive optimizer steps on that prompt.
 Step s trains on the prompt that step s // K would without reuse (the data advances once per K steps, no prompt
 skipped; the logged `epoch` counts prompts served). Each cycle samples its own G responses with the CURRENT
 weights from the STALE state (captured under the weights of cycle 0); the rollout's log-probs are the old
-log-probs, so the ratio and the clip are against exactly what sampled. The replays differentiate the responses
+log-probs, so the ratio and the clip are against exactly what sampled. Responses without a decode (rollout/given.py)
+serve each cycle as they come: rollout=data's group again (K epochs on one capture; old log-probs the file's, or
+scored from the stale state), rollout=synthetic's fresh random ones. The replays differentiate the responses
 only (`capture.gradient=response_only`); `exact` is refused: its walk would differentiate a prompt state that
 older weights computed, a gradient of no policy's objective.
 
@@ -100,9 +102,6 @@ def refusal(cfg: ReuseConfig, *, gradient: str, engine: str, prompts_per_step: i
     if engine == "vllm":
         return (f"capture.reuse_steps={k} with rollout=vllm: vLLM samples from the current weights on a "
                 f"fresh prompt, not from the resident state; use rollout=native or reuse_steps=1")
-    if engine != "native":
-        return (f"capture.reuse_steps={k} with rollout={engine}: its responses are not sampled from the resident "
-                f"state; use rollout=native or reuse_steps=1")
     if prompts_per_step > 1:
         return (f"capture.reuse_steps={k} holds one prompt's state: needs prompts_per_step=1, got "
                 f"prompts_per_step={prompts_per_step}")

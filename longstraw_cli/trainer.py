@@ -507,7 +507,8 @@ class Trainer:
     def prompt_reused(self, step: int, prompt: int, clock: PhaseClock):
         """`prompt` under capture.reuse_steps=K (reuse.py): the prompt step // K of the data, captured at its
         first step (or after its drift passed capture.max_drift); every step rolls out from that resident state
-        with the current weights, measures the drift, and scores and replays as `prompt` does."""
+        with the current weights (or takes the responses a source gives), measures the drift, and scores and
+        replays as `prompt` does."""
         example, prompt_ids = self.example(self.reuse.prompt_step(step), prompt)
         captured = self.reuse.due(step)
         with self.strategy.full_weights():
@@ -517,7 +518,7 @@ class Trainer:
                     self.reuse.hold(step, self.capture(prompt_ids, tail=self.reuse.cfg.probe_tokens))
             resident = self.reuse.resident
             with clock.phase("rollout"):
-                rollout = self.rollout(resident)
+                rollout = self.rollout(resident) if self.source is None else self.source(example, prompt_ids)
             with clock.phase("drift"):
                 self.reuse.measure(self.model, self.transaction.score, prompt_ids, rollout.responses)
         with clock.phase("reward"):
