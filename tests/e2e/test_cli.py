@@ -30,7 +30,7 @@ DETERMINISTIC = ("reward_mean", "reward_std", "loss", "pg_loss", "grad_norm", "e
     ("foo=1", "unknown config key 'foo'; valid keys at the top level"),
     ("optim.lrr=3", "unknown config key 'optim.lrr' (did you mean 'optim.lr'?); valid keys under 'optim': ['betas', "
                     "'lr'"),
-    ("algo=ppo", "algo=ppo: no such algo config; valid: ['dapo', 'dr_grpo', 'grpo', 'gspo']"),
+    ("algo=ppo", "algo=ppo: no such algo config; valid: ['dapo', 'dr_grpo', 'grpo', 'gspo', 'sft']"),
     ("strategy=zero3", "strategy=zero3: no such strategy config; valid: ['ddp', 'deepspeed', 'fsdp2']"),
     ("strategy.zero_stage=1", "unknown config key 'strategy.zero_stage' for strategy=ddp (it is a key of "
                               "strategy=deepspeed); valid keys under 'strategy': ['name']"),
@@ -491,6 +491,8 @@ CP2_CASES = {
     "qwen36_lora_reuse": ("qwen36_tiny", ["cp=2"], ["capture.reuse_steps=2", "lora.rank=4", "capture.probe_tokens=40"]),
     # ... and step 2 captures again; a KL reference, itself split over the ranks
     "glm52_ep2_reuse": ("glm52_tiny", ["cp=2", "ep=2"], ["capture.reuse_steps=2", "algo.kl_coef=0.1", "steps=3"]),
+    # responses without a decode (docs/guide/offline.md): algo=sft on synthetic ones, the exact gradient
+    "glm52_ep2_sft": ("glm52_tiny", ["cp=2", "ep=2"], ["rollout=synthetic", "algo=sft", "capture.gradient=exact"]),
 }
 
 
