@@ -66,19 +66,15 @@ def _has(row: dict, dotted: str) -> bool:
         return False
 
 
-def _check_prompt(prompt: Any, key: str, where: str) -> None:
-    if isinstance(prompt, str):
-        return
-    messages = isinstance(prompt, list) and prompt and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt)
-    if not messages:
-        raise ValueError(f"{where}: {key!r} must be a string or a list of chat messages "
-                         f"[{{'role': str, 'content': str}}, ...], got {str(prompt)[:80]}")
-
-
 def _is_messages(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
+
+
+def _check_prompt(prompt: Any, key: str, where: str) -> None:
+    if not (isinstance(prompt, str) or _is_messages(prompt)):
+        raise ValueError(f"{where}: {key!r} must be a string or a list of chat messages "
+                         f"[{{'role': str, 'content': str}}, ...], got {str(prompt)[:80]}")
 
 
 def _is_ids(value: Any) -> bool:
@@ -94,6 +90,11 @@ def _is_empty(response: Any) -> bool:
     return response == "" or (_is_messages(response) and all(m["content"] == "" for m in response))
 
 
+def _finite(values: Any) -> bool:
+    return isinstance(values, list) and all(
+        isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) for v in values)
+
+
 def _responses(value: Any, key: str, where: str) -> list:
     """A row's response column as a list: one response (text, messages or ids) or a list of them."""
     responses = [value] if _is_response(value) else value
@@ -106,24 +107,22 @@ def _responses(value: Any, key: str, where: str) -> list:
     return responses
 
 
-def _numbers(value: Any, count: int, key: str, where: str) -> list[float]:
+def _rewards(value: Any, count: int, key: str, where: str) -> list[float]:
     """A row's rewards: a number (one response) or a list of `count` numbers, each finite."""
     values = [value] if count == 1 and not isinstance(value, list) else value
-    if (not isinstance(values, list) or len(values) != count
-            or not all(isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) for v in values)):
+    if not _finite(values) or len(values) != count:
         raise ValueError(f"{where}: {key!r} must give {count} finite number{'s' * (count > 1)}, one per response, "
                          f"got {str(value)[:80]}")
     return [float(v) for v in values]
 
 
 def _logprob_lists(value: Any, count: int, key: str, where: str) -> list[tuple[float, ...]]:
-    """A row's old log-probs: per response a list of numbers (for one response, the list itself)."""
-    lists = [value] if count == 1 and isinstance(value, list) and not any(isinstance(v, list) for v in value) \
-        else value
-    if not isinstance(lists, list) or len(lists) != count or not all(isinstance(v, list) for v in lists):
-        raise ValueError(f"{where}: {key!r} must give {count} list{'s' * (count > 1)} of log-probs, one per "
+    """A row's old log-probs: per response a list of finite numbers (for one response, the list itself)."""
+    lists = [value] if count == 1 and _finite(value) else value
+    if not isinstance(lists, list) or len(lists) != count or not all(map(_finite, lists)):
+        raise ValueError(f"{where}: {key!r} must give {count} list{'s' * (count > 1)} of finite log-probs, one per "
                          f"response, got {str(value)[:80]}")
-    return [tuple(_numbers(v, len(v), key, where)) if v else () for v in lists]
+    return [tuple(map(float, v)) for v in lists]
 
 
 class FileTask(Task):
@@ -218,7 +217,7 @@ class FileTask(Task):
             where += [at] if len(mine) == 1 else [f"{at} response {n}" for n in range(len(mine))]
             if self.reward_key is not None:
                 value = self._column(row, self.reward_key, "task.reward_key", at)
-                rewards += _numbers(value, len(mine), self.reward_key, at)
+                rewards += _rewards(value, len(mine), self.reward_key, at)
             if self.cfg.logprob_key is not None:
                 value = self._column(row, self.cfg.logprob_key, "task.logprob_key", at)
                 logprobs += _logprob_lists(value, len(mine), self.cfg.logprob_key, at)

@@ -117,10 +117,12 @@ def test_rows_of_one_prompt_form_a_group_and_responses_tokenize_as_the_template_
                                                               "numbers, one per response, got [1]"),
     ({"prompt": "p", "answers": ["a", "b"]}, "given.jsonl:1: rollout=data reads responses, but the row has none of "
                                              "['responses', 'completion', 'completions', 'response']"),
+    ({"prompt": "p", "responses": ["a", "b"], "lp": [[-1.0], [None]]}, "given.jsonl:1: 'lp' must give 2 lists of "
+                                                                       "finite log-probs, one per response"),
 ])
 def test_bad_columns_are_one_line_naming_the_row(tmp_path, row, expected):
     with pytest.raises(ValueError) as e:
-        given_task(tmp_path, [row])
+        given_task(tmp_path, [row], logprob_key="lp" if "lp" in row else None)
     assert str(e.value).replace(f"{tmp_path}/", "").startswith(expected), str(e.value)
 
 
