@@ -218,26 +218,6 @@ def stops(tokens: torch.Tensor, stop_S: torch.Tensor) -> torch.Tensor:
     return (tokens[..., None] == stop_S).any(-1)
 
 
-class Sampler:
-    """A decode step's sampling into the rollout's buffers: the race's noise drawn from the rollout's generator (none
-    for greedy), the token, its log-prob and the entropy written (`race_sample`), the token fed to the decoder's next
-    step and the stop flags updated. Device work only: no host synchronisation."""
-
-    def __init__(self, cfg: SamplingConfig, generator: torch.Generator | None, decoder, logits_BV: torch.Tensor):
-        self.cfg, self.generator, self.decoder = cfg, generator, decoder
-        self.stop_S = torch.tensor(cfg.stop_token_ids, dtype=torch.long, device=decoder.device)
-        # the race's noise, drawn afresh each step into one buffer
-        self.race_BV = None if cfg.temperature == 0 else torch.empty_like(logits_BV)
-        self.done_B = torch.zeros(logits_BV.shape[0], dtype=torch.bool, device=decoder.device)
-
-    def __call__(self, logits_BV, tokens_B, logp_B, entropy_B) -> None:
-        if self.race_BV is not None:
-            self.race_BV.exponential_(1.0, generator=self.generator)
-        race_sample(logits_BV, self.race_BV, self.cfg.temperature, self.cfg.top_p, tokens_B, logp_B, entropy_B)
-        self.decoder.tokens_B.copy_(tokens_B)
-        self.done_B |= stops(tokens_B, self.stop_S)
-
-
 def _generate(model, resident, num_responses: int, cfg: SamplingConfig, generator: torch.Generator | None,
               native: NativeConfig, on_grow: Callable[[int], None] | None = None,
               on_token: Callable[[int, int], None] | None = None) -> Rollout:
@@ -250,28 +230,35 @@ def _generate(model, resident, num_responses: int, cfg: SamplingConfig, generato
     sampled_BR = torch.empty(B, R, dtype=torch.long, device=device)
     logp_BR = torch.empty(B, R, dtype=torch.promote_types(model.lm_head.weight.dtype, torch.float32), device=device)
     entropy_BR = torch.empty_like(logp_BR)
-    sampler = Sampler(cfg, generator, decoder, first_BV)
+    stop_S = torch.tensor(cfg.stop_token_ids, dtype=torch.long, device=device)
+    # the race's noise, drawn afresh each step into one buffer (none for greedy)
+    race_BV = None if cfg.temperature == 0 else torch.empty_like(first_BV)
+    done_B = torch.zeros(B, dtype=torch.bool, device=device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     setup_s = time.perf_counter() - start
-    step, steps, every = 0, R, native.stop_check_every
-    while step < R:
+    steps = R
+    for step in range(R):
         # step `step` writes slot `step`: the slots grow first where it has none (a host-side int, no sync)
         if step == decoder.capacity:
             decoder.grow()
             if on_grow is not None:
                 on_grow(decoder.capacity)
         logits_BV = first_BV if step == 0 else step_fn()
-        sampler(logits_BV, sampled_BR[:, step], logp_BR[:, step], entropy_BR[:, step])
-        step += 1
+        tokens_B = sampled_BR[:, step]
+        if race_BV is not None:
+            race_BV.exponential_(1.0, generator=generator)
+        race_sample(logits_BV, race_BV, cfg.temperature, cfg.top_p, tokens_B, logp_BR[:, step], entropy_BR[:, step])
+        decoder.tokens_B.copy_(tokens_B)
+        done_B |= stops(tokens_B, stop_S)
         if on_token is not None:
-            on_token(step, R)
-        # "all stopped?" every stop_check_every steps
-        if step % every == 0 and bool(sampler.done_B.all()):
-            steps = step
+            on_token(step + 1, R)
+        # "all stopped?" every stop_check_every steps: a host synchronisation
+        if (step + 1) % native.stop_check_every == 0 and bool(done_B.all()):
+            steps = step + 1
             break
     # each response ends at its first stop token, or at the last step decoded
-    stops_BR = stops(sampled_BR[:, :steps], sampler.stop_S)
+    stops_BR = stops(sampled_BR[:, :steps], stop_S)
     first_B = stops_BR.int().argmax(-1) + 1
     lengths = torch.where(stops_BR.any(-1), first_B, steps).tolist()
 

@@ -24,8 +24,7 @@ import torch
 from longstraw_kernels import compute_dtype, kernel_choice, optional_module
 from longstraw_kernels.attention.flash import FLASH_DTYPES
 
-__all__ = ["decode_pages_attention", "decode_pages_partials", "response_partials", "merge_partials",
-           "merge_pages_partials", "merge_with_response", "cascade_decode_attention"]
+__all__ = ["decode_pages_attention", "response_partials", "merge_partials", "cascade_decode_attention"]
 
 # thread blocks to aim for in one pages call. Fewer than an H200's 132 SMs: each block streams its range at the
 # bandwidth, and every split is a partial to write and merge. qwen36_mini's layer (262,144 pages, 2 kv heads, 64
@@ -64,17 +63,18 @@ def _splits(num_pages: int, num_kv: int) -> int:
     return max(1, min(TARGET_BLOCKS // max(num_kv, 1), num_pages // MIN_SPLIT))
 
 
-def decode_pages_partials(q_BQD: torch.Tensor, k_pages_PKD: torch.Tensor, v_pages_PKD: torch.Tensor, *,
-                          scale: float, num_splits: int | None = None):
-    """`decode_pages_attention`'s partials before their merge: the rows of kv head k are its group's query heads of
-    every response, m = b * G + g. -> (out [N, K, M, D]: flash's dtype, or the torch path's fp32+; lse [N, K, M] fp32+)
-    over N ranges of the pages; with no pages one empty partial (out 0, lse -inf)."""
+def decode_pages_attention(q_BQD: torch.Tensor, k_pages_PKD: torch.Tensor, v_pages_PKD: torch.Tensor, *,
+                           scale: float, num_splits: int | None = None):
+    """One query token per response against all shared pages. -> (out_BQD in q's dtype, lse_BQ float32+).
+    With no pages the partial is empty: out 0, lse -inf. The rows of kv head k are its group's query heads of every
+    response, m = b * G + g. On the flash path the pages are a batch of equal ranges, which flash may split again,
+    and a call for the rest (one varlen call over the ranges measured no faster on an H200: 0.156 ms at best against
+    the batch's 0.156, docs/BENCHMARKS.md 2026-12-05); the ranges' partials merge by log-sum-exp."""
     B, Q, D = q_BQD.shape
     P, K = k_pages_PKD.shape[:2]
     G = Q // K
     if P == 0:
-        return (q_BQD.new_zeros(1, K, B * G, D),
-                q_BQD.new_full((1, K, B * G), float("-inf"), dtype=compute_dtype(q_BQD.dtype)))
+        return (q_BQD.new_zeros(B, Q, D), q_BQD.new_full((B, Q), float("-inf"), dtype=compute_dtype(q_BQD.dtype)))
     flash = q_BQD.is_cuda and q_BQD.dtype in FLASH_DTYPES and k_pages_PKD.dtype == q_BQD.dtype and D <= 256
     attend = _attend_flash if flash else _attend_torch
     # [B, K*G, D] -> [K, B*G, D]: responses and a group's query heads are rows against the group's kv head
@@ -102,24 +102,9 @@ def decode_pages_partials(q_BQD: torch.Tensor, k_pages_PKD: torch.Tensor, v_page
         out_KMD, lse_KM = attend(q_KMD, tail_k_KND, tail_v_KND, scale)
         outs.append(out_KMD[None])
         lses.append(lse_KM[None])
-    return torch.cat(outs), torch.cat(lses).to(compute_dtype(q_BQD.dtype))
-
-
-def decode_pages_attention(q_BQD: torch.Tensor, k_pages_PKD: torch.Tensor, v_pages_PKD: torch.Tensor, *,
-                           scale: float, num_splits: int | None = None):
-    """One query token per response against all shared pages. -> (out_BQD in q's dtype, lse_BQ float32+).
-    With no pages the partial is empty: out 0, lse -inf. On the flash path the pages are a batch of equal ranges,
-    which flash may split again, and a call for the rest (one varlen call over the ranges measured no faster on an
-    H200: 0.156 ms at best against the batch's 0.156, docs/BENCHMARKS.md 2026-12-05)."""
-    out_NKMD, lse_NKM = decode_pages_partials(q_BQD, k_pages_PKD, v_pages_PKD, scale=scale, num_splits=num_splits)
-    return merge_pages_partials(out_NKMD, lse_NKM, q_BQD.shape[0], q_BQD.dtype)
-
-
-def merge_pages_partials(out_NKMD: torch.Tensor, lse_NKM: torch.Tensor, batch: int, dtype: torch.dtype):
-    """`decode_pages_partials`' partials merged (in lse's dtype) and their rows m = b * G + g of kv head k back to
-    query head k * G + g of response b. -> (out [B, Q, D] in `dtype`, lse [B, Q])."""
-    out_KMD, lse_KM = merge_partials(out_NKMD.to(lse_NKM.dtype), lse_NKM, dtype)
-    return _rows_back(out_KMD, lse_KM, batch, out_NKMD.shape[2] // batch)
+    lse_NKM = torch.cat(lses).to(compute_dtype(q_BQD.dtype))
+    out_KMD, lse_KM = merge_partials(torch.cat(outs).to(lse_NKM.dtype), lse_NKM, q_BQD.dtype)
+    return _rows_back(out_KMD, lse_KM, B, G)
 
 
 def _rows_back(out_KMD: torch.Tensor, lse_KM: torch.Tensor, B: int, G: int):
@@ -177,13 +162,8 @@ def cascade_decode_attention(q_BQD, k_pages_PKD, v_pages_PKD, k_BSKD, v_BSKD, fi
     response part over the first `filled_1` slots, merged by log-sum-exp. -> out_BQD in q's dtype."""
     out_p_BQD, lse_p_BQ = pages_fn(q_BQD, k_pages_PKD, v_pages_PKD, scale=scale)
     out_r_NBQD, lse_r_NBQ = response_partials(q_BQD, k_BSKD, v_BSKD, filled_1, scale=scale)
-    return merge_with_response(out_p_BQD, lse_p_BQ, out_r_NBQD, lse_r_NBQ, q_BQD.dtype)
-
-
-def merge_with_response(out_p_BQD, lse_p_BQ, out_r_NBQD, lse_r_NBQ, dtype: torch.dtype) -> torch.Tensor:
-    """The pages' merged part and the response's partials merged by log-sum-exp (in the pages' lse dtype).
-    -> out_BQD in `dtype`."""
+    # merged in the pages' lse dtype
     compute = lse_p_BQ.dtype
     out_BQD, _ = merge_partials(torch.cat([out_p_BQD[None].to(compute), out_r_NBQD.to(compute)]),
-                                torch.cat([lse_p_BQ[None], lse_r_NBQ.to(compute)]), dtype)
+                                torch.cat([lse_p_BQ[None], lse_r_NBQ.to(compute)]), q_BQD.dtype)
     return out_BQD
