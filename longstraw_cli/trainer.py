@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from rich.console import Console
 
 from longstraw_cli import checkpoint, compile_cache
 from longstraw_cli.checkpoint import CheckpointManager, trainer_state
@@ -176,13 +177,15 @@ class Trainer:
         self.start_step = self._resume() if cfg.resume else 0
         log.info("rank %d of %d (%s, strategy %s), starting at step %d of %d", self.rank, world_size, self.dims,
                  self.strategy.name, self.start_step, cfg.steps)
-        self.progress = StepProgress(cfg.steps, self.start_step, enabled=cfg.logger.progress, rank=self.rank,
-                                     heartbeat_s=cfg.logger.heartbeat_s)
+        # one console for the step lines and the live line (rich prints the one above the other); the logger
+        # first: its set-up may fail (logger=wandb without wandb) before a live line or a heartbeat has started
+        console = Console(highlight=False)
         self.metrics = MetricsLogger(
             self.run_dir, backends=cfg.logger.backends, rank=self.rank, wandb_cfg=cfg.logger.wandb,
-            resume_step=self.start_step if cfg.resume else None, config=cfg.as_dict(),
-            console=self.progress.console,
+            resume_step=self.start_step if cfg.resume else None, config=cfg.as_dict(), console=console,
         )
+        self.progress = StepProgress(cfg.steps, self.start_step, enabled=cfg.logger.progress, rank=self.rank,
+                                     console=console, heartbeat_s=cfg.logger.heartbeat_s)
 
     def _notices(self) -> None:
         """What the user asked for that does not apply, as one line each (rank 0)."""

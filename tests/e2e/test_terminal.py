@@ -17,12 +17,13 @@ from rich.text import Text
 COLUMNS = 100
 
 
-def run_in_terminal(args: list[str], cwd, columns: int = COLUMNS, timeout_s: float = 300) -> tuple[int, str]:
+def run_in_terminal(args: list[str], cwd, columns: int = COLUMNS, timeout_s: float = 300,
+                    env: dict | None = None) -> tuple[int, str]:
     """`longstraw train ARGS` with a pseudo-terminal of `columns` columns as its stdin, stdout and stderr -> (exit
     status, everything it wrote, escape sequences included)."""
     main, child = pty.openpty()
     fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TERM": "xterm-256color"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TERM": "xterm-256color", **(env or {})}
     env.pop("COLUMNS", None)
     proc = subprocess.Popen([sys.executable, "-m", "longstraw_cli", "train", *args], cwd=cwd, env=env, stdin=child,
                             stdout=child, stderr=child, close_fds=True)
@@ -59,3 +60,17 @@ def test_step_lines_fit_the_terminal_each_on_a_line_of_its_own(tmp_path):
     assert all(len(p) <= COLUMNS for p in steps), steps
     # the live line was there, and cleared before each step line
     assert any("ETA" in p for p in pieces) and not any("ETA" in p for p in steps), steps
+
+
+@pytest.mark.slow
+def test_a_logger_that_fails_to_start_leaves_no_live_line_behind(tmp_path):
+    """logger=wandb where wandb does not import: one line and exit 2, and no live line was started before it (whose
+    hidden cursor rich would leave hidden, and whose redraw would follow the error)."""
+    blocked = tmp_path / "blocked"
+    (blocked / "wandb").mkdir(parents=True)
+    (blocked / "wandb" / "__init__.py").write_text("raise ImportError('wandb is blocked by this test')\n")
+    path = os.pathsep.join(filter(None, [str(blocked), os.environ.get("PYTHONPATH")]))
+    code, out = run_in_terminal(["logger=wandb", "steps=1", f"run_dir={tmp_path / 'run'}"], tmp_path,
+                                env={"PYTHONPATH": path})
+    assert code == 2 and "wandb" in out, out[-3000:]
+    assert "\x1b[?25l" not in out and "ETA" not in out, out[-3000:]
