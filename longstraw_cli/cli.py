@@ -95,13 +95,11 @@ def check_overrides(overrides: list[str], *, multirun: bool = False, own_keys: t
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException as e:
         return f"cannot parse overrides {overrides}: {str(e).splitlines()[0]}"
-    chosen = {}
+    chosen, sweep = {}, None
     for o in parsed:
         key = o.key_or_group
         if o.is_sweep_override() and not multirun and not key.startswith("hydra"):
-            as_list = "" if key in GROUPS else f", or a list in brackets ({key}=[{o.get_value_string()}])"
-            return (f"{o.input_line} is a sweep (a comma list), which `longstraw train -m` runs as one job per "
-                    f"value; give one value{as_list}")
+            sweep = sweep or o
         values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.get_value_element_as_str()]
         if key in GROUPS:
             for v in values:
@@ -110,6 +108,13 @@ def check_overrides(overrides: list[str], *, multirun: bool = False, own_keys: t
             chosen[key] = values[0]
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=[f"{k}={v}" for k, v in chosen.items()])
+    if sweep is not None:
+        key = sweep.key_or_group
+        # the bracket form only where the key takes a list (logger.backends, optim.betas)
+        as_list = (f", or a list in brackets ({key}=[{sweep.get_value_string()}])"
+                   if key not in GROUPS and OmegaConf.is_list(OmegaConf.select(cfg, key)) else "")
+        return (f"{sweep.input_line} is a sweep (a comma list), which `longstraw train -m` runs as one job per "
+                f"value; give one value{as_list}")
     for o in parsed:
         key = o.key_or_group
         if key in GROUPS or key.startswith("hydra.") or key == "hydra" or o.is_add() or o.is_delete():
@@ -314,6 +319,7 @@ def _checked_job(overrides: list[str]) -> str:
     launch leaves no run dir behind (one line, exit 2); -> the run dir Hydra will make (this launch's run id is
     drawn once: `_run_id`)."""
     from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
     from hydra.errors import HydraException
     from omegaconf import open_dict, read_write
 
@@ -325,6 +331,10 @@ def _checked_job(overrides: list[str]) -> str:
             raise
         _fail(f"cannot compose the config from {overrides}: {str(e).splitlines()[0]}")
     run_dir = str(OmegaConf.select(cfg, "hydra.run.dir"))
+    # a value that reads Hydra's own config (`${hydra:runtime.output_dir}`) resolves as it will in the job
+    with read_write(cfg), open_dict(cfg):
+        cfg.hydra.runtime.output_dir = run_dir
+    HydraConfig.instance().set_config(cfg)
     with read_write(cfg), open_dict(cfg):
         del cfg["hydra"]
     _train_config(cfg, run_dir)
@@ -441,7 +451,8 @@ def train(argv: list[str]) -> int:
     with recorded_outcome():
         # one job: nothing is written before its config has passed the checks (a sweep's jobs are checked each in
         # its own directory, as Hydra makes them)
-        one_job = not (args.help or args.hydra_help or args.multirun or args.cfg)
+        one_job = not (args.help or args.hydra_help or args.multirun or args.cfg or args.info
+                       or args.shell_completion or args.experimental_rerun)
         made_run_dir = one_job and _prepare_run_dir(args.overrides)
 
         def task(cfg) -> None:

@@ -42,12 +42,16 @@ DETERMINISTIC = ("reward_mean", "reward_std", "loss", "pg_loss", "grad_norm", "e
                                "logger=wandb); valid keys under 'logger': ['backends', "),
     # a comma list without -m: Hydra's six lines of "Ambiguous value"
     ("optim.lr=1e-3,3e-3", "optim.lr=1e-3,3e-3 is a sweep (a comma list), which `longstraw train -m` runs as one job "
-                           "per value; give one value, or a list in brackets (optim.lr=[1e-3,3e-3])"),
+                           "per value; give one value"),
+    ("logger.backends=console,jsonl", "give one value, or a list in brackets (logger.backends=[console,jsonl])"),
     ("model=qwen36_tiny,glm52_tiny", "is a sweep (a comma list), which `longstraw train -m` runs as one job per "
                                      "value; give one value"),
 ])
 def test_bad_keys_and_group_options_are_caught_before_hydra(override, expected):
-    assert expected in check_overrides([override])
+    problem = check_overrides([override])
+    assert expected in problem
+    # the bracket form is offered where the key takes a list, and only there
+    assert ("brackets" in problem) == (override == "logger.backends=console,jsonl"), problem
     assert check_overrides(["model=qwen36_tiny", "group_size=3", "optim.lr=0.1", "hydra.run.dir=x"]) is None
     # sweeps are checked value by value
     assert "model=nope" in check_overrides(["model=qwen36_tiny,nope"], multirun=True)
@@ -111,6 +115,22 @@ def test_a_refused_launch_says_one_line_and_leaves_no_run_dir(train_here, tmp_pa
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and expected in lines[0], err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_hydra_info_makes_no_run_dir(train_here, tmp_path):
+    """--info (and the other Hydra flags that run no job) print and leave nothing behind."""
+    code, out, _ = train_here(["--info", "config"])
+    assert code == 0 and "Config" in out
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_value_that_reads_hydras_config_resolves_as_in_the_job(tmp_path):
+    """`${hydra:runtime.output_dir}` names the job's run dir, in the checks before Hydra starts as in the job (a
+    process of its own: in this one an earlier test's Hydra config would answer)."""
+    out = longstraw(["steps=1", "group_size=2", "prompt_tokens=64", "response_tokens=4", "checkpoint.enabled=false",
+                     f"run_dir={tmp_path / 'run'}", "compile_cache_dir=${hydra:runtime.output_dir}/cc"], tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "run" / "cc").is_dir()
 
 
 def test_console_script_exits_2_with_one_line_and_no_traceback(tmp_path):
