@@ -652,12 +652,13 @@ class Trainer:
 
     def _reward_extras(self) -> dict[str, float]:
         """`reward/<key>`: the mean of each extra figure the step's rewards gave (samples.py), over every response
-        that gave it on any rank. Data-parallel ranks may meet rows whose reward gives other keys: their sums and
-        counts are gathered (one small object collective a step), not all-reduced key by key."""
+        that gave it on any data-parallel rank. Only a verl reward gives extra figures (its dict's other keys); the
+        ranks' sums and counts are gathered over the data-parallel group (the ranks of a context-parallel group hold
+        the same), not all-reduced key by key: ranks may meet rows whose reward gives other keys."""
         sums = self.record.extra_sums
-        if self.dims.dp > 1:
-            parts = [None] * self.dims.world_size
-            dist.all_gather_object(parts, sums)
+        if self.dims.dp > 1 and self.reward_fn.style == "verl":
+            parts = [None] * self.dims.dp
+            dist.all_gather_object(parts, sums, group=self.groups.dp)
             sums = merge_sums(parts)
         return extra_means(sums)
 

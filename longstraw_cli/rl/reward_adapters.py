@@ -24,16 +24,15 @@ is written (no metrics row, no checkpoint).
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
-import numbers
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from longstraw_cli.rl.rewards import get_reward
 from longstraw_cli.rl.tasks import Example
-from longstraw_cli.safety.inputs import RewardError, reward_value
+from longstraw_cli.safety.inputs import RewardError, as_real, reward_value
 
 log = logging.getLogger("longstraw")
 
@@ -148,23 +147,20 @@ class GroupReward:
                       [self._extra(v) for v in values])
 
     def _extra(self, value) -> dict[str, float]:
-        """A verl dict's keys beside "score" whose values are numbers (a bool as 0 / 1), as floats."""
+        """A verl dict's keys beside "score" whose values are finite numbers (a bool as 0 / 1), as floats."""
         if self.style != "verl" or not isinstance(value, dict):
             return {}
         extra = {}
         for key, v in value.items():
             if key == "score":
                 continue
-            if hasattr(v, "item") and not isinstance(v, numbers.Real):
-                # a figure computed with torch or numpy: its number where it holds one
-                with contextlib.suppress(TypeError, ValueError, RuntimeError):
-                    v = v.item()
-            if isinstance(v, numbers.Real):
-                extra[str(key)] = float(v)
+            number = as_real(v)
+            if number is not None and math.isfinite(number):
+                extra[str(key)] = float(number)
             elif key not in self.unlogged:
                 self.unlogged.add(key)
-                log.warning("reward %r returns %r = %s, not a number: not logged as reward/%s", self.spec, key,
-                            _short(v), key)
+                log.warning("reward %r returns %r = %s, not a finite number: not logged as reward/%s", self.spec,
+                            key, _short(v), key)
         return extra
 
 

@@ -46,18 +46,23 @@ def check_prompt(example: Example, num_tokens: int, max_positions: int, response
                          f"{response_tokens} the model's {max_positions} positions leave room for {room}")
 
 
+def as_real(value) -> numbers.Real | None:
+    """`value` if it is a real number, a one-element tensor or array's number (a figure computed with torch or
+    numpy), else None."""
+    if not isinstance(value, numbers.Real) and hasattr(value, "item"):
+        try:
+            value = value.item()
+        except (TypeError, ValueError, RuntimeError):
+            return None
+    return value if isinstance(value, numbers.Real) else None
+
+
 def reward_value(name: str, value, where: str) -> float:
     """`value` as a float if it is a finite real number (a one-element tensor or array counts as its number; a
     bool does not), else a RewardError naming the reward, what it returned and the row `where` (the advantages
     refuse NaN and infinite rewards)."""
-    number = value
-    if not isinstance(value, numbers.Real) and hasattr(value, "item"):
-        # a reward computed with torch or numpy
-        try:
-            number = value.item()
-        except (TypeError, ValueError, RuntimeError):
-            pass
-    if isinstance(number, numbers.Real) and not isinstance(number, bool) and math.isfinite(number):
+    number = as_real(value)
+    if number is not None and not isinstance(number, bool) and math.isfinite(number):
         return float(number)
     raise RewardError(f"reward {name!r} returned {value!r} on {where}, a {type(value).__name__}; a reward must "
                       f"return a finite number (int or float)")

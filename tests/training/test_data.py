@@ -204,7 +204,7 @@ def test_a_verl_rewards_other_numbers_are_kept_and_the_rest_named_once(tmp_path,
         "import torch\n"
         "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
         "    return {'score': 1.0, 'acc': solution_str == ground_truth, 'steps': torch.tensor(3),\n"
-        "            'pred': solution_str}\n")
+        "            'pred': solution_str, 'ratio': float('nan')}\n")
     example = Example("p", "a")
     spec = f"{tmp_path / 'extra.py'}:compute_score"
     verl = GroupReward(spec, "auto", example)
@@ -213,7 +213,8 @@ def test_a_verl_rewards_other_numbers_are_kept_and_the_rest_named_once(tmp_path,
     assert scores.values == [1.0, 1.0]
     assert scores.extra == [{"acc": 1.0, "steps": 3.0}, {"acc": 0.0, "steps": 3.0}]
     assert [r.getMessage() for r in caplog.records] == [
-        f"reward {spec!r} returns 'pred' = 'a', not a number: not logged as reward/pred"]
+        f"reward {spec!r} returns 'pred' = 'a', not a finite number: not logged as reward/pred",
+        f"reward {spec!r} returns 'ratio' = nan, not a finite number: not logged as reward/ratio"]
 
 
 def test_reward_signature_is_checked_at_start_with_one_line(reward_files, tmp_path):
