@@ -561,12 +561,12 @@ def plan_arguments(cfg, *, gpu_mem_gib: float, host_mem_gib: float, kernels: str
     """The planner's view of the run `longstraw train` launches from the composed config `cfg`: (the model's
     config, its name or path, the keyword arguments of `plan.plan` but prompt_tokens). ConfigError / ValueError on
     a bad value."""
-    from longstraw_cli.config import ConfigError, ModelConfig, expand_paths
+    from longstraw_cli.config import ConfigError, ModelConfig, expand_paths, replay_routing_for
     from longstraw_cli.rl.losses import get_loss
     from longstraw_cli.rollout.native import NativeConfig
 
     model = ModelConfig(**expand_paths({"model": OmegaConf.to_container(cfg.model, resolve=True)})["model"])
-    _, model_cfg = model.family_config()
+    family, model_cfg = model.family_config()
 
     def integer(key: str) -> int:
         value = OmegaConf.select(cfg, key)
@@ -575,6 +575,16 @@ def plan_arguments(cfg, *, gpu_mem_gib: float, host_mem_gib: float, kernels: str
         return value
 
     engine = OmegaConf.select(cfg, "rollout.engine")
+    algo = str(OmegaConf.select(cfg, "algo.name"))
+    loss = get_loss(algo)
+    replay_routing = replay_routing_for(algo, OmegaConf.select(cfg, "rollout.replay_routing", default="auto"))
+    # the score phase runs a forward for the KL reference, or for given or vLLM responses whose old log-probs the
+    # loss reads and the rollout did not give (a file's task.logprob_key does), or whose routing must be recorded
+    # there (routing replay of responses that came with none)
+    routes = family.routing_replay(replay_routing) is not None
+    given_logprobs = engine == "data" and OmegaConf.select(cfg, "task.logprob_key") is not None
+    scoring = float(OmegaConf.select(cfg, "algo.kl_coef")) > 0 or (
+        engine != "native" and loss.needs_old and (routes or not given_logprobs))
     common = dict(
         cp=integer("cp"), ep=integer("ep"), group_size=integer("group_size"),
         response_tokens=integer("response_tokens"), dtype=model.dtype, lora_rank=integer("lora.rank"),
@@ -586,15 +596,12 @@ def plan_arguments(cfg, *, gpu_mem_gib: float, host_mem_gib: float, kernels: str
         reuse=integer("capture.reuse_steps") > 1, probe_tokens=integer("capture.probe_tokens"),
         offload=str(OmegaConf.select(cfg, "capture.offload")), host_mem_gib=host_mem_gib,
         offload_copy_gib=OmegaConf.select(cfg, "rollout.native.offload_copy_gib", default="auto"),
-        replay_routing=OmegaConf.select(cfg, "rollout.replay_routing", default="auto"),
+        replay_routing=replay_routing,
         replay_block=integer("capture.replay_block"),
         # rollout=vllm has no native section: the native decode's default is planned
         response_chunk=(integer("rollout.native.response_chunk") if OmegaConf.select(cfg, "rollout.native")
                         else NativeConfig.response_chunk),
-        # the score phase runs a forward for the KL reference or for a rollout that gives no log-probs of ours to a
-        # loss that reads them (algo=sft reads none)
-        scoring=float(OmegaConf.select(cfg, "algo.kl_coef")) > 0 or (engine != "native" and get_loss(
-            str(OmegaConf.select(cfg, "algo.name"))).needs_old),
+        scoring=scoring,
         # rollout=data | synthetic: no decode, no rollout phase
         decode=engine in ("native", "vllm"))
     integer("prompt_tokens")  # checked here; the callers take one length (train) or a list (plan) of their own

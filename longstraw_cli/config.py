@@ -217,6 +217,17 @@ class CheckpointConfig:
 REPLAY_ROUTING = ("auto", True, False, "measure")
 
 
+def replay_routing_for(loss: str, setting: bool | str) -> bool | str:
+    """rollout.replay_routing as the run takes it: a loss that reads no old log-probs (algo=sft) has no rollout
+    routing to replay, and `auto` is off for it; on is refused in one line."""
+    if get_loss(loss).needs_old:
+        return setting
+    if setting in (True, "measure"):
+        raise ConfigError(f"rollout.replay_routing={str(setting).lower()} replays the routing of sampled responses; "
+                          f"algo={loss} trains on given ones without old log-probs: use auto or false")
+    return False
+
+
 @dataclass(frozen=True)
 class RolloutConfig:
     engine: str
@@ -415,6 +426,9 @@ def train_config(d: dict, world_size: int | None = None, set_keys: tuple[str, ..
     algo.pop("advantage", None)
     loss = _build(LossConfig, algo, "algo", max_response_tokens=d["response_tokens"])
     _check_pairing(loss.name, advantage, engine, task.name)
+    if engine == "data" and reward is not None and task.reward_key is not None:
+        raise ConfigError(f"task.reward={reward} computes the rewards and task.reward_key={task.reward_key} reads "
+                          f"them from the file: set one (without either, a file's rewards column is read)")
     capture = _take(dict(d["capture"]), "capture", {"block_size", "score_batch", "logprob_chunk", "gradient",
                                                    "walk_checkpoint", "reuse_steps", "max_drift", "probe_responses",
                                                    "probe_tokens", "offload", "replay_block"})
@@ -441,6 +455,8 @@ def train_config(d: dict, world_size: int | None = None, set_keys: tuple[str, ..
     vllm_node = rollout_node.pop("vllm", None)
     native_node = rollout_node.pop("native", None)
     replay_routing = rollout_node.pop("replay_routing", "auto")
+    if replay_routing in REPLAY_ROUTING:
+        replay_routing = replay_routing_for(loss.name, replay_routing)
     native = _build(NativeConfig, native_node, "rollout.native") if native_node is not None else NativeConfig()
     sampling = _build(SamplingConfig, rollout_node, "rollout", max_new_tokens=d["response_tokens"])
     if native.offload_copy_gib != "auto" and transaction.offload == "none":

@@ -18,8 +18,8 @@ example i directly.
 
 Given responses (rollout=data, `TaskConfig.given_responses`): an example is a GROUP, every row with the same
 prompt (text, or messages compared as JSON) in file order, so N counts prompts. A row's `task.response_key`
-(default: the first of RESPONSE_KEYS the first row has) holds one response or a list of them, each text, chat
-messages (the turns after the prompt) or token ids; `task.reward_key` (default: the first of REWARD_KEYS, or none)
+(default: the first of RESPONSE_KEYS the first row has) holds one response or a list of them, each text, one
+assistant message or token ids; `task.reward_key` (default: the first of REWARD_KEYS, or none)
 a number or one per response; `task.logprob_key` (no default) per response its tokens' old log-probs. They reach the
 rollout as `Example.given` (rollout/given.py tokenizes them); the example's other columns are its first row's.
 Grouping reads every row's prompt once at start, for `dataset` too.
@@ -104,6 +104,10 @@ def _responses(value: Any, key: str, where: str) -> list:
     for n, response in enumerate(responses):
         if _is_empty(response):
             raise ValueError(f"{where}: {key!r} response {n} is empty")
+        # a response is the policy's one turn: a user's or a tool's turn among it would be trained as the policy's
+        if _is_messages(response) and [m["role"] for m in response] != ["assistant"]:
+            raise ValueError(f"{where}: {key!r} response {n} is chat messages of roles "
+                             f"{[m['role'] for m in response]}; a response is one assistant message")
     return responses
 
 

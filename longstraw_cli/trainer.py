@@ -124,7 +124,8 @@ class Trainer:
         self.data_responses = None if not cfg.task.given_responses else DataResponses(
             self.task, self.tokenizer, group_size=cfg.group_size, response_tokens=cfg.response_tokens,
             vocab_size=cfg.model.family_config()[1].vocab_size,
-            stop_token_ids=stop_token_ids(self.tokenizer, cfg.model.path), device=self.device)
+            stop_token_ids=stop_token_ids(self.tokenizer, cfg.model.path), device=self.device,
+            file_rewards=cfg.reward is None)
         for example in self.task.examples_checked_at_start() if self.data_responses is not None else ():
             self.data_responses.token_ids(example)
         # the reward binds to a file task's first row's columns; a synthetic task's first prompt is built here

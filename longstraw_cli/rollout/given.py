@@ -30,8 +30,9 @@ class DataResponses:
     """rollout=data (see the module docstring)."""
 
     def __init__(self, task: Task, tokenizer: Tokenizer, *, group_size: int, response_tokens: int, vocab_size: int,
-                 stop_token_ids: tuple[int, ...], device: torch.device):
-        self.task, self.tokenizer, self.device = task, tokenizer, device
+                 stop_token_ids: tuple[int, ...], device: torch.device, file_rewards: bool = True):
+        # file_rewards: the rewards the file gives are the rewards (False: task.reward is set, and computes them)
+        self.task, self.tokenizer, self.device, self.file_rewards = task, tokenizer, device, file_rewards
         self.group_size, self.response_tokens, self.vocab_size = group_size, response_tokens, vocab_size
         self.stop_token_ids = set(stop_token_ids)
 
@@ -44,8 +45,6 @@ class DataResponses:
         out = []
         for n, (response, where) in enumerate(zip(given.responses, given.where)):
             ids = self._tokens(example, response, where)
-            if not ids:
-                raise InputError(f"{where}: the response is empty (0 tokens)")
             if len(ids) > self.response_tokens:
                 raise InputError(f"{where}: the response is {len(ids)} tokens, over response_tokens="
                                  f"{self.response_tokens} (raise it, or shorten the response)")
@@ -67,14 +66,23 @@ class DataResponses:
             raise InputError(f"{where}: {e}") from None
         ids = self.tokenizer.encode(response if text is None else text)
         stop = next((t for t, i in enumerate(ids) if i in self.stop_token_ids), None)
-        return ids + [self.tokenizer.eos_token_id] if stop is None else ids[: stop + 1]
+        if stop is None:
+            return ids + [self.tokenizer.eos_token_id]
+        # what a template puts after its end of turn (a newline) goes; text past a stop token would be lost unseen
+        rest = self.tokenizer.decode(ids[stop + 1:]).strip()
+        if rest:
+            token = self.tokenizer.decode(ids[stop:stop + 1])
+            raise InputError(f"{where}: the response goes on past a stop token ({token!r}) with {rest[:60]!r}; a "
+                             f"sampled response ends at its first: cut it there")
+        return ids[: stop + 1]
 
     def __call__(self, example: Example, prompt_ids: torch.Tensor) -> Rollout:
         given = example.given
         responses = [torch.tensor(ids, dtype=torch.long, device=self.device) for ids in self.token_ids(example)]
         logprobs = None if given.logprobs is None else [
             torch.tensor(lp, dtype=torch.float64, device=self.device) for lp in given.logprobs]
-        return Rollout(responses, logprobs, rewards=None if given.rewards is None else list(given.rewards))
+        rewards = list(given.rewards) if given.rewards is not None and self.file_rewards else None
+        return Rollout(responses, logprobs, rewards=rewards)
 
 
 class SyntheticResponses:

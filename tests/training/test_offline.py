@@ -32,12 +32,13 @@ def write_jsonl(path: Path, rows_: list[dict]) -> Path:
     return path
 
 
-def trainer(tmp_path: Path, name: str, *args: str):
+def trainer(tmp_path: Path, name: str, *args: str, reward: str | None = "rewards_for_tests:char_sum"):
+    """reward None: the task's default reward, so that a file's rewards column is read."""
     from longstraw_cli.trainer import Trainer
 
     return Trainer(train_config(composed(["model.dtype=float64", "group_size=3", "response_tokens=6", "steps=2",
                                           "logger.backends=[jsonl]", "checkpoint.enabled=false", "optim.lr=0.05",
-                                          "task.reward=rewards_for_tests:char_sum", *args,
+                                          *([f"task.reward={reward}"] if reward else []), *args,
                                           f"run_dir={tmp_path / name}"])))
 
 
@@ -62,8 +63,10 @@ def test_offline_grpo_equals_on_policy_given_the_same_responses(tmp_path, monkey
                                                                 if k not in ("rewards", "old_logprobs")}
                                                                for row in recorded])}
     for name, path in files.items():
+        # recorded: the file's rewards (no task.reward, which would compute them) and old log-probs
         offline = trainer(tmp_path, name, f"model={model}", "task=jsonl", f"task.path={path}", "rollout=data",
-                          "task.logprob_key=old_logprobs" if name == "recorded" else "task.logprob_key=null")
+                          "task.logprob_key=old_logprobs" if name == "recorded" else "task.logprob_key=null",
+                          reward=None if name == "recorded" else "rewards_for_tests:char_sum")
         offline.train()
         for want, got in zip(rows(tmp_path / "online"), rows(tmp_path / name)):
             for key in ("reward_mean", "loss", "grad_norm", "num_tokens"):
@@ -119,6 +122,11 @@ def test_rows_of_one_prompt_form_a_group_and_responses_tokenize_as_the_template_
                                              "['responses', 'completion', 'completions', 'response']"),
     ({"prompt": "p", "responses": ["a", "b"], "lp": [[-1.0], [None]]}, "given.jsonl:1: 'lp' must give 2 lists of "
                                                                        "finite log-probs, one per response"),
+    ({"prompt": [{"role": "user", "content": "q"}],
+      "responses": [[{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}],
+                    [{"role": "assistant", "content": "c"}]]},
+     "given.jsonl:1: 'responses' response 0 is chat messages of roles ['assistant', 'user']; a response is one "
+     "assistant message"),
 ])
 def test_bad_columns_are_one_line_naming_the_row(tmp_path, row, expected):
     with pytest.raises(ValueError) as e:
@@ -140,6 +148,22 @@ def test_bad_responses_are_one_line_naming_the_row(tmp_path, row, expected):
     with pytest.raises(InputError) as e:
         responses(task).token_ids(task.example(0))
     assert str(e.value).replace(f"{tmp_path}/", "").startswith(expected), str(e.value)
+
+
+def test_text_past_a_stop_token_is_refused_and_task_reward_replaces_the_files_rewards(tmp_path):
+    """A response that goes on past a stop token would lose the rest unseen: one line. With task.reward set the
+    reward computes the rewards and the file's column is not read (both named at once is refused in one line)."""
+    task = given_task(tmp_path, [{"prompt": "p", "responses": ["a\nb", "c"], "rewards": [1, 0]}])
+    with pytest.raises(InputError, match=r"given.jsonl:1 response 0: the response goes on past a stop token "
+                                         r"\('\\n'\) with 'b'"):
+        responses(task, stop=(10, 258)).token_ids(task.example(0))
+    assert responses(task).__call__(task.example(0), torch.tensor([1])).rewards == [1.0, 0.0]
+    computed = DataResponses(task, task.tokenizer, group_size=2, response_tokens=32, vocab_size=259,
+                             stop_token_ids=(258,), device=torch.device("cpu"), file_rewards=False)
+    assert computed(task.example(0), torch.tensor([1])).rewards is None
+    with pytest.raises(ConfigError, match="task.reward=exact computes the rewards and task.reward_key=rewards reads"):
+        train_config({**composed(["task=jsonl", f"task.path={tmp_path / 'given.jsonl'}", "rollout=data",
+                                  "task.reward=exact", "task.reward_key=rewards"]), "run_dir": "runs/x"})
 
 
 def test_synthetic_responses_are_seeded_random_ids_of_exactly_response_tokens():
@@ -177,3 +201,29 @@ def test_sft_takes_groups_of_one():
     cfg = train_config({**composed(["algo=sft", "rollout=synthetic", "group_size=1"]), "run_dir": "runs/x"})
     assert (cfg.loss.name, cfg.loss.aggregation, cfg.transaction.advantage, cfg.group_size) == (
         "sft", "token_mean", "one", 1)
+
+
+def test_sft_replays_no_routing_and_the_plan_scores_only_what_runs(tmp_path):
+    """algo=sft has no rollout routing to replay: replay_routing auto is off for it (the trainer and the plan read
+    the one resolved value), on is refused. The plan has a score phase for given responses only where their old
+    log-probs are not in the file (task.logprob_key) or their routing must be recorded there."""
+    from omegaconf import OmegaConf
+
+    from longstraw_cli.cli import plan_arguments
+
+    sft = ["model=glm52_tiny", "algo=sft", "rollout=synthetic"]
+    assert train_config({**composed(sft), "run_dir": "runs/x"}).rollout.replay_routing is False
+    with pytest.raises(ConfigError, match="rollout.replay_routing=true replays the routing of sampled responses"):
+        train_config({**composed([*sft, "rollout.replay_routing=true"]), "run_dir": "runs/x"})
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "p", "responses": [[1, 2], [3]], "lp": [[-1, -1], [-1]]}])
+    data = ["task=jsonl", f"task.path={path}", "rollout=data", "group_size=2"]
+
+    def scoring(*args):
+        cfg = OmegaConf.create(composed(list(args)))
+        return plan_arguments(cfg, gpu_mem_gib=80, host_mem_gib=64)[2]["scoring"]
+
+    assert scoring(*data) and not scoring(*data, "task.logprob_key=lp")
+    # glm52 records the responses' routing at scoring (they came with none), so it scores
+    assert scoring(*data, "task.logprob_key=lp", "model=glm52_tiny")
+    assert not scoring(*sft) and plan_arguments(OmegaConf.create(composed(sft)), gpu_mem_gib=80,
+                                                host_mem_gib=64)[2]["replay_routing"] is False
