@@ -33,6 +33,10 @@ class _Guarded:
                 self._bury()
         return len(text)
 
+    def writelines(self, lines) -> None:
+        for line in lines:
+            self.write(line)
+
     def flush(self) -> None:
         if self._dead:
             return
