@@ -6,6 +6,7 @@ thing under test: the console script's exit code and stderr, kill -9 and resume,
 
 import dataclasses
 import json
+import os
 import re
 import signal
 import subprocess
@@ -127,10 +128,14 @@ def test_hydra_info_makes_no_run_dir(train_here, tmp_path):
 def test_a_value_that_reads_hydras_config_resolves_as_in_the_job(tmp_path):
     """`${hydra:runtime.output_dir}` names the job's run dir, in the checks before Hydra starts as in the job (a
     process of its own: in this one an earlier test's Hydra config would answer)."""
-    out = longstraw(["steps=1", "group_size=2", "prompt_tokens=64", "response_tokens=4", "checkpoint.enabled=false",
-                     f"run_dir={tmp_path / 'run'}", "compile_cache_dir=${hydra:runtime.output_dir}/cc"], tmp_path)
+    # the caches' own variables, which an earlier test of this process may have set, would win over the setting
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
+    out = subprocess.run([sys.executable, "-m", "longstraw_cli", "train", "steps=1", "group_size=2",
+                          "prompt_tokens=64", "response_tokens=4", "checkpoint.enabled=false",
+                          f"run_dir={tmp_path / 'run'}", "compile_cache_dir=${hydra:runtime.output_dir}/cc"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)
     assert out.returncode == 0, out.stderr
-    assert (tmp_path / "run" / "cc").is_dir()
+    assert (tmp_path / "run" / "cc" / "triton").is_dir(), out.stderr
 
 
 def test_console_script_exits_2_with_one_line_and_no_traceback(tmp_path):
