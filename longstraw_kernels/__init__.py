@@ -23,15 +23,12 @@ __all__ = ["FAST_PATHS", "KernelConfig", "at_least_fp32", "compute_dtype", "kern
 
 
 def compute_dtype(*inputs: torch.Tensor | torch.dtype | None) -> torch.dtype:
-    """fp32, or the widest input dtype when wider (bf16/fp16/fp8 compute in fp32, fp64 stays fp64). Inputs are
-    tensors or dtypes; None is skipped."""
+    """fp32, or the widest input dtype when wider (bf16/fp16 compute in fp32, fp64 stays fp64). Inputs are tensors
+    or dtypes; None is skipped."""
     dtype = torch.float32
     for x in inputs:
         if x is not None:
-            other = x if isinstance(x, torch.dtype) else x.dtype
-            # torch does not promote FP8 types; they are narrower than fp32 in any case
-            if other.itemsize > 1 or not other.is_floating_point:
-                dtype = torch.promote_types(dtype, other)
+            dtype = torch.promote_types(dtype, x if isinstance(x, torch.dtype) else x.dtype)
     return dtype
 
 

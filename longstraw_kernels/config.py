@@ -20,8 +20,6 @@ from dataclasses import dataclass
 AUTO_OR_TORCH = ("auto", "torch")
 # the prompt pages' fused attention: auto takes flash_attn where it imports, else cuDNN on sm90+, else aten flash
 ATTENTION_CHOICES = ("auto", "cudnn", "flash", "flash_attn")
-# the DSA indexer's q . k: exact (the reference's numbers up to the order of summation) or FP8 (dsa/fp8.py)
-DSA_SCORES_CHOICES = ("exact", "fp8")
 
 
 @dataclass(frozen=True)
@@ -35,9 +33,6 @@ class KernelConfig:
     mla: str = "auto"
     # the DSA indexer's scores and the decode's top-k (glm52; dsa/)
     dsa: str = "auto"
-    # the DSA indexer's scores: exact, or rotated and quantised to FP8 rows as DeepSeek-V3.2 runs them (dsa/fp8.py;
-    # the top-k may then pick other keys among near-ties)
-    dsa_scores: str = "exact"
     # routed experts as grouped GEMMs (glm52; bf16, sm90+); torch: a loop over the experts
     experts: str = "auto"
     # the decode's router choice and weights in one kernel (glm52; moe/); torch: the router module
@@ -64,7 +59,7 @@ class KernelConfig:
                 if not isinstance(value, bool):
                     raise ValueError(f"kernels.autotuned={value!r}; valid: [true, false]")
                 continue
-            choices = {"attention": ATTENTION_CHOICES, "dsa_scores": DSA_SCORES_CHOICES}.get(field.name, AUTO_OR_TORCH)
+            choices = ATTENTION_CHOICES if field.name == "attention" else AUTO_OR_TORCH
             if value not in choices:
                 raise ValueError(f"kernels.{field.name}={value!r}; valid: {list(choices)}")
 

@@ -5,23 +5,17 @@
 otherwise; `kernels.dsa=torch` forces the reference (benchmarks, A/B runs). Few query rows (the decode's) take the
 kernel's few-rows form, the heads folded into the dot's rows and a few programs an SM looping over the key tiles,
 where it serves: on an H200 at 8 rows of 262K keys, 0.043 ms at 16 heads and 0.084 at 32 against the head loop's
-0.082 and 0.139 (docs/BENCHMARKS.md, 2026-12-04).
-
-`kernels.dsa_scores=fp8` scores in FP8 (`fp8.py`): the model quantises queries and keys (`fp8.quantize_queries`,
-`fp8.quantize_keys`) and hands them here, the kernel's FP8 dot on GPUs that have one (sm89+), the reference on the
-dequantised rows elsewhere."""
+0.082 and 0.139 (docs/BENCHMARKS.md, 2026-12-04)."""
 
 from __future__ import annotations
 
 import torch
 
 from longstraw_kernels import compute_dtype, kernel_choice, optional_module
-from longstraw_kernels.dsa.fp8 import FP8, Fp8Keys, dequantized, quantize_keys, quantize_queries
 from longstraw_kernels.dsa.reference import indexer_scores_reference
 from longstraw_kernels.dsa.topk import topk_lowest_position
 
-__all__ = ["Fp8Keys", "compute_dtype", "indexer_scores", "indexer_scores_reference", "quantize_keys",
-           "quantize_queries", "scores_in_fp8", "topk_lowest_position"]
+__all__ = ["compute_dtype", "indexer_scores", "indexer_scores_reference", "topk_lowest_position"]
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -40,44 +34,22 @@ def _folded_scores(q_BTJI: torch.Tensor, k: torch.Tensor):
     return module.indexer_scores_folded_triton
 
 
-def scores_in_fp8() -> bool:
-    """Whether the run scores in FP8 (`kernels.dsa_scores`): the model then quantises queries and keys."""
-    return kernel_choice("dsa_scores") == "fp8"
-
-
-def indexer_scores(q_BTJI: torch.Tensor, w_BTJ: torch.Tensor, k: torch.Tensor | Fp8Keys, scale: float,
+def indexer_scores(q_BTJI: torch.Tensor, w_BTJ: torch.Tensor, k: torch.Tensor, scale: float,
                    offset: int | None = None) -> torch.Tensor:
     """Index scores [B, T, S] in `compute_dtype(q)` of queries [B, T, J, I] (per-head weights w [B, T, J]) against
     keys [S, I] (shared) or [B, S, I]; with `offset`, -inf where s > t + offset. See
-    `reference.indexer_scores_reference`. FP8 queries (`quantize_queries`) go with `Fp8Keys` (`quantize_keys`).
-    Inside a compiled graph (the decode step) it is one opaque op (`longstraw::dsa_indexer_scores`): inductor
-    does not re-trace the Triton kernel, and dynamo does not break the graph there, so the page count stays a
-    dynamic size across it."""
-    k, k_scales = (k.values, k.scales) if isinstance(k, Fp8Keys) else (k, None)
-    if (q_BTJI.dtype == FP8) != (k_scales is not None):
-        raise ValueError(f"FP8 queries go with Fp8Keys and only with them: got q {q_BTJI.dtype}, keys "
-                         f"{'Fp8Keys' if k_scales is not None else k.dtype}")
+    `reference.indexer_scores_reference`. Inside a compiled graph (the decode step) it is one opaque op
+    (`longstraw::dsa_indexer_scores`): inductor does not re-trace the Triton kernel, and dynamo does not break
+    the graph there, so the page count stays a dynamic size across it."""
     if torch.compiler.is_compiling():
-        return _indexer_scores_op(q_BTJI, w_BTJ, k, k_scales, scale, offset)
-    return _indexer_scores(q_BTJI, w_BTJ, k, k_scales, scale, offset)
+        return _indexer_scores_op(q_BTJI, w_BTJ, k, scale, offset)
+    return _indexer_scores(q_BTJI, w_BTJ, k, scale, offset)
 
 
-def _fp8_dot(device: torch.device) -> bool:
-    """Whether `device` has FP8 tensor cores (sm89+)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-
-
-def _indexer_scores(q_BTJI, w_BTJ, k, k_scales, scale, offset):
+def _indexer_scores(q_BTJI, w_BTJ, k, scale, offset):
     kernel = _triton_scores() if q_BTJI.is_cuda and kernel_choice("dsa") == "auto" else None
-    if k_scales is not None:
-        if kernel is None or not _fp8_dot(q_BTJI.device):
-            # the exact scores of the dequantised rows: what the kernel's FP8 dots compute
-            scores_BTS = indexer_scores_reference(q_BTJI.float(), w_BTJ, dequantized(k, k_scales), scale, offset)
-        else:
-            fold = _folded_scores(q_BTJI, k) or kernel
-            scores_BTS = fold(q_BTJI, w_BTJ, k, scale, offset, k_scales=k_scales)
     # fp64 (tests of the algorithm) has no tensor-core path: the reference computes it
-    elif kernel is None or compute_dtype(q_BTJI) != torch.float32 or k.dtype not in _KERNEL_DTYPES:
+    if kernel is None or compute_dtype(q_BTJI) != torch.float32 or k.dtype not in _KERNEL_DTYPES:
         scores_BTS = indexer_scores_reference(q_BTJI, w_BTJ, k, scale, offset)
     else:
         scores_BTS = (_folded_scores(q_BTJI, k) or kernel)(q_BTJI, w_BTJ, k, scale, offset)
@@ -87,12 +59,12 @@ def _indexer_scores(q_BTJI, w_BTJ, k, k_scales, scale, offset):
 
 # no gradient: the scores only feed a top-k (the selection is not differentiated)
 @torch.library.custom_op("longstraw::dsa_indexer_scores", mutates_args=())
-def _indexer_scores_op(q_BTJI: torch.Tensor, w_BTJ: torch.Tensor, k: torch.Tensor, k_scales: torch.Tensor | None,
-                       scale: float, offset: int | None) -> torch.Tensor:
-    return _indexer_scores(q_BTJI, w_BTJ, k, k_scales, scale, offset)
+def _indexer_scores_op(q_BTJI: torch.Tensor, w_BTJ: torch.Tensor, k: torch.Tensor, scale: float,
+                       offset: int | None) -> torch.Tensor:
+    return _indexer_scores(q_BTJI, w_BTJ, k, scale, offset)
 
 
 @_indexer_scores_op.register_fake
-def _(q_BTJI, w_BTJ, k, k_scales, scale, offset):
+def _(q_BTJI, w_BTJ, k, scale, offset):
     B, T = q_BTJI.shape[:2]
     return q_BTJI.new_empty(B, T, k.shape[-2], dtype=compute_dtype(q_BTJI))

@@ -13,11 +13,6 @@ bf16 values is exact in fp32 (8 + 8 significant bits <= 24; fp16: 11 + 11), so t
 to the order of summation. Anything else is computed in fp32 with input_precision="ieee": TF32 would round q and
 k to 10-bit mantissas and flip near-ties of the top-k that follows. See README.md.
 
-FP8 (`kernels.dsa_scores=fp8`, fp8.py): q and k both float8_e4m3 (rotated, a scale per row), the scales of the
-queries folded into w by the caller and the keys' scales (`k_scales`) multiplied into each key's column of the
-accumulated tile: the exact scores of the dequantised rows up to the order of summation (e4m3 products are exact in
-fp32).
-
 Legend: B batch, T queries, J index heads, I index head dim (BLOCK_I: I padded to a power of two >= 16),
 S keys.
 """
@@ -28,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-LOW_PRECISION_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+LOW_PRECISION_DTYPES = (torch.bfloat16, torch.float16)
 SUPPORTED_DTYPES = (torch.float32,) + LOW_PRECISION_DTYPES
 # (BLOCK_T, BLOCK_S, num_warps, num_stages) per dot precision. bf16: the fastest of bench_dsa.py's six tile
 # shapes at every size of its H200 sweep (2026-11-29, J=16, I=128: 12% less time than 64x256x8x2, which ran at
@@ -47,15 +42,6 @@ def _key_tile(k_base, ds_S, i_I, valid_S, I, stride_ks, stride_ki):
     past S load 0 and add nothing to the dots."""
     return tl.load(k_base + ds_S[None, :] * stride_ks + i_I[:, None] * stride_ki,
                    mask=(i_I[:, None] < I) & valid_S[None, :], other=0.0)
-
-
-@triton.jit
-def _scaled_by_keys(acc_TS, ks_base, ds_S, valid_S, stride_kss, KEY_SCALES: tl.constexpr):
-    """The tile times each key's scale (FP8 keys: their dequantisation, past the ReLU and the head sum); as it is
-    without KEY_SCALES."""
-    if KEY_SCALES:
-        acc_TS = acc_TS * tl.load(ks_base + ds_S * stride_kss, mask=valid_S, other=0.0)[None, :]
-    return acc_TS
 
 
 @triton.jit
@@ -93,15 +79,14 @@ def _folded_tile(q_RI, w_R, kT_IS, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
 
 @triton.jit
 def _folded_loop_kernel(
-    q_ptr, w_ptr, k_ptr, ks_ptr, out_ptr,
+    q_ptr, w_ptr, k_ptr, out_ptr,
     T, S, I, scale, offset,
     stride_qb, stride_qt, stride_qj, stride_qi,
     stride_wb, stride_wt, stride_wj,
     stride_kb, stride_ks, stride_ki,
-    stride_ksb, stride_kss,
     stride_ob, stride_ot, stride_os,
-    HAS_OFFSET: tl.constexpr, KEY_SCALES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_I: tl.constexpr, FOLD_J: tl.constexpr, NUM_STAGES: tl.constexpr,
+    HAS_OFFSET: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_I: tl.constexpr,
+    FOLD_J: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     # few rows (the decode's), every row's FOLD_J = J heads folded into the dot's rows (r = t * J + j: one
     # [BLOCK_T * J, I] x [I, BLOCK_S] tensor-core dot for the J dots of BLOCK_T rows, each padded to 16, of the head
@@ -119,28 +104,24 @@ def _folded_loop_kernel(
                              w_ptr + b * stride_wb + t0.to(tl.int64) * stride_wt, t0, T, I, scale, stride_qt,
                              stride_qj, stride_qi, stride_wt, stride_wj, BLOCK_T, BLOCK_I, FOLD_J)
     k_batch = k_ptr + b * stride_kb
-    ks_batch = ks_ptr + b * stride_ksb
     out_rows = out_ptr + b * stride_ob + t0.to(tl.int64) * stride_ot
     for tile in tl.range(pid, tl.cdiv(S, BLOCK_S), tl.num_programs(0), num_stages=NUM_STAGES):
         s0 = tile * BLOCK_S
         valid_S = s0 + ds_S < S
         kT_IS = _key_tile(k_batch + s0.to(tl.int64) * stride_ks, ds_S, i_I, valid_S, I, stride_ks, stride_ki)
-        acc_TS = _scaled_by_keys(_folded_tile(q_RI, w_R, kT_IS, BLOCK_T, BLOCK_S, FOLD_J),
-                                 ks_batch + s0.to(tl.int64) * stride_kss, ds_S, valid_S, stride_kss, KEY_SCALES)
-        _store_tile(out_rows + s0.to(tl.int64) * stride_os, acc_TS, t0, s0, dt_T, ds_S, valid_T, valid_S, offset,
-                    stride_ot, stride_os, HAS_OFFSET)
+        _store_tile(out_rows + s0.to(tl.int64) * stride_os, _folded_tile(q_RI, w_R, kT_IS, BLOCK_T, BLOCK_S, FOLD_J),
+                    t0, s0, dt_T, ds_S, valid_T, valid_S, offset, stride_ot, stride_os, HAS_OFFSET)
 
 
 @triton.jit
 def _indexer_scores_kernel(
-    q_ptr, w_ptr, k_ptr, ks_ptr, out_ptr,
+    q_ptr, w_ptr, k_ptr, out_ptr,
     T, S, J, I, scale, offset,
     stride_qb, stride_qt, stride_qj, stride_qi,
     stride_wb, stride_wt, stride_wj,
     stride_kb, stride_ks, stride_ki,
-    stride_ksb, stride_kss,
     stride_ob, stride_ot, stride_os,
-    HAS_OFFSET: tl.constexpr, LOW_PRECISION: tl.constexpr, KEY_SCALES: tl.constexpr,
+    HAS_OFFSET: tl.constexpr, LOW_PRECISION: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_I: tl.constexpr,
 ):
     pid_s, pid_t, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
@@ -177,8 +158,6 @@ def _indexer_scores_kernel(
                 dots_TS = tl.dot(q_TI.to(tl.float32), kT_IS.to(tl.float32), input_precision="ieee",
                                  out_dtype=tl.float32)
             acc_TS += tl.maximum(dots_TS, 0.0) * w_T[:, None]
-        acc_TS = _scaled_by_keys(acc_TS, ks_ptr + b * stride_ksb + s0.to(tl.int64) * stride_kss, ds_S, valid_S,
-                                 stride_kss, KEY_SCALES)
         _store_tile(out_base, acc_TS, t0, s0, dt_T, ds_S, valid_T, valid_S, offset, stride_ot, stride_os, HAS_OFFSET)
 
 
@@ -190,7 +169,7 @@ FOLDED_MAX_ROWS = 512
 
 
 def folded_serves(q_BTJI: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether `indexer_scores_folded_triton` takes these: bf16 / fp16 / fp8 q and k alike, J a power of two, at most
+    """Whether `indexer_scores_folded_triton` takes these: bf16 / fp16 q and k alike, J a power of two, and at most
     FOLDED_MAX_ROWS folded rows (T padded to a power of two, times J)."""
     _, T, J, _ = q_BTJI.shape
     return (q_BTJI.dtype == k.dtype and q_BTJI.dtype in LOW_PRECISION_DTYPES and J & (J - 1) == 0
@@ -198,9 +177,8 @@ def folded_serves(q_BTJI: torch.Tensor, k: torch.Tensor) -> bool:
 
 
 def indexer_scores_folded_triton(q_BTJI: torch.Tensor, w_BTJ: torch.Tensor, k: torch.Tensor, scale: float,
-                                 offset: int | None = None, *, k_scales: torch.Tensor | None = None,
-                                 block_s: int | None = None, num_warps: int = 8,
-                                 programs: int | None = None) -> torch.Tensor:
+                                 offset: int | None = None, *, block_s: int | None = None,
+                                 num_warps: int = 8, programs: int | None = None) -> torch.Tensor:
     """`indexer_scores_triton` for few query rows (`folded_serves`), the heads folded into the dot's rows, as
     `programs` programs a row tile and sequence looping over the key tiles (`_folded_loop_kernel`; default
     `folded_loop_programs`). block_s: keys a tile (default: FOLDED_TILE_ELEMENTS over the folded rows, 16 to 256)."""
@@ -214,8 +192,8 @@ def indexer_scores_folded_triton(q_BTJI: torch.Tensor, w_BTJ: torch.Tensor, k: t
         block_s = min(256, max(16, FOLDED_TILE_ELEMENTS // (block_t * J)))
     if programs is None:
         programs = folded_loop_programs(q_BTJI.device)
-    return indexer_scores_triton(q_BTJI, w_BTJ, k, scale, offset, k_scales=k_scales,
-                                 config=(block_t, block_s, num_warps, 2), programs=programs)
+    return indexer_scores_triton(q_BTJI, w_BTJ, k, scale, offset, config=(block_t, block_s, num_warps, 2),
+                                 programs=programs)
 
 
 # the folded loop's programs per SM (untuned)
@@ -230,11 +208,9 @@ def folded_loop_programs(device: torch.device) -> int:
 
 
 def indexer_scores_triton(q_BTJI: torch.Tensor, w_BTJ: torch.Tensor, k: torch.Tensor, scale: float,
-                          offset: int | None = None, *, k_scales: torch.Tensor | None = None,
-                          config: tuple[int, int, int, int] | None = None,
+                          offset: int | None = None, *, config: tuple[int, int, int, int] | None = None,
                           programs: int | None = None) -> torch.Tensor:
     """Same contract as `reference.indexer_scores_reference`, for fp32 / bf16 / fp16 q and k: -> [B, T, S] fp32.
-    FP8 q and k (fp8.py) go with the keys' scales `k_scales` ([S] or [B, S]), the queries' folded into w.
     `config` = (BLOCK_T, BLOCK_S, num_warps, num_stages), powers of two, blocks >= 16; None: the default of the
     dot's precision. programs: the heads folded into the dot's rows, that many programs looping over the key tiles
     (`indexer_scores_folded_triton` checks it serves and sizes the config)."""
@@ -246,10 +222,6 @@ def indexer_scores_triton(q_BTJI: torch.Tensor, w_BTJ: torch.Tensor, k: torch.Te
         raise ValueError(f"keys must be [S, {I}] or [{B}, S, {I}], got {tuple(k.shape)}")
     if w_BTJ.shape != (B, T, J):
         raise ValueError(f"w must be [{B}, {T}, {J}], got {tuple(w_BTJ.shape)}")
-    fp8 = torch.float8_e4m3fn in (q_BTJI.dtype, k.dtype)
-    if fp8 and (q_BTJI.dtype != k.dtype or k_scales is None or k_scales.shape != k.shape[:-1]):
-        raise ValueError(f"FP8 scores take FP8 q and k with the keys' scales {tuple(k.shape[:-1])}; got q "
-                         f"{q_BTJI.dtype}, k {k.dtype}, scales {None if k_scales is None else tuple(k_scales.shape)}")
     if not scale >= 0:
         raise ValueError(f"scale must be >= 0 (the kernel moves it past the ReLU), got {scale}")
     S = k.shape[-2]
@@ -266,20 +238,14 @@ def indexer_scores_triton(q_BTJI: torch.Tensor, w_BTJ: torch.Tensor, k: torch.Te
         raise ValueError(f"S={S} keys (row stride {row_stride}) overflow 32-bit in-tile offsets at block_t={block_t}")
     # a shared key group is read by every sequence: batch stride 0
     stride_kb = k.stride(0) if k.dim() == 3 else 0
-    # without scales the kernel reads none: any pointer serves
-    k_scales = out_BTS if k_scales is None else k_scales.float()
-    stride_ksb = k_scales.stride(0) if fp8 and k.dim() == 3 else 0
-    args = (q_BTJI, w_BTJ, k, k_scales, out_BTS)
-    strides = (*q_BTJI.stride(), *w_BTJ.stride(), stride_kb, k.stride(-2), k.stride(-1), stride_ksb,
-               k_scales.stride(-1) if fp8 else 0, *out_BTS.stride())
+    args = (q_BTJI, w_BTJ, k, out_BTS)
+    strides = (*q_BTJI.stride(), *w_BTJ.stride(), stride_kb, k.stride(-2), k.stride(-1), *out_BTS.stride())
     offset_arg = S if offset is None else int(offset)
-    # FP8 tensor-core dots take 32 values of the reduced axis at least
-    block_i = max(32 if fp8 else 16, triton.next_power_of_2(I))
+    block_i = max(16, triton.next_power_of_2(I))
     if programs is not None:
         grid = (min(programs, triton.cdiv(S, block_s)), triton.cdiv(T, block_t), B)
         _folded_loop_kernel[grid](*args, T, S, I, float(scale), offset_arg, *strides, HAS_OFFSET=offset is not None,
-                                  KEY_SCALES=fp8, BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_I=block_i, FOLD_J=J,
-                                  NUM_STAGES=num_stages,
+                                  BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_I=block_i, FOLD_J=J, NUM_STAGES=num_stages,
                                   num_warps=num_warps)
         return out_BTS
     # key tiles vary fastest: programs running together share one query tile (all J heads of it stay in L2) and
@@ -288,7 +254,7 @@ def indexer_scores_triton(q_BTJI: torch.Tensor, w_BTJ: torch.Tensor, k: torch.Te
     _indexer_scores_kernel[grid](
         *args, T, S, J, I, float(scale), offset_arg, *strides,
         HAS_OFFSET=offset is not None,
-        LOW_PRECISION=low_precision, KEY_SCALES=fp8,
+        LOW_PRECISION=low_precision,
         BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_I=block_i,
         num_warps=num_warps, num_stages=num_stages,
     )

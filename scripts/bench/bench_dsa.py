@@ -7,9 +7,7 @@ on the first size (kernel vs reference, fails loudly), then per (T, S) one JSON 
 finite scores and whether the -inf positions agree. --configs times other tile shapes of the kernel too. For few
 queries (the decode's: --queries 8) the few-rows form with the heads folded into the dot's rows
 (`indexer_scores_folded_triton`, a few programs an SM looping over the key tiles) is checked and timed at several
-key blocks. --fp8 also times the FP8 scores (`kernels.dsa_scores=fp8`, longstraw_kernels/dsa/fp8.py) at each tile
-shape: the kernel on quantised q and k, the quantisation of q (each call's) and of k (once a capture block), their
-agreement with the exact scores of the dequantised rows, and how much of the exact top-2048 they keep.
+key blocks.
 
     python scripts/bench/bench_dsa.py --out dsa.jsonl
 """
@@ -23,9 +21,7 @@ import json
 import torch
 import triton
 
-from longstraw_kernels.dsa import indexer_scores_reference, quantize_keys, quantize_queries
-from longstraw_kernels.dsa.fp8 import dequantized
-from longstraw_kernels.dsa.topk import topk_lowest_position
+from longstraw_kernels.dsa import indexer_scores_reference
 from longstraw_kernels.dsa.triton_scores import (
     LOW_PRECISION_CONFIG,
     folded_serves,
@@ -66,44 +62,6 @@ def visible_pairs(T, S, offset):
     return (t + offset + 1).clamp(0, S).sum().item()
 
 
-def topk_overlap(a_BTS, b_BTS, k=2048, rows=64):
-    """Mean share of b's top-k (the tie rule's) that a's top-k keeps, over `rows` rows spread over T."""
-    pick = torch.linspace(0, a_BTS.shape[1] - 1, min(rows, a_BTS.shape[1]), device=a_BTS.device).long()
-    ka, kb = (topk_lowest_position(x[:, pick], min(k, x.shape[-1])) for x in (a_BTS, b_BTS))
-    shared = [len(set(x.tolist()) & set(y.tolist())) / y.numel() for x, y in zip(ka[0], kb[0])]
-    return sum(shared) / len(shared)
-
-
-def fp8_row(q_BTJI, w_BTJ, k_SI, scale, offset, configs, rep):
-    """The FP8 path's times, errors and top-k overlap at one size."""
-    bench = functools.partial(triton.testing.do_bench, rep=rep, return_mode="median")
-    q8, w8 = quantize_queries(q_BTJI, w_BTJ)
-    keys = quantize_keys(k_SI)
-    out_BTS = indexer_scores_triton(q8, w8, keys.values, scale, offset, k_scales=keys.scales)
-    exact_of_fp8 = indexer_scores_reference(q8.float(), w8, dequantized(*keys), scale, offset)
-    _, err, same_inf = compare(out_BTS, exact_of_fp8)
-    del exact_of_fp8
-    # Hopper's FP8 MMA accumulates in fewer than fp32's bits (Triton's default there): ~1e-4, not ~1e-7
-    if not same_inf or not err < 1e-3:
-        raise SystemExit(f"the FP8 kernel disagrees with the exact scores of its rows: {err:.3e}, {same_inf}")
-    exact_BTS = indexer_scores_triton(q_BTJI, w_BTJ, k_SI, scale, offset)
-    _, err_vs_exact, _ = compare(out_BTS, exact_BTS)
-    overlap = topk_overlap(out_BTS, exact_BTS)
-    del out_BTS, exact_BTS
-    by_config = {"x".join(map(str, c)): round(bench(functools.partial(
-        indexer_scores_triton, q8, w8, keys.values, scale, offset, k_scales=keys.scales, config=c)), 3)
-        for c in configs}
-    row = {"fp8_rel_err_vs_its_rows": err, "fp8_ms_by_config": by_config,
-           "fp8_quantize_q_ms": round(bench(lambda: quantize_queries(q_BTJI, w_BTJ)), 3),
-           "fp8_quantize_k_ms": round(bench(lambda: quantize_keys(k_SI)), 3), "fp8_rel_err_vs_exact": err_vs_exact,
-           "fp8_top2048_overlap": round(overlap, 4)}
-    if folded_serves(q8, keys.values):
-        row["fp8_folded_ms_by_block_s"] = {b: round(bench(functools.partial(
-            indexer_scores_folded_triton, q8, w8, keys.values, scale, offset, k_scales=keys.scales, block_s=b)), 4)
-            for b in (32, 64, 128, 256)}
-    return row
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--queries", default="4096,16384", help="T values")
@@ -114,7 +72,6 @@ def main(argv=None):
     p.add_argument("--configs", default=DEFAULT_CONFIGS, help="kernel tile shapes to time, comma separated")
     p.add_argument("--rep", type=int, default=200, help="do_bench time budget per measurement, ms")
     p.add_argument("--out", default=None, help="append the JSON rows to this file too")
-    p.add_argument("--fp8", action="store_true", help="time the FP8 scores too (bf16 inputs)")
     args = p.parse_args(argv)
     dtype, J, I = DTYPES[args.dtype], args.heads, args.head_dim
     scale = I**-0.5
@@ -175,8 +132,6 @@ def main(argv=None):
             "max_abs_diff": max_diff, "rel_err": err, "same_inf": same_inf,
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1), **folded,
         }
-        if args.fp8:
-            row.update(fp8_row(q_BTJI, w_BTJ, k_SI, scale, offset, configs, args.rep))
         print(json.dumps(row), flush=True)
         if args.out:
             with open(args.out, "a") as f:

@@ -262,17 +262,11 @@ def test_cuda_torch_choice_forces_the_reference():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_compiled_graph_op_checks(dtype):
     """`longstraw::dsa_indexer_scores` (what a compiled graph calls): schema, fake shapes and dtype, and the eager
-    result, by torch.library.opcheck; shared and per-sequence keys, with and without an offset, and in FP8 (the
-    keys' scales an argument of the op)."""
-    from longstraw_kernels.dsa import _indexer_scores_op, quantize_keys, quantize_queries
+    result, by torch.library.opcheck; shared and per-sequence keys, with and without an offset."""
+    from longstraw_kernels.dsa import _indexer_scores_op
 
     g = torch.Generator().manual_seed(0)
     q, w = torch.randn(2, 5, 3, 16, generator=g).to(dtype), torch.randn(2, 5, 3, generator=g)
     for k in (torch.randn(40, 16, generator=g).to(dtype), torch.randn(2, 40, 16, generator=g).to(dtype)):
         for offset in (None, 7):
-            torch.library.opcheck(_indexer_scores_op, (q, w, k, None, 0.5, offset))
-            if dtype != torch.float64:
-                q8, w8 = quantize_queries(q, w)
-                # the schema check compares FP8 tensors with ops CPU torch lacks for them: the other checks
-                torch.library.opcheck(_indexer_scores_op, (q8, w8.float(), *quantize_keys(k), 0.5, offset),
-                                      test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+            torch.library.opcheck(_indexer_scores_op, (q, w, k, 0.5, offset))

@@ -15,7 +15,7 @@ from longstraw_kernels import KernelConfig, kernel_choice, kernels, use_kernels
 from longstraw_kernels.config import ATTENTION_CHOICES
 
 REPO = Path(__file__).resolve().parents[2]
-OPS = [f.name for f in dataclasses.fields(KernelConfig) if f.name not in ("autotuned", "dsa_scores")]
+OPS = [f.name for f in dataclasses.fields(KernelConfig) if f.name != "autotuned"]
 
 
 def test_every_op_defaults_to_auto_and_refuses_a_bad_choice_naming_the_valid_ones():

@@ -49,7 +49,6 @@ from longstraw_cli.quantize import is_nf4_experts
 from longstraw_cli.resident import Resident
 from longstraw_cli.resident.offload import device_total_bytes, left_on_host, rollout_pages
 from longstraw_kernels import kernel_choice, say_once
-from longstraw_kernels.dsa import quantize_keys, scores_in_fp8
 from longstraw_kernels.dsa.topk import topk_lowest_position_static
 from longstraw_kernels.mla import sparse_mla_two_sources
 from longstraw_kernels.moe import route_select, route_serves
@@ -70,8 +69,6 @@ class ResponseMLA(ResponseSlots):
     the decoder)."""
 
     SLOTS = ("latent_BSL", "rope_BSR", "index_BSI")
-    # the prompt's index keys in FP8 for the rollout (kernels.dsa_scores=fp8: quantised once, not every step)
-    prompt_keys = None
 
     def __init__(self, batch: int, capacity: int, cfg, full_indexer: bool, dtype, device):
         self.latent_BSL = slot_buffer(batch, capacity, cfg.kv_lora_rank, dtype=dtype, device=device)
@@ -176,12 +173,6 @@ class Glm52Decoder(StaticDecoder):
             for t in (pages.latent_PL, pages.rope_PR, pages.index_PI):
                 if t is not None:
                     torch._dynamo.maybe_mark_dynamic(t, 0)
-        if scores_in_fp8():
-            for pages, buf in zip(self.pages, self.layers):
-                if pages.index_PI is not None and buf.index_BSI is not None:
-                    buf.prompt_keys = quantize_keys(pages.index_PI)
-                    for t in buf.prompt_keys:
-                        torch._dynamo.maybe_mark_dynamic(t, 0)
         # the layer function the step calls, `compiled()` compiles it: the class's function, called with the
         # decoder (a bound method held by the decoder would be a reference cycle, keeping the decoder's buffers
         # until Python's cycle collector runs)
@@ -233,12 +224,11 @@ class Glm52Decoder(StaticDecoder):
     def _select(self, attn, queries, pages, buf, P: int, S: int):
         """Top-k over the prompt's index keys and the filled response slots; -1 for what is not visible.
         queries() -> the index queries and weights (`LayerProjections.attention`)."""
-        prompt_keys = pages.index_PI if buf.prompt_keys is None else buf.prompt_keys
-        q_BTJI, w_BTJ, (prompt_keys, own_keys) = attn.indexer.quantized(*queries(), [prompt_keys, buf.index_BSI])
+        q_BTJI, w_BTJ = queries()
         # the prompt's keys are shared: the B responses are B query rows of one call, so the keys are read once
-        pages_1BP = attn.indexer.scores(q_BTJI.transpose(0, 1), w_BTJ.transpose(0, 1), [prompt_keys])
+        pages_1BP = attn.indexer.scores(q_BTJI.transpose(0, 1), w_BTJ.transpose(0, 1), [pages.index_PI])
         # every prompt key is visible; of the response slots only the filled ones
-        own_BTS = attn.indexer.scores(q_BTJI, w_BTJ, [own_keys]).masked_fill(~self.filled(), float("-inf"))
+        own_BTS = attn.indexer.scores(q_BTJI, w_BTJ, [buf.index_BSI]).masked_fill(~self.filled(), float("-inf"))
         scores_BTS = torch.cat([pages_1BP.transpose(0, 1), own_BTS], dim=-1)
         topk = attn.cfg.index_topk
         k = min(topk, P + S)

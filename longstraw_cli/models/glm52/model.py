@@ -74,14 +74,7 @@ from longstraw_cli.quantize import dense
 from longstraw_cli.resident import MLAPages, Resident
 from longstraw_cli.resident.offload import OFFLOAD_CHOICES, host_buffer
 from longstraw_kernels import at_least_fp32, compute_dtype
-from longstraw_kernels.dsa import (
-    indexer_scores,
-    quantize_keys,
-    quantize_queries,
-    scores_in_fp8,
-    topk_lowest_position,
-)
-from longstraw_kernels.dsa.fp8 import num_keys
+from longstraw_kernels.dsa import indexer_scores, topk_lowest_position
 from longstraw_kernels.mla import dense_mla_attention, merge_lse, sparse_mla_attention
 
 # bound on index-score elements formed at once ([rows, keys] per chunk of queries, and the top-k's temporaries
@@ -161,25 +154,17 @@ class DSAIndexer(nn.Module):
         w_BTJ = self.weights_proj(x_BTC.to(self.weights_proj.weight.dtype))
         return q_BTJI, at_least_fp32(w_BTJ) * self.num_heads**-0.5
 
-    @torch.no_grad()
-    def quantized(self, q_BTJI, w_BTJ, keys: list):
-        """Queries, weights and key groups in FP8 where the run scores in FP8 (`kernels.dsa_scores=fp8`,
-        longstraw_kernels/dsa/fp8.py), else as they are: what `scores` takes. Key groups already in FP8 stay."""
-        if not scores_in_fp8():
-            return q_BTJI, w_BTJ, keys
-        return *quantize_queries(q_BTJI, w_BTJ), [quantize_keys(k) for k in keys]
-
-    def scores(self, q_BTJI, w_BTJ, keys: list, offset: int | None = None) -> torch.Tensor:
-        """sum_j w_j relu(scale * q_j . k) against each key group ([S, I] shared by the batch or [B, S, I]; FP8
-        queries with FP8 groups, `quantized`), concatenated along the key axis: [B, T, S_total], fp32 (or wider).
-        With `offset`, query t sees position g of the concatenated axis iff g <= t + offset; the others are -inf."""
+    def scores(self, q_BTJI, w_BTJ, keys: list[torch.Tensor], offset: int | None = None) -> torch.Tensor:
+        """sum_j w_j relu(scale * q_j . k) against each key group ([S, I] shared by the batch or [B, S, I]),
+        concatenated along the key axis: [B, T, S_total], fp32 (or wider). With `offset`, query t sees position
+        g of the concatenated axis iff g <= t + offset; the others are -inf."""
         out, first = [], 0
-        keys = [k for k in keys if num_keys(k) > 0]
+        keys = [k for k in keys if k.shape[-2] > 0]
         if not keys:
             # no key here (under context parallel a rank may own no page)
             return torch.empty(q_BTJI.shape[:2] + (0,), dtype=compute_dtype(q_BTJI), device=q_BTJI.device)
         for k in keys:
-            S = num_keys(k)
+            S = k.shape[-2]
             # group-local positions: g = first + s; a group all of whose keys every query sees needs no mask
             local = None if offset is None or offset - first >= S - 1 else offset - first
             out.append(indexer_scores(q_BTJI, w_BTJ, k, self.softmax_scale, local))
@@ -305,14 +290,13 @@ class MLAttention(nn.Module):
         self.topk_fn), or under context parallel this rank's part, `topk_fn` selecting over every rank's."""
         topk_fn = topk_fn or self.topk_fn
         B, T = x_BTC.shape[:2]
-        q_BTJI, w_BTJ, index_keys = self.indexer.quantized(*self.indexer.queries(x_BTC, q_resid_BTQ, cos_TF, sin_TF),
-                                                           index_keys)
-        keys_on_axis = axis.num_pages + axis.num_new
-        k = min(self.cfg.index_topk, keys_on_axis)
+        q_BTJI, w_BTJ = self.indexer.queries(x_BTC, q_resid_BTQ, cos_TF, sin_TF)
+        num_keys = axis.num_pages + axis.num_new
+        k = min(self.cfg.index_topk, num_keys)
         idx_BTK = torch.full((B, T, self.cfg.index_topk), -1, dtype=torch.long, device=x_BTC.device)
         t_T1 = torch.arange(T, device=x_BTC.device)[:, None]
         # the row chunking depends on the whole axis only: under context parallel every rank makes as many calls
-        rows = score_rows(keys_on_axis, B, x_BTC.device)
+        rows = score_rows(num_keys, B, x_BTC.device)
         for t0 in range(0, T, rows):
             t1 = min(T, t0 + rows)
             # invisible positions (g > t + offset) come back -inf; the kernel skips tiles that are wholly so
