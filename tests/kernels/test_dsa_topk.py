@@ -81,3 +81,45 @@ def test_scores_the_kernel_does_not_take_fall_back_saying_so_once(monkeypatch, c
             assert torch.equal(topk._static_topk_op(scores, 50), topk_lowest_position(scores, 50))
     assert sum("radix-select kernel" in r.getMessage() for r in caplog.records) == 1
     topk._say_the_packed_keys_run.cache_clear()
+
+
+# capture's rule over long rows (`dsa/triton_candidates.py`): the threshold, the gathering pass, the rule on the
+# candidates. tricky_rows' ties, zeros, infinities and all -inf rows, plus a row rising with position (whole chunks
+# above the threshold: more candidates than the cap) and one with the top-k bunched into its first keys
+def candidate_rows(S: int) -> torch.Tensor:
+    rows = torch.cat([tricky_rows(S, seed=S), torch.arange(S, dtype=torch.float32)[None],
+                      torch.rand(1, S, generator=torch.Generator().manual_seed(1))])
+    rows[7, :40] += 2.0
+    return rows
+
+
+@pytest.mark.parametrize("S, k", [(5000, 64), (9000, 100), (5000, 4)])
+def test_candidates_keep_the_rule_and_name_the_rows_they_cannot_hold(S, k):
+    from longstraw_kernels.dsa import topk, triton_candidates
+
+    scores = candidate_rows(S).to(DEVICE)
+    rule = topk_lowest_position(scores.cpu(), k)
+    positions, over = triton_candidates.candidate_positions(scores, k, topk._rule_rows)
+    over = set(over.tolist())
+    # the rising row and the all -inf row keep too many keys at or above their thresholds (so do the rows of few
+    # values, and of infinities in every chunk); uniform and bunched scores keep few; each row held is the rule
+    assert {5, 6} <= over and 0 not in over and (k < 64 or 7 not in over)
+    for r in range(scores.shape[0]):
+        if r not in over:
+            assert torch.equal(positions[r].cpu(), rule[r]), r
+
+
+def test_long_rows_on_cuda_take_the_candidates_and_equal_the_rule(monkeypatch):
+    from longstraw_kernels.dsa import topk, triton_candidates
+
+    scores = candidate_rows(20000).reshape(2, 4, 20000).to(DEVICE)
+    rows = scores.reshape(8, -1)
+    with use_kernels(dsa="torch"):
+        assert topk._candidates_module(rows, 300) is None
+    assert topk._candidates_module(rows[:, :10000], 300) is None  # rows shorter than MIN_KEYS
+    if DEVICE == "cpu":  # the dispatch takes the module on CUDA only: the interpreter stands in for it here
+        assert topk._candidates_module(rows, 300) is None
+        monkeypatch.setattr(topk, "_candidates_module", lambda rows, k: triton_candidates)
+    else:
+        assert topk._candidates_module(rows, 300) is triton_candidates
+    assert torch.equal(topk_lowest_position(scores, 300).cpu(), topk._rule_rows(rows.cpu(), 300).view(2, 4, 300))
