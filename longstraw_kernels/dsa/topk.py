@@ -58,38 +58,17 @@ def topk_lowest_position(scores__S: torch.Tensor, k: int) -> torch.Tensor:
         return torch.empty(scores__S.shape[:-1] + (k,), dtype=torch.long, device=scores__S.device)
     if k == S:
         return torch.arange(S, device=scores__S.device).expand(scores__S.shape).clone()
-    rows_RS = scores__S.reshape(-1, S)
-    module = _candidates_module(rows_RS, k)
-    if module is None:
-        return _rule_rows(rows_RS, k).view(scores__S.shape[:-1] + (k,))
-    # long rows on CUDA: the rule over the keys at or above a threshold that keeps the top-k (triton_candidates.py);
-    # rows with too many of those take the rule over their whole row
-    out_RK, over = module.candidate_positions(rows_RS.contiguous(), k, _rule_rows)
-    if over.numel():
-        out_RK[over] = _rule_rows(rows_RS[over], k)
-    return out_RK.view(scores__S.shape[:-1] + (k,))
-
-
-def _candidates_module(rows_RS: torch.Tensor, k: int):
-    """triton_candidates where it serves these rows (CUDA, kernels.dsa=auto, fp32, long rows), else None."""
-    if not rows_RS.is_cuda or kernel_choice("dsa") != "auto":
-        return None
-    module = optional_module("longstraw_kernels.dsa.triton_candidates")
-    return module if module is not None and module.serves(rows_RS, k) else None
-
-
-def _rule_rows(rows_RS: torch.Tensor, k: int) -> torch.Tensor:
-    """`topk_lowest_position` of rows [R, S] (0 < k < S) by torch.topk."""
     # one top-k, of k + 1: where the (k+1)-th best score is below the k-th, the k best are one set whatever order
     # ties among them took (every key tied with the k-th is among them). Only the other rows (a tie across the
     # k-th place: masked -inf keys, when fewer than k are visible) need the tie rule's scans.
+    rows_RS = scores__S.reshape(-1, S)
     values_RK, idx_RK = rows_RS.topk(k + 1, dim=-1)
     out_RK = idx_RK[:, :k].sort(dim=-1).values
     tied_R = values_RK[:, k] == values_RK[:, k - 1]
     tied = tied_R.nonzero()[:, 0]
     if tied.numel():
         out_RK[tied] = tie_rule_positions(rows_RS[tied], k)
-    return out_RK
+    return out_RK.view(scores__S.shape[:-1] + (k,))
 
 
 def topk_lowest_position_static(scores__S: torch.Tensor, k: int) -> torch.Tensor:

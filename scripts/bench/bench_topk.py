@@ -1,7 +1,5 @@
-"""The DSA selection rule (`topk_lowest_position`: on CUDA the rule over the candidates at or above a threshold,
-triton_candidates.py) on one GPU, at capture's chunk size, against the rule over whole rows (`_rule_rows`: one
-torch.topk of k + 1, what it ran before 2026-12-06), the tie rule's scans run on every row (`tie_rule_positions`: the
-rule before 2026-12-03) and torch.topk alone.
+"""The DSA selection rule (`topk_lowest_position`) on one GPU, at capture's chunk size, against the tie rule's scans
+run on every row (`tie_rule_positions`: the rule as it ran before 2026-12-03) and torch.topk alone.
 
 Per key count S: rows = 2^27 / S (glm52's `score_rows` on CUDA), fp32 uniform scores, the first eighth of the rows
 with their second half -inf (fewer visible keys than a causal block's last rows see). Checks that both give the
@@ -25,7 +23,6 @@ from rows import emit, graph_ms, time_ms
 
 from longstraw_kernels.dsa.topk import (
     _packed_key_positions,
-    _rule_rows,
     tie_rule_positions,
     topk_lowest_position,
     topk_lowest_position_static,
@@ -37,13 +34,10 @@ def measure(S: int, k: int, repeats: int) -> dict:
     R = (1 << 27) // S
     scores_RS = torch.rand(R, S, device="cuda")
     scores_RS[: R // 8, S // 2:] = float("-inf")
-    expected = tie_rule_positions(scores_RS, k)
-    if not (torch.equal(topk_lowest_position(scores_RS, k), expected) and torch.equal(_rule_rows(scores_RS, k),
-                                                                                        expected)):
+    if not torch.equal(topk_lowest_position(scores_RS, k), tie_rule_positions(scores_RS, k)):
         raise SystemExit(f"S={S}: the selections differ")
     return {"keys": S, "rows": R, "k": k, "gpu": torch.cuda.get_device_name(),
             "topk_lowest_position_ms": time_ms(lambda: topk_lowest_position(scores_RS, k), repeats),
-            "rule_rows_ms": time_ms(lambda: _rule_rows(scores_RS, k), repeats),
             "tie_rule_positions_ms": time_ms(lambda: tie_rule_positions(scores_RS, k), repeats),
             "torch_topk_ms": time_ms(lambda: scores_RS.topk(k + 1, dim=-1), repeats)}
 
