@@ -9,8 +9,11 @@ autotuners of another process before their first call, so that only the chosen c
 What is filled is Triton's own per-process table (`Autotuner.cache`), keyed as Triton keys it: the tuning
 arguments' values, then the tensor arguments' dtypes. A call whose key is not in the file autotunes as before. A
 recorded choice is used only when it is one of the kernel's own candidate configs, under the same Triton and the
-same version of the kernels' package, on the GPU model it was recorded on (a different GPU may prefer another
-config: it tunes for itself, once per machine, as before).
+same version of the kernels' package. A GPU model with a file of its own takes that file; one without takes the file
+of a model of its architecture (the same compute capability, e.g. an H100 PCIe or an H800 the H100 80GB's or the
+H200's: sm90's candidates are one list and its choices nearly one, 8 of 10 the same between the H100 and the H200,
+2026-12-06), preferring the model whose name shares the most with its own; a GPU of an architecture no file was
+recorded on tunes for itself, once per machine, as before.
 
 Files: autotuned/<GPU>.json beside this module (<GPU>: the CUDA device name with each run of characters other
 than letters and digits made one "_", e.g. NVIDIA_H200), written by scripts/bench/record_autotune.py.
@@ -23,6 +26,7 @@ import gc
 import importlib
 import json
 import logging
+import os
 import re
 import warnings
 from pathlib import Path
@@ -65,9 +69,10 @@ def _versions(modules) -> dict[str, str | None]:
     return {"triton": _version("triton"), **{p: _version(p) for p in sorted({m.split(".")[0] for m in modules})}}
 
 
-def record(prefix: str, gpu: str) -> dict:
+def record(prefix: str, gpu: str, capability: tuple[int, int] | None = None) -> dict:
     """The choices made so far in this process by the autotuners of modules under `prefix` (e.g. "fla."), for the
-    file of `gpu` (a device name). Autotuners of one config choose nothing and are left out."""
+    file of `gpu` (a device name) of compute `capability`. Autotuners of one config choose nothing and are left
+    out."""
     entries = []
     with warnings.catch_warnings():  # a scan of every object touches deprecated ones (torch.distributed.reduce_op)
         warnings.simplefilter("ignore")
@@ -83,7 +88,8 @@ def record(prefix: str, gpu: str) -> dict:
             entries.append({"module": fn.__module__, "name": fn.__name__, "key": list(key),
                             "config": config.all_kwargs()})
     entries.sort(key=lambda e: (e["module"], e["name"], json.dumps(e["key"])))
-    return {"gpu": gpu_tag(gpu), "versions": _versions(e["module"] for e in entries), "entries": entries}
+    return {"gpu": gpu_tag(gpu), "compute_capability": None if capability is None else list(capability),
+            "versions": _versions(e["module"] for e in entries), "entries": entries}
 
 
 def merged(old: dict, new: dict) -> dict:
@@ -134,17 +140,35 @@ def seed(data: dict) -> tuple[int, str | None]:
 _SEEDED: set[str] = set()
 
 
-def seed_shipped(gpu: str, prefix: str) -> int:
-    """Seed the autotuners of modules under `prefix` from the file shipped for `gpu` (a device name), once per
-    process and prefix -> keys seeded (0: no file for this GPU, kernels.autotuned=false, another version, or done
-    before). Says in one log line what it did."""
+def shipped_file(gpu: str, capability: tuple[int, int] | None = None) -> Path | None:
+    """The shipped file that serves `gpu` (a device name) of compute `capability`: its own, else one recorded on a
+    GPU of the same capability, the one whose name shares the longest start with `gpu`'s (then by name); None."""
+    own = SHIPPED_DIR / f"{gpu_tag(gpu)}.json"
+    if own.exists() or capability is None:
+        return own if own.exists() else None
+    tag, kin = gpu_tag(gpu), []
+    for path in sorted(SHIPPED_DIR.glob("*.json")):
+        recorded = json.loads(path.read_text()).get("compute_capability")
+        if recorded is not None and tuple(recorded) == tuple(capability):
+            shared = len(os.path.commonprefix([tag, path.stem]))
+            kin.append((-shared, path.name, path))
+    return min(kin)[2] if kin else None
+
+
+def seed_shipped(gpu: str, prefix: str, capability: tuple[int, int] | None = None) -> int:
+    """Seed the autotuners of modules under `prefix` from the file shipped for `gpu` (a device name; `shipped_file`:
+    its own, or one of its architecture's), once per process and prefix -> keys seeded (0: no file serves this GPU,
+    kernels.autotuned=false, another version, or done before). Says in one log line what it did."""
     if not kernels().autotuned or prefix in _SEEDED:
         return 0
     _SEEDED.add(prefix)
-    path = SHIPPED_DIR / f"{gpu_tag(gpu)}.json"
-    if not path.exists():
-        log.debug("no autotuned configs shipped for %s (%s): its kernels autotune on first use", gpu, path)
+    path = shipped_file(gpu, capability)
+    if path is None:
+        log.debug("no autotuned configs shipped for %s (sm%s): its kernels autotune on first use", gpu,
+                  "".join(map(str, capability or ())))
         return 0
+    if path.stem != gpu_tag(gpu):
+        log.info("no autotuned configs recorded on %s: those of %s, the same architecture, serve it", gpu, path.stem)
     data = json.loads(path.read_text())
     data["entries"] = [e for e in data.get("entries", []) if e["module"].startswith(prefix)]
     seeded, problem = seed(data)

@@ -36,7 +36,7 @@ def fla_gdn():
         return None
     from longstraw_kernels.autotuned import seed_shipped
 
-    seed_shipped(torch.cuda.get_device_name(), "fla.")
+    seed_shipped(torch.cuda.get_device_name(), "fla.", torch.cuda.get_device_capability())
     return ops
 
 

@@ -33,7 +33,7 @@ def main() -> None:
     code = train(args.overrides)
     if code:
         raise SystemExit(code)
-    data = record(args.prefix, torch.cuda.get_device_name())
+    data = record(args.prefix, torch.cuda.get_device_name(), torch.cuda.get_device_capability())
     out = Path(args.out)
     if out.exists():
         try:

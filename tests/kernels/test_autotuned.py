@@ -93,6 +93,25 @@ def test_seed_shipped_reads_the_gpu_file_once_and_can_be_turned_off(fresh, tmp_p
     assert autotuned.seed_shipped("Toy GPU 1", __name__) == 0 and not fresh.cache  # once per process and prefix
 
 
+def test_a_gpu_without_a_file_takes_one_of_its_architecture_by_the_nearest_name(fresh, tmp_path, monkeypatch):
+    key = (40, "torch.float32", "torch.float32")
+    for name, config, capability in (("NVIDIA_H200", CONFIGS[0], [9, 0]), ("NVIDIA_H100_80GB_HBM3", CONFIGS[1], [9, 0]),
+                                     ("NVIDIA_A100_SXM4_80GB", CONFIGS[0], [8, 0])):
+        (tmp_path / f"{name}.json").write_text(json.dumps({**_chosen(key, config), "gpu": name,
+                                                           "compute_capability": capability}))
+    monkeypatch.setattr(autotuned, "SHIPPED_DIR", tmp_path)
+    assert autotuned.record(__name__, "Toy GPU 1", (9, 0))["compute_capability"] == [9, 0]
+    find = autotuned.shipped_file
+    assert find("NVIDIA H200", (9, 0)).stem == "NVIDIA_H200"  # its own file first
+    assert find("NVIDIA H100 PCIe", (9, 0)).stem == "NVIDIA_H100_80GB_HBM3"  # the nearest name of its architecture
+    assert find("NVIDIA H800", (9, 0)).stem == "NVIDIA_H100_80GB_HBM3"  # equal shares: the first by name
+    assert find("NVIDIA GH200 480GB", (9, 0)).stem == "NVIDIA_H100_80GB_HBM3"
+    assert find("NVIDIA A100-PCIE-40GB", (8, 0)).stem == "NVIDIA_A100_SXM4_80GB"
+    assert find("NVIDIA L4", (8, 9)) is None and find("NVIDIA H100 PCIe") is None  # no kin; capability unknown
+    monkeypatch.setattr(autotuned, "_SEEDED", set())
+    assert autotuned.seed_shipped("NVIDIA H100 PCIe", __name__, (9, 0)) == 1 and fresh.cache[key] is CONFIGS[1]
+
+
 def test_merged_recordings_keep_every_key_and_take_the_newer_choice():
     def entry(name, key, block):
         return {"module": "m", "name": name, "key": key, "config": {"BLOCK": block}}
