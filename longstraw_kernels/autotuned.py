@@ -10,10 +10,10 @@ What is filled is Triton's own per-process table (`Autotuner.cache`), keyed as T
 arguments' values, then the tensor arguments' dtypes. A call whose key is not in the file autotunes as before. A
 recorded choice is used only when it is one of the kernel's own candidate configs, under the same Triton and the
 same version of the kernels' package. A GPU model with a file of its own takes that file; one without takes the file
-of a model of its architecture (the same compute capability, e.g. an H100 PCIe or an H800 the H100 80GB's or the
-H200's: sm90's candidates are one list and its choices nearly one, 8 of 10 the same between the H100 and the H200,
-2026-12-06), preferring the model whose name shares the most with its own; a GPU of an architecture no file was
-recorded on tunes for itself, once per machine, as before.
+of a model of its architecture (the same compute capability: an H100 PCIe or an H800 takes the H100 80GB's), the
+model whose name shares the most with its own: sm90's candidates are one list and its choices nearly one (8 of 10
+the same between the H100 and the H200, 2026-12-06). A GPU of an architecture no file was recorded on tunes for
+itself, once per machine, as before.
 
 Files: autotuned/<GPU>.json beside this module (<GPU>: the CUDA device name with each run of characters other
 than letters and digits made one "_", e.g. NVIDIA_H200), written by scripts/bench/record_autotune.py.

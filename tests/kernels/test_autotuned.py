@@ -95,12 +95,16 @@ def test_seed_shipped_reads_the_gpu_file_once_and_can_be_turned_off(fresh, tmp_p
 
 def test_a_gpu_without_a_file_takes_one_of_its_architecture_by_the_nearest_name(fresh, tmp_path, monkeypatch):
     key = (40, "torch.float32", "torch.float32")
+    _double_kernel.cache[key] = CONFIGS[0]
+    recorded = autotuned.record(__name__, "Toy GPU 1", (9, 0))  # one scan of the process's objects: ~1 s
+    _double_kernel.cache.clear()
+    assert recorded["compute_capability"] == [9, 0]
     for name, config, capability in (("NVIDIA_H200", CONFIGS[0], [9, 0]), ("NVIDIA_H100_80GB_HBM3", CONFIGS[1], [9, 0]),
                                      ("NVIDIA_A100_SXM4_80GB", CONFIGS[0], [8, 0])):
-        (tmp_path / f"{name}.json").write_text(json.dumps({**_chosen(key, config), "gpu": name,
-                                                           "compute_capability": capability}))
+        entries = [{**e, "config": config.all_kwargs()} for e in recorded["entries"]]
+        (tmp_path / f"{name}.json").write_text(json.dumps({**recorded, "gpu": name, "compute_capability": capability,
+                                                           "entries": entries}))
     monkeypatch.setattr(autotuned, "SHIPPED_DIR", tmp_path)
-    assert autotuned.record(__name__, "Toy GPU 1", (9, 0))["compute_capability"] == [9, 0]
     find = autotuned.shipped_file
     assert find("NVIDIA H200", (9, 0)).stem == "NVIDIA_H200"  # its own file first
     assert find("NVIDIA H100 PCIe", (9, 0)).stem == "NVIDIA_H100_80GB_HBM3"  # the nearest name of its architecture
