@@ -34,6 +34,7 @@ from rich.markup import escape
 
 from longstraw_cli.telemetry.samples import COLUMNS as SAMPLE_COLUMNS
 from longstraw_cli.telemetry.samples import SAMPLES_FILE
+from longstraw_cli.telemetry.samples import extra_columns as sample_extra_columns
 from longstraw_cli.telemetry.samples import markdown as samples_markdown
 
 WANDB_MODES = ("offline", "online", "disabled")
@@ -256,8 +257,9 @@ class MetricsLogger:
             self._samples_file.writelines(json.dumps(row) + "\n" for row in rows)
             self._samples_file.flush()
         if self._wandb_run is not None:
-            table = self._wandb.Table(columns=list(SAMPLE_COLUMNS),
-                                      data=[[row[c] for c in SAMPLE_COLUMNS] for row in rows])
+            # a reward's extra figures as columns of their own (None in a row whose reward did not give one)
+            columns = [*SAMPLE_COLUMNS, *sample_extra_columns(rows)]
+            table = self._wandb.Table(columns=columns, data=[[row.get(c) for c in columns] for row in rows])
             self._wandb_run.log({"samples": table}, step=step)
         if self._tensorboard is not None:
             self._tensorboard.add_text("samples", samples_markdown(step, samples), step)

@@ -68,12 +68,18 @@ def merge_sums(parts: Sequence[dict[str, list[float]]]) -> dict[str, list[float]
     return merged
 
 
+def extra_columns(rows: Sequence[dict]) -> list[str]:
+    """The rows' keys past COLUMNS (a reward's extra figures, `reward/<key>`), sorted."""
+    return sorted({key for row in rows for key in row if key not in COLUMNS})
+
+
 def markdown(step: int, samples: Sequence[dict]) -> str:
     """The samples as TensorBoard's text plugin shows them: a heading each, the prompt's tail and the response as
     code blocks (kept as written: no markdown inside them)."""
     blocks = []
     for i, sample in enumerate(samples):
-        blocks.append(f"**step {step}, sample {i}**: reward {sample['reward']:.4g}, {sample['response_tokens']} "
+        extra = "".join(f", {key} {sample[key]:.4g}" for key in extra_columns([sample]))
+        blocks.append(f"**step {step}, sample {i}**: reward {sample['reward']:.4g}{extra}, {sample['response_tokens']} "
                       f"tokens, {sample['origin']}, answer `{sample['answer']}`\n\n"
                       f"prompt (its last {PROMPT_TAIL_CHARS} characters):\n\n{_code(sample['prompt_tail'])}\n\n"
                       f"response:\n\n{_code(sample['response'])}")

@@ -225,19 +225,22 @@ def test_samples_go_to_jsonl_a_wandb_table_and_tensorboard_text_and_are_cut_back
     with MetricsLogger(tmp_path, backends=backends) as logger:
         for step in range(3):
             logger.log(step, {"loss": 0.0})
-            logger.log_samples(step, [sample(step), sample(step + 10)])
+            logger.log_samples(step, [sample(step), {**sample(step + 10), "reward/format": 0.5}])
         lines = logger.destinations(samples=2)
     assert [(r["step"], r["response"]) for r in read_metrics(tmp_path / "samples.jsonl")] == [
         (0, "it is 0"), (0, "it is 10"), (1, "it is 1"), (1, "it is 11"), (2, "it is 2"), (2, "it is 12")]
     assert read_metrics(tmp_path / "samples.jsonl")[0] == {"step": 0, **sample(0)}
+    assert read_metrics(tmp_path / "samples.jsonl")[1]["reward/format"] == 0.5
     step, table = tables[0]
     assert step == 0 and table.columns[:2] == ["step", "origin"] and len(table.data) == 2
     assert table.data[1][table.columns.index("response")] == "it is 10"
+    # a reward's extra figure is a column of its own, empty where a row's reward did not give it
+    assert table.columns[-1] == "reward/format" and [row[-1] for row in table.data] == [None, 0.5]
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     assert "samples/text_summary" in events.Tags()["tensors"]
     text = events.Tensors("samples/text_summary")[0].tensor_proto.string_val[0].decode()
-    assert "reward 10, 13 tokens, data.jsonl:10" in text and "    it is 10" in text
+    assert "reward 10, reward/format 0.5, 13 tokens, data.jsonl:10" in text and "    it is 10" in text
     assert lines == [f"metrics: every figure of each step in {tmp_path / 'metrics.jsonl'}; 2 responses a step in "
                      f"{tmp_path / 'samples.jsonl'}",
                      f"tensorboard: event files in {tmp_path / 'tensorboard'} (tensorboard --logdir "
