@@ -421,7 +421,7 @@ def train_config(d: dict, world_size: int | None = None, set_keys: tuple[str, ..
     if engine not in ENGINES:
         raise ConfigError(f"rollout.engine={engine!r}; valid: {list(ENGINES)}")
     task = _build(TaskConfig, task_node, "task", prompt_tokens=d["prompt_tokens"], seed=d["seed"],
-                  given_responses=engine == "data")
+                  given_responses=engine == "data", given_rewards=reward is None)
     algo = dict(d["algo"])
     algo.pop("advantage", None)
     loss = _build(LossConfig, algo, "algo", max_response_tokens=d["response_tokens"])

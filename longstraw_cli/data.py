@@ -77,13 +77,13 @@ def _check_prompt(prompt: Any, key: str, where: str) -> None:
                          f"[{{'role': str, 'content': str}}, ...], got {str(prompt)[:80]}")
 
 
-def _is_ids(value: Any) -> bool:
+def is_ids(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(
         isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value)
 
 
 def _is_response(value: Any) -> bool:
-    return isinstance(value, str) or _is_messages(value) or _is_ids(value)
+    return isinstance(value, str) or _is_messages(value) or is_ids(value)
 
 
 def _is_empty(response: Any) -> bool:
@@ -153,7 +153,9 @@ class FileTask(Task):
             if self.response_key is None:
                 raise ValueError(f"{self._where(0)}: rollout=data reads responses, but the row has none of "
                                  f"{list(RESPONSE_KEYS)} (task.response_key names the column); it has {sorted(first)}")
-            self.reward_key = cfg.reward_key or next((k for k in REWARD_KEYS if _has(first, k)), None)
+            # task.reward computes the rewards: the file's are not read
+            self.reward_key = None if not cfg.given_rewards else (
+                cfg.reward_key or next((k for k in REWARD_KEYS if _has(first, k)), None))
             self.groups = self._group()
         self.num_examples = len(self)
         self._order: tuple[int, list[int]] | None = None
@@ -227,7 +229,10 @@ class FileTask(Task):
                 logprobs += _logprob_lists(value, len(mine), self.cfg.logprob_key, at)
         given = GivenResponses(tuple(responses), tuple(where), tuple(rewards) if self.reward_key else None,
                                tuple(logprobs) if self.cfg.logprob_key else None)
-        return dataclasses.replace(example, given=given)
+        # the given columns are the rollout's, not the reward's: a reward reads the decoded responses
+        meta = {k: v for k, v in example.meta.items()
+                if k not in (self.response_key, self.reward_key, self.cfg.logprob_key)}
+        return dataclasses.replace(example, meta=meta, given=given)
 
     @staticmethod
     def _column(row: dict, key: str, setting: str, where: str) -> Any:

@@ -115,19 +115,15 @@ class Trainer:
         self.val_task = None if cfg.task.val_path is None else make_task(
             dataclasses.replace(cfg.task, path=cfg.task.val_path, shuffle=False, given_responses=False),
             self.tokenizer)
-        # the prompts a file task checks at start render, and fit with response_tokens in the model's positions
-        self.max_positions = cfg.model.max_positions()
-        checked = [self.task] + ([] if self.val_task is None else [self.val_task])
-        check_prompts((ex for task in checked for ex in task.examples_checked_at_start()), self.prompt_ids,
-                      self.max_positions, cfg.response_tokens)
-        # rollout=data: the responses of the groups a file task checks at start, tokenized and checked alike
+        self.stop_token_ids = stop_token_ids(self.tokenizer, cfg.model.path)
+        # rollout=data: the responses of the groups a file task checks at start, tokenized and checked with them
         self.data_responses = None if not cfg.task.given_responses else DataResponses(
             self.task, self.tokenizer, group_size=cfg.group_size, response_tokens=cfg.response_tokens,
-            vocab_size=cfg.model.family_config()[1].vocab_size,
-            stop_token_ids=stop_token_ids(self.tokenizer, cfg.model.path), device=self.device,
-            file_rewards=cfg.reward is None)
-        for example in self.task.examples_checked_at_start() if self.data_responses is not None else ():
-            self.data_responses.token_ids(example)
+            vocab_size=cfg.model.family_config()[1].vocab_size, stop_token_ids=self.stop_token_ids,
+            device=self.device)
+        # the prompts a file task checks at start render, and fit with response_tokens in the model's positions
+        self.max_positions = cfg.model.max_positions()
+        check_prompts(self._checked_at_start(), self.prompt_ids, self.max_positions, cfg.response_tokens)
         # the reward binds to a file task's first row's columns; a synthetic task's first prompt is built here
         # (under a second at 1M tokens) so that fixed text longer than prompt_tokens is one line now, not at step 0
         first = self.task.example(0)
@@ -151,8 +147,7 @@ class Trainer:
             raise TrainerError(str(e)) from None
         self.transaction = Transaction(self.model, self.guard.around(self.strategy), cfg.loss, cfg.transaction,
                                        reference=reference, routing_replay=self.routing_replay)
-        self.sampling = dataclasses.replace(cfg.rollout.sampling,
-                                            stop_token_ids=stop_token_ids(self.tokenizer, cfg.model.path))
+        self.sampling = dataclasses.replace(cfg.rollout.sampling, stop_token_ids=self.stop_token_ids)
         # the ranks of one CP group sample the same responses: they share the generator's seed
         self.generator = torch.Generator(self.device).manual_seed(cfg.seed * 1000 + self.dp_rank)
         self.engine = self._vllm_engine() if cfg.rollout.engine == "vllm" else None
@@ -269,6 +264,15 @@ class Trainer:
         if dist.is_initialized():
             dist.barrier()
         return VllmEngine(str(export_dir), self.cfg.rollout.vllm)
+
+    def _checked_at_start(self):
+        """The examples the file tasks check at start, each group's given responses tokenized and checked on the
+        way (one pass over them)."""
+        for task in [self.task] + ([] if self.val_task is None else [self.val_task]):
+            for example in task.examples_checked_at_start():
+                if task is self.task and self.data_responses is not None:
+                    self.data_responses.token_ids(example)
+                yield example
 
     def _sources(self) -> dict:
         """rollout.engine -> a builder of what gives a prompt's responses (example, prompt ids) -> Rollout without
@@ -421,17 +425,18 @@ class Trainer:
 
     def reward(self, example, rollout: Rollout) -> torch.Tensor:
         """A training prompt's G rewards; the step's record keeps its samples and the reward's extra figures."""
-        texts, scores = self.reward_scores(example, rollout, given=rollout.rewards)
+        texts, scores = self.reward_scores(example, rollout)
         self.record.add(example, lambda: self.task.prompt_text(example), texts,
                         [len(r) for r in rollout.responses], scores)
         return torch.tensor(scores.values, dtype=torch.float64)
 
-    def reward_scores(self, example, rollout: Rollout, given: list[float] | None = None) -> tuple[list[str], Scores]:
-        """The decoded responses and what the reward gave for them (`given`: the rewards they came with, the reward
-        not called). A reward that fails or returns what is not a finite number (RewardError) stops the run before
-        any gradient of the step: nothing of it is logged or saved."""
+    def reward_scores(self, example, rollout: Rollout) -> tuple[list[str], Scores]:
+        """The decoded responses and what the reward gave for them (the rewards the rollout came with, rollout=data
+        or synthetic: the reward not called). A reward that fails or returns what is not a finite number
+        (RewardError) stops the run before any gradient of the step: nothing of it is logged or saved."""
         ids = [r.tolist() for r in rollout.responses]
         texts = [self.tokenizer.decode(i) for i in ids]
+        given = rollout.rewards
         return texts, Scores(given) if given is not None else self.reward_fn.score(example, texts, ids)
 
     def set_lr(self, step: int) -> float:

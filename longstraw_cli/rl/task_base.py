@@ -63,12 +63,14 @@ class TaskConfig:
     answer_key: str | None = None  # dotted; None: the first of data.ANSWER_KEYS the first row has, else none
     shuffle: bool = False  # a new seeded order every epoch
     # rollout=data (data.py): the columns of the responses, their rewards and old log-probs (dotted; None: the
-    # first of data.RESPONSE_KEYS / REWARD_KEYS the first row has; no log-probs); `given_responses` is set by the
-    # config from rollout=data, not a key: rows with one prompt then form one group
+    # first of data.RESPONSE_KEYS / REWARD_KEYS the first row has; no log-probs); `given_responses` and
+    # `given_rewards` are set by the config, not keys: rows with one prompt form one group (rollout=data), and the
+    # file's rewards are read (no task.reward computes them)
     response_key: str | None = None
     reward_key: str | None = None
     logprob_key: str | None = None
     given_responses: bool = False
+    given_rewards: bool = True
     val_path: str | None = None  # evaluated every val_every steps: mean reward, logged as val/reward_mean
     val_every: int = 0
     val_examples: int = 0  # 0: every row of val_path

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from longstraw_cli.data import is_ids
 from longstraw_cli.rl.task_base import Example, Task
 from longstraw_cli.rollout.native import Rollout
 from longstraw_cli.safety.inputs import InputError
@@ -30,9 +31,8 @@ class DataResponses:
     """rollout=data (see the module docstring)."""
 
     def __init__(self, task: Task, tokenizer: Tokenizer, *, group_size: int, response_tokens: int, vocab_size: int,
-                 stop_token_ids: tuple[int, ...], device: torch.device, file_rewards: bool = True):
-        # file_rewards: the rewards the file gives are the rewards (False: task.reward is set, and computes them)
-        self.task, self.tokenizer, self.device, self.file_rewards = task, tokenizer, device, file_rewards
+                 stop_token_ids: tuple[int, ...], device: torch.device):
+        self.task, self.tokenizer, self.device = task, tokenizer, device
         self.group_size, self.response_tokens, self.vocab_size = group_size, response_tokens, vocab_size
         self.stop_token_ids = set(stop_token_ids)
 
@@ -58,7 +58,7 @@ class DataResponses:
         return out
 
     def _tokens(self, example: Example, response, where: str) -> list[int]:
-        if not isinstance(response, str) and isinstance(response[0], int):
+        if is_ids(response):
             return list(response)
         try:
             text = self.task.response_text(example, response)
@@ -81,7 +81,7 @@ class DataResponses:
         responses = [torch.tensor(ids, dtype=torch.long, device=self.device) for ids in self.token_ids(example)]
         logprobs = None if given.logprobs is None else [
             torch.tensor(lp, dtype=torch.float64, device=self.device) for lp in given.logprobs]
-        rewards = list(given.rewards) if given.rewards is not None and self.file_rewards else None
+        rewards = None if given.rewards is None else list(given.rewards)
         return Rollout(responses, logprobs, rewards=rewards)
 
 

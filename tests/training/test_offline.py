@@ -158,9 +158,14 @@ def test_text_past_a_stop_token_is_refused_and_task_reward_replaces_the_files_re
                                          r"\('\\n'\) with 'b'"):
         responses(task, stop=(10, 258)).token_ids(task.example(0))
     assert responses(task).__call__(task.example(0), torch.tensor([1])).rewards == [1.0, 0.0]
-    computed = DataResponses(task, task.tokenizer, group_size=2, response_tokens=32, vocab_size=259,
-                             stop_token_ids=(258,), device=torch.device("cpu"), file_rewards=False)
-    assert computed(task.example(0), torch.tensor([1])).rewards is None
+    # the columns read as given are the rollout's: a reward is not handed them (it reads the decoded responses)
+    assert task.example(0).meta == {}
+    # task.reward set (given_rewards false): the rewards column is not read; it is a column like any other
+    computed = given_task(tmp_path, [{"prompt": "p", "responses": ["a", "c"], "rewards": [1, 0], "id": 7}],
+                          given_rewards=False)
+    assert computed.reward_key is None and computed.example(0).given.rewards is None
+    assert responses(computed).__call__(computed.example(0), torch.tensor([1])).rewards is None
+    assert computed.example(0).meta == {"id": 7, "rewards": [1, 0]}
     with pytest.raises(ConfigError, match="task.reward=exact computes the rewards and task.reward_key=rewards reads"):
         train_config({**composed(["task=jsonl", f"task.path={tmp_path / 'given.jsonl'}", "rollout=data",
                                   "task.reward=exact", "task.reward_key=rewards"]), "run_dir": "runs/x"})
