@@ -333,7 +333,7 @@ def _checked_job(overrides: list[str]) -> str:
     run_dir = str(OmegaConf.select(cfg, "hydra.run.dir"))
     # a value that reads Hydra's own config (`${hydra:runtime.output_dir}`) resolves as it will in the job
     with read_write(cfg), open_dict(cfg):
-        cfg.hydra.runtime.output_dir = run_dir
+        cfg.hydra.runtime.output_dir = os.path.abspath(run_dir)  # as Hydra sets it
     HydraConfig.instance().set_config(cfg)
     with read_write(cfg), open_dict(cfg):
         del cfg["hydra"]
@@ -442,17 +442,17 @@ def train(argv: list[str]) -> int:
     argv, args = parse_train_argv(argv)
     # a new launch: its own run id (a second launch in this process, as tests make, gets another)
     _run_id.cache_clear()
+    # one job that trains: nothing is written before its config has passed the checks (a sweep's jobs are checked
+    # each in its own directory, as Hydra makes them; --cfg, --info and the like train nothing and use no run dir)
+    one_job = not (args.help or args.hydra_help or args.multirun or args.cfg or args.info
+                   or args.shell_completion or args.experimental_rerun)
     if not (args.help or args.hydra_help):
         problem = check_overrides(args.overrides, multirun=args.multirun) or _check_resume(args.overrides)
-        if not problem and not args.multirun and not args.cfg:
+        if not problem and one_job:
             problem = _check_run_dir(args.overrides)
         if problem:
             _fail(problem)
     with recorded_outcome():
-        # one job: nothing is written before its config has passed the checks (a sweep's jobs are checked each in
-        # its own directory, as Hydra makes them)
-        one_job = not (args.help or args.hydra_help or args.multirun or args.cfg or args.info
-                       or args.shell_completion or args.experimental_rerun)
         made_run_dir = one_job and _prepare_run_dir(args.overrides)
 
         def task(cfg) -> None:

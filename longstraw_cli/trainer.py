@@ -658,11 +658,11 @@ class Trainer:
 
     def _reward_extras(self) -> dict[str, float]:
         """`reward/<key>`: the mean of each extra figure the step's rewards gave (samples.py), over every response
-        that gave it on any data-parallel rank. Only a verl reward gives extra figures (its dict's other keys); the
+        that gave it on any data-parallel rank (where the reward gives any, `GroupReward.gives_extras`); the
         ranks' sums and counts are gathered over the data-parallel group (the ranks of a context-parallel group hold
         the same), not all-reduced key by key: ranks may meet rows whose reward gives other keys."""
         sums = self.record.extra_sums
-        if self.dims.dp > 1 and self.reward_fn.style == "verl":
+        if self.dims.dp > 1 and self.reward_fn.gives_extras:
             parts = [None] * self.dims.dp
             dist.all_gather_object(parts, sums, group=self.groups.dp)
             sums = merge_sums(parts)

@@ -146,9 +146,14 @@ class GroupReward:
         return Scores([reward_value(self.spec, _score(v, self.style), row) for v in values],
                       [self._extra(v) for v in values])
 
+    @property
+    def gives_extras(self) -> bool:
+        """Whether this reward's values may carry extra figures: a verl reward's dict, its keys beside "score"."""
+        return self.style == "verl"
+
     def _extra(self, value) -> dict[str, float]:
         """A verl dict's keys beside "score" whose values are finite numbers (a bool as 0 / 1), as floats."""
-        if self.style != "verl" or not isinstance(value, dict):
+        if not self.gives_extras or not isinstance(value, dict):
             return {}
         extra = {}
         for key, v in value.items():

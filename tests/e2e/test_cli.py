@@ -123,6 +123,10 @@ def test_hydra_info_makes_no_run_dir(train_here, tmp_path):
     code, out, _ = train_here(["--info", "config"])
     assert code == 0 and "Config" in out
     assert list(tmp_path.iterdir()) == []
+    # it uses no run dir, so a run_dir that could not be one does not refuse it
+    (tmp_path / "f").write_text("")
+    code, out, _ = train_here(["--info", "config", "run_dir=f"])
+    assert code == 0 and "Config" in out
 
 
 def test_a_value_that_reads_hydras_config_resolves_as_in_the_job(tmp_path):
