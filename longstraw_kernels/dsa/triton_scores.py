@@ -29,9 +29,10 @@ SUPPORTED_DTYPES = (torch.float32,) + LOW_PRECISION_DTYPES
 # shapes at every size of its H200 sweep (2026-11-29, J=16, I=128: 12% less time than 64x256x8x2, which ran at
 # 434-456 TFLOP/s). The fp32 FMA dot holds its operands in registers: smaller tiles, or it spills (not timed).
 LOW_PRECISION_CONFIG = (64, 128, 4, 2)
-# decode's few query rows (T <= 16: G responses of one token against the prompt's keys): a 64-row tile runs 4-8x
-# the dots they need. bench_dsa.py, H200, T = 8, S = 262,144, J = 16, I = 128 (2026-12-03): 0.081 ms against the
-# 64-row tile's 0.138 (16x128x4x2 0.089, 16x256x8x2 0.092, 16x512x8x2 0.103, 16x64x4x2 0.115)
+# few query rows (T <= 16) the folded form does not take (J not a power of two, or T x J over FOLDED_MAX_ROWS;
+# glm52's decode takes the folded form): a 64-row tile runs 4-8x the dots they need. bench_dsa.py, H200, T = 8,
+# S = 262,144, J = 16, I = 128 (2026-12-03): 0.081 ms against the 64-row tile's 0.138 (16x128x4x2 0.089,
+# 16x256x8x2 0.092, 16x512x8x2 0.103, 16x64x4x2 0.115)
 FEW_ROWS_CONFIG = (16, 256, 4, 2)
 FP32_CONFIG = (64, 64, 8, 2)
 

@@ -15,13 +15,14 @@ import torch
 from longstraw_kernels import kernel_choice, optional_module
 from longstraw_kernels.linear.reference import decode_linear_reference, gated_rms_norm, rms_norm_one_plus
 
-__all__ = ["decode_linear", "decode_linear_reference", "gate_serves", "gated_rms_norm", "kernel_entry",
+__all__ = ["decode_linear", "decode_linear_reference", "gate_serves", "gated_rms_norm", "kernel_entry", "kernel_module",
            "kernel_serves", "rms_norm_one_plus"]
 
 log = logging.getLogger(__name__)
 
 
-def _module():
+def kernel_module():
+    """The decode linear kernel's module where kernels.decode_linear=auto and Triton imports, else None."""
     if kernel_choice("decode_linear") != "auto":
         return None
     return optional_module("longstraw_kernels.linear.triton_skinny")
@@ -33,7 +34,7 @@ def kernel_entry(x: torch.Tensor, *weights: torch.Tensor):
     torch.compile warns about when it traces it."""
     if not x.is_cuda:
         return None
-    module = _module()
+    module = kernel_module()
     if module is None:  # torch chosen, or no Triton (said at the run's start: FAST_PATHS)
         return None
     if not module.supported(x, *weights):
@@ -59,7 +60,7 @@ def gate_serves(K: int, gate_norm_V: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether the kernel takes a gated norm with weight gate_norm_V (over heads of its length) before a linear of K
     inputs of `dtype` (triton_skinny.gate_supported), where the kernel runs at all; a norm it does not take says
     once that the norm runs as its own kernels."""
-    module = _module()
+    module = kernel_module()
     if module is None:
         return False
     if not module.gate_supported(K, gate_norm_V, dtype):
@@ -82,7 +83,7 @@ def decode_linear(x: torch.Tensor, weight_NK: torch.Tensor, *, up_NK: torch.Tens
     + residual where given (reference.py)."""
     serves = kernel_serves(x, weight_NK, *([] if up_NK is None else [up_NK]))
     if serves and (gate_norm_V is None or gate_serves(x.shape[-1], gate_norm_V, x.dtype)):
-        return _module().decode_linear_triton(x, weight_NK, up_NK=up_NK, norm_K=norm_K, eps=eps, residual=residual,
-                                              gate=gate, gate_norm_V=gate_norm_V)
+        return kernel_module().decode_linear_triton(x, weight_NK, up_NK=up_NK, norm_K=norm_K, eps=eps,
+                                                    residual=residual, gate=gate, gate_norm_V=gate_norm_V)
     return decode_linear_reference(x, weight_NK, up_NK=up_NK, norm_K=norm_K, eps=eps, residual_MN=residual,
                                    gate_MK=gate, gate_norm_V=gate_norm_V)

@@ -22,6 +22,7 @@ import torch  # noqa: E402
 from rows import emit, kernel_times, top_kernels  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
+from longstraw_cli.config import _kernels  # noqa: E402
 from longstraw_cli.models import build_model  # noqa: E402
 from longstraw_cli.models.spec import family_of  # noqa: E402
 from longstraw_cli.rl.task_base import TaskConfig  # noqa: E402
@@ -45,7 +46,9 @@ def kernel_variant(variant: str):
     """The kernel choices of `variant`, ','-separated op=choice (`kernels.` optional: `kernels.router=torch`), in
     force inside the block (a decoder reads them as it is built and its graph captured: each rollout does both)."""
     choices = dict(item.removeprefix("kernels.").split("=", 1) for item in variant.split(",") if item)
-    return use_kernels(**{op: value.lower() == "true" if op == "autotuned" else value for op, value in choices.items()})
+    # true / false as the command line reads them; the rest checked by the config's own parse of the section
+    flags = {"true": True, "false": False}
+    return use_kernels(_kernels({op: flags.get(value, value) for op, value in choices.items()}))
 
 
 def measure(model, resident, args, routing) -> dict:

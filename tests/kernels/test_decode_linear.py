@@ -99,7 +99,7 @@ def test_a_cuda_input_the_kernel_refuses_is_said_once(monkeypatch, caplog):
     weight = torch.zeros(16, 64, dtype=torch.bfloat16)
     module = types.SimpleNamespace(supported=lambda x, *w: False, MAX_ROWS=triton_skinny.MAX_ROWS,
                                    decode_linear_triton=triton_skinny.decode_linear_triton)
-    monkeypatch.setattr(linear, "_module", lambda: module)
+    monkeypatch.setattr(linear, "kernel_module", lambda: module)
     linear._say_the_modules_run.cache_clear()
     with caplog.at_level("WARNING", logger="longstraw_kernels.linear"):
         assert linear.kernel_entry(x, weight) is None
@@ -108,7 +108,7 @@ def test_a_cuda_input_the_kernel_refuses_is_said_once(monkeypatch, caplog):
     assert len(said) == 1 and "32 rows" in said[0] and "at most 16 rows" in said[0]
     module.supported = lambda x, *w: True
     assert linear.kernel_entry(x, weight) is triton_skinny.decode_linear_triton
-    monkeypatch.setattr(linear, "_module", lambda: None)
+    monkeypatch.setattr(linear, "kernel_module", lambda: None)
     caplog.clear()
     assert linear.kernel_entry(x, weight) is None and not caplog.records
 
@@ -183,7 +183,7 @@ def test_a_gated_norm_the_kernel_does_not_take_is_said_once(monkeypatch, caplog)
     from longstraw_kernels import linear
     from longstraw_kernels.linear import triton_skinny
 
-    monkeypatch.setattr(linear, "_module", lambda: triton_skinny)
+    monkeypatch.setattr(linear, "kernel_module", lambda: triton_skinny)
     linear._say_the_gated_norm_runs_apart.cache_clear()
     with caplog.at_level("WARNING", logger="longstraw_kernels.linear"):
         assert not linear.gate_serves(96, torch.ones(24, dtype=torch.bfloat16), torch.bfloat16)
@@ -191,7 +191,7 @@ def test_a_gated_norm_the_kernel_does_not_take_is_said_once(monkeypatch, caplog)
         assert linear.gate_serves(96, torch.ones(16, dtype=torch.bfloat16), torch.bfloat16)
     said = [r.getMessage() for r in caplog.records if "gated norm" in r.getMessage()]
     assert len(said) == 1 and "heads of 24" in said[0]
-    monkeypatch.setattr(linear, "_module", lambda: None)
+    monkeypatch.setattr(linear, "kernel_module", lambda: None)
     caplog.clear()
     assert not linear.gate_serves(96, torch.ones(16), torch.float32) and not caplog.records
 

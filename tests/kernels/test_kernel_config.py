@@ -72,6 +72,9 @@ def test_the_trainer_puts_the_runs_choices_in_force(tmp_path):
 
 def test_no_kernel_choice_is_read_from_the_environment():
     """The package's environment variables are the launcher's alone (the slurm outcome dir)."""
-    found = subprocess.run(["grep", "-rhoE", "LONGSTRAW_[A-Z0-9_]+", "longstraw_cli", "longstraw_kernels"],
-                           cwd=REPO, capture_output=True, text=True).stdout.split()
+    grep = subprocess.run(["grep", "-rhoE", "LONGSTRAW_[A-Z0-9_]+", "longstraw_cli", "longstraw_kernels"],
+                          cwd=REPO, capture_output=True, text=True)
+    # 0: found some, 1: none; anything else (no grep, no such directory) proves nothing
+    assert grep.returncode in (0, 1), grep.stderr
+    found = grep.stdout.split()
     assert set(found) <= {"LONGSTRAW_OUTCOME_DIR"}, sorted(set(found))

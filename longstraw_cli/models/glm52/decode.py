@@ -144,7 +144,7 @@ class Glm52Decoder(StaticDecoder):
         self.experts_grouped = batch * cfg.num_experts_per_tok < cfg.n_routed_experts and bool(moe) and all(
             grouped_mm_serves(x_1C, mlp.experts.gate_up_proj, mlp.experts.down_proj) for mlp in moe)
         skinny = kernel_choice("decode_linear") == "auto"
-        self.experts_skinny = skinny and bool(moe) and all(
+        self.experts_skinny = bool(moe) and all(
             skinny_serves(x_1C.expand(batch, -1), mlp.experts.gate_up_proj, mlp.experts.down_proj) for mlp in moe)
         local = bool(moe) and all(mlp.experts_fn is local_experts for mlp in moe)
         if skinny and local and self.device.type == "cuda" and not self.experts_skinny:

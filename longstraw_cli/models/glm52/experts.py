@@ -38,7 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from longstraw_cli.quantize import dense, experts_per_pass, linear
-from longstraw_kernels import kernel_choice, optional_module
+from longstraw_kernels import kernel_choice
+from longstraw_kernels.linear import kernel_module
 
 __all__ = ["combine", "dense_experts", "expert_ffn",
            "grouped_expert_ffn", "grouped_experts", "grouped_mm_blocker", "grouped_mm_serves", "local_experts",
@@ -199,9 +200,9 @@ def _routing_weights(topk_idx_Nk, topk_w_Nk, num_experts: int) -> torch.Tensor:
 
 
 def skinny_serves(x_NC, gate_up_proj_EXC, down_proj_ECI) -> bool:
-    """Whether `skinny_experts` runs for these (the decode linear kernel's `experts_supported`: CUDA, bf16/fp16,
-    at most 16 rows, plain contiguous expert weights; Triton importable)."""
-    module = optional_module("longstraw_kernels.linear.triton_skinny") if x_NC.is_cuda else None
+    """Whether `skinny_experts` runs for these (kernels.decode_linear=auto, and the decode linear kernel's
+    `experts_supported`: CUDA, bf16/fp16, at most 16 rows, plain contiguous expert weights; Triton importable)."""
+    module = kernel_module() if x_NC.is_cuda else None
     return module is not None and module.experts_supported(x_NC, gate_up_proj_EXC, down_proj_ECI)
 
 
