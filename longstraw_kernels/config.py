@@ -8,7 +8,8 @@ itself calls `use_kernels` the same way; until anything does, every op is on its
 An op's default is `auto`: its fastest measured kernel where that kernel serves (CUDA, the dtypes and shapes it
 takes, Triton installed), the torch reference elsewhere. `torch` runs the reference everywhere: to check a kernel
 against it, or an A/B run. `attention` has no `torch` choice: its choices are fused kernels (cuDNN, aten's flash,
-flash-attn), and the CPU's path is the reference. docs/guide/kernels.md says what each op's `auto` runs and the figure that chose it.
+flash-attn), and the CPU's path is the reference. docs/guide/kernels.md says what each op's `auto` runs and the
+figure that chose it.
 """
 
 from __future__ import annotations
