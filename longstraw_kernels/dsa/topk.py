@@ -50,25 +50,48 @@ def tie_rule_positions(scores_RS: torch.Tensor, k: int) -> torch.Tensor:
 def topk_lowest_position(scores__S: torch.Tensor, k: int) -> torch.Tensor:
     """Positions [..., k'] (int64, ascending; k' = min(k, S)) of the k' best keys of each row along the last axis
     by (score desc, position asc): the set `scores.sort(-1, descending=True, stable=True).indices[..., :k']`
-    holds. Scores must not be NaN; -0.0 and +0.0 are equal scores (a tie). One host synchronisation (which rows
-    tie across the k-th place); those rows' chosen masks are compacted by nonzero()."""
+    holds. Scores must not be NaN; -0.0 and +0.0 are equal scores (a tie). CUDA fp32 rows of many keys (the
+    capture's) take the threshold select (`triton_threshold.py`, kernels.dsa=auto), other rows one torch.topk
+    (`_rule_rows`); one host synchronisation either way (which rows the select could not hold, or which tie across
+    the k-th place: their chosen masks are compacted by nonzero())."""
     k = _check(scores__S, k)
     S = scores__S.shape[-1]
     if k == 0 or scores__S.numel() == 0:
         return torch.empty(scores__S.shape[:-1] + (k,), dtype=torch.long, device=scores__S.device)
     if k == S:
         return torch.arange(S, device=scores__S.device).expand(scores__S.shape).clone()
+    rows_RS = scores__S.reshape(-1, S)
+    module = _threshold_module(rows_RS, k)
+    if module is None:
+        return _rule_rows(rows_RS, k).view(scores__S.shape[:-1] + (k,))
+    # the capture's long rows on CUDA: the rule over the keys at or above a bound from the chunk maxima, one Triton
+    # program a row (triton_threshold.py); a row with more of those than it holds takes the whole-row rule
+    out_RK, over = module.threshold_positions_triton(rows_RS, k)
+    if over.numel():
+        out_RK[over] = _rule_rows(rows_RS[over], k)
+    return out_RK.view(scores__S.shape[:-1] + (k,))
+
+
+def _threshold_module(rows_RS: torch.Tensor, k: int):
+    """triton_threshold where it serves these rows (CUDA fp32 long rows, kernels.dsa=auto), else None."""
+    if not rows_RS.is_cuda or kernel_choice("dsa") != "auto":
+        return None
+    module = optional_module("longstraw_kernels.dsa.triton_threshold")
+    return module if module is not None and module.serves(rows_RS, k) else None
+
+
+def _rule_rows(rows_RS: torch.Tensor, k: int) -> torch.Tensor:
+    """`topk_lowest_position` of rows [R, S] (0 < k < S) by torch.topk."""
     # one top-k, of k + 1: where the (k+1)-th best score is below the k-th, the k best are one set whatever order
     # ties among them took (every key tied with the k-th is among them). Only the other rows (a tie across the
     # k-th place: masked -inf keys, when fewer than k are visible) need the tie rule's scans.
-    rows_RS = scores__S.reshape(-1, S)
     values_RK, idx_RK = rows_RS.topk(k + 1, dim=-1)
     out_RK = idx_RK[:, :k].sort(dim=-1).values
     tied_R = values_RK[:, k] == values_RK[:, k - 1]
     tied = tied_R.nonzero()[:, 0]
     if tied.numel():
         out_RK[tied] = tie_rule_positions(rows_RS[tied], k)
-    return out_RK.view(scores__S.shape[:-1] + (k,))
+    return out_RK
 
 
 def topk_lowest_position_static(scores__S: torch.Tensor, k: int) -> torch.Tensor:

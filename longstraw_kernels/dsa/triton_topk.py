@@ -16,7 +16,7 @@ Measured on an H200 (8 rows of 263,168 fp32 keys, k = 2,048, compiled and graph-
 0.070 ms (0.068 at 4 warps) against 0.204 for the packed-key torch.topk it replaced on CUDA. Triton's histogram
 costs about bins / 32 x bits operations a key and lane: 11-bit digits (three levels) took 0.249 ms, 6-bit ones
 (six levels) 0.078. At capture's sizes (2^27 scores a call, thousands of rows) it is slower than torch.topk
-(3.4-3.5 against 2.8 ms): the capture keeps `topk_lowest_position`.
+(3.4-3.5 against 2.8 ms): the capture takes the threshold select (`triton_threshold.py`).
 
 Exact: the same positions as `topk_lowest_position` (tests/kernels/test_dsa_topk.py, Triton's interpreter on CPU
 and the GPU): keys are integers, counts are integers, nothing is rounded.

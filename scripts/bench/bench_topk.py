@@ -1,9 +1,12 @@
-"""The DSA selection rule (`topk_lowest_position`) on one GPU, at capture's chunk size, against the tie rule's scans
-run on every row (`tie_rule_positions`: the rule as it ran before 2026-12-03) and torch.topk alone.
+"""The DSA selection rule (`topk_lowest_position`: on CUDA the threshold select, triton_threshold.py) on one GPU, at
+capture's chunk size, against the rule over whole rows by torch.topk (`_rule_rows`: what it ran before 2026-12-06),
+the tie rule's scans run on every row (`tie_rule_positions`: the rule before 2026-12-03) and torch.topk alone.
 
 Per key count S: rows = 2^27 / S (glm52's `score_rows` on CUDA), fp32 uniform scores, the first eighth of the rows
-with their second half -inf (fewer visible keys than a causal block's last rows see). Checks that both give the
-same positions (fails loudly), then one JSON row of median ms (CUDA events).
+with their second half -inf (fewer visible keys than a causal block's last rows see); with --rising F, a fraction F
+of the rows rising along the keys (the top-k in the last keys: more candidates than the threshold select holds, so
+those rows take the whole-row rule). Checks that all give the same positions (fails loudly), then one JSON row of
+median ms (CUDA events) and the rows the threshold select could not hold.
 
     python scripts/bench/bench_topk.py --out topk.jsonl
 
@@ -21,8 +24,10 @@ import argparse
 import torch
 from rows import emit, graph_ms, time_ms
 
+from longstraw_kernels.dsa import triton_threshold
 from longstraw_kernels.dsa.topk import (
     _packed_key_positions,
+    _rule_rows,
     tie_rule_positions,
     topk_lowest_position,
     topk_lowest_position_static,
@@ -30,14 +35,39 @@ from longstraw_kernels.dsa.topk import (
 )
 
 
-def measure(S: int, k: int, repeats: int) -> dict:
+def sweep(S: int, k: int, repeats: int, specs: str) -> dict:
+    """The threshold select alone at each launch config of `specs` (maxima x block x warps x stages)."""
+    R = (1 << 27) // S
+    scores_RS = torch.rand(R, S, device="cuda")
+    want = _rule_rows(scores_RS, k)
+    row = {"mode": "threshold_sweep", "keys": S, "rows": R, "k": k, "gpu": torch.cuda.get_device_name()}
+    for spec in specs.split(","):
+        maxima, block, warps, stages = (int(v) for v in spec.split("x"))
+        config = dict(maxima=maxima, block=block, warps=warps, stages=stages)
+        try:
+            out, over = triton_threshold.threshold_positions_triton(scores_RS, k, **config)
+            if over.numel() or not torch.equal(out, want):
+                raise SystemExit(f"S={S} {spec}: {over.numel()} rows over, or other keys than the rule's")
+            row[f"{spec}_ms"] = time_ms(lambda c=config: triton_threshold.threshold_positions_triton(scores_RS, k, **c),
+                                        repeats)
+        except Exception as exc:  # noqa: BLE001 - a config the compiler refuses: noted
+            row[f"{spec}_ms"] = f"{type(exc).__name__}: {str(exc)[:80]}"
+    return row
+
+
+def measure(S: int, k: int, repeats: int, rising: float) -> dict:
     R = (1 << 27) // S
     scores_RS = torch.rand(R, S, device="cuda")
     scores_RS[: R // 8, S // 2:] = float("-inf")
-    if not torch.equal(topk_lowest_position(scores_RS, k), tie_rule_positions(scores_RS, k)):
+    scores_RS[R - int(R * rising):] += torch.linspace(0, 4, S, device="cuda")
+    want = tie_rule_positions(scores_RS, k)
+    if not (torch.equal(topk_lowest_position(scores_RS, k), want) and torch.equal(_rule_rows(scores_RS, k), want)):
         raise SystemExit(f"S={S}: the selections differ")
-    return {"keys": S, "rows": R, "k": k, "gpu": torch.cuda.get_device_name(),
+    over = (triton_threshold.threshold_positions_triton(scores_RS, k)[1].numel()
+            if triton_threshold.serves(scores_RS, k) else None)
+    return {"keys": S, "rows": R, "k": k, "rising": rising, "gpu": torch.cuda.get_device_name(), "rows_over": over,
             "topk_lowest_position_ms": time_ms(lambda: topk_lowest_position(scores_RS, k), repeats),
+            "rule_rows_ms": time_ms(lambda: _rule_rows(scores_RS, k), repeats),
             "tie_rule_positions_ms": time_ms(lambda: tie_rule_positions(scores_RS, k), repeats),
             "torch_topk_ms": time_ms(lambda: scores_RS.topk(k + 1, dim=-1), repeats)}
 
@@ -64,12 +94,20 @@ def main(argv=None):
     p.add_argument("--keys", default="65536,262144", help="S values")
     p.add_argument("--k", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--rising", type=float, default=0.0, help="fraction of rows rising along the keys")
     p.add_argument("--decode", action="store_true", help="the decode step's static selection (8 rows)")
+    p.add_argument("--sweep", default=None,
+                   help="the threshold select alone at these launch configs: maxima x block x warps x stages, "
+                        "comma-separated")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     torch.manual_seed(0)
     for S in (int(s) for s in args.keys.split(",")):
-        emit(measure_decode(S + 1024, args.k) if args.decode else measure(S, args.k, args.repeats), args.out)
+        if args.sweep:
+            row = sweep(S, args.k, args.repeats, args.sweep)
+        else:
+            row = measure_decode(S + 1024, args.k) if args.decode else measure(S, args.k, args.repeats, args.rising)
+        emit(row, args.out)
 
 
 if __name__ == "__main__":

@@ -81,3 +81,60 @@ def test_scores_the_kernel_does_not_take_fall_back_saying_so_once(monkeypatch, c
             assert torch.equal(topk._static_topk_op(scores, 50), topk_lowest_position(scores, 50))
     assert sum("radix-select kernel" in r.getMessage() for r in caplog.records) == 1
     topk._say_the_packed_keys_run.cache_clear()
+
+
+# the capture's rule over long rows (`dsa/triton_threshold.py`): the chunk maxima's bound, the candidates above it,
+# the rule on those. tricky_rows' ties, zeros, infinities and all -inf rows, plus a row rising with position (whole
+# chunks above the bound: more candidates than the cap) and one with the top-k bunched into its first keys
+def threshold_rows(S: int) -> torch.Tensor:
+    rows = torch.cat([tricky_rows(S, seed=S), torch.arange(S, dtype=torch.float32)[None],
+                      torch.rand(1, S, generator=torch.Generator().manual_seed(1))])
+    rows[7, :40] += 2.0
+    return rows
+
+
+# small maxima, cap and block so that the interpreter runs several chunks, blocks and bisections a row: S = 1,000
+# and 3,001 keys give chunks of 1, 2 and 8 keys (k up to maxima / 2)
+@pytest.mark.parametrize("S, k, maxima", [(1000, 64, 1024), (3001, 100, 512), (3001, 24, 512), (1000, 8, 128)])
+def test_threshold_select_keeps_the_rule_and_names_the_rows_it_cannot_hold(S, k, maxima):
+    from longstraw_kernels.dsa.triton_threshold import threshold_positions_triton
+
+    scores = threshold_rows(S)
+    rule = topk_lowest_position(scores, k)
+    positions, over = threshold_positions_triton(scores.to(DEVICE), k, maxima=maxima, cap=256, block=256)
+    over = set(over.tolist())
+    # the all -inf row keeps every key (so may the rows of few values and of +inf in every chunk), the rising row
+    # ~k chunks of keys; uniform and bunched scores keep few; every row held is the rule's
+    chunk = 1 << (-(-S // maxima) - 1).bit_length()
+    assert 5 in over and (6 in over) == (k * chunk > 256) and 0 not in over and 7 not in over, over
+    if S == 1000:  # the rows of few values and of +inf held: more keys tie at the k-th place than it takes
+        assert not {1, 4} & over, over
+    for r in range(scores.shape[0]):
+        if r not in over:
+            assert torch.equal(positions[r].cpu(), rule[r]), r
+    with pytest.raises(ValueError, match="k must be in"):
+        threshold_positions_triton(scores.to(DEVICE), 129, maxima=maxima, cap=256)
+
+
+def test_long_rows_on_cuda_take_the_threshold_select_and_equal_the_rule(monkeypatch):
+    from longstraw_kernels.dsa import topk, triton_threshold
+
+    S = triton_threshold.MIN_KEYS + 1000 if DEVICE == "cuda" else 1000  # (the interpreter: fewer keys)
+    scores = threshold_rows(S).reshape(2, 4, S)
+    rows = scores.reshape(8, -1)
+    want = topk._rule_rows(rows, 100).view(2, 4, 100)
+    assert torch.equal(topk_lowest_position(scores, 100), want)  # CPU: the whole-row rule
+    if DEVICE == "cpu":  # the dispatch takes the kernel on CUDA only: the interpreter stands in for it here
+        assert topk._threshold_module(rows, 100) is None
+        monkeypatch.setattr(topk, "_threshold_module", lambda rows, k: triton_threshold)
+        # a shorter bisection and sort for the interpreter
+        monkeypatch.setattr(triton_threshold, "MAXIMA", 1024)
+        monkeypatch.setattr(triton_threshold, "CAP", 256)
+    else:
+        rows = rows.cuda()
+        assert topk._threshold_module(rows, 100) is triton_threshold
+        assert topk._threshold_module(rows[:, : triton_threshold.MIN_KEYS - 1], 100) is None
+        assert topk._threshold_module(rows, triton_threshold.CAP // 2 + 1) is None
+        with use_kernels(dsa="torch"):
+            assert topk._threshold_module(rows, 100) is None
+    assert torch.equal(topk_lowest_position(scores.to(DEVICE), 100).cpu(), want)

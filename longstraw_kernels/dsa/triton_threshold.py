@@ -1,0 +1,144 @@
+"""The DSA selection rule (topk.py) for the capture's calls, many rows of many keys (2^27 scores a call), in Triton:
+one program a row, two reads of the row, no sort.
+
+A row's scores become topk.py's order-preserving 32-bit keys (triton_topk's `_keys`). The program
+  1. reads the row once for the maxima of its chunks of CHUNK keys (at most MAXIMA chunks, written to a scratch row);
+  2. finds t, the k-th largest of those maxima (a bisection over the 32-bit keys, the maxima in registers): k chunks
+     have a key >= t, so the row's k-th best key is >= t and every key the rule selects, ties at the k-th place
+     included, is >= t;
+  3. reads the row again and appends its keys >= t, with their positions, to a candidates row (at most CAP, in
+     position order: a running count and a scan a block);
+  4. runs the rule on the candidates in registers: T, their k-th largest key (a bisection), then every key above T
+     and, of the keys equal to T, the first `need` by position; their positions come out ascending.
+For scores that do not cluster, the candidates are 1.15k-1.4k (a row has 2k to 4k chunks at k = 2,048); a row with
+more than CAP (scores rising along the row, many ties, fewer than about half its keys visible) is named, and the
+caller runs the whole-row rule on it.
+
+On one H100 a call of 2^27 scores (512 rows of 262,144 keys, k = 2,048) takes 1.11 ms against the whole-row
+torch.topk rule's 2.15-2.27; glm52_mini's capture at 256K in `longstraw train` (1,024 such calls) 8.62 s against
+9.61 (docs/BENCHMARKS.md).
+
+Exact: keys and counts are integers, nothing is rounded (tests/kernels/test_dsa_topk.py: Triton's interpreter on
+CPU, and the GPU).
+
+Legend: R rows, S keys per row, k selected.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from longstraw_kernels.dsa.triton_topk import _keys
+
+__all__ = ["CAP", "MAXIMA", "serves", "threshold_positions_triton"]
+
+# chunk maxima a row (in the registers of one program), candidates a row, keys a step of the row's reads, the reads'
+# stages. On one H100 (bench_topk.py --sweep, 2026-12-06; ms a call of 2^27 scores at 16K / 64K / 256K / 1M keys a
+# row): 2.39 / 1.36 / 1.11 / 0.99 against 2.64 / 1.30 / 1.24 / 1.47 in one stage. 4,096 maxima ran 1.60 / 1.37 / 1.05
+# / 1.73 in one stage, but rows with half their keys masked then leave too loose a bound (each row past CAP); four
+# launches, each read spread over programs a block (atomic appends, a tl.sort of the selected), ran 5.03 / 2.06 /
+# 1.23 / 1.05 (a probe script, never committed)
+MAXIMA = 8192
+CAP = 4096
+BLOCK = 4096
+WARPS = 8
+STAGES = 3
+# the fewest keys a row measured (there 2.39 ms against the whole-row rule's 3.71-3.98); shorter rows take the rule
+MIN_KEYS = 16384
+
+
+def serves(scores_RS: torch.Tensor, k: int) -> bool:
+    """CUDA fp32 rows of at least MIN_KEYS keys, k at most min(CAP, MAXIMA) / 2."""
+    return (scores_RS.is_cuda and scores_RS.dtype == torch.float32 and scores_RS.shape[-1] >= MIN_KEYS
+            and 0 < k <= min(CAP, MAXIMA) // 2)
+
+
+@triton.jit
+def _kth_largest(keys, k):
+    """The k-th largest of int32 `keys` (keys INT32_MIN are padding: the result stays above it while k real keys
+    exist): 32 halvings of [INT32_MIN, INT32_MAX] to the largest T with at least k keys >= T."""
+    lo = tl.full((), -2147483648, tl.int64)
+    hi = tl.full((), 2147483647, tl.int64)
+    for _ in range(32):
+        mid = lo + (hi - lo + 1) // 2
+        enough = tl.sum((keys >= mid.to(tl.int32)).to(tl.int32), 0) >= k
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid - 1)
+    return lo.to(tl.int32)
+
+
+@triton.jit
+def _select_kernel(s_ptr, max_ptr, key_ptr, pos_ptr, count_ptr, out_ptr, S, k, stride_r, stride_o,
+                   CHUNK: tl.constexpr, MAXIMA: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr,
+                   STAGES: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    steps = tl.arange(0, BLOCK)
+    # 1. the chunks' maxima (chunks past S: INT32_MIN, as the keys past S)
+    PER_BLOCK: tl.constexpr = BLOCK // CHUNK
+    maxima_row = max_ptr + row * MAXIMA
+    for s0 in tl.range(0, S, BLOCK, num_stages=STAGES):
+        key, _ = _keys(s_ptr, row, s0 + steps, S, stride_r)
+        chunk = s0 // CHUNK + tl.arange(0, PER_BLOCK)
+        tl.store(maxima_row + chunk, tl.max(tl.reshape(key, (PER_BLOCK, CHUNK)), axis=1), mask=chunk < MAXIMA)
+    tl.debug_barrier()  # the maxima other threads stored, read back whole
+    chunks = tl.arange(0, MAXIMA)
+    maxima = tl.load(maxima_row + chunks, mask=chunks < tl.cdiv(S, CHUNK), other=-2147483648)
+    # 2. the bound
+    t = _kth_largest(maxima, k)
+    # 3. the keys at or above it, in position order
+    count = tl.zeros((), tl.int32)
+    keys_row, positions_row = key_ptr + row * CAP, pos_ptr + row * CAP
+    for s0 in tl.range(0, S, BLOCK, num_stages=STAGES):
+        key, ok = _keys(s_ptr, row, s0 + steps, S, stride_r)
+        keep = ok & (key >= t)
+        kept = tl.sum(keep.to(tl.int32), 0)
+        if kept > 0:
+            slot = count + tl.cumsum(keep.to(tl.int32), 0) - 1
+            put = keep & (slot < CAP)
+            tl.store(keys_row + slot, key, mask=put)
+            tl.store(positions_row + slot, s0 + steps, mask=put)
+            count += kept
+    tl.store(count_ptr + row, count)
+    tl.debug_barrier()
+    # 4. the rule on the candidates (a row past CAP gives wrong positions here; the caller replaces them)
+    slots = tl.arange(0, CAP)
+    held = slots < tl.minimum(count, CAP)
+    key = tl.load(keys_row + slots, mask=held, other=-2147483648)
+    position = tl.load(positions_row + slots, mask=held, other=0)
+    T = _kth_largest(key, k)
+    need = k - tl.sum((key > T).to(tl.int32), 0)
+    tie = key == T
+    chosen = (key > T) | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= need))
+    slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
+    tl.store(out_ptr + row * stride_o + slot, position.to(tl.int64), mask=chosen)
+
+
+def threshold_positions_triton(scores_RS: torch.Tensor, k: int, *, maxima: int | None = None, cap: int | None = None,
+                               block: int = BLOCK, warps: int = WARPS,
+                               stages: int = STAGES) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (positions [R, k] int64, ascending, of each row's k best keys by (score desc, position asc), the rows
+    whose candidates overflowed: [n] int64 indices, their positions are not the rule's, the caller's to replace).
+    0 < k <= min(cap, maxima) / 2; fp32 / bf16 / fp16 scores, not NaN. maxima, cap, block (powers of two), warps
+    and stages (of the reads' loops): for tests and benchmarks (default: the module's MAXIMA, CAP, ...)."""
+    R, S = scores_RS.shape
+    maxima, cap = maxima or MAXIMA, cap or CAP
+    if not 0 < k <= min(S, cap // 2, maxima // 2):
+        raise ValueError(f"k must be in [1, min(S = {S}, cap / 2 = {cap // 2}, maxima / 2 = {maxima // 2})], "
+                         f"got {k}")
+    if scores_RS.stride(-1) != 1:
+        scores_RS = scores_RS.contiguous()
+    # the least power-of-two chunk that leaves at most `maxima` chunks (and so more than maxima / 2 >= k of them)
+    chunk = triton.next_power_of_2(triton.cdiv(S, maxima))
+    device = scores_RS.device
+    scratch_max = torch.empty(R, maxima, dtype=torch.int32, device=device)
+    keys = torch.empty(R, cap, dtype=torch.int32, device=device)
+    positions = torch.empty(R, cap, dtype=torch.int32, device=device)
+    count = torch.empty(R, dtype=torch.int32, device=device)
+    out = torch.empty(R, k, dtype=torch.long, device=device)
+    with torch.cuda.device_of(scores_RS):
+        _select_kernel[(R,)](scores_RS, scratch_max, keys, positions, count, out, S, k, scores_RS.stride(0),
+                             out.stride(0), CHUNK=chunk, MAXIMA=maxima, CAP=cap, BLOCK=max(block, chunk),
+                             STAGES=stages, num_warps=warps)
+    return out, (count > cap).nonzero()[:, 0]
