@@ -1,7 +1,7 @@
 """File tasks: prompts and answers from JSONL, JSON or parquet rows, in verl's and TRL's layouts as they are.
 
-- `jsonl`: JSON Lines read here; every row is checked at start (an error names the file and line); needs no
-  package.
+- `jsonl`: JSON Lines read here; every row is checked at start (an error names the file and line) and read again
+  from the file when served (each row's offset is what is kept); needs no package.
 - `dataset`: `datasets.load_dataset("json" | "parquet", data_files=path)` (`pip install longstraw[data]`): rows
   stay in Arrow's memory-mapped files and are read one at a time; the columns are checked at start, a row when
   it is read (an error names the file and row).
@@ -27,6 +27,7 @@ Grouping reads every row's prompt once at start, for `dataset` too.
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import hashlib
 import json
@@ -257,35 +258,58 @@ class FileTask(Task):
         return Example(prompt, answer, meta, ground_truth=ground_truth, where=where)
 
 
+class JsonlRows:
+    """A JSON Lines file's rows by index, parsed when asked for: what is kept is each row's byte offset and line
+    number (16 bytes a row), so a file of long responses and their log-probs is not held in memory on every rank.
+    A row that is not UTF-8, not JSON or not an object raises a ValueError naming its file and line."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offsets, self.lines = array.array("q"), array.array("q")
+        with path.open("rb") as f:
+            offset = 0
+            for lineno, raw in enumerate(f, start=1):
+                if raw.strip():
+                    self.offsets.append(offset)
+                    self.lines.append(lineno)
+                offset += len(raw)
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def __getitem__(self, j: int) -> dict:
+        where = f"{self.path}:{self.lines[j]}"
+        with self.path.open("rb") as f:
+            f.seek(self.offsets[j])
+            raw = f.readline()
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{where}: not UTF-8 ({e.reason})") from None
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: invalid JSON ({e.msg}, column {e.colno})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        return row
+
+    def __iter__(self) -> Iterator[dict]:
+        return (self[j] for j in range(len(self)))
+
+
 @register_task("jsonl")
 class Jsonl(FileTask):
-    """JSON Lines, read and checked here: a bad row stops the run at start with its file and line."""
+    """JSON Lines, checked here: a bad row stops the run at start with its file and line. Rows are read from the
+    file when served (`JsonlRows`)."""
 
-    def _read(self) -> list[dict]:
+    def _read(self) -> JsonlRows:
         if FORMATS.get(self.path.suffix) == "parquet":
             raise ValueError(f"task 'jsonl' reads JSON Lines; {str(self.path)!r} is parquet: use task=dataset")
-        self.lines, rows = [], []
-        with self.path.open("rb") as f:
-            for lineno, raw in enumerate(f, start=1):
-                where = f"{self.path}:{lineno}"
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise ValueError(f"{where}: not UTF-8 ({e.reason})") from None
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{where}: invalid JSON ({e.msg}, column {e.colno})") from None
-                if not isinstance(row, dict):
-                    raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-                rows.append(row)
-                self.lines.append(lineno)
-        return rows
+        return JsonlRows(self.path)
 
     def _where(self, j: int) -> str:
-        return f"{self.path}:{self.lines[j]}"
+        return f"{self.path}:{self.rows.lines[j]}"
 
 
 @register_task("dataset")

@@ -139,6 +139,22 @@ def test_data_errors_name_the_file_and_row(tmp_path):
         make_task(TaskConfig("jsonl", path=str(lines)), tok)
 
 
+def test_jsonl_keeps_offsets_and_reads_a_row_when_served(tmp_path):
+    """The jsonl task holds each row's offset, not the row: a file of long responses is not held on every rank.
+    Rows after blank lines and with multi-byte text are found; each is parsed again when served."""
+    rows = [{"prompt": f"q{i} \u00e9\u6f22", "answer": str(i), "responses": ["x" * 1000] * 4} for i in range(5)]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in rows[:2]) + "\n\n\n"
+                    + "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows[2:]), encoding="utf-8")
+    task = make_task(TaskConfig("jsonl", path=str(path)), ByteTokenizer())
+    assert type(task.rows).__name__ == "JsonlRows" and not hasattr(task.rows, "rows")
+    assert len(task) == 5 and list(task.rows.lines) == [1, 2, 5, 6, 7]
+    for i in range(5):
+        ex = task.example(i)
+        assert (ex.prompt, ex.answer, ex.where) == (rows[i]["prompt"], str(i), f"{path}:{task.rows.lines[i]}")
+    assert task.rows[3] is not task.rows[3] and task.rows[3] == rows[3]
+
+
 def test_seeded_shuffle_gives_each_epoch_its_own_order(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": str(i), "answer": str(i)} for i in range(8)])
 
