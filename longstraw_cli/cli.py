@@ -574,6 +574,12 @@ def plan_arguments(cfg, *, gpu_mem_gib: float, host_mem_gib: float, kernels: str
             raise ConfigError(f"{key}={value!r} must be an integer")
         return value
 
+    def number(key: str) -> float:
+        value = OmegaConf.select(cfg, key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}={value!r} must be a number")
+        return float(value)
+
     engine = OmegaConf.select(cfg, "rollout.engine")
     algo = str(OmegaConf.select(cfg, "algo.name"))
     loss = get_loss(algo)
@@ -583,7 +589,7 @@ def plan_arguments(cfg, *, gpu_mem_gib: float, host_mem_gib: float, kernels: str
     # there (routing replay of responses that came with none)
     routes = family.routing_replay(replay_routing) is not None
     given_logprobs = engine == "data" and OmegaConf.select(cfg, "task.logprob_key") is not None
-    scoring = float(OmegaConf.select(cfg, "algo.kl_coef")) > 0 or (
+    scoring = number("algo.kl_coef") > 0 or (
         engine != "native" and loss.needs_old and (routes or not given_logprobs))
     common = dict(
         cp=integer("cp"), ep=integer("ep"), group_size=integer("group_size"),

@@ -232,6 +232,7 @@ def test_longstraw_plan_plans_the_shape_override_config_gives(capsys):
 
 @pytest.mark.parametrize("args, message", [
     (["cp=x"], "cp='x' must be an integer"),
+    (["algo.kl_coef=abc"], "algo.kl_coef='abc' must be a number"),
     (["cp=0"], "cp must be an int >= 1, got 0"),
     (["gpu_mem_gib=lots"], "gpu_mem_gib='lots' is not a number"),
     (["plan_kernels=fast"], "plan_kernels='fast'; valid: ['auto', 'gpu', 'reference']"),
