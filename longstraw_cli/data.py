@@ -264,7 +264,7 @@ class JsonlRows:
     A row that is not UTF-8, not JSON or not an object raises a ValueError naming its file and line."""
 
     def __init__(self, path: Path):
-        self.path = path
+        self.path, self._file = path, None
         self.offsets, self.lines = array.array("q"), array.array("q")
         with path.open("rb") as f:
             offset = 0
@@ -278,10 +278,13 @@ class JsonlRows:
         return len(self.offsets)
 
     def __getitem__(self, j: int) -> dict:
-        where = f"{self.path}:{self.lines[j]}"
-        with self.path.open("rb") as f:
-            f.seek(self.offsets[j])
-            raw = f.readline()
+        if self._file is None:  # one handle, opened on first use (the checks at start read every row)
+            self._file = self.path.open("rb")
+        self._file.seek(self.offsets[j])
+        return self._parse(self._file.readline(), f"{self.path}:{self.lines[j]}")
+
+    @staticmethod
+    def _parse(raw: bytes, where: str) -> dict:
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as e:
@@ -296,6 +299,10 @@ class JsonlRows:
 
     def __iter__(self) -> Iterator[dict]:
         return (self[j] for j in range(len(self)))
+
+    def __del__(self):
+        if self._file is not None:
+            self._file.close()
 
 
 @register_task("jsonl")
