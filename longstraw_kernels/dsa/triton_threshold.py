@@ -14,9 +14,9 @@ For scores that do not cluster, the candidates are 1.15k-1.4k (a row has 2k to 4
 more than CAP (scores rising along the row, many ties, fewer than about half its keys visible) is named, and the
 caller runs the whole-row rule on it.
 
-On one H100 a call of 2^27 scores (512 rows of 262,144 keys, k = 2,048) takes 1.11 ms against the whole-row
-torch.topk rule's 2.15-2.27; glm52_mini's capture at 256K in `longstraw train` (1,024 such calls) 8.62 s against
-9.61 (docs/BENCHMARKS.md).
+On one H100 a call of 2^27 scores (512 rows of 262,144 keys, k = 2,048) takes 1.06 ms against the whole-row
+torch.topk rule's 2.29; glm52_mini's capture at 256K in `longstraw train` (1,024 such calls) 7.48-7.56 s against
+8.20-8.23 (docs/BENCHMARKS.md, 2026-12-06).
 
 Exact: keys and counts are integers, nothing is rounded (tests/kernels/test_dsa_topk.py: Triton's interpreter on
 CPU, and the GPU).

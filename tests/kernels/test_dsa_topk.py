@@ -127,7 +127,7 @@ def test_long_rows_on_cuda_take_the_threshold_select_and_equal_the_rule(monkeypa
     if DEVICE == "cpu":  # the dispatch takes the kernel on CUDA only: the interpreter stands in for it here
         assert topk._threshold_module(rows, 100) is None
         monkeypatch.setattr(topk, "_threshold_module", lambda rows, k: triton_threshold)
-        # a shorter bisection and sort for the interpreter
+        # fewer maxima and candidates a row for the interpreter
         monkeypatch.setattr(triton_threshold, "MAXIMA", 1024)
         monkeypatch.setattr(triton_threshold, "CAP", 256)
     else:
