@@ -160,8 +160,6 @@ class FileTask(Task):
             self.groups = self._group()
         self.num_examples = len(self)
         self._order: tuple[int, list[int]] | None = None
-        for k in self._checked_at_start():
-            self.group_example(k)
 
     def _read(self):
         raise NotImplementedError
@@ -173,6 +171,8 @@ class FileTask(Task):
         return range(len(self))
 
     def examples_checked_at_start(self) -> Iterator[Example]:
+        """The examples checked at start, built (so checked) as they are drawn: the trainer draws them once, with
+        their prompts' and given responses' tokens (a second pass would read a jsonl file again)."""
         return (self.group_example(k) for k in self._checked_at_start())
 
     def __len__(self) -> int:
@@ -215,10 +215,12 @@ class FileTask(Task):
         if self.groups is None:
             return self.row_example(k)
         rows = self.groups[k]
-        example = self.row_example(rows[0])
+        # each row read once (a jsonl row is parsed from the file): the first one's columns make the example
+        read = [dict(self.rows[j]) for j in rows]
+        example = self.row_example(rows[0], read[0])
         responses, where, rewards, logprobs = [], [], [], []
-        for j in rows:
-            row, at = dict(self.rows[j]), self._where(j)
+        for j, row in zip(rows, read):
+            at = self._where(j)
             mine = _responses(self._column(row, self.response_key, "task.response_key", at), self.response_key, at)
             responses += mine
             where += [at] if len(mine) == 1 else [f"{at} response {n}" for n in range(len(mine))]
@@ -242,8 +244,9 @@ class FileTask(Task):
         except KeyError:
             raise ValueError(f"{where}: missing field {key!r} ({setting}); the row has {sorted(row)}") from None
 
-    def row_example(self, j: int) -> Example:
-        row, where, cfg = dict(self.rows[j]), self._where(j), self.cfg
+    def row_example(self, j: int, row: dict | None = None) -> Example:
+        """Example of row j (`row`: that row as already read)."""
+        row, where, cfg = dict(self.rows[j]) if row is None else row, self._where(j), self.cfg
         prompt = self._prompt(row, where)
         answer = ""
         ground_truth = None

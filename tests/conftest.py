@@ -486,3 +486,14 @@ def assert_decodes_alike(want_decoder, got_decoder, steps: int, bound: float, fi
         assert rel_err(got.double(), want.double()) < bound
         for decoder in (want_decoder, got_decoder):
             decoder.tokens_B.copy_(want.argmax(-1))
+
+
+def checked_task(cfg, tokenizer):
+    """`make_task(cfg, tokenizer)` with the examples it checks at start drawn, as the trainer draws them before any
+    work (a file's bad row raises here)."""
+    from longstraw_cli.rl.tasks import make_task
+
+    task = make_task(cfg, tokenizer)
+    for _ in task.examples_checked_at_start():
+        pass
+    return task

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import CHATML, chat_model_dir, randomize_, rel_err
+from conftest import CHATML, chat_model_dir, checked_task, randomize_, rel_err
 from longstraw_cli.config import ModelConfig
 from longstraw_cli.rl.reward_adapters import GroupReward, RewardError
 from longstraw_cli.rl.tasks import Example, TaskConfig, make_task
@@ -129,14 +129,14 @@ def test_data_errors_name_the_file_and_row(tmp_path):
     with pytest.raises(ValueError, match="is parquet: use task=dataset"):
         make_task(TaskConfig("jsonl", path=str(path)), tok)
     with pytest.raises(ValueError, match=f"{path} row 0: missing field 'question'"):
-        make_task(TaskConfig("dataset", path=str(path), prompt_key="question"), tok)
+        checked_task(TaskConfig("dataset", path=str(path), prompt_key="question"), tok)
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     with pytest.raises(ValueError, match=r"cannot read .*bad.json.* as json"):
         make_task(TaskConfig("dataset", path=str(bad)), tok)
     lines = write_jsonl(tmp_path / "content.jsonl", [{"prompt": [{"role": "user", "content": ["image"]}]}])
     with pytest.raises(ValueError, match=f"{lines}:1: 'prompt' must be a string or a list of chat messages"):
-        make_task(TaskConfig("jsonl", path=str(lines)), tok)
+        checked_task(TaskConfig("jsonl", path=str(lines)), tok)
 
 
 def test_jsonl_keeps_offsets_and_reads_a_row_when_served(tmp_path):

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import CHATML, composed, rows
+from conftest import CHATML, checked_task, composed, rows
 from longstraw_cli.config import ConfigError, train_config
-from longstraw_cli.rl.tasks import TaskConfig, make_task
+from longstraw_cli.rl.tasks import TaskConfig
 from longstraw_cli.rollout.given import DataResponses, SyntheticResponses
 from longstraw_cli.safety.inputs import InputError
 from longstraw_cli.tokenizer import ByteTokenizer
@@ -78,9 +78,8 @@ def test_offline_grpo_equals_on_policy_given_the_same_responses(tmp_path, monkey
 
 def given_task(tmp_path: Path, rows_: list[dict], tokenizer=None, **cfg):
     path = write_jsonl(tmp_path / "given.jsonl", rows_)
-    task = make_task(TaskConfig(name="jsonl", path=str(path), given_responses=True, **cfg),
-                     tokenizer or ByteTokenizer(CHATML))
-    return task
+    return checked_task(TaskConfig(name="jsonl", path=str(path), given_responses=True, **cfg),
+                        tokenizer or ByteTokenizer(CHATML))
 
 
 def responses(task, group_size=2, response_tokens=32, stop=(258,)):

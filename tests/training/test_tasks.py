@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+from conftest import checked_task
 from longstraw_cli.rl.rewards import get_reward
 from longstraw_cli.rl.tasks import Example, TaskConfig, get_task, make_task
 from longstraw_cli.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
@@ -183,7 +184,7 @@ def test_jsonl_errors(tmp_path):
     for name, (lines, lineno, what) in cases.items():
         path = _write(tmp_path / name, lines)
         with pytest.raises(ValueError, match=re.escape(f"{path}:{lineno}: ")) as e:
-            make_task(TaskConfig("jsonl", path=str(path)), tok)
+            checked_task(TaskConfig("jsonl", path=str(path)), tok)
         assert what in str(e.value)
 
 
