@@ -122,8 +122,8 @@ def test_long_rows_on_cuda_take_the_threshold_select_and_equal_the_rule(monkeypa
     S = triton_threshold.MIN_KEYS + 1000 if DEVICE == "cuda" else 1000  # (the interpreter: fewer keys)
     scores = threshold_rows(S).reshape(2, 4, S)
     rows = scores.reshape(8, -1)
-    want = topk._rule_rows(rows, 100).view(2, 4, 100)
-    assert torch.equal(topk_lowest_position(scores, 100), want)  # CPU: the whole-row rule
+    # the rule by its scans alone (no top-k), an independent reference
+    want = topk.tie_rule_positions(rows, 100).view(2, 4, 100)
     if DEVICE == "cpu":  # the dispatch takes the kernel on CUDA only: the interpreter stands in for it here
         assert topk._threshold_module(rows, 100) is None
         monkeypatch.setattr(topk, "_threshold_module", lambda rows, k: triton_threshold)
