@@ -17,7 +17,7 @@ import logging
 
 import torch
 
-from longstraw_kernels import kernel_choice, optional_module
+from longstraw_kernels import kernel_choice, optional_module, say_once
 
 log = logging.getLogger(__name__)
 
@@ -68,16 +68,38 @@ def topk_lowest_position(scores__S: torch.Tensor, k: int) -> torch.Tensor:
     # program a row (triton_threshold.py); a row with more of those than it holds takes the whole-row rule
     out_RK, over = module.threshold_positions_triton(rows_RS, k)
     if over.numel():
+        _say_rows_took_the_whole_row_rule(over.numel(), rows_RS.shape[0], module.CAP)
         out_RK[over] = _rule_rows(rows_RS[over], k)
     return out_RK.view(scores__S.shape[:-1] + (k,))
 
 
 def _threshold_module(rows_RS: torch.Tensor, k: int):
-    """triton_threshold where it serves these rows (CUDA fp32 long rows, kernels.dsa=auto), else None."""
+    """triton_threshold where it serves these rows (CUDA fp32 long rows, kernels.dsa=auto), else None (said once
+    where only k keeps the kernel from rows it would take)."""
     if not rows_RS.is_cuda or kernel_choice("dsa") != "auto":
         return None
     module = optional_module("longstraw_kernels.dsa.triton_threshold")
-    return module if module is not None and module.serves(rows_RS, k) else None
+    if module is None or module.serves(rows_RS, k):
+        return module
+    if module.serves(rows_RS, 1):
+        _say_k_is_past_the_threshold_select(k, min(module.CAP, module.MAXIMA) // 2)
+    return None
+
+
+_TOLD = set()
+
+
+def _say_rows_took_the_whole_row_rule(rows: int, of: int, cap: int) -> None:
+    """Said the first time a call has rows the threshold select could not hold (info: the positions are the same)."""
+    if "whole rows" not in _TOLD:
+        _TOLD.add("whole rows")
+        log.info("DSA top-k: %d of %d rows kept more than %d keys at or above their bound and took the whole-row "
+                 "torch.topk rule (the same positions, ~2x slower a row on an H100; logged once)", rows, of, cap)
+
+
+def _say_k_is_past_the_threshold_select(k: int, most: int) -> None:
+    say_once(f"DSA top-k: k = {k} is past the threshold select's {most}; the capture's selection runs as the "
+             "whole-row torch.topk rule (the same positions, ~2x slower on an H100)")
 
 
 def _rule_rows(rows_RS: torch.Tensor, k: int) -> torch.Tensor:

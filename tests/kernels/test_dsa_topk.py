@@ -116,7 +116,7 @@ def test_threshold_select_keeps_the_rule_and_names_the_rows_it_cannot_hold(S, k,
         threshold_positions_triton(scores.to(DEVICE), 129, maxima=maxima, cap=256)
 
 
-def test_long_rows_on_cuda_take_the_threshold_select_and_equal_the_rule(monkeypatch):
+def test_long_rows_on_cuda_take_the_threshold_select_and_equal_the_rule(monkeypatch, caplog):
     from longstraw_kernels.dsa import topk, triton_threshold
 
     S = triton_threshold.MIN_KEYS + 1000 if DEVICE == "cuda" else 1000  # (the interpreter: fewer keys)
@@ -134,7 +134,15 @@ def test_long_rows_on_cuda_take_the_threshold_select_and_equal_the_rule(monkeypa
         rows = rows.cuda()
         assert topk._threshold_module(rows, 100) is triton_threshold
         assert topk._threshold_module(rows[:, : triton_threshold.MIN_KEYS - 1], 100) is None
-        assert topk._threshold_module(rows, triton_threshold.CAP // 2 + 1) is None
+        with caplog.at_level("WARNING", logger="longstraw_kernels"):
+            assert topk._threshold_module(rows, triton_threshold.CAP // 2 + 1) is None
+        assert any("past the threshold select" in r.getMessage() for r in caplog.records)
         with use_kernels(dsa="torch"):
             assert topk._threshold_module(rows, 100) is None
-    assert torch.equal(topk_lowest_position(scores.to(DEVICE), 100).cpu(), want)
+    monkeypatch.setattr(topk, "_TOLD", set())
+    with caplog.at_level("INFO", logger="longstraw_kernels.dsa.topk"):
+        for _ in range(2):
+            assert torch.equal(topk_lowest_position(scores.to(DEVICE), 100).cpu(), want)
+    # the all -inf row keeps every key: it takes the whole-row rule, said once
+    told = [r.getMessage() for r in caplog.records if "took the whole-row" in r.getMessage()]
+    assert len(told) == 1 and f"of 8 rows kept more than {triton_threshold.CAP} keys" in told[0], told
