@@ -10,9 +10,9 @@ A row's scores become topk.py's order-preserving 32-bit keys (triton_topk's `_ke
      position order: a running count and a scan a block);
   4. runs the rule on the candidates in registers: T, their k-th largest key (a bisection), then every key above T
      and, of the keys equal to T, the first `need` by position; their positions come out ascending.
-For scores that do not cluster, the candidates are 1.15k-1.4k (a row has 2k to 4k chunks at k = 2,048); a row with
-more than CAP (scores rising along the row, many ties, fewer than about half its keys visible) is named, and the
-caller runs the whole-row rule on it.
+For independent scores the candidates are 1.15k-1.4k, by computation (a row has 2k to 4k chunks at k = 2,048; the
+count was not measured on real scores). A row with more than CAP (scores rising along the row, many ties, fewer
+than about half its keys visible) is named, and the caller runs the whole-row rule on it (topk.py says so once).
 
 On one H100 a call of 2^27 scores (512 rows of 262,144 keys, k = 2,048) takes 1.06 ms against the whole-row
 torch.topk rule's 2.29; glm52_mini's capture at 256K in `longstraw train` (1,024 such calls) 7.48-7.56 s against
