@@ -35,7 +35,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -48,6 +47,7 @@ from longstraw_cli.resident.gradient import StateGrad, WholePrompt, leaves
 from longstraw_cli.resident.offload import BlockWriter, PageWriter, stage_layers
 from longstraw_cli.resident.state import prefix, snapshot
 from longstraw_kernels import at_least_fp32
+from longstraw_kernels.norm import silu_mul
 
 # a decoder layer's entry points besides forward (FSDP gathers a layer's weights around each)
 LAYER_PATHS = ("capture_block", "capture_span", "replay", "decode_step", "recompute_block", "replay_block")
@@ -98,7 +98,7 @@ class MLP(nn.Module):
 
     def swiglu(self, gate, up):
         """The MLP from its gate and up linears' outputs (the decode step computes them as one GEMM)."""
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(gate, up))
 
 
 @dataclass

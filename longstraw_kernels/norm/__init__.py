@@ -1,0 +1,64 @@
+"""qwen36's norms and gates (and core.MLP's SiLU(gate) * up): one Triton launch each where no graph is recorded.
+
+`kernels.norm` = auto (default) | torch. Under auto a CUDA call that needs no gradient (capture, scoring, the
+unchunked forwards) takes `triton_norm.py`'s kernel where it serves: bf16 / fp16 / fp32 rows of at most 16,384 whose
+leading dims flatten to one stride. A call that records a graph (replay, the exact walk), a compiled region (the
+decode step: inductor fuses these itself), the CPU, fp64 and torch run the references. Each function here has its
+reference's contract; the kernels round as the references do, with a row's sum added in another order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from longstraw_kernels import at_least_fp32, kernel_choice, optional_module
+from longstraw_kernels.gdn.reference import l2norm
+from longstraw_kernels.linear.reference import gated_rms_norm, rms_norm_one_plus
+
+__all__ = ["gated_norm", "l2norm_fp32", "rms_norm", "silu_mul"]
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_ROW = 16384
+
+
+def _kernels(*tensors: torch.Tensor):
+    """triton_norm where its kernels serve these operands (the first one's rows), else None."""
+    x = tensors[0]
+    if (kernel_choice("norm") != "auto" or not x.is_cuda or torch.compiler.is_compiling()
+            or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+            or x.numel() == 0 or x.shape[-1] > MAX_ROW or any(t.dtype not in DTYPES for t in tensors)):
+        return None
+    module = optional_module("longstraw_kernels.norm.triton_norm")
+    if module is None:
+        return None
+    for t in tensors:
+        # operands of x's shape are rows as x's; the others a weight over one row
+        if (module.rows_of(t) is None) if t.shape == x.shape else (t.shape != x.shape[-1:] or not t.is_contiguous()):
+            return None
+    return module
+
+
+def rms_norm(x: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm scaled by (1 + g): `rms_norm_one_plus`."""
+    module = _kernels(x, g)
+    return rms_norm_one_plus(x, g, eps) if module is None else module.rms_norm(x, g, eps)
+
+
+def gated_norm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """GDN's output norm: `gated_rms_norm`."""
+    module = _kernels(x, z, w) if z.dtype == x.dtype == w.dtype and z.shape == x.shape else None
+    return gated_rms_norm(x, z, w, eps) if module is None else module.gated_norm(x, z, w, eps)
+
+
+def l2norm_fp32(x: torch.Tensor) -> torch.Tensor:
+    """`l2norm(at_least_fp32(x))`: GDN's q and k."""
+    module = _kernels(x)
+    return l2norm(at_least_fp32(x)) if module is None else module.l2norm_fp32(x)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """F.silu(gate) * up: the MLP's SwiGLU before its down linear."""
+    serves = gate.shape == up.shape and gate.dtype == up.dtype and gate.is_contiguous() and up.is_contiguous()
+    module = _kernels(gate, up) if serves else None
+    return F.silu(gate) * up if module is None else module.silu_mul(gate, up)

@@ -1,0 +1,134 @@
+"""The graph-free norms and gates (`longstraw_kernels/norm`): each Triton kernel against its torch reference (Triton's
+interpreter on CPU, the GPU under `-m gpu`), on awkward row counts and lengths and on rows read in place from a
+wider tensor, and the dispatch: the kernel only where no graph is recorded."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import rel_err
+from longstraw_kernels import at_least_fp32, use_kernels
+from longstraw_kernels.gdn.reference import l2norm
+from longstraw_kernels.linear.reference import gated_rms_norm, rms_norm_one_plus
+from longstraw_kernels.norm import triton_norm
+
+# Triton's interpreter rounds fp32 to bf16 toward zero (tests/kernels/test_decode_linear.py): within a unit in the
+# last place of bf16 where the references round to nearest; fp32 differs by the order of a row's sum only
+BOUND = {torch.bfloat16: 2**-7, torch.float32: 1e-6}
+
+
+def rows(R, N, dtype, seed, wide=1):
+    """[R, N] rows; with wide > 1 a view of the first N of every wide * N (each row beside others, as qwen36's query
+    heads sit beside their gates in q_proj's output)."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(R, wide * N, generator=g) * 3).to(dtype)
+    return x[:, :N]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("R, N, wide", [(63, 1000, 1), (5, 256, 2), (130, 16, 1)])
+def test_rms_norm_equals_its_reference(dtype, R, N, wide):
+    x = rows(R, N, dtype, R, wide)
+    g = (torch.randn(N, generator=torch.Generator().manual_seed(1)) * 0.3).to(dtype)
+    got = triton_norm.rms_norm(x, g, 1e-6)
+    assert got.dtype == dtype and got.is_contiguous()
+    assert rel_err(got, rms_norm_one_plus(x, g, 1e-6)) < BOUND[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("R, N", [(63, 128), (7, 100)])
+def test_gated_norm_equals_its_reference(dtype, R, N):
+    x, z = rows(R, N, dtype, 2), rows(R, N, dtype, 3, wide=3)
+    w = (1 + torch.randn(N, generator=torch.Generator().manual_seed(4)) * 0.3).to(dtype)
+    got = triton_norm.gated_norm(x.reshape(R, 1, N), z.reshape(R, 1, N), w, 1e-6)
+    assert got.shape == (R, 1, N) and got.dtype == dtype
+    # three roundings to bf16 on the way
+    assert rel_err(got, gated_rms_norm(x, z, w, 1e-6).reshape(R, 1, N)) < 2 * BOUND[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_l2norm_equals_its_reference(dtype):
+    # GDN's q: heads of 24 read in place from the conv's output, two key heads beside a value head
+    conv = rows(37, 3 * 2 * 24, dtype, 5)
+    q = conv[:, : 2 * 24].reshape(37, 2, 24)
+    got = triton_norm.l2norm_fp32(q)
+    assert got.dtype == torch.float32 and got.shape == q.shape
+    assert rel_err(got, l2norm(at_least_fp32(q))) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_silu_mul_equals_its_reference(dtype):
+    gate, up = rows(3, 4097, dtype, 6).contiguous(), rows(3, 4097, dtype, 7).contiguous()
+    got = triton_norm.silu_mul(gate, up)
+    assert rel_err(got, F.silu(gate) * up) < 2 * BOUND[dtype]
+
+
+def test_rows_of_reads_heads_in_place():
+    x = torch.zeros(2, 4, 6, 8)
+    assert triton_norm.rows_of(x).shape == (8, 6, 8)
+    assert triton_norm.rows_of(x[..., :4]).stride() == (48, 8, 1)
+    assert triton_norm.rows_of(x[:, :, :3]).stride() == (48, 8, 1)  # heads of a wider tensor
+    assert triton_norm.rows_of(x[:, :3]) is None  # the dims before the heads of two strides
+    assert triton_norm.rows_of(x.transpose(2, 3)) is None  # the last dim strided
+    assert triton_norm.rows_of(torch.zeros(5)).shape == (1, 1, 5)
+
+
+def test_off_cuda_the_references_run_with_their_gradients():
+    """On CPU every function is its reference, bit for bit, gradients included."""
+    from longstraw_kernels import norm
+
+    x = torch.randn(5, 32, requires_grad=True)
+    g = torch.randn(32) * 0.1
+    norm.rms_norm(x, g, 1e-6).sum().backward()
+    want = x.grad.clone()
+    x.grad = None
+    rms_norm_one_plus(x, g, 1e-6).sum().backward()
+    assert torch.equal(x.grad, want)
+    assert torch.equal(norm.silu_mul(x, x), F.silu(x) * x)
+    assert torch.equal(norm.l2norm_fp32(x), l2norm(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_kernels_at_qwen36_minis_shapes(monkeypatch):
+    """bf16 at qwen36_mini's shapes on the GPU (rounding to nearest there): the hidden norm, the query heads' norm
+    read in place beside their gates, GDN's gated norm and q / k norm, the MLP's SiLU(gate) * up; each taken by
+    the dispatch under no_grad, and not where a graph is recorded or under kernels.norm=torch."""
+    from longstraw_kernels import norm
+
+    calls = []
+    for name in ("rms_norm", "gated_norm", "l2norm_fp32", "silu_mul"):
+        fn = getattr(triton_norm, name)
+        monkeypatch.setattr(triton_norm, name, lambda *a, fn=fn, name=name: calls.append(name) or fn(*a))
+    gen = torch.Generator("cuda").manual_seed(0)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(torch.bfloat16)
+
+    T, eps = 4096, 1e-6
+    x, g = randn(1, T, 2048, scale=3), randn(2048, scale=0.3)
+    q = randn(1, T, 16, 512)[..., :256]
+    z, o, w = randn(1, T, 16, 128), randn(1, T, 16, 128), randn(128, scale=0.3) + 1
+    conv = randn(1, T, 4096)
+    gate, up = randn(1, T, 6144, scale=2), randn(1, T, 6144)
+    cases = [
+        (norm.rms_norm, (x, g, eps), rms_norm_one_plus),
+        (norm.rms_norm, (q, g[:256], eps), rms_norm_one_plus),
+        (norm.gated_norm, (o, z, w, eps), gated_rms_norm),
+        (norm.l2norm_fp32, (conv[..., :1024].unflatten(-1, (8, 128)),), lambda t: l2norm(at_least_fp32(t))),
+        (norm.silu_mul, (gate, up), lambda a, b: F.silu(a) * b),
+    ]
+    with torch.no_grad():
+        for fn, args, reference in cases:
+            got, want = fn(*args), reference(*args)
+            # the same roundings to nearest; a row's sum in another order moves a last bit (of bf16 rarely)
+            assert rel_err(got, want) < (1e-6 if got.dtype == torch.float32 else 2**-9), fn.__name__
+            if got.dtype == torch.bfloat16:
+                assert (got != want).float().mean() < 0.01, fn.__name__
+    assert calls == ["rms_norm", "rms_norm", "gated_norm", "l2norm_fp32", "silu_mul"]
+    calls.clear()
+    leaf = x.clone().requires_grad_()
+    norm.rms_norm(leaf, g, eps).float().sum().backward()
+    assert leaf.grad is not None and not calls
+    with torch.no_grad(), use_kernels(norm="torch"):
+        assert torch.equal(norm.rms_norm(x, g, eps), rms_norm_one_plus(x, g, eps)) and not calls
