@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import torch
 
-from longstraw_kernels import compute_dtype, kernel_choice, optional_module
+from longstraw_kernels import compute_dtype, kernel_choice, optional_module, say_once
 from longstraw_kernels.attention.flash import FLASH_DTYPES
 
-__all__ = ["decode_pages_attention", "response_partials", "merge_partials", "cascade_decode_attention"]
+__all__ = ["decode_pages_attention", "response_partials", "merge_partials", "cascade_decode_attention",
+           "say_where_the_references_run"]
 
 # thread blocks to aim for in one pages call. Fewer than an H200's 132 SMs: each block streams its range at the
 # bandwidth, and every split is a partial to write and merge. qwen36_mini's layer (262,144 pages, 2 kv heads, 64
@@ -75,7 +76,7 @@ def decode_pages_attention(q_BQD: torch.Tensor, k_pages_PKD: torch.Tensor, v_pag
     G = Q // K
     if P == 0:
         return (q_BQD.new_zeros(B, Q, D), q_BQD.new_full((B, Q), float("-inf"), dtype=compute_dtype(q_BQD.dtype)))
-    flash = q_BQD.is_cuda and q_BQD.dtype in FLASH_DTYPES and k_pages_PKD.dtype == q_BQD.dtype and D <= 256
+    flash = _pages_flash(q_BQD.is_cuda, q_BQD.dtype, k_pages_PKD.dtype, D)
     attend = _attend_flash if flash else _attend_torch
     # [B, K*G, D] -> [K, B*G, D]: responses and a group's query heads are rows against the group's kv head
     q_KMD = q_BQD.reshape(B, K, G, D).transpose(0, 1).reshape(K, B * G, D)
@@ -115,12 +116,41 @@ def _rows_back(out_KMD: torch.Tensor, lse_KM: torch.Tensor, B: int, G: int):
     return out_BQD, lse_BQ
 
 
+def _pages_flash(is_cuda: bool, dtype: torch.dtype, page_dtype: torch.dtype, head_dim: int) -> bool:
+    """Flash attention reads the pages (CUDA, queries and pages in one flash dtype, a head dim of at most 256)."""
+    return is_cuda and dtype in FLASH_DTYPES and page_dtype == dtype and head_dim <= 256
+
+
+def _response_serves(is_cuda: bool, dtype: torch.dtype, slot_dtype: torch.dtype, head_dim: int) -> bool:
+    """The Triton kernel can read the response slots (as `_pages_flash`, and a power-of-two head dim)."""
+    return _pages_flash(is_cuda, dtype, slot_dtype, head_dim) and head_dim & (head_dim - 1) == 0
+
+
 def _response_triton(q_BQD: torch.Tensor, k_BSKD: torch.Tensor) -> bool:
-    """The Triton kernel reads the response slots (CUDA, flash dtypes, a power-of-two head dim, rows in place)."""
-    D = q_BQD.shape[-1]
-    return (kernel_choice("decode_attention") == "auto" and q_BQD.is_cuda and q_BQD.dtype in FLASH_DTYPES
-            and k_BSKD.dtype == q_BQD.dtype and D <= 256 and D & (D - 1) == 0 and k_BSKD.stride(-1) == 1
+    """The Triton kernel reads the response slots (`_response_serves`, kernels.decode_attention=auto, rows in place,
+    Triton imports)."""
+    return (kernel_choice("decode_attention") == "auto" and k_BSKD.stride(-1) == 1
+            and _response_serves(q_BQD.is_cuda, q_BQD.dtype, k_BSKD.dtype, q_BQD.shape[-1])
             and _response_kernel_imports())
+
+
+def say_where_the_references_run(device: torch.device, dtype: torch.dtype, page_dtype: torch.dtype,
+                                 head_dim: int) -> None:
+    """A decoder's line, once, on CUDA, for each part of this attention that its torch reference will run for
+    these operands (queries in `dtype`, pages and response slots in `page_dtype`): fp32 runs, say, or a head dim
+    above 256. Off CUDA the references are the path and nothing is said; under kernels.decode_attention=torch the
+    run asked for them."""
+    if device.type != "cuda":
+        return
+    if not _pages_flash(True, dtype, page_dtype, head_dim):
+        say_once(f"decode: flash attention does not take the pages here (queries {dtype}, pages {page_dtype}, head "
+                 f"dim {head_dim}; it needs bf16/fp16 alike and a head dim of at most 256): the torch reference "
+                 "reads them, upcast, at every step")
+    if kernel_choice("decode_attention") == "auto" and not (_response_serves(True, dtype, page_dtype, head_dim)
+                                                             and _response_kernel_imports()):
+        say_once(f"decode: the response attention kernel does not serve here (queries {dtype}, slots {page_dtype}, "
+                 f"head dim {head_dim}; it needs Triton, bf16/fp16 alike and a power-of-two head dim of at most "
+                 "256): the torch reference reads and masks the whole response buffer at every step")
 
 
 # a compiled step calls this once, while tracing, and keeps the answer

@@ -37,3 +37,33 @@ def test_response_partials_equal_attention_over_the_filled_slots(dtype, bound, B
     ref_out, ref_lse = response_partials_torch(q.double(), k.double().nan_to_num(0.0), v.double().nan_to_num(0.0),
                                                filled_1, scale=D**-0.5)
     assert rel_err(ref_out[0], want_out[:, 0]) < 1e-12 and rel_err(ref_lse[0], want_lse[..., 0]) < 1e-12
+
+
+def test_a_decoder_is_told_once_where_the_references_take_its_attention(caplog):
+    """On CUDA each part the torch reference will run is said once, with the operands; nothing is said off CUDA,
+    nor for the response part under kernels.decode_attention=torch (the run asked for the reference)."""
+    import logging
+
+    from longstraw_kernels import say_once, use_kernels
+    from longstraw_kernels.attention.decode import say_where_the_references_run
+
+    cuda, bf16, fp32 = torch.device("cuda"), torch.bfloat16, torch.float32
+
+    def said(*args):
+        say_once.cache_clear()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            for _ in range(2):
+                say_where_the_references_run(*args)
+        return [("pages" if "flash" in r.getMessage() else "response") for r in caplog.records]
+
+    assert said(torch.device("cpu"), fp32, fp32, 256) == []
+    assert said(cuda, bf16, bf16, 256) == []
+    assert said(cuda, fp32, fp32, 256) == ["pages", "response"]
+    assert said(cuda, bf16, fp32, 256) == ["pages", "response"]
+    assert said(cuda, bf16, bf16, 512) == ["pages", "response"]
+    assert said(cuda, bf16, bf16, 96) == ["response"]
+    with use_kernels(decode_attention="torch"):
+        assert said(cuda, fp32, fp32, 128) == ["pages"]
+    said(cuda, fp32, fp32, 256)
+    assert "(queries torch.float32, pages torch.float32, head dim 256;" in caplog.records[0].getMessage()

@@ -59,7 +59,11 @@ from longstraw_cli.models.slots import ResponseSlots, slot_buffer
 from longstraw_cli.resident import Resident
 from longstraw_cli.resident.offload import device_total_bytes, left_on_host, rollout_pages, stage_rollout_pages
 from longstraw_kernels import kernel_choice, optional_module, say_once
-from longstraw_kernels.attention.decode import cascade_decode_attention, decode_pages_attention
+from longstraw_kernels.attention.decode import (
+    cascade_decode_attention,
+    decode_pages_attention,
+    say_where_the_references_run,
+)
 from longstraw_kernels.gdn import conv_step, gdn_decode
 from longstraw_kernels.linear import gate_serves, kernel_entry
 
@@ -222,6 +226,9 @@ class Qwen36Decoder(StaticDecoder):
         self.pages_fns = [layer.self_attn.decode_pages_fn if layer.is_attention else None
                           for layer in model.model.layers]
         self.qk = self._qk_kernel(model, resident, example_BTC)
+        for page_dtype in {state.k_PKD.dtype for layer, state in zip(model.model.layers, resident.layers)
+                           if layer.is_attention}:
+            say_where_the_references_run(self.device, example_BTC.dtype, page_dtype, cfg.head_dim)
         self.layers = []
         for layer, state, pages in zip(model.model.layers, resident.layers, self.pages):
             if layer.is_attention:
