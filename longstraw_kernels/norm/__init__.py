@@ -1,8 +1,8 @@
 """qwen36's norms and gates (and core.MLP's SiLU(gate) * up): one Triton launch each where no graph is recorded.
 
 `kernels.norm` = auto (default) | torch. Under auto a CUDA call that needs no gradient (capture, scoring, the
-unchunked forwards) takes `triton_norm.py`'s kernel where it serves: bf16 / fp16 / fp32 rows of at most 16,384 whose
-leading dims flatten to one stride. A call that records a graph (replay, the exact walk), a compiled region (the
+unchunked forwards) takes `triton_norm.py`'s kernel where it serves: bf16 / fp16 / fp32 rows of at most 16,384 that
+`rows_of` reads in place. A call that records a graph (replay, the exact walk), a compiled region (the
 decode step: inductor fuses these itself), the CPU, fp64 and torch run the references. Each function here has its
 reference's contract; the kernels round as the references do, with a row's sum added in another order.
 """

@@ -1,4 +1,4 @@
-"""The norms and gates around qwen36's linears, each in one Triton launch, for graph-free forwards (capture, scoring).
+"""qwen36's norms and both families' MLP gate, each in one Triton launch, for graph-free forwards (capture, scoring).
 
 In eager torch each of these is a chain of kernels over fp32 copies of the rows: `rms_norm_one_plus` is seven
 passes over an [T, C] tensor (the fp32 copy, pow, mean, two products, the cast), and the gated norm and
@@ -24,7 +24,7 @@ import triton.language as tl
 
 __all__ = ["gated_norm", "rms_norm", "rows_of", "silu_mul"]
 
-# elements a program holds: a row of qwen36_mini's hidden size twice, or 32 of its heads
+# elements a program holds: two rows of qwen36_mini's hidden size, or sixteen of its 256-wide heads
 TILE = 4096
 
 
@@ -84,7 +84,7 @@ def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, numel, BLOCK: tl.constexpr):
     tl.store(out_ptr + i, ((g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32) * u).to(dtype), mask=mask)
 
 
-def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int, int]:
     """x's rows (`rows_of`), their count, the heads and the two strides."""
     x_OHN = rows_of(x)
     return x_OHN, x_OHN.shape[0] * x_OHN.shape[1], x_OHN.shape[1], *x_OHN.stride()[:2]
