@@ -483,9 +483,11 @@ def test_torchrun_bad_input_is_one_line_for_the_launch(tmp_path):
                          text=True, timeout=900)
     assert out.returncode != 0
     line = "longstraw: error: cp=3 does not divide the world size 2; valid: [1, 2]"
-    # printed by rank 0 alone, and named in torchrun's failure summary (the workers' error file)
-    assert out.stderr.count(f"\n{line}") + out.stderr.startswith(line) == 1, out.stderr
-    assert f"traceback : {line}" in out.stderr, out.stderr
+    # printed by rank 0 alone, and named in torchrun's failure summary (the workers' error file). Counted as text,
+    # not as whole lines: two ranks and torchrun write one stderr, and under load another process's output can
+    # land at the start of the line
+    summary = out.stderr.count(f"traceback : {line}")
+    assert summary >= 1 and out.stderr.count(line) - summary == 1, out.stderr
 
 
 def test_lora_with_kl_reference_trains_adapters_only_and_exports_hf(train_here, tmp_path):
