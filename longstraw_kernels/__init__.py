@@ -19,7 +19,7 @@ import torch
 from longstraw_kernels.config import KernelConfig, kernel_choice, kernels, use_kernels
 
 __all__ = ["FAST_PATHS", "KernelConfig", "at_least_fp32", "compute_dtype", "kernel_choice", "kernels",
-           "missing_fast_paths", "optional_module", "say_once", "use_kernels"]
+           "missing_fast_paths", "needs_grad", "optional_module", "say_once", "use_kernels"]
 
 
 def compute_dtype(*inputs: torch.Tensor | torch.dtype | None) -> torch.dtype:
@@ -35,6 +35,13 @@ def compute_dtype(*inputs: torch.Tensor | torch.dtype | None) -> torch.dtype:
 def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
     """x in `compute_dtype(x)`: HF computes norms, gates and logits in fp32."""
     return x.to(compute_dtype(x))
+
+
+def needs_grad(*inputs: torch.Tensor | None) -> bool:
+    """Whether a call on these inputs records a graph (autograd on, an input requiring grad; None is skipped): the
+    graph-free forwards' kernels (capture, scoring) serve only where it does not."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+
 
 log = logging.getLogger(__name__)
 

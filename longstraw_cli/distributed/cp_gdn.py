@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from longstraw_cli.distributed.comm import rank_world
-from longstraw_kernels import compute_dtype
+from longstraw_kernels import compute_dtype, needs_grad
 from longstraw_kernels.gdn import gdn_chunked
 
 __all__ = ["SpanBoundaries", "compose_prefix", "cp_conv_window", "cp_gdn_scan", "gdn_transition", "span_affine"]
@@ -122,7 +122,7 @@ def cp_gdn_scan(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV=None
     offsets are kept there (the local scan then runs in pieces cut at them).
     """
     inputs = (q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+    if needs_grad(*inputs):
         raise ValueError("cp_gdn_scan is capture-only (no autograd through the exchange): call it under "
                          "torch.no_grad() or with inputs that do not require grad")
     rank, world = rank_world(group)

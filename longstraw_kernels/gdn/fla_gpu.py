@@ -17,7 +17,7 @@ import logging
 
 import torch
 
-from longstraw_kernels import kernel_choice, optional_module
+from longstraw_kernels import kernel_choice, needs_grad, optional_module
 from longstraw_kernels.gdn.reference import conv_step_reference, gdn_chunked, gdn_decode_reference
 
 log = logging.getLogger(__name__)
@@ -120,12 +120,12 @@ def gdn_forward(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV=None
     work computes them, and only its backward runs our own (fp32) scan: exact mode's walk then recomputes each
     block as the capture computed it, and neither the walk nor a replay pays our slower fp32 forward."""
     inputs = (q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV)
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+    grad = needs_grad(*inputs)
     kernel = fla_forward() if v_BTGV.is_cuda and v_BTGV.dtype in (torch.bfloat16, torch.float16) else None
     fla_serves = kernel is not None and chunk_size == 64 and v_BTGV.shape[1] > 0
-    if needs_grad and use_triton(*inputs, chunk_size):
+    if grad and use_triton(*inputs, chunk_size):
         forward = functools.partial(fla_chunk, kernel) if fla_serves else None
         return triton_chunk().gdn_chunked_triton(*inputs, scale, chunk_size, forward=forward)
-    if not fla_serves or needs_grad:
+    if not fla_serves or grad:
         return gdn_chunked(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, initial_state_BGKV, scale, chunk_size)
     return fla_chunk(kernel, *inputs, scale)

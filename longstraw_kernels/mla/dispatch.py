@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from longstraw_kernels import compute_dtype, kernel_choice, optional_module
+from longstraw_kernels import compute_dtype, kernel_choice, needs_grad, optional_module
 from longstraw_kernels.mla import reference
 
 
@@ -82,8 +82,7 @@ def sparse_mla_two_sources(q_BTHA, latent_PL, rope_PR, new_latent_NL, new_rope_N
 
 
 def _two_sources(q_BTHA, latent_PL, rope_PR, new_latent_NL, new_rope_NR, idx_BTK, slots, scale):
-    graph_free = not (torch.is_grad_enabled() and any(
-        t.requires_grad for t in (q_BTHA, latent_PL, rope_PR, new_latent_NL, new_rope_NR)))
+    graph_free = not needs_grad(q_BTHA, latent_PL, rope_PR, new_latent_NL, new_rope_NR)
     if graph_free and use_triton(q_BTHA, latent_PL, rope_PR, idx_BTK) and use_triton(q_BTHA, new_latent_NL,
                                                                                         new_rope_NR, idx_BTK):
         reference.check_shapes(q_BTHA, latent_PL, rope_PR, idx_BTK)

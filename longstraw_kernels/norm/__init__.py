@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from longstraw_kernels import kernel_choice, optional_module
+from longstraw_kernels import kernel_choice, needs_grad, optional_module
 from longstraw_kernels.linear.reference import gated_rms_norm, rms_norm_one_plus
 
 __all__ = ["gated_norm", "rms_norm", "silu_mul"]
@@ -25,7 +25,7 @@ def _kernels(*tensors: torch.Tensor):
     """triton_norm where its kernels serve these operands (the first one's rows), else None."""
     x = tensors[0]
     if (kernel_choice("norm") != "auto" or not x.is_cuda or torch.compiler.is_compiling()
-            or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+            or needs_grad(*tensors)
             or x.numel() == 0 or x.shape[-1] > MAX_ROW or any(t.dtype not in DTYPES for t in tensors)):
         return None
     module = optional_module("longstraw_kernels.norm.triton_norm")
