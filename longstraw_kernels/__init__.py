@@ -46,11 +46,21 @@ def needs_grad(*inputs: torch.Tensor | None) -> bool:
 log = logging.getLogger(__name__)
 
 
-@functools.cache
-def say_once(message: str) -> None:
-    """A warning a process logs once, however many times it is asked (a fast path that does not serve, said by each
-    rollout's decoder)."""
-    log.warning(message)
+_SAID: set[str] = set()
+
+
+def say_once(message: str, *, key: str | None = None, level: int = logging.WARNING) -> None:
+    """A line a process logs once (a warning unless `level` says otherwise), however many times it is asked: a fast
+    path that does not serve, said by each rollout's decoder. `key` names the line where its text varies (a count
+    in it); the text is the key by default."""
+    key = message if key is None else key
+    if key not in _SAID:
+        _SAID.add(key)
+        log.log(level, message)
+
+
+# what a test calls to forget what was said
+say_once.cache_clear = _SAID.clear
 
 
 @functools.cache

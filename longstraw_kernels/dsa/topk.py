@@ -86,15 +86,11 @@ def _threshold_module(rows_RS: torch.Tensor, k: int):
     return None
 
 
-_TOLD = set()
-
-
 def _say_rows_took_the_whole_row_rule(rows: int, of: int, cap: int) -> None:
     """Said the first time a call has rows the threshold select could not hold (info: the positions are the same)."""
-    if "whole rows" not in _TOLD:
-        _TOLD.add("whole rows")
-        log.info("DSA top-k: %d of %d rows kept more than %d keys at or above their bound and took the whole-row "
-                 "torch.topk rule (the same positions, ~2x slower a row on an H100; logged once)", rows, of, cap)
+    say_once(f"DSA top-k: {rows} of {of} rows kept more than {cap} keys at or above their bound and took the "
+             "whole-row torch.topk rule (the same positions, ~2x slower a row on an H100; logged once)",
+             key="DSA top-k: whole rows", level=logging.INFO)
 
 
 def _say_k_is_past_the_threshold_select(k: int, most: int) -> None:

@@ -78,3 +78,24 @@ def test_no_kernel_choice_is_read_from_the_environment():
     assert grep.returncode in (0, 1), grep.stderr
     found = grep.stdout.split()
     assert set(found) <= {"LONGSTRAW_OUTCOME_DIR"}, sorted(set(found))
+
+
+def test_say_once_logs_a_line_once_by_its_key_at_its_level(caplog):
+    """A line is said once however often it is asked; one whose text varies (a count) is one line by its key; the
+    level is a warning unless the caller says otherwise."""
+    import logging
+
+    from longstraw_kernels import say_once
+
+    say_once.cache_clear()
+    with caplog.at_level(logging.INFO, logger="longstraw_kernels"):
+        for n in range(3):
+            say_once("a fast path does not serve")
+            say_once(f"{n} rows took the slow rule", key="slow rows", level=logging.INFO)
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.WARNING, "a fast path does not serve"), (logging.INFO, "0 rows took the slow rule")]
+    say_once.cache_clear()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="longstraw_kernels"):
+        say_once("a fast path does not serve")
+    assert len(caplog.records) == 1
