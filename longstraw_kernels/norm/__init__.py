@@ -3,8 +3,9 @@
 `kernels.norm` = auto (default) | torch. Under auto a CUDA call that needs no gradient (capture, scoring, the
 unchunked forwards) takes `triton_norm.py`'s kernel where it serves: bf16 / fp16 / fp32 rows of at most 16,384 that
 `rows_of` reads in place. A call that records a graph (replay, the exact walk), a compiled region (the
-decode step: inductor fuses these itself), the CPU, fp64 and torch run the references. Each function here has its
-reference's contract; the kernels round as the references do, with a row's sum added in another order.
+decode step: inductor fuses these itself), the CPU, fp64 and torch run the references; a CUDA operand the kernels
+cannot read in place is said once. Each function here has its reference's contract; the kernels round as the
+references do, with a row's sum added in another order.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from longstraw_kernels import kernel_choice, needs_grad, optional_module
+from longstraw_kernels import kernel_choice, needs_grad, optional_module, say_once
 from longstraw_kernels.linear.reference import gated_rms_norm, rms_norm_one_plus
 
 __all__ = ["gated_norm", "rms_norm", "silu_mul"]
@@ -29,13 +30,20 @@ def _kernels(*tensors: torch.Tensor):
             or x.numel() == 0 or x.shape[-1] > MAX_ROW or any(t.dtype not in DTYPES for t in tensors)):
         return None
     module = optional_module("longstraw_kernels.norm.triton_norm")
-    if module is None:
-        return None
+    return module if module is not None and _read_in_place(module, tensors) else None
+
+
+def _read_in_place(module, tensors) -> bool:
+    """Whether the kernels read these operands as they lie: those of the first one's shape as its rows
+    (`rows_of`), the others as a contiguous weight over one row. Where not, said once: the reference runs."""
+    x = tensors[0]
     for t in tensors:
-        # operands of x's shape are rows as x's; the others a weight over one row
         if (module.rows_of(t) is None) if t.shape == x.shape else (t.shape != x.shape[-1:] or not t.is_contiguous()):
-            return None
-    return module
+            say_once(f"norms: the Triton launch does not read an operand of shape {tuple(t.shape)}, strides "
+                     f"{t.stride()} in place (rows of a contiguous last dim, a weight over one row); the torch "
+                     "reference runs it (several fp32 kernels; said once)", key="norms: layout")
+            return False
+    return True
 
 
 def rms_norm(x: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:

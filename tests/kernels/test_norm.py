@@ -76,6 +76,25 @@ def test_off_cuda_the_references_run_with_their_gradients():
     assert torch.equal(norm.silu_mul(x, x), F.silu(x) * x)
 
 
+def test_operands_not_read_in_place_take_the_reference_and_are_said_once(caplog):
+    """Rows of a strided last dim (a transposed view), or a weight that is not one
+    contiguous row, keep the reference: said once, with the operand's layout."""
+    import logging
+
+    from longstraw_kernels import norm, say_once
+
+    x, g = torch.zeros(4, 6, 8), torch.zeros(8)
+    say_once.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="longstraw_kernels"):
+        assert norm._read_in_place(triton_norm, (x, g))
+        assert norm._read_in_place(triton_norm, (x[:, :, :4], g[:4]))  # rows of a wider tensor
+        for _ in range(2):
+            assert not norm._read_in_place(triton_norm, (x.transpose(1, 2), g[:6]))
+        assert not norm._read_in_place(triton_norm, (x, torch.zeros(16)[::2]))
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "shape (4, 8, 6), strides (48, 1, 8)" in said[0], said
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_kernels_at_qwen36_minis_shapes(monkeypatch):
