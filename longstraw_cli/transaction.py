@@ -366,8 +366,9 @@ class Transaction:
             if key in stats and len(parts) > 1:
                 stats[key] /= len(parts)
         rewards = torch.cat([part.rewards for part in parts])
+        # one response a step (algo=sft, group_size=1) has no spread: 0, not torch's nan and its warning
         stats.update(grad_norm=grad_norm, reward_mean=float(rewards.float().mean()),
-                     reward_std=float(rewards.float().std()))
+                     reward_std=float(rewards.float().std()) if rewards.numel() > 1 else 0.0)
         if self.routing_replay is not None:
             stats.update(self.routing_replay.metrics())
         # one prompt's state is alive at a time: the peak is the largest prompt's

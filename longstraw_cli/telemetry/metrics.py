@@ -213,7 +213,7 @@ class MetricsLogger:
         lines = []
         if self._file is not None:
             lines.append(f"metrics: every figure of each step in {self.path.resolve()}" + (
-                f"; {samples} response{'s' * (samples != 1)} a step in {(self.run_dir / SAMPLES_FILE).resolve()}"
+                f"; up to {samples} response{'s' * (samples != 1)} a step in {(self.run_dir / SAMPLES_FILE).resolve()}"
                 if samples else ""))
         if self._tensorboard is not None:
             where = (self.run_dir / TENSORBOARD_DIR).resolve()

@@ -104,6 +104,13 @@ def test_synthetic_responses_train_sft_in_blocks_with_the_exact_gradient(train_h
     assert got[0]["loss"] != got[1]["loss"] and "time/prompt" in got[0]
 
 
+
+def test_sft_groups_of_one_log_no_spread_and_no_warning(train_here, tmp_path):
+    code, _, err = train_here(["rollout=synthetic", "algo=sft", "prompt_tokens=64", "group_size=1",
+                               "response_tokens=8", "steps=1", *FAST, f"run_dir={tmp_path / 'run'}"])
+    assert code == 0, err
+    assert rows(tmp_path / "run")[0]["reward_std"] == 0.0 and "degrees of freedom" not in err
+
 def guide_rows() -> list[list[str]]:
     """The guide's GPU rows: its bash commands with rollout=synthetic and the 27B shape."""
     text = GUIDE.read_text()

@@ -241,7 +241,7 @@ def test_samples_go_to_jsonl_a_wandb_table_and_tensorboard_text_and_are_cut_back
     assert "samples/text_summary" in events.Tags()["tensors"]
     text = events.Tensors("samples/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "reward 10, reward/format 0.5, 13 tokens, data.jsonl:10" in text and "    it is 10" in text
-    assert lines == [f"metrics: every figure of each step in {tmp_path / 'metrics.jsonl'}; 2 responses a step in "
+    assert lines == [f"metrics: every figure of each step in {tmp_path / 'metrics.jsonl'}; up to 2 responses a step in "
                      f"{tmp_path / 'samples.jsonl'}",
                      f"tensorboard: event files in {tmp_path / 'tensorboard'} (tensorboard --logdir "
                      f"{tmp_path / 'tensorboard'})", f"wandb: run abc in {tmp_path / 'wandb'}"]
