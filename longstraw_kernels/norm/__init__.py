@@ -13,10 +13,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from longstraw_kernels import kernel_choice, needs_grad, optional_module, say_once
+from longstraw_kernels import at_least_fp32, kernel_choice, needs_grad, optional_module, say_once
+from longstraw_kernels.gdn.reference import l2norm
 from longstraw_kernels.linear.reference import gated_rms_norm, rms_norm_one_plus
 
-__all__ = ["gated_norm", "rms_norm", "silu_mul"]
+__all__ = ["gated_norm", "l2norm_fp32", "rms_norm", "silu_mul"]
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_ROW = 16384
@@ -56,6 +57,12 @@ def gated_norm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) ->
     """GDN's output norm: `gated_rms_norm`."""
     module = _kernels(x, z, w) if z.dtype == x.dtype == w.dtype and z.shape == x.shape else None
     return gated_rms_norm(x, z, w, eps) if module is None else module.gated_norm(x, z, w, eps)
+
+
+def l2norm_fp32(x: torch.Tensor) -> torch.Tensor:
+    """`l2norm(at_least_fp32(x))`: GDN's q and k."""
+    module = _kernels(x)
+    return l2norm(at_least_fp32(x)) if module is None else module.l2norm_fp32(x)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -1,18 +1,19 @@
 """qwen36's norms and both families' MLP gate, each in one Triton launch, for graph-free forwards (capture, scoring).
 
 In eager torch each of these is a chain of kernels over fp32 copies of the rows: `rms_norm_one_plus` is seven
-passes over an [T, C] tensor (the fp32 copy, pow, mean, two products, the cast), and the gated norm and
-SiLU(gate) * up the same. A launch here reads its inputs once and writes its output once, with the reference's
+passes over an [T, C] tensor (the fp32 copy, pow, mean, two products, the cast), and the gated norm, the L2 norm
+and SiLU(gate) * up the same. A launch here reads its inputs once and writes its output once, with the reference's
 roundings:
 
     rms_norm       (x rsqrt(mean(x^2) + eps)) (1 + g), fp32, rounded to x's dtype    (linear/reference.py)
     gated_norm     w round(x rsqrt(mean(x^2) + eps)), rounded; times silu(z) fp32, rounded  (linear/reference.py)
+    l2norm_fp32    x rsqrt(sum(x^2) + eps) in fp32, kept fp32                          (gdn/reference.py `l2norm`)
     silu_mul       round(silu(gate)) up, rounded                                       (core.py `MLP.swiglu`)
 
 A row's sum of squares adds in another order than torch's (a last bit of the output, rarely); the rest is the same
 arithmetic. Rows are the last dim, contiguous; the leading dims are read in place as [outer, heads] with a stride each
 (the dims before the heads must flatten to one): a view of a wider GEMM output, as qwen36's query heads beside their
-gates, needs no copy. Outputs are new and contiguous.
+gates or GDN's key heads in the conv's output, needs no copy. Outputs are new and contiguous.
 tests/kernels/test_norm.py holds each to its reference in Triton's interpreter (CPU) and on CUDA (`-m gpu`).
 """
 
@@ -22,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["gated_norm", "rms_norm", "rows_of", "silu_mul"]
+__all__ = ["gated_norm", "l2norm_fp32", "rms_norm", "rows_of", "silu_mul"]
 
 # elements a program holds: two rows of qwen36_mini's hidden size, or sixteen of its 256-wide heads
 TILE = 4096
@@ -75,6 +76,12 @@ def _gated_kernel(x_ptr, z_ptr, w_ptr, out_ptr, R, H, sxo, sxh, szo, szh, eps, N
 
 
 @triton.jit
+def _l2_kernel(x_ptr, out_ptr, R, H, sxo, sxh, eps, N: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+    x, offs, mask = _row_tile(x_ptr, sxo, sxh, H, R, N, BLOCK_N, ROWS)
+    tl.store(out_ptr + offs, x * tl.rsqrt(tl.sum(x * x, 1) + eps)[:, None], mask=mask)
+
+
+@triton.jit
 def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, numel, BLOCK: tl.constexpr):
     dtype = out_ptr.dtype.element_ty
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -114,6 +121,15 @@ def gated_norm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) ->
     grid, meta = _grid(x)
     (x_OHN, R, H, sxo, sxh), (z_OHN, _, _, szo, szh) = _rows(x), _rows(z)
     _gated_kernel[grid](x_OHN, z_OHN, w, out, R, H, sxo, sxh, szo, szh, eps, **meta)
+    return out
+
+
+def l2norm_fp32(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """`l2norm(at_least_fp32(x))` for x of at most fp32; x's rows as `rows_of` takes them."""
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    grid, meta = _grid(x)
+    x_OHN, R, H, sxo, sxh = _rows(x)
+    _l2_kernel[grid](x_OHN, out, R, H, sxo, sxh, eps, **meta)
     return out
 
 

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import rel_err
-from longstraw_kernels import use_kernels
+from longstraw_kernels import at_least_fp32, use_kernels
+from longstraw_kernels.gdn.reference import l2norm
 from longstraw_kernels.linear.reference import gated_rms_norm, rms_norm_one_plus
 from longstraw_kernels.norm import triton_norm
 
@@ -46,6 +47,16 @@ def test_gated_norm_equals_its_reference(dtype, R, N):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_l2norm_equals_its_reference(dtype):
+    # GDN's q: heads of 24 read in place from the conv's output, two key heads beside a value head
+    conv = rows(37, 3 * 2 * 24, dtype, 5)
+    q = conv[:, : 2 * 24].reshape(37, 2, 24)
+    got = triton_norm.l2norm_fp32(q)
+    assert got.dtype == torch.float32 and got.shape == q.shape
+    assert rel_err(got, l2norm(at_least_fp32(q))) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_silu_mul_equals_its_reference(dtype):
     gate, up = rows(3, 4097, dtype, 6).contiguous(), rows(3, 4097, dtype, 7).contiguous()
     got = triton_norm.silu_mul(gate, up)
@@ -74,6 +85,7 @@ def test_off_cuda_the_references_run_with_their_gradients():
     rms_norm_one_plus(x, g, 1e-6).sum().backward()
     assert torch.equal(x.grad, want)
     assert torch.equal(norm.silu_mul(x, x), F.silu(x) * x)
+    assert torch.equal(norm.l2norm_fp32(x), l2norm(x))
 
 
 def test_operands_not_read_in_place_take_the_reference_and_are_said_once(caplog):
@@ -99,12 +111,12 @@ def test_operands_not_read_in_place_take_the_reference_and_are_said_once(caplog)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_kernels_at_qwen36_minis_shapes(monkeypatch):
     """bf16 at qwen36_mini's shapes on the GPU (rounding to nearest there): the hidden norm, the query heads' norm
-    read in place beside their gates, GDN's gated norm, the MLP's SiLU(gate) * up; each taken by
+    read in place beside their gates, GDN's gated norm and q / k norm, the MLP's SiLU(gate) * up; each taken by
     the dispatch under no_grad, and not where a graph is recorded or under kernels.norm=torch."""
     from longstraw_kernels import norm
 
     calls = []
-    for name in ("rms_norm", "gated_norm", "silu_mul"):
+    for name in ("rms_norm", "gated_norm", "l2norm_fp32", "silu_mul"):
         fn = getattr(triton_norm, name)
         monkeypatch.setattr(triton_norm, name, lambda *a, fn=fn, name=name: calls.append(name) or fn(*a))
     gen = torch.Generator("cuda").manual_seed(0)
@@ -116,11 +128,13 @@ def test_cuda_kernels_at_qwen36_minis_shapes(monkeypatch):
     x, g = randn(1, T, 2048, scale=3), randn(2048, scale=0.3)
     q = randn(1, T, 16, 512)[..., :256]
     z, o, w = randn(1, T, 16, 128), randn(1, T, 16, 128), randn(128, scale=0.3) + 1
+    conv = randn(1, T, 4096)
     gate, up = randn(1, T, 6144, scale=2), randn(1, T, 6144)
     cases = [
         (norm.rms_norm, (x, g, eps), rms_norm_one_plus),
         (norm.rms_norm, (q, g[:256], eps), rms_norm_one_plus),
         (norm.gated_norm, (o, z, w, eps), gated_rms_norm),
+        (norm.l2norm_fp32, (conv[..., :1024].unflatten(-1, (8, 128)),), lambda t: l2norm(at_least_fp32(t))),
         (norm.silu_mul, (gate, up), lambda a, b: F.silu(a) * b),
     ]
     with torch.no_grad():
@@ -130,7 +144,7 @@ def test_cuda_kernels_at_qwen36_minis_shapes(monkeypatch):
             assert rel_err(got, want) < (1e-6 if got.dtype == torch.float32 else 2**-9), fn.__name__
             if got.dtype == torch.bfloat16:
                 assert (got != want).float().mean() < 0.01, fn.__name__
-    assert calls == ["rms_norm", "rms_norm", "gated_norm", "silu_mul"]
+    assert calls == ["rms_norm", "rms_norm", "gated_norm", "l2norm_fp32", "silu_mul"]
     calls.clear()
     leaf = x.clone().requires_grad_()
     norm.rms_norm(leaf, g, eps).float().sum().backward()

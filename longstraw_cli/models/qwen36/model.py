@@ -32,12 +32,12 @@ from longstraw_cli.models.qwen36.rope import apply_partial_rope, rope_cos_sin
 from longstraw_cli.resident import AttentionPages, RecurrentState, Resident
 from longstraw_cli.resident.offload import OFFLOAD_CHOICES, host_buffer
 from longstraw_cli.resident.state import prefix
-from longstraw_kernels import at_least_fp32, compute_dtype
+from longstraw_kernels import compute_dtype
 from longstraw_kernels.attention import blockwise_causal_attention, replay_attention
 from longstraw_kernels.attention.decode import decode_pages_attention
 from longstraw_kernels.gdn import gdn_forward
-from longstraw_kernels.gdn.reference import causal_conv_silu, gdn_decay, l2norm
-from longstraw_kernels.norm import gated_norm, rms_norm
+from longstraw_kernels.gdn.reference import causal_conv_silu, gdn_decay
+from longstraw_kernels.norm import gated_norm, l2norm_fp32, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -269,8 +269,8 @@ class GatedDeltaNet(nn.Module):
     def mix_projected(self, mixed_BTX, z_BTX, b_BTG, a_BTG, window_BXW, ssm_BGKV, gdn_fn, grad_prefix: int = 0):
         """`mix` from its input linears' outputs."""
         q_BTHK, k_BTHK, v_BTGV, full_BXS = self.convolve(mixed_BTX, window_BXW)
-        q_BTHK = l2norm(at_least_fp32(q_BTHK))
-        k_BTHK = stop_grad_prefix(l2norm(at_least_fp32(k_BTHK)), grad_prefix)
+        q_BTHK = l2norm_fp32(q_BTHK)
+        k_BTHK = stop_grad_prefix(l2norm_fp32(k_BTHK), grad_prefix)
         v_BTGV = stop_grad_prefix(v_BTGV, grad_prefix)
         beta_BTG = stop_grad_prefix(b_BTG.sigmoid(), grad_prefix)
         g_BTG = stop_grad_prefix(gdn_decay(a_BTG, self.A_log, self.dt_bias), grad_prefix)
