@@ -18,7 +18,13 @@ import logging
 import torch
 
 from longstraw_kernels import kernel_choice, needs_grad, optional_module
-from longstraw_kernels.gdn.reference import conv_step_reference, gdn_chunked, gdn_decode_reference
+from longstraw_kernels.gdn.reference import (
+    causal_conv_silu,
+    conv_step_reference,
+    conv_window_after,
+    gdn_chunked,
+    gdn_decode_reference,
+)
 
 log = logging.getLogger(__name__)
 
@@ -75,17 +81,31 @@ def conv_step(mixed_BTX, window_BXW, weight_X1K):
     return conv_step_reference(mixed_BTX, window_BXW, weight_X1K)
 
 
+def conv_silu(mixed_BTX, window_BXW, weight_X1K):
+    """GDN's causal conv and SiLU over the window then mixed's tokens -> (silu(conv) [B, T, X] in mixed's dtype, the
+    window after mixed [B, X, W]). One Triton launch on CUDA where no gradient is needed (`triton_conv.py`: capture,
+    scoring); elsewhere, under kernels.gdn=torch, and where a graph is recorded, `causal_conv_silu` over their cat."""
+    graph = needs_grad(mixed_BTX, window_BXW, weight_X1K)
+    module = None if graph or torch.compiler.is_compiling() else _step_module(mixed_BTX, "triton_conv")
+    if module is not None and module.serves(mixed_BTX, window_BXW, weight_X1K):
+        return module.conv_silu_tokens(mixed_BTX, window_BXW, weight_X1K), conv_window_after(window_BXW, mixed_BTX)
+    full_BXS = torch.cat([window_BXW, mixed_BTX.transpose(1, 2)], dim=-1)
+    W = window_BXW.shape[-1]
+    return causal_conv_silu(full_BXS, weight_X1K).transpose(1, 2), full_BXS[..., full_BXS.shape[-1] - W :]
+
+
 @functools.cache
 def _say_decode_takes_the_reference(part: str, inputs: str) -> None:
     log.warning("GDN decode step: the Triton %s kernel does not take %s; the torch reference runs it (several small "
                 "kernels a layer; logged once)", part, inputs)
 
 
-def _step_module(x: torch.Tensor):
-    """triton_step where the decode's kernels serve x (CUDA, auto, Triton imports), else None."""
+def _step_module(x: torch.Tensor, name: str = "triton_step"):
+    """The kernel module `name` (the decode's triton_step by default) where it can serve x (CUDA, auto, Triton
+    imports), else None."""
     if kernel_choice("gdn") != "auto" or not x.is_cuda:
         return None
-    return optional_module("longstraw_kernels.gdn.triton_step")
+    return optional_module(f"longstraw_kernels.gdn.{name}")
 
 
 def triton_chunk():

@@ -72,6 +72,13 @@ def causal_conv_silu(full_BXS: torch.Tensor, weight_X1K: torch.Tensor) -> torch.
     return torch.nn.functional.silu(torch.nn.functional.conv1d(full_BXS, weight_X1K, groups=full_BXS.shape[1]))
 
 
+def conv_window_after(window_BXW: torch.Tensor, mixed_BTX: torch.Tensor) -> torch.Tensor:
+    """The conv's window after mixed: the last W of (window_BXW, then mixed_BTX's tokens) -> [B, X, W]."""
+    W, T = window_BXW.shape[-1], mixed_BTX.shape[1]
+    full_BXS = torch.cat([window_BXW, mixed_BTX[:, max(0, T - W) :].transpose(1, 2)], dim=-1)
+    return full_BXS[..., full_BXS.shape[-1] - W :]
+
+
 def conv_step_reference(mixed_BTX, window_BXW, weight_X1K):
     """A few tokens of `causal_conv_silu` from the window state window_BXW, which then holds the last W inputs
     (in place). -> [B, T, X] in mixed's dtype."""

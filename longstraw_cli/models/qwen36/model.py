@@ -35,8 +35,8 @@ from longstraw_cli.resident.state import prefix
 from longstraw_kernels import compute_dtype
 from longstraw_kernels.attention import blockwise_causal_attention, replay_attention
 from longstraw_kernels.attention.decode import decode_pages_attention
-from longstraw_kernels.gdn import gdn_forward
-from longstraw_kernels.gdn.reference import causal_conv_silu, gdn_decay
+from longstraw_kernels.gdn import conv_silu, gdn_forward
+from longstraw_kernels.gdn.reference import conv_window_after, gdn_decay
 from longstraw_kernels.norm import gated_norm, l2norm_fp32, rms_norm
 
 
@@ -176,8 +176,7 @@ class GatedAttention(nn.Module):
 
 def local_conv_window(mixed_BTX: torch.Tensor, window_BXW: torch.Tensor):
     """(window before the span, window after it): the conv inputs that precede and end the span."""
-    full_BXS = torch.cat([window_BXW, mixed_BTX.transpose(1, 2)], dim=-1)
-    return window_BXW, full_BXS[..., full_BXS.shape[-1] - window_BXW.shape[-1] :]
+    return window_BXW, conv_window_after(window_BXW, mixed_BTX)
 
 
 class GatedDeltaNet(nn.Module):
@@ -262,26 +261,26 @@ class GatedDeltaNet(nn.Module):
 
     def mix(self, x_BTC, mixed_BTX, window_BXW, ssm_BGKV, gdn_fn, grad_prefix: int = 0):
         """Conv over (window, mixed), gates, the gated delta rule from ssm, gated norm, out_proj.
-        -> (y_BTC, the conv window after mixed (a view into the conv input), ssm_BGKV after mixed)."""
+        -> (y_BTC, the conv window after mixed (a view into the conv input on the torch path), ssm_BGKV after mixed)."""
         return self.mix_projected(mixed_BTX, self.in_proj_z(x_BTC), self.in_proj_b(x_BTC), self.in_proj_a(x_BTC),
                                   window_BXW, ssm_BGKV, gdn_fn, grad_prefix)
 
     def mix_projected(self, mixed_BTX, z_BTX, b_BTG, a_BTG, window_BXW, ssm_BGKV, gdn_fn, grad_prefix: int = 0):
         """`mix` from its input linears' outputs."""
-        q_BTHK, k_BTHK, v_BTGV, full_BXS = self.convolve(mixed_BTX, window_BXW)
+        q_BTHK, k_BTHK, v_BTGV, window_after_BXW = self.convolve(mixed_BTX, window_BXW)
         q_BTHK = l2norm_fp32(q_BTHK)
         k_BTHK = stop_grad_prefix(l2norm_fp32(k_BTHK), grad_prefix)
         v_BTGV = stop_grad_prefix(v_BTGV, grad_prefix)
         beta_BTG = stop_grad_prefix(b_BTG.sigmoid(), grad_prefix)
         g_BTG = stop_grad_prefix(gdn_decay(a_BTG, self.A_log, self.dt_bias), grad_prefix)
         o_BTGV, new_ssm_BGKV = gdn_fn(q_BTHK, k_BTHK, v_BTGV, g_BTG, beta_BTG, ssm_BGKV)
-        return self.gated_output(o_BTGV, z_BTX), full_BXS[..., full_BXS.shape[-1] - self.window :], new_ssm_BGKV
+        return self.gated_output(o_BTGV, z_BTX), window_after_BXW, new_ssm_BGKV
 
     def convolve(self, mixed_BTX, window_BXW):
         """The causal depthwise conv over (window, mixed) and its SiLU, split into heads.
-        -> (q_BTHK and k_BTHK before their norms, v_BTGV, the conv input full_BXS)."""
-        full_BXS = torch.cat([window_BXW, mixed_BTX.transpose(1, 2)], dim=-1)
-        return (*self.split_heads(causal_conv_silu(full_BXS, self.conv1d.weight).transpose(1, 2)), full_BXS)
+        -> (q_BTHK and k_BTHK before their norms, v_BTGV, the conv window after mixed)."""
+        conv_BTX, window_after_BXW = conv_silu(mixed_BTX, window_BXW, self.conv1d.weight)
+        return (*self.split_heads(conv_BTX), window_after_BXW)
 
     def split_heads(self, conv_BTX):
         """The conv's output [B, T, X] -> (q_BTHK, k_BTHK, v_BTGV), views."""
