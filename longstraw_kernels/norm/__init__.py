@@ -1,19 +1,21 @@
-"""qwen36's norms and gates (and core.MLP's SiLU(gate) * up): one Triton launch each where no graph is recorded.
+"""qwen36's norms and gates (and core.MLP's SiLU(gate) * up): one Triton launch each forward, and one each backward
+where a graph is recorded.
 
-`kernels.norm` = auto (default) | torch. Under auto a CUDA call that needs no gradient (capture, scoring, the
-unchunked forwards) takes `triton_norm.py`'s kernel where it serves: bf16 / fp16 / fp32 rows of at most 16,384 that
-`rows_of` reads in place. A call that records a graph (replay, the exact walk), a compiled region (the
-decode step: inductor fuses these itself), the CPU, fp64 and torch run the references; a CUDA operand the kernels
-cannot read in place is said once. Each function here has its reference's contract; the kernels round as the
-references do, with a row's sum added in another order.
-"""
+`kernels.norm` = auto (default) | torch. Under auto a CUDA call outside a compiled region takes `triton_norm.py`'s
+kernel where it serves: bf16 / fp16 / fp32 rows of at most 16,384 that `rows_of` reads in place. A call that needs
+no gradient (capture, scoring) is one forward launch; one that records a graph (replay, the exact walk) saves only
+its inputs and runs one backward launch, where the reference saves fp32 copies of the rows and runs a chain of
+kernels back. A compiled region (the decode step: inductor fuses these itself), the CPU, fp64 and torch run the
+references; a CUDA operand the kernels cannot read in place is said once. Each function here has its reference's
+contract; the kernels round as the references do in the forward, with a row's sum added in another order, and
+compute each gradient in fp32, rounded once."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from longstraw_kernels import at_least_fp32, kernel_choice, needs_grad, optional_module, say_once
+from longstraw_kernels import at_least_fp32, kernel_choice, optional_module, say_once
 from longstraw_kernels.gdn.reference import l2norm
 from longstraw_kernels.linear.reference import gated_rms_norm, rms_norm_one_plus
 
@@ -27,7 +29,6 @@ def _kernels(*tensors: torch.Tensor):
     """triton_norm where its kernels serve these operands (the first one's rows), else None."""
     x = tensors[0]
     if (kernel_choice("norm") != "auto" or not x.is_cuda or torch.compiler.is_compiling()
-            or needs_grad(*tensors)
             or x.numel() == 0 or x.shape[-1] > MAX_ROW or any(t.dtype not in DTYPES for t in tensors)):
         return None
     module = optional_module("longstraw_kernels.norm.triton_norm")

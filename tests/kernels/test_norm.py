@@ -63,6 +63,54 @@ def test_silu_mul_equals_its_reference(dtype):
     assert rel_err(got, F.silu(gate) * up) < 2 * BOUND[dtype]
 
 
+def _grad_case(name, dtype):
+    """(the entry, its reference, the inputs, which of them are leaves) for the backward tests: the entry reads x
+    as a view of a wider tensor where the model does (the query heads beside their gates, GDN's key heads in the
+    conv's output); a weight is a leaf or not (LoRA freezes it)."""
+    gen = torch.Generator().manual_seed(11)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+    if name in ("rms", "rms_frozen"):
+        args = [randn(37, 2, 192, scale=3), randn(96, scale=0.3)]
+        return (lambda x, g: triton_norm.rms_norm(x[..., :96], g, 1e-6),
+                lambda x, g: rms_norm_one_plus(x[..., :96], g, 1e-6), args, [True, name == "rms"])
+    if name == "gated":
+        args = [randn(37, 4, 64, scale=2), randn(37, 4, 64), randn(64, scale=0.3) + 1]
+        return (lambda x, z, w: triton_norm.gated_norm(x, z, w, 1e-6), lambda x, z, w: gated_rms_norm(x, z, w, 1e-6),
+                args, [True, True, True])
+    if name == "l2":
+        def heads(conv):  # GDN's key heads in the conv's output
+            return conv[:, :48].reshape(37, 2, 24)
+
+        return (lambda c: triton_norm.l2norm_fp32(heads(c)), lambda c: l2norm(heads(c)), [randn(37, 3 * 48)],
+                [True])
+    return triton_norm.silu_mul, lambda a, b: F.silu(a) * b, [randn(3, 1000, scale=2), randn(3, 1000)], [True, True]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["rms", "rms_frozen", "gated", "l2", "silu_mul"])
+def test_backward_equals_the_fp64_reference(name, dtype):
+    """Each entry, where an input requires grad, records its backward kernel: the outputs and every leaf's gradient
+    against the reference's graph in fp64 (fp32 to its sum order; bf16 to its roundings, toward zero in the
+    interpreter); a weight that is not a leaf gets no gradient."""
+    fn, reference, args, leaves = _grad_case(name, dtype)
+    got_in = [a.clone().requires_grad_(leaf) for a, leaf in zip(args, leaves)]
+    want_in = [a.double().requires_grad_(leaf) for a, leaf in zip(args, leaves)]
+    got, want = fn(*got_in), reference(*want_in)
+    assert isinstance(got.grad_fn, torch.autograd.function.BackwardCFunction)  # the kernel's, not torch's chain
+    dy = torch.randn(want.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    got.backward(dy.to(got.dtype))
+    want.backward(dy)
+    bound = 1e-6 if dtype == torch.float32 else 2**-6
+    assert rel_err(got, want) < bound
+    for a, b, leaf in zip(got_in, want_in, leaves):
+        assert (a.grad is None) == (not leaf)
+        if leaf:
+            assert a.grad.dtype == a.dtype and rel_err(a.grad, b.grad) < bound, (name, rel_err(a.grad, b.grad))
+
+
 def test_rows_of_reads_heads_in_place():
     x = torch.zeros(2, 4, 6, 8)
     assert triton_norm.rows_of(x).shape == (8, 6, 8)
@@ -112,13 +160,14 @@ def test_operands_not_read_in_place_take_the_reference_and_are_said_once(caplog)
 def test_cuda_kernels_at_qwen36_minis_shapes(monkeypatch):
     """bf16 at qwen36_mini's shapes on the GPU (rounding to nearest there): the hidden norm, the query heads' norm
     read in place beside their gates, GDN's gated norm and q / k norm, the MLP's SiLU(gate) * up; each taken by
-    the dispatch under no_grad, and not where a graph is recorded or under kernels.norm=torch."""
+    the dispatch under no_grad and where a graph is recorded (its gradients against fp64's), and not under
+    kernels.norm=torch."""
     from longstraw_kernels import norm
 
     calls = []
     for name in ("rms_norm", "gated_norm", "l2norm_fp32", "silu_mul"):
         fn = getattr(triton_norm, name)
-        monkeypatch.setattr(triton_norm, name, lambda *a, fn=fn, name=name: calls.append(name) or fn(*a))
+        monkeypatch.setattr(triton_norm, name, lambda *a, fn=fn, name=name, **k: calls.append(name) or fn(*a, **k))
     gen = torch.Generator("cuda").manual_seed(0)
 
     def randn(*shape, scale=1.0):
@@ -146,8 +195,21 @@ def test_cuda_kernels_at_qwen36_minis_shapes(monkeypatch):
                 assert (got != want).float().mean() < 0.01, fn.__name__
     assert calls == ["rms_norm", "rms_norm", "gated_norm", "l2norm_fp32", "silu_mul"]
     calls.clear()
-    leaf = x.clone().requires_grad_()
-    norm.rms_norm(leaf, g, eps).float().sum().backward()
-    assert leaf.grad is not None and not calls
+
+    def graph(fn, args, dtype):
+        """The output and every input's gradient of fn over leaves of `dtype` (the same dy each time)."""
+        leaves = [a.detach().to(dtype).requires_grad_() if torch.is_tensor(a) else a for a in args]
+        out = fn(*leaves)
+        dy = torch.randn(out.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+        out.backward(dy.to(torch.bfloat16).to(out.dtype))
+        return [out] + [a.grad for a in leaves if torch.is_tensor(a)]
+
+    for fn, args, _ in cases:
+        # where a graph is recorded: the backward kernel, each gradient in fp32 rounded once, against fp64's graph
+        got, want = graph(fn, args, torch.bfloat16), graph(fn, args, torch.float64)
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert rel_err(a, b) < 2**-8, (fn.__name__, i, rel_err(a, b))
+    assert calls == ["rms_norm", "rms_norm", "gated_norm", "l2norm_fp32", "silu_mul"]
+    calls.clear()
     with torch.no_grad(), use_kernels(norm="torch"):
         assert torch.equal(norm.rms_norm(x, g, eps), rms_norm_one_plus(x, g, eps)) and not calls

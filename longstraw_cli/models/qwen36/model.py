@@ -50,7 +50,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # linear/reference.py's `rms_norm_one_plus` (the decode linear kernel's prologue computes the same), one
-        # launch in graph-free forwards on CUDA (longstraw_kernels/norm)
+        # launch forward and one backward on CUDA (longstraw_kernels/norm)
         return rms_norm(x, self.weight, self.eps)
 
 
