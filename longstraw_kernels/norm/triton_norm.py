@@ -110,6 +110,13 @@ def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, numel, BLOCK: tl.constexpr):
 # programs (PARTS at most, each its blocks in order), whose partial sums torch adds: the same bits every run
 
 @triton.jit
+def _rms_input_grad(a, h, rstd, N: tl.constexpr):
+    """RMSNorm's gradient at x from a = dL/dh and h = x rstd (rows of [ROWS, BLOCK_N], fp32, mean over N):
+    rstd (a - h mean(a h))."""
+    return rstd[:, None] * (a - h * (tl.sum(a * h, 1) / N)[:, None])
+
+
+@triton.jit
 def _rms_bwd_kernel(x_ptr, g_ptr, dy_ptr, dx_ptr, dg_ptr, R, H, sxo, sxh, eps, blocks, WANT_DG: tl.constexpr,
                     N: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
     dtype = dx_ptr.dtype.element_ty
@@ -123,9 +130,7 @@ def _rms_bwd_kernel(x_ptr, g_ptr, dy_ptr, dx_ptr, dg_ptr, R, H, sxo, sxh, eps, b
         h = x * rstd[:, None]
         if WANT_DG:  # y = h (1 + g)
             dg += tl.sum(dy * h, 0)
-        a = dy * scale[None, :]
-        dx = rstd[:, None] * (a - h * (tl.sum(a * h, 1) / N)[:, None])
-        tl.store(dx_ptr + offs, dx.to(dtype), mask=mask)
+        tl.store(dx_ptr + offs, _rms_input_grad(dy * scale[None, :], h, rstd, N).to(dtype), mask=mask)
     if WANT_DG:
         tl.store(dg_ptr + tl.program_id(0) * BLOCK_N + n, dg)
 
@@ -150,9 +155,7 @@ def _gated_bwd_kernel(x_ptr, z_ptr, w_ptr, dy_ptr, dx_ptr, dz_ptr, dw_ptr, R, H,
         tl.store(dz_ptr + offs, (dy * u * s * (1.0 + z * (1.0 - s))).to(dtype), mask=mask)
         if WANT_DW:
             dw += tl.sum(du * h, 0)
-        dh = du * w[None, :]
-        dx = rstd[:, None] * (dh - xr * (tl.sum(dh * xr, 1) / N)[:, None])
-        tl.store(dx_ptr + offs, dx.to(dtype), mask=mask)
+        tl.store(dx_ptr + offs, _rms_input_grad(du * w[None, :], xr, rstd, N).to(dtype), mask=mask)
     if WANT_DW:
         tl.store(dw_ptr + tl.program_id(0) * BLOCK_N + n, dw)
 
@@ -163,8 +166,8 @@ def _l2_bwd_kernel(x_ptr, dy_ptr, dx_ptr, R, H, sxo, sxh, eps, N: tl.constexpr, 
     x, offs, mask = _row_tile(x_ptr, sxo, sxh, H, R, N, BLOCK_N, ROWS)
     dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, 1) + eps)
-    y = x * rstd[:, None]
-    dx = rstd[:, None] * (dy - y * tl.sum(dy * y, 1)[:, None])
+    # the L2 norm is RMSNorm with the sum in place of the mean: its gradient with N = 1
+    dx = _rms_input_grad(dy, x * rstd[:, None], rstd, 1)
     tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
