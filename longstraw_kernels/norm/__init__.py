@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from longstraw_kernels import at_least_fp32, kernel_choice, optional_module, say_once
+from longstraw_kernels import at_least_fp32, kernel_choice, needs_grad, optional_module, say_once
 from longstraw_kernels.gdn.reference import l2norm
 from longstraw_kernels.linear.reference import gated_rms_norm, rms_norm_one_plus
 
@@ -61,7 +61,10 @@ def gated_norm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) ->
 
 
 def l2norm_fp32(x: torch.Tensor) -> torch.Tensor:
-    """`l2norm(at_least_fp32(x))`: GDN's q and k."""
+    """`l2norm(at_least_fp32(x))`: GDN's q and k. Where a graph is recorded they come from torch's conv as transposed
+    views (the capture's conv kernel writes rows for graph-free forwards only): the reference takes them, unsaid."""
+    if x.stride(-1) != 1 and needs_grad(x):
+        return l2norm(at_least_fp32(x))
     module = _kernels(x)
     return l2norm(at_least_fp32(x)) if module is None else module.l2norm_fp32(x)
 

@@ -2,6 +2,8 @@
 interpreter on CPU, the GPU under `-m gpu`), on awkward row counts and lengths and on rows read in place from a
 wider tensor, and the dispatch: the kernel only where no graph is recorded."""
 
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -139,8 +141,6 @@ def test_off_cuda_the_references_run_with_their_gradients():
 def test_operands_not_read_in_place_take_the_reference_and_are_said_once(caplog):
     """Rows of a strided last dim (a transposed view), or a weight that is not one
     contiguous row, keep the reference: said once, with the operand's layout."""
-    import logging
-
     from longstraw_kernels import norm, say_once
 
     x, g = torch.zeros(4, 6, 8), torch.zeros(8)
@@ -157,7 +157,7 @@ def test_operands_not_read_in_place_take_the_reference_and_are_said_once(caplog)
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_kernels_at_qwen36_minis_shapes(monkeypatch):
+def test_cuda_kernels_at_qwen36_minis_shapes(monkeypatch, caplog):
     """bf16 at qwen36_mini's shapes on the GPU (rounding to nearest there): the hidden norm, the query heads' norm
     read in place beside their gates, GDN's gated norm and q / k norm, the MLP's SiLU(gate) * up; each taken by
     the dispatch under no_grad and where a graph is recorded (its gradients against fp64's), and not under
@@ -211,5 +211,13 @@ def test_cuda_kernels_at_qwen36_minis_shapes(monkeypatch):
             assert rel_err(a, b) < 2**-8, (fn.__name__, i, rel_err(a, b))
     assert calls == ["rms_norm", "rms_norm", "gated_norm", "l2norm_fp32", "silu_mul"]
     calls.clear()
+    # a replay's GDN q / k: transposed views of torch's conv, the reference's, unsaid
+    from longstraw_kernels import say_once
+
+    say_once.cache_clear()
+    conv_t = randn(1, 1024, 4096).transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+    with caplog.at_level(logging.WARNING, logger="longstraw_kernels"):
+        norm.l2norm_fp32(conv_t[..., :1024].unflatten(-1, (8, 128))).sum().backward()
+    assert not calls and not caplog.records and conv_t.grad is not None
     with torch.no_grad(), use_kernels(norm="torch"):
         assert torch.equal(norm.rms_norm(x, g, eps), rms_norm_one_plus(x, g, eps)) and not calls
