@@ -4,7 +4,8 @@ scoring): `causal_conv_silu`'s values, read from the input linear's [B, T, X] ou
 The model's path cats the window and the transposed input into a [B, X, W + T] copy, runs torch's depthwise conv
 (a generic kernel for bf16), its SiLU, and hands on the transposed result, whose strided heads then cost a copy
 each before the norms and fla's kernel: on an H100, qwen36_mini's capture at 256K spent ~0.5 s of ~7.5 s of kernels
-there (2026-12-06). Here a program owns BT tokens by BX channels of one sequence:
+there (2026-12-06); with this launch it took 7.22 / 7.24 s against 7.67 / 7.73 in `longstraw train` (BENCHMARKS).
+Here a program owns BT tokens by BX channels of one sequence:
 
     out[b, t, x] = silu(round(sum_j w[x, j] in[b, t - W + j, x])),   in[b, s, x] = window[b, x, W + s] for s < 0
 
