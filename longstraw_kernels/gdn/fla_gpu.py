@@ -17,7 +17,7 @@ import logging
 
 import torch
 
-from longstraw_kernels import kernel_choice, needs_grad, optional_module
+from longstraw_kernels import kernel_choice, needs_grad, optional_module, say_once
 from longstraw_kernels.gdn.reference import (
     causal_conv_silu,
     conv_step_reference,
@@ -85,13 +85,17 @@ def conv_silu(mixed_BTX, window_BXW, weight_X1K):
     """GDN's causal conv and SiLU over the window then mixed's tokens -> (silu(conv) [B, T, X] in mixed's dtype, the
     window after mixed [B, X, W]). One Triton launch on CUDA where no gradient is needed (`triton_conv.py`: capture,
     scoring); elsewhere, under kernels.gdn=torch, and where a graph is recorded, `causal_conv_silu` over their cat."""
+    window_after_BXW = conv_window_after(window_BXW, mixed_BTX)  # its own tensor: no view keeps a span alive
     graph = needs_grad(mixed_BTX, window_BXW, weight_X1K)
     module = None if graph or torch.compiler.is_compiling() else _step_module(mixed_BTX, "triton_conv")
-    if module is not None and module.serves(mixed_BTX, window_BXW, weight_X1K):
-        return module.conv_silu_tokens(mixed_BTX, window_BXW, weight_X1K), conv_window_after(window_BXW, mixed_BTX)
+    if module is not None:
+        if module.serves(mixed_BTX, window_BXW, weight_X1K):
+            return module.conv_silu_tokens(mixed_BTX, window_BXW, weight_X1K), window_after_BXW
+        say_once(f"GDN capture conv: the Triton launch does not take input {mixed_BTX.dtype} strides "
+                 f"{mixed_BTX.stride()}, window {window_BXW.dtype}, weight {weight_X1K.dtype} "
+                 f"{'contiguous' if weight_X1K.is_contiguous() else 'strided'}; torch's conv runs it (said once)")
     full_BXS = torch.cat([window_BXW, mixed_BTX.transpose(1, 2)], dim=-1)
-    W = window_BXW.shape[-1]
-    return causal_conv_silu(full_BXS, weight_X1K).transpose(1, 2), full_BXS[..., full_BXS.shape[-1] - W :]
+    return causal_conv_silu(full_BXS, weight_X1K).transpose(1, 2), window_after_BXW
 
 
 @functools.cache

@@ -73,10 +73,10 @@ def causal_conv_silu(full_BXS: torch.Tensor, weight_X1K: torch.Tensor) -> torch.
 
 
 def conv_window_after(window_BXW: torch.Tensor, mixed_BTX: torch.Tensor) -> torch.Tensor:
-    """The conv's window after mixed: the last W of (window_BXW, then mixed_BTX's tokens) -> [B, X, W]."""
+    """The conv's window after mixed: the last W of (window_BXW, then mixed_BTX's tokens) -> [B, X, W], a tensor of
+    its own (exactly W columns)."""
     W, T = window_BXW.shape[-1], mixed_BTX.shape[1]
-    full_BXS = torch.cat([window_BXW, mixed_BTX[:, max(0, T - W) :].transpose(1, 2)], dim=-1)
-    return full_BXS[..., full_BXS.shape[-1] - W :]
+    return torch.cat([window_BXW[..., min(T, W) :], mixed_BTX[:, max(0, T - W) :].transpose(1, 2)], dim=-1)
 
 
 def conv_step_reference(mixed_BTX, window_BXW, weight_X1K):

@@ -2,6 +2,8 @@
 `-m gpu`) against `causal_conv_silu` over the window and the tokens, the window after them, and the dispatch: the
 kernel only where no graph is recorded."""
 
+import logging
+
 import pytest
 import torch
 
@@ -46,16 +48,17 @@ def test_off_cuda_the_reference_runs_with_its_gradients():
     got, window_after = conv_silu(mixed, window, weight)
     want, want_after = reference(mixed, window, weight)
     assert torch.equal(got, want) and torch.equal(window_after, want_after)
+    assert window_after._base is None  # its own tensor: a stored window keeps no span's conv input alive
     got.sum().backward()
     assert weight.grad is not None
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_kernel_at_qwen36_minis_shape(monkeypatch):
+def test_cuda_kernel_at_qwen36_minis_shape(monkeypatch, caplog):
     """bf16, one sequence of 4,096 tokens of qwen36_mini's 4,096 conv channels on the GPU (rounding to nearest
     there): a last bit rarely, from the fp32 sum's order; taken by the dispatch under no_grad only."""
-    from longstraw_kernels import use_kernels
+    from longstraw_kernels import say_once, use_kernels
 
     calls = []
     kernel = triton_conv.conv_silu_tokens
@@ -72,3 +75,12 @@ def test_cuda_kernel_at_qwen36_minis_shape(monkeypatch):
     with torch.no_grad(), use_kernels(gdn="torch"):
         conv_silu(mixed, window, weight)
     assert not calls
+    # a layout the launch does not take (a strided weight): torch's conv, said once
+    strided = torch.zeros(*weight.shape[:-1], 2 * weight.shape[-1], dtype=weight.dtype, device="cuda")[..., ::2]
+    strided.copy_(weight.detach())
+    say_once.cache_clear()
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="longstraw_kernels"):
+        got, _ = conv_silu(mixed, window, strided)
+        conv_silu(mixed, window, strided)
+    assert not calls and torch.equal(got, want)
+    assert len([r for r in caplog.records if "GDN capture conv" in r.getMessage()]) == 1

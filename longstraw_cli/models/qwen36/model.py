@@ -234,9 +234,9 @@ class GatedDeltaNet(nn.Module):
         """One block of the response from the state at its start `before` (batched; the prompt's for the first
         block), not `state`. -> (y_BTC, the state at the block's end, batched)."""
         y_BTC, conv_BXW, ssm_BGKV = self.mix(x_BTC, *self.read(before, x_BTC), self.gdn_fn)
-        # the window as its own tensor: mix's is a view of the block's whole conv input, which the blockwise replay
-        # would keep alive with each block's start state (5.3 MB a layer at the 27B shape, blocks of 256)
-        return y_BTC, RecurrentState(conv_BXW.clone(), ssm_BGKV)
+        # the window is its own tensor (conv_silu), not a view of the block's conv input that each block's start
+        # state would keep alive (5.3 MB a layer at the 27B shape, blocks of 256)
+        return y_BTC, RecurrentState(conv_BXW, ssm_BGKV)
 
     def decode_step(self, x_BTC, positions_T, state: RecurrentState, cache: RecurrentState):
         """One token per sequence from its own (batched) state `cache`, which then holds the state after it."""
@@ -261,7 +261,7 @@ class GatedDeltaNet(nn.Module):
 
     def mix(self, x_BTC, mixed_BTX, window_BXW, ssm_BGKV, gdn_fn, grad_prefix: int = 0):
         """Conv over (window, mixed), gates, the gated delta rule from ssm, gated norm, out_proj.
-        -> (y_BTC, the conv window after mixed (a view into the conv input on the torch path), ssm_BGKV after mixed)."""
+        -> (y_BTC, the conv window after mixed (its own tensor), ssm_BGKV after mixed)."""
         return self.mix_projected(mixed_BTX, self.in_proj_z(x_BTC), self.in_proj_b(x_BTC), self.in_proj_a(x_BTC),
                                   window_BXW, ssm_BGKV, gdn_fn, grad_prefix)
 
