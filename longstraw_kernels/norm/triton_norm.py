@@ -240,11 +240,6 @@ def _weight_grid(x: torch.Tensor, want: bool) -> tuple[tuple[int], int, dict]:
     return (min(grid[0], PARTS) if want else grid[0],), grid[0], meta
 
 
-def _contiguous(t: torch.Tensor, shape) -> torch.Tensor:
-    """A gradient as the kernels read it: contiguous rows of x's shape."""
-    return t.reshape(shape).contiguous()
-
-
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, g, eps):
@@ -260,7 +255,7 @@ class _RMSNorm(torch.autograd.Function):
         x_OHN, R, H, sxo, sxh = _rows(x)
         dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         dg = torch.empty(grid[0], meta["BLOCK_N"], dtype=torch.float32, device=x.device) if want_dg else dx
-        _rms_bwd_kernel[grid](x_OHN, g, _contiguous(dy, x.shape), dx, dg, R, H, sxo, sxh, ctx.eps, blocks,
+        _rms_bwd_kernel[grid](x_OHN, g, dy.contiguous(), dx, dg, R, H, sxo, sxh, ctx.eps, blocks,
                               WANT_DG=want_dg, **meta)
         return dx, (dg.sum(0)[: g.shape[0]].to(g.dtype) if want_dg else None), None
 
@@ -281,7 +276,7 @@ class _GatedNorm(torch.autograd.Function):
         dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         dz = torch.empty(x.shape, dtype=z.dtype, device=x.device)
         dw = torch.empty(grid[0], meta["BLOCK_N"], dtype=torch.float32, device=x.device) if want_dw else dx
-        _gated_bwd_kernel[grid](x_OHN, z_OHN, w, _contiguous(dy, x.shape), dx, dz, dw, R, H, sxo, sxh, szo, szh,
+        _gated_bwd_kernel[grid](x_OHN, z_OHN, w, dy.contiguous(), dx, dz, dw, R, H, sxo, sxh, szo, szh,
                                 ctx.eps, blocks, WANT_DW=want_dw, **meta)
         return dx, dz, (dw.sum(0)[: w.shape[0]].to(w.dtype) if want_dw else None), None
 
@@ -299,7 +294,7 @@ class _L2Norm(torch.autograd.Function):
         grid, meta = _grid(x)
         x_OHN, R, H, sxo, sxh = _rows(x)
         dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        _l2_bwd_kernel[grid](x_OHN, _contiguous(dy, x.shape), dx, R, H, sxo, sxh, ctx.eps, **meta)
+        _l2_bwd_kernel[grid](x_OHN, dy.contiguous(), dx, R, H, sxo, sxh, ctx.eps, **meta)
         return dx, None
 
 
@@ -313,7 +308,7 @@ class _SiluMul(torch.autograd.Function):
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
         dgate, dup = torch.empty_like(gate), torch.empty_like(up)
-        _silu_mul_bwd_kernel[(triton.cdiv(gate.numel(), TILE),)](gate, up, _contiguous(dy, gate.shape), dgate, dup,
+        _silu_mul_bwd_kernel[(triton.cdiv(gate.numel(), TILE),)](gate, up, dy.contiguous(), dgate, dup,
                                                                  gate.numel(), BLOCK=TILE, num_warps=8)
         return dgate, dup
 
