@@ -10,7 +10,12 @@ GDN's chunked products and conv for qwen36; MLA, the DSA indexer and the experts
 2026-12 counted linear + attention only (GDN's chunks and conv are 0.3% of qwen36_mini's at 256K). The ceiling is a
 measured large bf16 matmul on this GPU (and the H200's dense bf16 spec, 989 TFLOP/s, for reference). One JSON row
 per P to --out. With --top N, one more capture per P runs under torch.profiler: its N longest CUDA kernels, and
-the wall time against the kernels' total (the gap is the host: launches, synchronisations).
+the wall time against the kernels' total (the gap is the host: launches, synchronisations). With --kernels
+CHANGES (`kernels.` fields, e.g. norm=torch), `model.capture` then runs --repeats more times under the default choices
+and as many under CHANGES, alternated (A B B A ...: a GPU's clock drifts over a run), into the row's `alternated`:
+
+    python scripts/bench/bench_capture.py --model glm52_mini --prompts 262144 --block-size 4096 --methods capture \
+        --kernels norm=torch --repeats 3
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from longstraw_cli.models import MODEL_NAMES, build_model  # noqa: E402
 from longstraw_cli.plan.flops import capture_flops  # noqa: E402
+from longstraw_kernels import use_kernels  # noqa: E402
 from longstraw_kernels.attention.flash import forward_backend  # noqa: E402
 
 SPEC_BF16_FLOPS = 989e12  # H200 SXM dense bf16
@@ -70,6 +76,25 @@ def profiled_capture(run, top: int) -> dict:
     return out
 
 
+def kernel_changes(kernels: str) -> dict[str, str]:
+    """"norm=torch,gdn=torch" -> {"norm": "torch", "gdn": "torch"} (ValueError where a pair has no "=")."""
+    return dict(pair.split("=", 1) for pair in kernels.split(","))
+
+
+def alternated(run, kernels: str, repeats: int) -> dict[str, list[float]]:
+    """Seconds of `run` under the default kernels' choices and under `kernels` ("field=choice,..."), `repeats`
+    each, in the order A B B A A B ...; a choice's first run may pay compiles the warm-up did not (read the later
+    ones)."""
+    changes = kernel_changes(kernels)
+    times: dict[str, list[float]] = {"default": [], kernels: []}
+    for i in range(repeats):
+        for label in ("default", kernels) if i % 2 == 0 else (kernels, "default"):
+            with use_kernels(**(changes if label == kernels else {})):
+                times[label].append(timed(run))
+            print(f"  {label}: {times[label][-1]:.3f} s", flush=True)
+    return times
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="qwen36_mini", choices=MODEL_NAMES)
@@ -78,7 +103,16 @@ def main(argv=None):
     p.add_argument("--methods", default="capture,capture_span,forward")
     p.add_argument("--out", default="capture.jsonl")
     p.add_argument("--top", type=int, default=0, help="profile one more capture per P: its N longest kernels")
+    p.add_argument("--kernels", default="", help="kernels' choices to time the capture against the default's, "
+                                                 "e.g. norm=torch or norm=torch,gdn=torch")
+    p.add_argument("--repeats", type=int, default=3, help="captures under each of default and --kernels")
     args = p.parse_args(argv)
+    if args.kernels:
+        try:  # a bad field or choice now, not after the model is built and the first captures ran
+            with use_kernels(**kernel_changes(args.kernels)):
+                pass
+        except (ValueError, TypeError) as exc:
+            p.error(f"--kernels {args.kernels!r}: field=choice pairs of `kernels` ({exc})")
     if not torch.cuda.is_available():
         raise SystemExit("bench_capture needs CUDA")
     model = build_model(args.model, dtype=torch.bfloat16, device="cuda", seed=0).requires_grad_(False)
@@ -127,6 +161,8 @@ def main(argv=None):
             print(f"P={P} capture / forward = {row['capture_over_forward']:.3f}", flush=True)
         if args.top:
             row["profile"] = profiled_capture(runs["capture"], args.top)
+        if args.kernels:
+            row["alternated"] = alternated(runs["capture"], args.kernels, args.repeats)
         with open(args.out, "a") as f:
             f.write(json.dumps(row) + "\n")
 
