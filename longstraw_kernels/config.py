@@ -49,7 +49,7 @@ class KernelConfig:
     decode_attention: str = "auto"
     # the decode's sampling race (sampling/triton_race.py)
     sampling: str = "auto"
-    # qwen36's norms (RMSNorm, GDN's gated norm and q / k L2 norm) and the MLP's SiLU(gate) * up, one launch each
+    # qwen36's norms (RMSNorm, GDN's gated norm and q / k L2 norm) and its MLP's SiLU(gate) * up, one launch each
     # forward and one backward where a graph is recorded (norm/triton_norm.py); torch: the references' several kernels
     norm: str = "auto"
     # NF4 dequantisation (lora.quantize=nf4; nf4/triton_nf4.py)

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -47,7 +48,6 @@ from longstraw_cli.resident.gradient import StateGrad, WholePrompt, leaves
 from longstraw_cli.resident.offload import BlockWriter, PageWriter, stage_layers
 from longstraw_cli.resident.state import prefix, snapshot
 from longstraw_kernels import at_least_fp32
-from longstraw_kernels.norm import silu_mul
 
 # a decoder layer's entry points besides forward (FSDP gathers a layer's weights around each)
 LAYER_PATHS = ("capture_block", "capture_span", "replay", "decode_step", "recompute_block", "replay_block")
@@ -84,11 +84,19 @@ def tail_start(num_tokens: int, block_size: int, tail: int) -> int:
     return capture_blocks(num_tokens, block_size, tail)[-1][0]
 
 
-class MLP(nn.Module):
-    """SwiGLU: down(silu(gate x) * up x), HF's names."""
+def silu_times(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up as torch computes it (two kernels)."""
+    return F.silu(gate) * up
 
-    def __init__(self, hidden: int, intermediate: int):
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate x) * up x), HF's names. `silu_mul` computes silu(gate) * up with silu_times' contract:
+    qwen36 passes kernels.norm's one launch (longstraw_kernels.norm.silu_mul); glm52 keeps torch's two kernels,
+    as the launch measured slower in its capture and replay (docs/BENCHMARKS.md, variants)."""
+
+    def __init__(self, hidden: int, intermediate: int, silu_mul: Callable = silu_times):
         super().__init__()
+        self.silu_mul = silu_mul
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
@@ -98,7 +106,7 @@ class MLP(nn.Module):
 
     def swiglu(self, gate, up):
         """The MLP from its gate and up linears' outputs (the decode step computes them as one GEMM)."""
-        return self.down_proj(silu_mul(gate, up))
+        return self.down_proj(self.silu_mul(gate, up))
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""qwen36's norms and gates (and core.MLP's SiLU(gate) * up): one Triton launch each forward, and one each backward
+"""qwen36's norms and gates (and its MLP's SiLU(gate) * up): one Triton launch each forward, and one each backward
 where a graph is recorded.
 
 `kernels.norm` = auto (default) | torch. Under auto a CUDA call outside a compiled region takes `triton_norm.py`'s

@@ -1,4 +1,4 @@
-"""qwen36's norms and both families' MLP gate, each one Triton launch forward and one backward.
+"""qwen36's norms and its MLP gate, each one Triton launch forward and one backward.
 
 In eager torch each of these is a chain of kernels over fp32 copies of the rows: `rms_norm_one_plus` is seven
 passes over an [T, C] tensor (the fp32 copy, pow, mean, two products, the cast), and the gated norm, the L2 norm
@@ -8,7 +8,7 @@ roundings:
     rms_norm       (x rsqrt(mean(x^2) + eps)) (1 + g), fp32, rounded to x's dtype    (linear/reference.py)
     gated_norm     w round(x rsqrt(mean(x^2) + eps)), rounded; times silu(z) fp32, rounded  (linear/reference.py)
     l2norm_fp32    x rsqrt(sum(x^2) + eps) in fp32, kept fp32                          (gdn/reference.py `l2norm`)
-    silu_mul       round(silu(gate)) up, rounded                                       (core.py `MLP.swiglu`)
+    silu_mul       round(silu(gate)) up, rounded                                       (qwen36's `MLP.silu_mul`)
 
 Where an input requires grad (autograd on: replay, the exact walk) each entry records an autograd Function that
 saves its inputs alone and, backward, recomputes a row's norm from x and writes every input's gradient in one launch,

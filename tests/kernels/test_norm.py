@@ -221,3 +221,16 @@ def test_cuda_kernels_at_qwen36_minis_shapes(monkeypatch, caplog):
     assert not calls and not caplog.records and conv_t.grad is not None
     with torch.no_grad(), use_kernels(norm="torch"):
         assert torch.equal(norm.rms_norm(x, g, eps), rms_norm_one_plus(x, g, eps)) and not calls
+
+
+def test_qwen36s_mlp_gate_takes_the_launch_glm52s_torchs_kernels():
+    """qwen36's MLP computes SiLU(gate) * up through kernels.norm (a win in its capture); glm52's (the dense layer,
+    the shared experts) through torch's two kernels: there the launch measured slower in the capture and the
+    replay (docs/BENCHMARKS.md, variants)."""
+    from longstraw_cli.models import build_model
+    from longstraw_cli.models.core import MLP, silu_times
+    from longstraw_kernels import norm
+
+    gates = {name: {m.silu_mul for m in build_model(name, dtype=torch.float32, device="cpu", seed=0).modules()
+                    if isinstance(m, MLP)} for name in ("qwen36_tiny", "glm52_tiny")}
+    assert gates == {"qwen36_tiny": {norm.silu_mul}, "glm52_tiny": {silu_times}}

@@ -37,7 +37,7 @@ from longstraw_kernels.attention import blockwise_causal_attention, replay_atten
 from longstraw_kernels.attention.decode import decode_pages_attention
 from longstraw_kernels.gdn import conv_silu, gdn_forward
 from longstraw_kernels.gdn.reference import conv_window_after, gdn_decay
-from longstraw_kernels.norm import gated_norm, l2norm_fp32, rms_norm
+from longstraw_kernels.norm import gated_norm, l2norm_fp32, rms_norm, silu_mul
 
 
 class RMSNorm(nn.Module):
@@ -310,7 +310,7 @@ class DecoderLayer(core.DecoderLayer):
             self.linear_attn = GatedDeltaNet(cfg)
         else:
             self.self_attn = GatedAttention(cfg)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, silu_mul=silu_mul)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
