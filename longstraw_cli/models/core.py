@@ -91,8 +91,9 @@ def silu_times(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate x) * up x), HF's names. `silu_mul` computes silu(gate) * up with silu_times' contract:
-    qwen36 passes kernels.norm's one launch (longstraw_kernels.norm.silu_mul); glm52 keeps torch's two kernels,
-    as the launch measured slower in its capture and replay (docs/BENCHMARKS.md, variants)."""
+    qwen36 passes kernels.norm's one launch (longstraw_kernels.norm.silu_mul: a win with its norms, not timed
+    apart); glm52 keeps torch's two kernels, as the launch measured slower in its capture and replay
+    (docs/BENCHMARKS.md, variants)."""
 
     def __init__(self, hidden: int, intermediate: int, silu_mul: Callable = silu_times):
         super().__init__()

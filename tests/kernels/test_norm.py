@@ -224,9 +224,9 @@ def test_cuda_kernels_at_qwen36_minis_shapes(monkeypatch, caplog):
 
 
 def test_qwen36s_mlp_gate_takes_the_launch_glm52s_torchs_kernels():
-    """qwen36's MLP computes SiLU(gate) * up through kernels.norm (a win in its capture); glm52's (the dense layer,
-    the shared experts) through torch's two kernels: there the launch measured slower in the capture and the
-    replay (docs/BENCHMARKS.md, variants)."""
+    """qwen36's MLP computes SiLU(gate) * up through kernels.norm (with its norms, a win in its capture); glm52's
+    (the dense layer, the shared experts) through torch's two kernels: there the launch measured slower in the
+    capture and the replay (docs/BENCHMARKS.md, variants)."""
     from longstraw_cli.models import build_model
     from longstraw_cli.models.core import MLP, silu_times
     from longstraw_kernels import norm
