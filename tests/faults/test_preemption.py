@@ -156,8 +156,11 @@ def test_sigint_under_a_pipe_whose_reader_it_kills_still_checkpoints(tmp_path):
             f"run_dir={run}"]
     trainer = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                process_group=0)
-    # the reader in the trainer's process group, as a shell puts a pipeline's processes in one
+    # the reader in the trainer's process group, as a shell puts a pipeline's processes in one, with SIGINT at its
+    # default as a terminal's shell leaves it (a suite started in a non-interactive shell's background inherits it
+    # ignored, and tee would outlive the Ctrl-C)
     pipe = subprocess.Popen(["tee", "run.log"], cwd=tmp_path, stdin=trainer.stdout, stdout=subprocess.DEVNULL,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
                             process_group=trainer.pid)
     trainer.stdout.close()
     try:
