@@ -83,3 +83,22 @@ def test_bench_train_capture_rate(monkeypatch):
     assert capture_rate(command, 262144, 37.42, ranks=2)["capture_utilisation"] == pytest.approx(
         rate["capture_utilisation"] / 2)
     assert capture_rate("-m longstraw_cli train model.path=/ckpt", 262144, 1.0) == {}
+
+
+def test_bench_capture_alternates_its_kernel_choices(monkeypatch):
+    """bench_capture --kernels: the default choices and the changed ones in the order A B B A A B, each run under
+    its own choice, the one in force put back; a bad choice is a usage error before anything is built."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "scripts" / "bench"))
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")  # the script sets a default for CUDA runs on import
+    import bench_capture
+
+    from longstraw_kernels import kernel_choice
+
+    seen = []
+    monkeypatch.setattr(bench_capture, "timed", lambda run: seen.append(kernel_choice("norm")) or float(len(seen)))
+    times = bench_capture.alternated(None, "norm=torch", 3)
+    assert times == {"default": [1.0, 4.0, 5.0], "norm=torch": [2.0, 3.0, 6.0]}
+    assert seen == ["auto", "torch", "torch", "auto", "auto", "torch"] and kernel_choice("norm") == "auto"
+    with pytest.raises(SystemExit, match="2"):
+        bench_capture.main(["--kernels", "norm=fast"])
+    assert kernel_choice("norm") == "auto"
