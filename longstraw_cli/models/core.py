@@ -35,7 +35,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -48,6 +47,7 @@ from longstraw_cli.resident.gradient import StateGrad, WholePrompt, leaves
 from longstraw_cli.resident.offload import BlockWriter, PageWriter, stage_layers
 from longstraw_cli.resident.state import prefix, snapshot
 from longstraw_kernels import at_least_fp32
+from longstraw_kernels.linear.reference import silu_mul_reference
 
 # a decoder layer's entry points besides forward (FSDP gathers a layer's weights around each)
 LAYER_PATHS = ("capture_block", "capture_span", "replay", "decode_step", "recompute_block", "replay_block")
@@ -84,18 +84,13 @@ def tail_start(num_tokens: int, block_size: int, tail: int) -> int:
     return capture_blocks(num_tokens, block_size, tail)[-1][0]
 
 
-def silu_times(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SiLU(gate) * up as torch computes it (two kernels)."""
-    return F.silu(gate) * up
-
-
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate x) * up x), HF's names. `silu_mul` computes silu(gate) * up with silu_times' contract:
-    qwen36 passes kernels.norm's one launch (longstraw_kernels.norm.silu_mul: a win with its norms, not timed
-    apart); glm52 keeps torch's two kernels, as the launch measured slower in its capture and replay
-    (docs/BENCHMARKS.md, variants)."""
+    """SwiGLU: down(silu(gate x) * up x), HF's names. `silu_mul` computes silu(gate) * up (`silu_mul_reference`'s
+    contract): qwen36 passes kernels.norm's one launch (longstraw_kernels.norm.silu_mul: a win with its norms, not
+    timed apart); glm52 keeps the reference, torch's two kernels, as the launch measured slower in its capture and
+    replay (docs/BENCHMARKS.md, variants)."""
 
-    def __init__(self, hidden: int, intermediate: int, silu_mul: Callable = silu_times):
+    def __init__(self, hidden: int, intermediate: int, silu_mul: Callable = silu_mul_reference):
         super().__init__()
         self.silu_mul = silu_mul
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)

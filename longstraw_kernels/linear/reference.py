@@ -34,6 +34,11 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float
     return (h * F.silu(at_least_fp32(z))).to(x.dtype)
 
 
+def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's silu(gate) * up, each rounded to the inputs' dtype (torch's two kernels)."""
+    return F.silu(gate) * up
+
+
 def decode_linear_reference(x_MK: torch.Tensor, weight_NK: torch.Tensor, *, up_NK: torch.Tensor | None = None,
                             norm_K: torch.Tensor | None = None, eps: float = 1e-6,
                             residual_MN: torch.Tensor | None = None, gate_MK: torch.Tensor | None = None,
@@ -49,5 +54,5 @@ def decode_linear_reference(x_MK: torch.Tensor, weight_NK: torch.Tensor, *, up_N
         h = gated_rms_norm(x_MK.reshape(heads), gate_MK.reshape(heads), gate_norm_V, eps).reshape(x_MK.shape)
     y = F.linear(h, weight_NK)
     if up_NK is not None:
-        y = F.silu(y) * F.linear(h, up_NK)
+        y = silu_mul_reference(y, F.linear(h, up_NK))
     return y if residual_MN is None else residual_MN + y

@@ -13,11 +13,10 @@ compute each gradient in fp32, rounded once."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from longstraw_kernels import at_least_fp32, kernel_choice, needs_grad, optional_module, say_once
 from longstraw_kernels.gdn.reference import l2norm
-from longstraw_kernels.linear.reference import gated_rms_norm, rms_norm_one_plus
+from longstraw_kernels.linear.reference import gated_rms_norm, rms_norm_one_plus, silu_mul_reference
 
 __all__ = ["gated_norm", "l2norm_fp32", "rms_norm", "silu_mul"]
 
@@ -70,7 +69,7 @@ def l2norm_fp32(x: torch.Tensor) -> torch.Tensor:
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """F.silu(gate) * up: the MLP's SwiGLU before its down linear."""
+    """`silu_mul_reference`: qwen36's MLP's SwiGLU before its down linear."""
     serves = gate.shape == up.shape and gate.dtype == up.dtype and gate.is_contiguous() and up.is_contiguous()
     module = _kernels(gate, up) if serves else None
-    return F.silu(gate) * up if module is None else module.silu_mul(gate, up)
+    return silu_mul_reference(gate, up) if module is None else module.silu_mul(gate, up)

@@ -8,7 +8,7 @@ roundings:
     rms_norm       (x rsqrt(mean(x^2) + eps)) (1 + g), fp32, rounded to x's dtype    (linear/reference.py)
     gated_norm     w round(x rsqrt(mean(x^2) + eps)), rounded; times silu(z) fp32, rounded  (linear/reference.py)
     l2norm_fp32    x rsqrt(sum(x^2) + eps) in fp32, kept fp32                          (gdn/reference.py `l2norm`)
-    silu_mul       round(silu(gate)) up, rounded                                       (qwen36's `MLP.silu_mul`)
+    silu_mul       round(silu(gate)) up, rounded                                       (linear/reference.py)
 
 Where an input requires grad (autograd on: replay, the exact walk) each entry records an autograd Function that
 saves its inputs alone and, backward, recomputes a row's norm from x and writes every input's gradient in one launch,

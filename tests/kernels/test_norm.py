@@ -1,6 +1,7 @@
-"""The graph-free norms and gates (`longstraw_kernels/norm`): each Triton kernel against its torch reference (Triton's
-interpreter on CPU, the GPU under `-m gpu`), on awkward row counts and lengths and on rows read in place from a
-wider tensor, and the dispatch: the kernel only where no graph is recorded."""
+"""The norms and gates (`longstraw_kernels/norm`): each Triton kernel, forward and backward, against its torch
+reference (Triton's interpreter on CPU, the GPU under `-m gpu`), on awkward row counts and lengths and on rows read
+in place from a wider tensor, and the dispatch: the references off CUDA, under kernels.norm=torch and for operands
+not read in place (said once), and each family's MLP gate."""
 
 import logging
 
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 from conftest import rel_err
 from longstraw_kernels import at_least_fp32, use_kernels
 from longstraw_kernels.gdn.reference import l2norm
-from longstraw_kernels.linear.reference import gated_rms_norm, rms_norm_one_plus
+from longstraw_kernels.linear.reference import gated_rms_norm, rms_norm_one_plus, silu_mul_reference
 from longstraw_kernels.norm import triton_norm
 
 # Triton's interpreter rounds fp32 to bf16 toward zero (tests/kernels/test_decode_linear.py): within a unit in the
@@ -228,9 +229,9 @@ def test_qwen36s_mlp_gate_takes_the_launch_glm52s_torchs_kernels():
     (the dense layer, the shared experts) through torch's two kernels: there the launch measured slower in the
     capture and the replay (docs/BENCHMARKS.md, variants)."""
     from longstraw_cli.models import build_model
-    from longstraw_cli.models.core import MLP, silu_times
+    from longstraw_cli.models.core import MLP
     from longstraw_kernels import norm
 
     gates = {name: {m.silu_mul for m in build_model(name, dtype=torch.float32, device="cpu", seed=0).modules()
                     if isinstance(m, MLP)} for name in ("qwen36_tiny", "glm52_tiny")}
-    assert gates == {"qwen36_tiny": {norm.silu_mul}, "glm52_tiny": {silu_times}}
+    assert gates == {"qwen36_tiny": {norm.silu_mul}, "glm52_tiny": {silu_mul_reference}}
