@@ -29,12 +29,11 @@ import time
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch  # noqa: E402
-from rows import kernel_times, top_kernels  # noqa: E402
+from rows import kernel_times, kernel_variant, top_kernels  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from longstraw_cli.models import MODEL_NAMES, build_model  # noqa: E402
 from longstraw_cli.plan.flops import capture_flops  # noqa: E402
-from longstraw_kernels import use_kernels  # noqa: E402
 from longstraw_kernels.attention.flash import forward_backend  # noqa: E402
 
 SPEC_BF16_FLOPS = 989e12  # H200 SXM dense bf16
@@ -76,20 +75,14 @@ def profiled_capture(run, top: int) -> dict:
     return out
 
 
-def kernel_changes(kernels: str) -> dict[str, str]:
-    """"norm=torch,gdn=torch" -> {"norm": "torch", "gdn": "torch"} (ValueError where a pair has no "=")."""
-    return dict(pair.split("=", 1) for pair in kernels.split(","))
-
-
 def alternated(run, kernels: str, repeats: int) -> dict[str, list[float]]:
-    """Seconds of `run` under the default kernels' choices and under `kernels` ("field=choice,..."), `repeats`
-    each, in the order A B B A A B ...; a choice's first run may pay compiles the warm-up did not (read the later
-    ones)."""
-    changes = kernel_changes(kernels)
+    """Seconds of `run` under the default kernels' choices and under `kernels` (rows.kernel_variant's form),
+    `repeats` each, in the order A B B A A B ...; a choice's first run may pay compiles the warm-up did not (read the
+    later ones)."""
     times: dict[str, list[float]] = {"default": [], kernels: []}
     for i in range(repeats):
         for label in ("default", kernels) if i % 2 == 0 else (kernels, "default"):
-            with use_kernels(**(changes if label == kernels else {})):
+            with kernel_variant("" if label == "default" else kernels):
                 times[label].append(timed(run))
             print(f"  {label}: {times[label][-1]:.3f} s", flush=True)
     return times
@@ -104,15 +97,15 @@ def main(argv=None):
     p.add_argument("--out", default="capture.jsonl")
     p.add_argument("--top", type=int, default=0, help="profile one more capture per P: its N longest kernels")
     p.add_argument("--kernels", default="", help="kernels' choices to time the capture against the default's, "
-                                                 "e.g. norm=torch or norm=torch,gdn=torch")
+                                                 "e.g. norm=torch or kernels.norm=torch,gdn=torch")
     p.add_argument("--repeats", type=int, default=3, help="captures under each of default and --kernels")
     args = p.parse_args(argv)
     if args.kernels:
         try:  # a bad field or choice now, not after the model is built and the first captures ran
-            with use_kernels(**kernel_changes(args.kernels)):
+            with kernel_variant(args.kernels):
                 pass
-        except (ValueError, TypeError) as exc:
-            p.error(f"--kernels {args.kernels!r}: field=choice pairs of `kernels` ({exc})")
+        except ValueError as exc:
+            p.error(f"--kernels: {exc}")
     if not torch.cuda.is_available():
         raise SystemExit("bench_capture needs CUDA")
     model = build_model(args.model, dtype=torch.bfloat16, device="cuda", seed=0).requires_grad_(False)

@@ -19,17 +19,15 @@ import time
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch  # noqa: E402
-from rows import emit, kernel_times, top_kernels  # noqa: E402
+from rows import emit, kernel_times, kernel_variant, top_kernels  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from longstraw_cli.config import _kernels  # noqa: E402
 from longstraw_cli.models import build_model  # noqa: E402
 from longstraw_cli.models.spec import family_of  # noqa: E402
 from longstraw_cli.rl.task_base import TaskConfig  # noqa: E402
 from longstraw_cli.rl.tasks import make_task  # noqa: E402
 from longstraw_cli.rollout import native  # noqa: E402
 from longstraw_cli.tokenizer import ByteTokenizer  # noqa: E402
-from longstraw_kernels import use_kernels  # noqa: E402
 
 
 def prompt_ids(kind: str, tokens: int, response: int) -> torch.Tensor:
@@ -40,15 +38,6 @@ def prompt_ids(kind: str, tokens: int, response: int) -> torch.Tensor:
     tokenizer = ByteTokenizer()
     task = make_task(TaskConfig(name=kind, prompt_tokens=tokens - response), tokenizer)
     return torch.tensor(tokenizer.encode(task.prompt_text(task.example(0))))
-
-
-def kernel_variant(variant: str):
-    """The kernel choices of `variant`, ','-separated op=choice (`kernels.` optional: `kernels.router=torch`), in
-    force inside the block (a decoder reads them as it is built and its graph captured: each rollout does both)."""
-    choices = dict(item.removeprefix("kernels.").split("=", 1) for item in variant.split(",") if item)
-    # true / false as the command line reads them; the rest checked by the config's own parse of the section
-    flags = {"true": True, "false": False}
-    return use_kernels(_kernels({op: flags.get(value, value) for op, value in choices.items()}))
 
 
 def measure(model, resident, args, routing) -> dict:
@@ -155,6 +144,7 @@ def main() -> None:
             # past dynamo's recompile limit (8 a function) a variant would run its layers uncompiled, silently
             routing = family_of(model).routing_replay("auto") if record else None
             torch._dynamo.reset()
+            # in force for the whole rollout: a decoder reads the choices as it is built and its graph captured
             with kernel_variant(variant):
                 row = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
                        "model": args.model, "prompt": args.prompt, "prompt_kind": kind, "group": args.group,

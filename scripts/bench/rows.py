@@ -35,6 +35,22 @@ def top_kernels(kernels: list[tuple[str, int, float]], top: int, unit: str = "s"
     return rows
 
 
+def kernel_variant(variant: str):
+    """The kernel choices of `variant`, ','-separated op=choice (`kernels.` optional: `kernels.router=torch`; "" is
+    the defaults), as a context manager: in force inside the block. A bad op or choice is the config's own
+    ConfigError (a ValueError), as is an item without "="."""
+    from longstraw_cli.config import ConfigError, _kernels
+    from longstraw_kernels import use_kernels
+
+    items = [item for item in variant.split(",") if item]
+    if any("=" not in item for item in items):
+        raise ConfigError(f"kernel choices {variant!r}: each item op=choice, e.g. kernels.norm=torch")
+    choices = dict(item.removeprefix("kernels.").split("=", 1) for item in items)
+    # true / false as the command line reads them; the rest checked by the config's own parse of the section
+    flags = {"true": True, "false": False}
+    return use_kernels(_kernels({op: flags.get(value, value) for op, value in choices.items()}))
+
+
 def time_ms(fn, repeats: int, warmup: int = 1) -> float:
     """Median ms of fn() on the GPU (CUDA events, synchronised) over `repeats` calls, after `warmup` calls."""
     import torch

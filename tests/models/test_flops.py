@@ -99,6 +99,9 @@ def test_bench_capture_alternates_its_kernel_choices(monkeypatch):
     times = bench_capture.alternated(None, "norm=torch", 3)
     assert times == {"default": [1.0, 4.0, 5.0], "norm=torch": [2.0, 3.0, 6.0]}
     assert seen == ["auto", "torch", "torch", "auto", "auto", "torch"] and kernel_choice("norm") == "auto"
-    with pytest.raises(SystemExit, match="2"):
-        bench_capture.main(["--kernels", "norm=fast"])
+    for bad in ("norm=fast", "norm", "fast=torch"):
+        with pytest.raises(SystemExit, match="2"):
+            bench_capture.main(["--kernels", bad])
     assert kernel_choice("norm") == "auto"
+    assert bench_capture.alternated(None, "kernels.norm=torch", 1) == {"default": [7.0], "kernels.norm=torch": [8.0]}
+    assert seen[-2:] == ["auto", "torch"]
