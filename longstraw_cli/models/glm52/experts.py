@@ -156,13 +156,17 @@ def pairs_by_expert(topk_idx_Nk, first_expert, num_local, every_pair_local: bool
     return (slot_major_M % N) * k + slot_major_M // N, counts_L
 
 
-def local_experts(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_proj, down_proj, *, first_expert: int = 0):
+def local_experts(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_proj, down_proj, *, first_expert: int | None = None):
     """The routed experts on one device: -> y_NC in x's dtype (see the module docstring for the math).
 
-    gate_up_proj [L, 2I, C] and down_proj [L, C, I] hold experts [first_expert, first_expert + L); pairs routed
-    to any other expert contribute nothing. With first_expert = 0 and all experts this is the hook's default.
+    first_expert None (the hook's default): gate_up_proj [E, 2I, C] and down_proj [E, C, I] hold every expert, so
+    every pair is local and the pairs are grouped with static shapes (`pairs_by_expert(every_pair_local=True)`): on
+    a GPU with the grouped GEMMs the layer has no host synchronisation (the capture's MoE layers keep the GPU's
+    queue full). An int: they hold experts [first_expert, first_expert + L) (expert parallel's partials); pairs
+    routed to any other expert contribute nothing (found by nonzero(): one synchronisation).
     """
-    pairs_M, counts_L = pairs_by_expert(topk_idx_Nk, first_expert, gate_up_proj.shape[0])
+    pairs_M, counts_L = pairs_by_expert(topk_idx_Nk, first_expert or 0, gate_up_proj.shape[0],
+                                        every_pair_local=first_expert is None)
     y_MC = expert_ffn(x_NC[pairs_M // topk_idx_Nk.shape[1]], counts_L, gate_up_proj, down_proj)
     return combine(y_MC, pairs_M, topk_idx_Nk, topk_w_Nk, x_NC)
 
