@@ -52,8 +52,8 @@ def topk_lowest_position(scores__S: torch.Tensor, k: int) -> torch.Tensor:
     by (score desc, position asc): the set `scores.sort(-1, descending=True, stable=True).indices[..., :k']`
     holds. Scores must not be NaN; -0.0 and +0.0 are equal scores (a tie). CUDA fp32 rows of many keys (the
     capture's) take the threshold select (`triton_threshold.py`, kernels.dsa=auto), other rows one torch.topk
-    (`_rule_rows`); one host synchronisation either way (which rows the select could not hold, or which tie across
-    the k-th place: their chosen masks are compacted by nonzero())."""
+    (`_rule_rows`: one host synchronisation, which rows tie across the k-th place, their chosen masks compacted by
+    nonzero()); the threshold select has none."""
     k = _check(scores__S, k)
     S = scores__S.shape[-1]
     if k == 0 or scores__S.numel() == 0:
@@ -65,12 +65,8 @@ def topk_lowest_position(scores__S: torch.Tensor, k: int) -> torch.Tensor:
     if module is None:
         return _rule_rows(rows_RS, k).view(scores__S.shape[:-1] + (k,))
     # the capture's long rows on CUDA: the rule over the keys at or above a bound from the chunk maxima, one Triton
-    # program a row (triton_threshold.py); a row with more of those than it holds takes the whole-row rule
-    out_RK, over = module.threshold_positions_triton(rows_RS, k)
-    if over.numel():
-        _say_rows_took_the_whole_row_rule(over.numel(), rows_RS.shape[0], module.CAP)
-        out_RK[over] = _rule_rows(rows_RS[over], k)
-    return out_RK.view(scores__S.shape[:-1] + (k,))
+    # program a row (triton_threshold.py; a row with more of those than it holds, over the whole row)
+    return module.threshold_positions_triton(rows_RS, k)[0].view(scores__S.shape[:-1] + (k,))
 
 
 def _threshold_module(rows_RS: torch.Tensor, k: int):
@@ -84,13 +80,6 @@ def _threshold_module(rows_RS: torch.Tensor, k: int):
     if module.serves(rows_RS, 1):
         _say_k_is_past_the_threshold_select(k, min(module.CAP, module.MAXIMA) // 2)
     return None
-
-
-def _say_rows_took_the_whole_row_rule(rows: int, of: int, cap: int) -> None:
-    """Said the first time a call has rows the threshold select could not hold (info: the positions are the same)."""
-    say_once(f"DSA top-k: {rows} of {of} rows kept more than {cap} keys at or above their bound and took the "
-             "whole-row torch.topk rule (the same positions, ~2x slower a row on an H100; logged once)",
-             key="DSA top-k: whole rows", level=logging.INFO)
 
 
 def _say_k_is_past_the_threshold_select(k: int, most: int) -> None:

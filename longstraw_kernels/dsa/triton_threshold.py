@@ -12,7 +12,11 @@ A row's scores become topk.py's order-preserving 32-bit keys (triton_topk's `_ke
      and, of the keys equal to T, the first `need` by position; their positions come out ascending.
 For independent scores the candidates are 1.15k-1.4k, by computation (a row has 2k to 4k chunks at k = 2,048; the
 count was not measured on real scores). A row with more than CAP (scores rising along the row, many ties, fewer
-than about half its keys visible) is named, and the caller runs the whole-row rule on it (topk.py says so once).
+than about half its keys visible) runs the rule over the whole row in the same program instead (5.): T by a
+bisection between the bound and the row's largest key, a read of the row a step (one step where the k-th place
+is a tie at the bound: a row all -inf or of zeros), then one read writes the positions. So the call never
+synchronises with the host: the capture's queue of kernels stays full (until 2026-12-06 the host read which rows
+overflowed after every call, and ran torch.topk's whole-row rule on them).
 
 On one H100 a call of 2^27 scores (512 rows of 262,144 keys, k = 2,048) takes 1.06 ms against the whole-row
 torch.topk rule's 2.29; glm52_mini's capture at 256K in `longstraw train` (1,024 such calls) 7.48-7.56 s against
@@ -101,25 +105,78 @@ def _select_kernel(s_ptr, max_ptr, key_ptr, pos_ptr, count_ptr, out_ptr, S, k, s
             tl.store(positions_row + slot, s0 + steps, mask=put)
             count += kept
     tl.store(count_ptr + row, count)
-    tl.debug_barrier()
-    # 4. the rule on the candidates (a row past CAP gives wrong positions here; the caller replaces them)
-    slots = tl.arange(0, CAP)
-    held = slots < tl.minimum(count, CAP)
-    key = tl.load(keys_row + slots, mask=held, other=-2147483648)
-    position = tl.load(positions_row + slots, mask=held, other=0)
-    T = _kth_largest(key, k)
-    need = k - tl.sum((key > T).to(tl.int32), 0)
-    tie = key == T
-    chosen = (key > T) | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= need))
-    slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
-    tl.store(out_ptr + row * stride_o + slot, position.to(tl.int64), mask=chosen)
+    if count <= CAP:
+        tl.debug_barrier()
+        # 4. the rule on the candidates
+        slots = tl.arange(0, CAP)
+        held = slots < count
+        key = tl.load(keys_row + slots, mask=held, other=-2147483648)
+        position = tl.load(positions_row + slots, mask=held, other=0)
+        T = _kth_largest(key, k)
+        need = k - tl.sum((key > T).to(tl.int32), 0)
+        tie = key == T
+        chosen = (key > T) | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= need))
+        slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
+        tl.store(out_ptr + row * stride_o + slot, position.to(tl.int64), mask=chosen)
+    else:
+        # 5. more candidates than CAP: the rule over the whole row, read again per step of a bisection for T
+        _whole_row_rule(s_ptr, out_ptr, row, S, k, t, tl.max(maxima, 0), stride_r, stride_o, BLOCK, STAGES)
+
+
+@triton.jit
+def _count_at_or_above(s_ptr, row, S, stride_r, bound, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+    """The row's keys >= bound (an int32 key), one read of the row."""
+    steps = tl.arange(0, BLOCK)
+    n = tl.zeros((), tl.int32)
+    for s0 in tl.range(0, S, BLOCK, num_stages=STAGES):
+        key, _ = _keys(s_ptr, row, s0 + steps, S, stride_r)
+        n += tl.sum((key >= bound).to(tl.int32), 0)
+    return n
+
+
+@triton.jit
+def _whole_row_rule(s_ptr, out_ptr, row, S, k, t, top, stride_r, stride_o, BLOCK: tl.constexpr,
+                    STAGES: tl.constexpr):
+    """The rule on a row whose candidates overflowed: T, the k-th largest key, lies in [t, top] (t the maxima's
+    bound: at least k keys >= t; top the row's largest key). A bisection keeps lo with >= k keys at or above it and
+    the count of keys above hi; it tries lo + 1 first, which ends it where many keys tie at t (a row all -inf, a row
+    of zeros: two reads in all). Then one read writes the keys above T and the first `need` equal to T."""
+    lo = t.to(tl.int64)
+    hi = top.to(tl.int64)
+    above_hi = tl.zeros((), tl.int32)  # keys > hi: none above the row's largest
+    if lo < hi:
+        n = _count_at_or_above(s_ptr, row, S, stride_r, (lo + 1).to(tl.int32), BLOCK, STAGES)
+        enough = n >= k
+        above_hi = tl.where(enough, above_hi, n)
+        hi = tl.where(enough, hi, lo)
+        lo = tl.where(enough, lo + 1, lo)
+    while lo < hi:
+        mid = lo + (hi - lo + 1) // 2
+        n = _count_at_or_above(s_ptr, row, S, stride_r, mid.to(tl.int32), BLOCK, STAGES)
+        enough = n >= k
+        above_hi = tl.where(enough, above_hi, n)
+        hi = tl.where(enough, hi, mid - 1)
+        lo = tl.where(enough, mid, lo)
+    T = lo.to(tl.int32)
+    need = k - above_hi
+    steps = tl.arange(0, BLOCK)
+    written = tl.zeros((), tl.int32)
+    ties = tl.zeros((), tl.int32)
+    for s0 in tl.range(0, S, BLOCK, num_stages=STAGES):
+        key, ok = _keys(s_ptr, row, s0 + steps, S, stride_r)
+        tie = ok & (key == T)
+        chosen = (ok & (key > T)) | (tie & (ties + tl.cumsum(tie.to(tl.int32), 0) <= need))
+        slot = written + tl.cumsum(chosen.to(tl.int32), 0) - 1
+        tl.store(out_ptr + row * stride_o + slot, (s0 + steps).to(tl.int64), mask=chosen)
+        written += tl.sum(chosen.to(tl.int32), 0)
+        ties += tl.sum(tie.to(tl.int32), 0)
 
 
 def threshold_positions_triton(scores_RS: torch.Tensor, k: int, *, maxima: int | None = None, cap: int | None = None,
                                block: int = BLOCK, warps: int = WARPS,
                                stages: int = STAGES) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (positions [R, k] int64, ascending, of each row's k best keys by (score desc, position asc), the rows
-    whose candidates overflowed: [n] int64 indices, their positions are not the rule's, the caller's to replace).
+    """-> (positions [R, k] int64, ascending, of each row's k best keys by (score desc, position asc), each row's
+    candidates [R] int32: past `cap`, the row took the whole-row bisection). No host synchronisation.
     0 < k <= min(cap, maxima) / 2; fp32 / bf16 / fp16 scores, not NaN. maxima, cap, block (powers of two), warps
     and stages (of the reads' loops): for tests and benchmarks (default: the module's MAXIMA, CAP, ...)."""
     R, S = scores_RS.shape
@@ -141,4 +198,4 @@ def threshold_positions_triton(scores_RS: torch.Tensor, k: int, *, maxima: int |
         _select_kernel[(R,)](scores_RS, scratch_max, keys, positions, count, out, S, k, scores_RS.stride(0),
                              out.stride(0), CHUNK=chunk, MAXIMA=maxima, CAP=cap, BLOCK=max(block, chunk),
                              STAGES=stages, num_warps=warps)
-    return out, (count > cap).nonzero()[:, 0]
+    return out, count

@@ -5,7 +5,7 @@ boundaries, -0.0 beside +0.0, negatives, infinities and masked (-inf) keys."""
 import pytest
 import torch
 
-from longstraw_kernels import say_once, use_kernels
+from longstraw_kernels import use_kernels
 from longstraw_kernels.dsa.topk import topk_lowest_position, topk_lowest_position_static
 
 pytest.importorskip("triton")
@@ -96,24 +96,50 @@ def threshold_rows(S: int) -> torch.Tensor:
 # small maxima, cap and block so that the interpreter runs several chunks, blocks and bisections a row: S = 1,000
 # and 3,001 keys give chunks of 1, 2 and 8 keys (k up to maxima / 2)
 @pytest.mark.parametrize("S, k, maxima", [(1000, 64, 1024), (3001, 100, 512), (3001, 24, 512), (1000, 8, 128)])
-def test_threshold_select_keeps_the_rule_and_names_the_rows_it_cannot_hold(S, k, maxima):
+def test_threshold_select_keeps_the_rule_on_every_row_held_or_not(S, k, maxima):
     from longstraw_kernels.dsa.triton_threshold import threshold_positions_triton
 
     scores = threshold_rows(S)
     rule = topk_lowest_position(scores, k)
-    positions, over = threshold_positions_triton(scores.to(DEVICE), k, maxima=maxima, cap=256, block=256)
-    over = set(over.tolist())
+    positions, candidates = threshold_positions_triton(scores.to(DEVICE), k, maxima=maxima, cap=256, block=256)
+    over = set((candidates > 256).nonzero()[:, 0].tolist())
     # the all -inf row keeps every key (so may the rows of few values and of +inf in every chunk), the rising row
-    # ~k chunks of keys; uniform and bunched scores keep few; every row held is the rule's
+    # ~k chunks of keys; uniform and bunched scores keep few. A row held takes the rule on its candidates, a row
+    # over the cap the bisection over the whole row: both give the rule's positions
     chunk = 1 << (-(-S // maxima) - 1).bit_length()
     assert 5 in over and (6 in over) == (k * chunk > 256) and 0 not in over and 7 not in over, over
     if S == 1000:  # the rows of few values and of +inf held: more keys tie at the k-th place than it takes
         assert not {1, 4} & over, over
-    for r in range(scores.shape[0]):
-        if r not in over:
-            assert torch.equal(positions[r].cpu(), rule[r]), r
+    assert torch.equal(positions.cpu(), rule)
     with pytest.raises(ValueError, match="k must be in"):
         threshold_positions_triton(scores.to(DEVICE), 129, maxima=maxima, cap=256)
+
+
+def test_threshold_select_over_the_cap_bisects_the_whole_row():
+    """Rows whose candidates overflow (a cap of 16): ties at the bound (zeros of both signs, -inf, few values),
+    keys strictly above it (rising, falling, and random rows whose best keys are bunched into a few chunks), with
+    +inf, huge values, negatives and a masked tail, the k best one ulp above the bound: every one the rule's positions, as `tie_rule_positions` (the
+    rule by its scans alone) gives them."""
+    from longstraw_kernels.dsa import topk
+    from longstraw_kernels.dsa.triton_threshold import threshold_positions_triton
+
+    S, k = 700, 8
+    g = torch.Generator().manual_seed(7)
+    rows = torch.stack([
+        torch.zeros(S), torch.full((S,), float("-inf")), torch.randint(-1, 2, (S,), generator=g).float(),
+        torch.arange(S, dtype=torch.float32), torch.arange(S, 0, -1, dtype=torch.float32),
+        torch.rand(S, generator=g), torch.randn(S, generator=g) * 1e30, -torch.rand(S, generator=g),
+        torch.ones(S),
+    ])
+    rows[0, ::3] = -0.0
+    rows[2, 100] = float("inf")
+    rows[5:8, 200:300] += torch.tensor([2.0, 1e31, 2.0])[:, None]
+    rows[7, 500:] = float("-inf")
+    # the k best one ulp above the bound, all in the first chunk: the bisection's first step (bound + 1) is T
+    rows[8, :k] = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))
+    positions, candidates = threshold_positions_triton(rows.to(DEVICE), k, maxima=32, cap=16, block=64)
+    assert bool((candidates > 16).all()), candidates
+    assert torch.equal(positions.cpu(), topk.tie_rule_positions(rows, k))
 
 
 def test_long_rows_on_cuda_take_the_threshold_select_and_equal_the_rule(monkeypatch, caplog):
@@ -139,10 +165,5 @@ def test_long_rows_on_cuda_take_the_threshold_select_and_equal_the_rule(monkeypa
         assert any("past the threshold select" in r.getMessage() for r in caplog.records)
         with use_kernels(dsa="torch"):
             assert topk._threshold_module(rows, 100) is None
-    say_once.cache_clear()
-    with caplog.at_level("INFO", logger="longstraw_kernels"):
-        for _ in range(2):
-            assert torch.equal(topk_lowest_position(scores.to(DEVICE), 100).cpu(), want)
-    # the all -inf row keeps every key: it takes the whole-row rule, said once
-    told = [r.getMessage() for r in caplog.records if "took the whole-row" in r.getMessage()]
-    assert len(told) == 1 and f"of 8 rows kept more than {triton_threshold.CAP} keys" in told[0], told
+    # the all -inf row keeps every key: the kernel's whole-row bisection serves it
+    assert torch.equal(topk_lowest_position(scores.to(DEVICE), 100).cpu(), want)
