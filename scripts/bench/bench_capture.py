@@ -16,15 +16,21 @@ and as many under CHANGES, alternated (A B B A ...: a GPU's clock drifts over a 
 
     python scripts/bench/bench_capture.py --model glm52_mini --prompts 262144 --block-size 4096 --methods capture \
         --kernels norm=torch --repeats 3
+
+With --syncs, one more capture per P counts its host synchronisations (`torch.cuda.set_sync_debug_mode`), by the
+line of longstraw's code that made them, into the row's `syncs`: each one empties the GPU's queue of kernels.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import sys
 import time
+import traceback
+import warnings
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
@@ -75,6 +81,34 @@ def profiled_capture(run, top: int) -> dict:
     return out
 
 
+# the packages whose frames name a synchronisation's site
+PACKAGES = ("longstraw_cli", "longstraw_kernels")
+
+
+def counted_syncs(run, top: int = 12) -> dict:
+    """One `run` under torch.cuda.set_sync_debug_mode("warn"), where each CUDA call that synchronises with the host
+    warns: -> {"total": n, "sites": {"file:line code": count}} (the `top` most frequent), a site being the innermost
+    frame of longstraw's packages in the warning's stack (else the warning's own location)."""
+    sites: collections.Counter[str] = collections.Counter()
+
+    def note(message, category, filename, lineno, file=None, line=None):
+        ours = [f for f in traceback.extract_stack() if any(f"{os.sep}{pkg}{os.sep}" in f.filename for pkg in PACKAGES)]
+        if ours:
+            sites[f"{os.path.basename(ours[-1].filename)}:{ours[-1].lineno} {ours[-1].line or ''}".strip()] += 1
+        else:
+            sites[f"{os.path.basename(filename)}:{lineno}"] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = note
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return {"total": sum(sites.values()), "sites": dict(sites.most_common(top))}
+
+
 def alternated(run, kernels: str, repeats: int) -> dict[str, list[float]]:
     """Seconds of `run` under the default kernels' choices and under `kernels` (rows.kernel_variant's form),
     `repeats` each, in the order A B B A A B ...; a choice's first run may pay compiles the warm-up did not (read the
@@ -99,6 +133,7 @@ def main(argv=None):
     p.add_argument("--kernels", default="", help="kernels' choices to time the capture against the default's, "
                                                  "e.g. norm=torch or kernels.norm=torch,gdn=torch")
     p.add_argument("--repeats", type=int, default=3, help="captures under each of default and --kernels")
+    p.add_argument("--syncs", action="store_true", help="count one more capture's host synchronisations by site")
     args = p.parse_args(argv)
     if args.kernels:
         try:  # a bad field or choice now, not after the model is built and the first captures ran
@@ -156,6 +191,11 @@ def main(argv=None):
             row["profile"] = profiled_capture(runs["capture"], args.top)
         if args.kernels:
             row["alternated"] = alternated(runs["capture"], args.kernels, args.repeats)
+        if args.syncs:
+            row["syncs"] = counted_syncs(runs["capture"])
+            print(f"P={P} host synchronisations in one capture: {row['syncs']['total']}", flush=True)
+            for site, n in row["syncs"]["sites"].items():
+                print(f"  {n:6d}  {site}", flush=True)
         with open(args.out, "a") as f:
             f.write(json.dumps(row) + "\n")
 

@@ -105,3 +105,39 @@ def test_bench_capture_alternates_its_kernel_choices(monkeypatch):
     assert kernel_choice("norm") == "auto"
     assert bench_capture.alternated(None, "kernels.norm=torch", 1) == {"default": [7.0], "kernels.norm=torch": [8.0]}
     assert seen[-2:] == ["auto", "torch"]
+
+
+def test_bench_capture_counts_synchronisations_by_the_line_of_ours_that_made_them(monkeypatch):
+    """bench_capture --syncs: each warning the sync debug mode raises is counted at the innermost frame of
+    longstraw's packages (else where it was raised), the mode is on only around the run and off after it, even
+    when the run fails, and warnings outside the count are left as they were."""
+    import warnings
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "scripts" / "bench"))
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")
+    import bench_capture
+
+    modes = []
+    monkeypatch.setattr(bench_capture.torch.cuda, "set_sync_debug_mode", modes.append)
+    # a function of "ours": compiled under a path inside longstraw_cli, called through one that is not
+    ours = {}
+    exec(compile("import warnings\ndef sync():\n    warnings.warn('called a synchronizing CUDA operation')\n",
+                 str(Path("/x") / "longstraw_cli" / "models" / "fake.py"), "exec"), ours)
+
+    def run():
+        for _ in range(3):
+            ours["sync"]()
+        warnings.warn("called a synchronizing CUDA operation", stacklevel=1)  # here: no frame of ours below
+
+    shown = warnings.showwarning
+    counted = bench_capture.counted_syncs(run)
+    assert counted["total"] == 4 and counted["sites"]["fake.py:3"] == 3, counted
+    assert [n for site, n in counted["sites"].items() if site.startswith("test_flops.py:")] == [1], counted
+    assert modes == ["warn", 0] and warnings.showwarning is shown
+
+    def fails():
+        raise RuntimeError("out of memory")
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        bench_capture.counted_syncs(fails)
+    assert modes[-2:] == ["warn", 0] and warnings.showwarning is shown
