@@ -118,8 +118,8 @@ def test_threshold_select_keeps_the_rule_on_every_row_held_or_not(S, k, maxima):
 def test_threshold_select_over_the_cap_bisects_the_whole_row():
     """Rows whose candidates overflow (a cap of 16): ties at the bound (zeros of both signs, -inf, few values),
     keys strictly above it (rising, falling, and random rows whose best keys are bunched into a few chunks), with
-    +inf, huge values, negatives and a masked tail, the k best one ulp above the bound: every one the rule's positions, as `tie_rule_positions` (the
-    rule by its scans alone) gives them."""
+    +inf, huge values, negatives and a masked tail, and the k best one ulp above the bound: every one the rule's
+    positions, as `tie_rule_positions` (the rule by its scans alone) gives them."""
     from longstraw_kernels.dsa import topk
     from longstraw_kernels.dsa.triton_threshold import threshold_positions_triton
 
