@@ -165,10 +165,7 @@ def local_experts(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_proj, down_proj, *, firs
     queue full). An int: they hold experts [first_expert, first_expert + L) (expert parallel's partials); pairs
     routed to any other expert contribute nothing (found by nonzero(): one synchronisation).
     """
-    pairs_M, counts_L = pairs_by_expert(topk_idx_Nk, first_expert or 0, gate_up_proj.shape[0],
-                                        every_pair_local=first_expert is None)
-    y_MC = expert_ffn(x_NC[pairs_M // topk_idx_Nk.shape[1]], counts_L, gate_up_proj, down_proj)
-    return combine(y_MC, pairs_M, topk_idx_Nk, topk_w_Nk, x_NC)
+    return _routed_pairs(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_proj, down_proj, first_expert, expert_ffn)
 
 
 def grouped_experts(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_proj, down_proj) -> torch.Tensor:
@@ -176,8 +173,14 @@ def grouped_experts(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_proj, down_proj) -> to
     `grouped_mm_serves`): static shapes and no host synchronisation, so a CUDA graph replays it, and only the
     chosen experts' weights are read (an expert with no rows is a group of none). The static decode step's experts
     on a GPU; `dense_experts` elsewhere."""
-    pairs_M, counts_E = pairs_by_expert(topk_idx_Nk, 0, gate_up_proj.shape[0], every_pair_local=True)
-    y_MC = grouped_expert_ffn(x_NC[pairs_M // topk_idx_Nk.shape[1]], counts_E, gate_up_proj, down_proj)
+    return _routed_pairs(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_proj, down_proj, None, grouped_expert_ffn)
+
+
+def _routed_pairs(x_NC, topk_idx_Nk, topk_w_Nk, gate_up_proj, down_proj, first_expert: int | None, ffn):
+    """The pairs grouped by expert (every pair where first_expert is None), through `ffn`, combined per token."""
+    pairs_M, counts_L = pairs_by_expert(topk_idx_Nk, first_expert or 0, gate_up_proj.shape[0],
+                                        every_pair_local=first_expert is None)
+    y_MC = ffn(x_NC[pairs_M // topk_idx_Nk.shape[1]], counts_L, gate_up_proj, down_proj)
     return combine(y_MC, pairs_M, topk_idx_Nk, topk_w_Nk, x_NC)
 
 
