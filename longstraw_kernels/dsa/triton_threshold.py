@@ -1,5 +1,5 @@
 """The DSA selection rule (topk.py) for the capture's calls, many rows of many keys (2^27 scores a call), in Triton:
-one program a row, two reads of the row, no sort.
+one program a row, two reads of the row (more for a row past its cap), no sort.
 
 A row's scores become topk.py's order-preserving 32-bit keys (triton_topk's `_keys`). The program
   1. reads the row once for the maxima of its chunks of CHUNK keys (at most MAXIMA chunks, written to a scratch row);
@@ -13,8 +13,8 @@ A row's scores become topk.py's order-preserving 32-bit keys (triton_topk's `_ke
 For independent scores the candidates are 1.15k-1.4k, by computation (a row has 2k to 4k chunks at k = 2,048; the
 count was not measured on real scores). A row with more than CAP (scores rising along the row, many ties, fewer
 than about half its keys visible) runs the rule over the whole row in the same program instead (5.): T by a
-bisection between the bound and the row's largest key, a read of the row a step (one step where the k-th place
-is a tie at the bound: a row all -inf or of zeros), then one read writes the positions. So the call never
+bisection between the bound and the row's largest key, a read of the row a step (at most one where the k-th
+place ties at the bound, none in a row all -inf), then one read writes the positions. So the call never
 synchronises with the host: the capture's queue of kernels stays full (until 2026-12-06 the host read which rows
 overflowed after every call, and ran torch.topk's whole-row rule on them).
 
@@ -141,8 +141,9 @@ def _whole_row_rule(s_ptr, out_ptr, row, S, k, t, top, stride_r, stride_o, BLOCK
                     STAGES: tl.constexpr):
     """The rule on a row whose candidates overflowed: T, the k-th largest key, lies in [t, top] (t the maxima's
     bound: at least k keys >= t; top the row's largest key). A bisection keeps lo with >= k keys at or above it and
-    the count of keys above hi; it tries lo + 1 first, which ends it where many keys tie at t (a row all -inf, a row
-    of zeros: two reads in all). Then one read writes the keys above T and the first `need` equal to T."""
+    the count of keys above hi; it tries lo + 1 first, which ends it after one read where many keys tie at t (none
+    where t is the row's largest key, as in a row all -inf or all zeros). Then one read writes the keys above T and
+    the first `need` equal to T."""
     lo = t.to(tl.int64)
     hi = top.to(tl.int64)
     above_hi = tl.zeros((), tl.int32)  # keys > hi: none above the row's largest
