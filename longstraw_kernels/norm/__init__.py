@@ -69,7 +69,13 @@ def l2norm_fp32(x: torch.Tensor) -> torch.Tensor:
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """`silu_mul_reference`: qwen36's MLP's SwiGLU before its down linear."""
-    serves = gate.shape == up.shape and gate.dtype == up.dtype and gate.is_contiguous() and up.is_contiguous()
-    module = _kernels(gate, up) if serves else None
+    """`silu_mul_reference`: qwen36's MLP's SwiGLU before its down linear. The launch reads both operands flat: a
+    view that is not contiguous (the halves of one GEMM's output) takes the reference, said once."""
+    module = _kernels(gate, up) if gate.shape == up.shape and gate.dtype == up.dtype else None
+    if module is not None and not (gate.is_contiguous() and up.is_contiguous()):
+        t = up if gate.is_contiguous() else gate
+        say_once(f"norms: the SiLU(gate) * up launch reads contiguous operands, not one of shape {tuple(t.shape)}, "
+                 f"strides {t.stride()}; the torch reference runs it (two kernels; said once)",
+                 key="norms: silu_mul layout")
+        module = None
     return silu_mul_reference(gate, up) if module is None else module.silu_mul(gate, up)

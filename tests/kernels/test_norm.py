@@ -156,6 +156,26 @@ def test_operands_not_read_in_place_take_the_reference_and_are_said_once(caplog)
     assert len(said) == 1 and "shape (4, 8, 6), strides (48, 1, 8)" in said[0], said
 
 
+def test_silu_mul_of_views_not_contiguous_takes_the_reference_and_says_so_once(monkeypatch, caplog):
+    """The gate's launch reads its operands flat: the halves of one GEMM's output take the reference, said once
+    with the layout; contiguous ones the launch (its dispatch made to serve on CPU)."""
+    from longstraw_kernels import norm, say_once
+
+    launched = []
+    monkeypatch.setattr(norm, "_kernels", lambda *t: triton_norm)
+    monkeypatch.setattr(triton_norm, "silu_mul", lambda g, u: launched.append(1) or silu_mul_reference(g, u))
+    gate_up = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
+    gate, up = gate_up.chunk(2, dim=-1)
+    say_once.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="longstraw_kernels"):
+        for _ in range(2):
+            assert torch.equal(norm.silu_mul(gate, up), silu_mul_reference(gate, up)) and not launched
+        norm.silu_mul(gate.contiguous(), up.contiguous())
+    assert launched == [1]
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "shape (4, 8), strides (16, 1)" in said[0], said
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_kernels_at_qwen36_minis_shapes(monkeypatch, caplog):
