@@ -83,15 +83,22 @@ def profiled_capture(run, top: int) -> dict:
 
 # the packages whose frames name a synchronisation's site
 PACKAGES = ("longstraw_cli", "longstraw_kernels")
+# what torch warns (c10's warn_or_error_on_sync) for each synchronising call under set_sync_debug_mode("warn")
+SYNC_WARNING = "called a synchronizing CUDA operation"
 
 
 def counted_syncs(run, top: int = 12) -> dict:
     """One `run` under torch.cuda.set_sync_debug_mode("warn"), where each CUDA call that synchronises with the host
     warns: -> {"total": n, "sites": {"file:line code": count}} (the `top` most frequent), a site being the innermost
-    frame of longstraw's packages in the warning's stack (else the warning's own location)."""
+    frame of longstraw's packages in the warning's stack (else the warning's own location). Other warnings of the
+    run are shown as they would be, not counted."""
     sites: collections.Counter[str] = collections.Counter()
+    show = warnings.showwarning
 
     def note(message, category, filename, lineno, file=None, line=None):
+        if SYNC_WARNING not in str(message):
+            show(message, category, filename, lineno, file, line)
+            return
         ours = [f for f in traceback.extract_stack() if any(f"{os.sep}{pkg}{os.sep}" in f.filename for pkg in PACKAGES)]
         if ours:
             sites[f"{os.path.basename(ours[-1].filename)}:{ours[-1].lineno} {ours[-1].line or ''}".strip()] += 1

@@ -109,8 +109,9 @@ def test_bench_capture_alternates_its_kernel_choices(monkeypatch):
 
 def test_bench_capture_counts_synchronisations_by_the_line_of_ours_that_made_them(monkeypatch):
     """bench_capture --syncs: each warning the sync debug mode raises is counted at the innermost frame of
-    longstraw's packages (else where it was raised), the mode is on only around the run and off after it, even
-    when the run fails, and warnings outside the count are left as they were."""
+    longstraw's packages (else where it was raised), other warnings are shown and not counted, the mode is on only
+    around the run and off after it, even when the run fails, and warnings outside the count are left as they
+    were."""
     import warnings
 
     monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "scripts" / "bench"))
@@ -128,9 +129,12 @@ def test_bench_capture_counts_synchronisations_by_the_line_of_ours_that_made_the
         for _ in range(3):
             ours["sync"]()
         warnings.warn("called a synchronizing CUDA operation", stacklevel=1)  # here: no frame of ours below
+        warnings.warn("some other warning", stacklevel=1)  # shown, not counted
 
     shown = warnings.showwarning
-    counted = bench_capture.counted_syncs(run)
+    with pytest.warns(UserWarning, match="some other warning") as other:
+        counted = bench_capture.counted_syncs(run)
+    assert len(other) == 1, [str(w.message) for w in other]
     assert counted["total"] == 4 and counted["sites"]["fake.py:3"] == 3, counted
     assert [n for site, n in counted["sites"].items() if site.startswith("test_flops.py:")] == [1], counted
     assert modes == ["warn", 0] and warnings.showwarning is shown
