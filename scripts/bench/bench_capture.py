@@ -153,20 +153,19 @@ def main(argv=None):
     model = build_model(args.model, dtype=torch.bfloat16, device="cuda", seed=0).requires_grad_(False)
     ceiling = matmul_ceiling()
     print(f"bf16 matmul ceiling {ceiling / 1e12:.0f} TFLOP/s; attention kernel {forward_backend()}", flush=True)
-    # compile and autotune every kernel (fla's Triton kernels among them) before anything is timed
-    warm = torch.randint(0, model.config.vocab_size, (8193,), device="cuda")
+    # compile and autotune every kernel (fla's Triton kernels among them) before anything is timed: the captures
+    # over eight blocks (or the shortest prompt), not 8,192 tokens, as some kernels take only long rows (glm52's
+    # threshold select, rows of >= 16,384 keys; the first capture to reach them paid their compiles: 9.55 s for a
+    # 1.17 s capture at 64K on an H100, 2026-12-06); the unchunked forward over 8,192 (its scores are whole)
     prompts = [int(x) for x in args.prompts.split(",")]
+    warm = torch.randint(0, model.config.vocab_size, (min(min(prompts), 8 * args.block_size) + 1,), device="cuda")
     methods = args.methods.split(",")
     if "capture" in methods or args.top:
-        # eight blocks (or the shortest prompt), not 8,193 tokens: some kernels take only long rows (glm52's
-        # threshold select, rows of >= 16,384 keys), and the first capture to reach them paid their compiles (9.55 s
-        # for a 1.17 s capture at 64K on an H100, 2026-12-06)
-        tokens = min(min(prompts), 8 * args.block_size) + 1
-        model.capture(torch.randint(0, model.config.vocab_size, (tokens,), device="cuda"), block_size=args.block_size)
+        model.capture(warm, block_size=args.block_size)
     if "capture_span" in methods:
-        model.capture_span(warm[:-1], start=0, num_tokens=8192, last_token=0, block_size=args.block_size)
+        model.capture_span(warm[:-1], start=0, num_tokens=warm.numel() - 1, last_token=0, block_size=args.block_size)
     if "forward" in methods:
-        unchunked_forward(model, warm[:-1])
+        unchunked_forward(model, warm[:8192])
     for P in prompts:
         ids = torch.randint(0, model.config.vocab_size, (P + 1,), device="cuda",
                             generator=torch.Generator("cuda").manual_seed(P))
