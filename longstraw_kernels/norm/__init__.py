@@ -24,25 +24,32 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_ROW = 16384
 
 
-def _kernels(*tensors: torch.Tensor):
-    """triton_norm where its kernels serve these operands (the first one's rows), else None."""
+def _kernels(*tensors: torch.Tensor, flat: bool = False):
+    """triton_norm where its kernels serve these operands (the first one's rows; with `flat`, each read as one
+    contiguous run), else None."""
     x = tensors[0]
     if (kernel_choice("norm") != "auto" or not x.is_cuda or torch.compiler.is_compiling()
             or x.numel() == 0 or x.shape[-1] > MAX_ROW or any(t.dtype not in DTYPES for t in tensors)):
         return None
     module = optional_module("longstraw_kernels.norm.triton_norm")
-    return module if module is not None and _read_in_place(module, tensors) else None
+    return module if module is not None and _read_in_place(module, tensors, flat) else None
 
 
-def _read_in_place(module, tensors) -> bool:
+def _read_in_place(module, tensors, flat: bool = False) -> bool:
     """Whether the kernels read these operands as they lie: those of the first one's shape as its rows
-    (`rows_of`), the others as a contiguous weight over one row. Where not, said once: the reference runs."""
+    (`rows_of`), or with `flat` each as one contiguous run (the SiLU * up launch), the others as a contiguous weight
+    over one row. Where not, said once for each of the two readings: the reference runs."""
     x = tensors[0]
     for t in tensors:
-        if (module.rows_of(t) is None) if t.shape == x.shape else (t.shape != x.shape[-1:] or not t.is_contiguous()):
+        if t.shape == x.shape:
+            readable = t.is_contiguous() if flat else module.rows_of(t) is not None
+        else:
+            readable = t.shape == x.shape[-1:] and t.is_contiguous()
+        if not readable:
+            how = "contiguous" if flat else "rows of a contiguous last dim, a weight over one row"
             say_once(f"norms: the Triton launch does not read an operand of shape {tuple(t.shape)}, strides "
-                     f"{t.stride()} in place (rows of a contiguous last dim, a weight over one row); the torch "
-                     "reference runs it (several fp32 kernels; said once)", key="norms: layout")
+                     f"{t.stride()} in place ({how}); the torch reference runs it (said once)",
+                     key=f"norms: layout{' flat' if flat else ''}")
             return False
     return True
 
@@ -69,13 +76,7 @@ def l2norm_fp32(x: torch.Tensor) -> torch.Tensor:
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """`silu_mul_reference`: qwen36's MLP's SwiGLU before its down linear. The launch reads both operands flat: a
-    view that is not contiguous (the halves of one GEMM's output) takes the reference, said once."""
-    module = _kernels(gate, up) if gate.shape == up.shape and gate.dtype == up.dtype else None
-    if module is not None and not (gate.is_contiguous() and up.is_contiguous()):
-        t = up if gate.is_contiguous() else gate
-        say_once(f"norms: the SiLU(gate) * up launch reads contiguous operands, not one of shape {tuple(t.shape)}, "
-                 f"strides {t.stride()}; the torch reference runs it (two kernels; said once)",
-                 key="norms: silu_mul layout")
-        module = None
+    """`silu_mul_reference`: qwen36's MLP's SwiGLU before its down linear. The launch reads both operands flat: views
+    that are not contiguous (the halves of one GEMM's output) take the reference, said once."""
+    module = _kernels(gate, up, flat=True) if gate.shape == up.shape and gate.dtype == up.dtype else None
     return silu_mul_reference(gate, up) if module is None else module.silu_mul(gate, up)

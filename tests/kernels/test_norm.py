@@ -162,7 +162,9 @@ def test_silu_mul_of_views_not_contiguous_takes_the_reference_and_says_so_once(m
     from longstraw_kernels import norm, say_once
 
     launched = []
-    monkeypatch.setattr(norm, "_kernels", lambda *t: triton_norm)
+    # the dispatch as on CUDA, its layout rule included
+    monkeypatch.setattr(norm, "_kernels",
+                        lambda *t, flat=False: triton_norm if norm._read_in_place(triton_norm, t, flat) else None)
     monkeypatch.setattr(triton_norm, "silu_mul", lambda g, u: launched.append(1) or silu_mul_reference(g, u))
     gate_up = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
     gate, up = gate_up.chunk(2, dim=-1)
