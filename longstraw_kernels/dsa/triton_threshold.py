@@ -12,17 +12,21 @@ A row's scores become topk.py's order-preserving 32-bit keys (triton_topk's `_ke
      and, of the keys equal to T, the first `need` by position; their positions come out ascending.
 For independent scores the candidates are 1.15k-1.4k, by computation (a row has 2k to 4k chunks at k = 2,048; the
 count was not measured on real scores). A row with more than CAP (scores rising along the row, many ties, fewer
-than about half its keys visible) runs the rule over the whole row in the same program instead (5.): T by a
-bisection between the bound and the row's largest key, a read of the row a step (at most one where the k-th
-place ties at the bound, none in a row all -inf), then one read writes the positions. So the call never
-synchronises with the host: the capture's queue of kernels stays full (until 2026-12-06 the host read which rows
-overflowed after every call, and ran torch.topk's whole-row rule on them).
+than about half its keys visible) runs the rule over the whole row in the same program instead (5.): a read for
+the keys above the bound (fewer than k: the k-th place ties at it), else T's bits below those that the bound + 1
+and the row's largest key share, DIGIT of them a read of the row (a histogram of the next digit), then one read
+writes the positions. So the call never synchronises with the host: the capture's queue of kernels stays full (until
+2026-12-06 the host read which rows overflowed after every call, and ran torch.topk's whole-row rule on them).
 
 On one H100 a call of 2^27 scores (512 rows of 262,144 keys, k = 2,048) takes 1.06 ms against the whole-row
 torch.topk rule's 2.29; glm52_mini's capture at 256K in `longstraw train` (1,024 such calls) 7.48-7.56 s against
 8.20-8.23 (docs/BENCHMARKS.md, 2026-12-06). Without the host's read of the overflowing rows (one H200): 0.93 ms a
 call against 1.03, and with the MoE's grouping also free of synchronisations the capture 7.04-7.06 s against
-7.27-7.49; where a tenth of the rows overflow (rising along the keys) 2.07 ms against 1.90.
+7.27-7.49; where a tenth of the rows overflow (rising along the keys) 2.07 ms against 1.90. The overflowing rows'
+rule by digits (2026-12-07, one H100, against the bisection it replaced, alternated in one process): 1.59 ms against
+2.00 with a tenth of the rows overflowing, 3.69 against 5.72 with all of them, 2.27 against 2.29 where all tie at
+the bound (sparse ReLU scores), 0.95 either way where none overflows; 4 bits a read against 5: 5 was 2-3% faster on
+the overflowing rows and no faster on the others, so 4 stays.
 
 Exact: keys and counts are integers, nothing is rounded (tests/kernels/test_dsa_topk.py: Triton's interpreter on
 CPU, and the GPU).
@@ -51,6 +55,9 @@ CAP = 4096
 BLOCK = 4096
 WARPS = 8
 STAGES = 3
+# bits of T a read of an overflowing row finds (its histogram: 2^(DIGIT + 1) bins); 5 measured faster on those rows
+# only (module note)
+DIGIT = 4
 # the fewest keys a row measured (there 2.39 ms against the whole-row rule's 3.71-3.98); shorter rows take the rule
 MIN_KEYS = 16384
 
@@ -78,7 +85,7 @@ def _kth_largest(keys, k):
 @triton.jit
 def _select_kernel(s_ptr, max_ptr, key_ptr, pos_ptr, count_ptr, out_ptr, S, k, stride_r, stride_o,
                    CHUNK: tl.constexpr, MAXIMA: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr,
-                   STAGES: tl.constexpr):
+                   STAGES: tl.constexpr, DIGIT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     steps = tl.arange(0, BLOCK)
     # 1. the chunks' maxima (chunks past S: INT32_MIN, as the keys past S)
@@ -121,48 +128,71 @@ def _select_kernel(s_ptr, max_ptr, key_ptr, pos_ptr, count_ptr, out_ptr, S, k, s
         slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
         tl.store(out_ptr + row * stride_o + slot, position.to(tl.int64), mask=chosen)
     else:
-        # 5. more candidates than CAP: the rule over the whole row, read again per step of a bisection for T
-        _whole_row_rule(s_ptr, out_ptr, row, S, k, t, tl.max(maxima, 0), stride_r, stride_o, BLOCK, STAGES)
+        # 5. more candidates than CAP: the rule over the whole row, read again per digit of T
+        _whole_row_rule(s_ptr, out_ptr, row, S, k, t, tl.max(maxima, 0), stride_r, stride_o, BLOCK, STAGES, DIGIT)
 
 
 @triton.jit
-def _count_at_or_above(s_ptr, row, S, stride_r, bound, BLOCK: tl.constexpr, STAGES: tl.constexpr):
-    """The row's keys >= bound (an int32 key), one read of the row."""
+def _count_above(s_ptr, row, S, stride_r, bound, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+    """The row's keys > bound (an int32 key), one read of the row."""
     steps = tl.arange(0, BLOCK)
     n = tl.zeros((), tl.int32)
     for s0 in tl.range(0, S, BLOCK, num_stages=STAGES):
         key, _ = _keys(s_ptr, row, s0 + steps, S, stride_r)
-        n += tl.sum((key >= bound).to(tl.int32), 0)
+        n += tl.sum((key > bound).to(tl.int32), 0)
     return n
 
 
 @triton.jit
 def _whole_row_rule(s_ptr, out_ptr, row, S, k, t, top, stride_r, stride_o, BLOCK: tl.constexpr,
-                    STAGES: tl.constexpr):
+                    STAGES: tl.constexpr, DIGIT: tl.constexpr):
     """The rule on a row whose candidates overflowed: T, the k-th largest key, lies in [t, top] (t the maxima's
-    bound: at least k keys >= t; top the row's largest key). A bisection keeps lo with >= k keys at or above it and
-    the count of keys above hi; it tries lo + 1 first, which ends it after one read where many keys tie at t (none
-    where t is the row's largest key, as in a row all -inf or all zeros). Then one read writes the keys above T and
-    the first `need` equal to T."""
-    lo = t.to(tl.int64)
-    hi = top.to(tl.int64)
-    above_hi = tl.zeros((), tl.int32)  # keys > hi: none above the row's largest
-    if lo < hi:
-        n = _count_at_or_above(s_ptr, row, S, stride_r, (lo + 1).to(tl.int32), BLOCK, STAGES)
-        enough = n >= k
-        above_hi = tl.where(enough, above_hi, n)
-        hi = tl.where(enough, hi, lo)
-        lo = tl.where(enough, lo + 1, lo)
-    while lo < hi:
-        mid = lo + (hi - lo + 1) // 2
-        n = _count_at_or_above(s_ptr, row, S, stride_r, mid.to(tl.int32), BLOCK, STAGES)
-        enough = n >= k
-        above_hi = tl.where(enough, above_hi, n)
-        hi = tl.where(enough, hi, mid - 1)
-        lo = tl.where(enough, mid, lo)
-    T = lo.to(tl.int32)
-    need = k - above_hi
+    bound: at least k keys >= t; top the row's largest key). A first read counts the keys above t: fewer than k,
+    and T is t (the k-th place ties at the bound, as where many keys are zeros). Otherwise T lies in [t + 1, top]
+    and shares the bits above which those two differ; its other bits are found DIGIT bits a read of the row, from
+    the top down: a read counts, per value of the next digit, the keys that share the bits found so far (a
+    histogram, taken only in blocks of the row that hold such keys), and T's digit is the largest whose keys at or
+    above it, with the keys above T's prefix counted before, are at least k: at most 1 + 32 / DIGIT reads, none
+    where t is the row's largest key (a row all -inf or all zeros). Then one read writes the keys above T and the
+    first `need` equal to T. Keys are taken as unsigned (key + 2^31, in int64), whose bits order as the keys do."""
+    DIGITS: tl.constexpr = 1 << DIGIT
+    # the histogram's bins: a digit's value, or the last bin for keys that do not share the prefix (or are masked)
+    BINS: tl.constexpr = 2 * DIGITS
+    ut = t.to(tl.int64) + 2147483648
+    utop = top.to(tl.int64) + 2147483648
+    above = tl.zeros((), tl.int32)  # keys above T's prefix (none above the row's largest key)
+    if ut < utop:
+        n = _count_above(s_ptr, row, S, stride_r, t, BLOCK, STAGES)
+        if n < k:  # T is t: no digit to find
+            above = n
+            utop = ut
+        else:
+            ut = ut + 1
+    # the low bits still to find, in whole digits: above them the bounds (and so T) agree
+    low = tl.zeros((), tl.int32)
+    while (ut >> low) != (utop >> low):
+        low += DIGIT
+    prefix = utop >> low
     steps = tl.arange(0, BLOCK)
+    bins = tl.arange(0, BINS)
+    while low > 0:
+        low -= DIGIT
+        counts = tl.zeros([BINS], tl.int32)
+        for s0 in tl.range(0, S, BLOCK, num_stages=STAGES):
+            key, ok = _keys(s_ptr, row, s0 + steps, S, stride_r)
+            u = key.to(tl.int64) + 2147483648
+            shares = ok & ((u >> (low + DIGIT)) == prefix)
+            if tl.sum(shares.to(tl.int32), 0) > 0:
+                digit = tl.where(shares, ((u >> low) & (DIGITS - 1)).to(tl.int32), BINS - 1)
+                counts += tl.histogram(digit, BINS)
+        counts = tl.where(bins < DIGITS, counts, 0)
+        # keys of the prefix at or above each digit value, and above it
+        at_or_above = above + tl.sum(counts, 0) - tl.cumsum(counts, 0) + counts
+        d = tl.max(tl.where((bins < DIGITS) & (at_or_above >= k), bins, -1), 0)
+        above += tl.sum(tl.where(bins > d, counts, 0), 0)
+        prefix = prefix * DIGITS + d
+    T = (prefix - 2147483648).to(tl.int32)
+    need = k - above
     written = tl.zeros((), tl.int32)
     ties = tl.zeros((), tl.int32)
     for s0 in tl.range(0, S, BLOCK, num_stages=STAGES):
@@ -179,7 +209,7 @@ def threshold_positions_triton(scores_RS: torch.Tensor, k: int, *, maxima: int |
                                block: int = BLOCK, warps: int = WARPS,
                                stages: int = STAGES) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (positions [R, k] int64, ascending, of each row's k best keys by (score desc, position asc), each row's
-    candidates [R] int32: past `cap`, the row took the whole-row bisection). No host synchronisation.
+    candidates [R] int32: past `cap`, the row took the whole-row rule). No host synchronisation.
     0 < k <= min(cap, maxima) / 2; fp32 / bf16 / fp16 scores, not NaN. maxima, cap, block (powers of two), warps
     and stages (of the reads' loops): for tests and benchmarks (default: the module's MAXIMA, CAP, ...)."""
     R, S = scores_RS.shape
@@ -200,5 +230,5 @@ def threshold_positions_triton(scores_RS: torch.Tensor, k: int, *, maxima: int |
     with torch.cuda.device_of(scores_RS):
         _select_kernel[(R,)](scores_RS, scratch_max, keys, positions, count, out, S, k, scores_RS.stride(0),
                              out.stride(0), CHUNK=chunk, MAXIMA=maxima, CAP=cap, BLOCK=max(block, chunk),
-                             STAGES=stages, num_warps=warps)
+                             STAGES=stages, DIGIT=DIGIT, num_warps=warps)
     return out, count

@@ -5,7 +5,7 @@ the tie rule's scans run on every row (`tie_rule_positions`: the rule before 202
 Per key count S: rows = 2^27 / S (glm52's `score_rows` on CUDA), fp32 uniform scores, the first eighth of the rows
 with their second half -inf (fewer visible keys than a causal block's last rows see); with --rising F, a fraction F
 of the rows rising along the keys (the top-k in the last keys: more candidates than the threshold select holds, so
-those rows take its bisection over the whole row). Checks that all give the same positions (fails loudly), then one
+those rows take its rule over the whole row). Checks that all give the same positions (fails loudly), then one
 JSON row of median ms (CUDA events) and the rows past the threshold select's candidates (`rows_over`).
 
     python scripts/bench/bench_topk.py --out topk.jsonl

@@ -93,7 +93,7 @@ def threshold_rows(S: int) -> torch.Tensor:
     return rows
 
 
-# small maxima, cap and block so that the interpreter runs several chunks, blocks and bisections a row: S = 1,000
+# small maxima, cap and block so that the interpreter runs several chunks and blocks a row: S = 1,000
 # and 3,001 keys give chunks of 1, 2 and 8 keys (k up to maxima / 2)
 @pytest.mark.parametrize("S, k, maxima", [(1000, 64, 1024), (3001, 100, 512), (3001, 24, 512), (1000, 8, 128)])
 def test_threshold_select_keeps_the_rule_on_every_row_held_or_not(S, k, maxima):
@@ -105,7 +105,7 @@ def test_threshold_select_keeps_the_rule_on_every_row_held_or_not(S, k, maxima):
     over = set((candidates > 256).nonzero()[:, 0].tolist())
     # the all -inf row keeps every key (so may the rows of few values and of +inf in every chunk), the rising row
     # ~k chunks of keys; uniform and bunched scores keep few. A row held takes the rule on its candidates, a row
-    # over the cap the bisection over the whole row: both give the rule's positions
+    # over the cap the rule over the whole row: both give the rule's positions
     chunk = 1 << (-(-S // maxima) - 1).bit_length()
     assert 5 in over and (6 in over) == (k * chunk > 256) and 0 not in over and 7 not in over, over
     if S == 1000:  # the rows of few values and of +inf held: more keys tie at the k-th place than it takes
@@ -115,13 +115,18 @@ def test_threshold_select_keeps_the_rule_on_every_row_held_or_not(S, k, maxima):
         threshold_positions_triton(scores.to(DEVICE), 129, maxima=maxima, cap=256)
 
 
-def test_threshold_select_over_the_cap_bisects_the_whole_row():
+@pytest.mark.parametrize("digit", [None, 3, 8])
+def test_threshold_select_over_the_cap_takes_the_whole_row(digit, monkeypatch):
     """Rows whose candidates overflow (a cap of 16): ties at the bound (zeros of both signs, -inf, few values),
     keys strictly above it (rising, falling, and random rows whose best keys are bunched into a few chunks), with
     +inf, huge values, negatives and a masked tail, and the k best one ulp above the bound: every one the rule's
-    positions, as `tie_rule_positions` (the rule by its scans alone) gives them."""
-    from longstraw_kernels.dsa import topk
+    positions, as `tie_rule_positions` (the rule by its scans alone) gives them, at the module's digit of T a read
+    (None) and at others."""
+    from longstraw_kernels.dsa import topk, triton_threshold
     from longstraw_kernels.dsa.triton_threshold import threshold_positions_triton
+
+    if digit is not None:
+        monkeypatch.setattr(triton_threshold, "DIGIT", digit)
 
     S, k = 700, 8
     g = torch.Generator().manual_seed(7)
@@ -135,7 +140,7 @@ def test_threshold_select_over_the_cap_bisects_the_whole_row():
     rows[2, 100] = float("inf")
     rows[5:8, 200:300] += torch.tensor([2.0, 1e31, 2.0])[:, None]
     rows[7, 500:] = float("-inf")
-    # the k best one ulp above the bound, all in the first chunk: the bisection's first step (bound + 1) is T
+    # the k best one ulp above the bound, all in the first chunk: T differs from the bound in its last digit only
     rows[8, :k] = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))
     positions, candidates = threshold_positions_triton(rows.to(DEVICE), k, maxima=32, cap=16, block=64)
     assert bool((candidates > 16).all()), candidates
@@ -165,5 +170,5 @@ def test_long_rows_on_cuda_take_the_threshold_select_and_equal_the_rule(monkeypa
         assert any("past the threshold select" in r.getMessage() for r in caplog.records)
         with use_kernels(dsa="torch"):
             assert topk._threshold_module(rows, 100) is None
-    # the all -inf row keeps every key: the kernel's whole-row bisection serves it
+    # the all -inf row keeps every key: the kernel's whole-row rule serves it
     assert torch.equal(topk_lowest_position(scores.to(DEVICE), 100).cpu(), want)
