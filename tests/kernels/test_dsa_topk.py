@@ -140,7 +140,7 @@ def test_threshold_select_over_the_cap_takes_the_whole_row(digit, monkeypatch):
     rows[2, 100] = float("inf")
     rows[5:8, 200:300] += torch.tensor([2.0, 1e31, 2.0])[:, None]
     rows[7, 500:] = float("-inf")
-    # the k best one ulp above the bound, all in the first chunk: T differs from the bound in its last digit only
+    # the k best one ulp above the bound, all in the first chunk: T is the bound + 1, no digit left after the count
     rows[8, :k] = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))
     positions, candidates = threshold_positions_triton(rows.to(DEVICE), k, maxima=32, cap=16, block=64)
     assert bool((candidates > 16).all()), candidates
