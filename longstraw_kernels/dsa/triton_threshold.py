@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from longstraw_kernels.dsa.triton_topk import _keys
+from longstraw_kernels.dsa.triton_topk import _keys, _kth_digit
 
 __all__ = ["CAP", "MAXIMA", "serves", "threshold_positions_triton"]
 
@@ -151,20 +151,21 @@ def _whole_row_rule(s_ptr, out_ptr, row, S, k, t, top, stride_r, stride_o, BLOCK
     and T is t (the k-th place ties at the bound, as where many keys are zeros). Otherwise T lies in [t + 1, top]
     and shares the bits above which those two differ; its other bits are found DIGIT bits a read of the row, from
     the top down: a read counts, per value of the next digit, the keys that share the bits found so far (a
-    histogram, taken only in blocks of the row that hold such keys), and T's digit is the largest whose keys at or
-    above it, with the keys above T's prefix counted before, are at least k: at most 1 + 32 / DIGIT reads, none
-    where t is the row's largest key (a row all -inf or all zeros). Then one read writes the keys above T and the
-    first `need` equal to T. Keys are taken as unsigned (key + 2^31, in int64), whose bits order as the keys do."""
+    histogram, taken only in blocks of the row that hold such keys), and T's digit is where the keys at or above it
+    reach `need`, k less the keys above T's prefix (triton_topk's `_kth_digit`, as the decode's radix select
+    descends): at most 1 + 32 / DIGIT reads, none where t is the row's largest key (a row all -inf or all zeros).
+    Then one read writes the keys above T and the first `need` equal to T. Keys are taken as unsigned (key + 2^31,
+    in int64), whose bits order as the keys do."""
     DIGITS: tl.constexpr = 1 << DIGIT
     # the histogram's bins: a digit's value, or the last bin for keys that do not share the prefix (or are masked)
     BINS: tl.constexpr = 2 * DIGITS
     ut = t.to(tl.int64) + 2147483648
     utop = top.to(tl.int64) + 2147483648
-    above = tl.zeros((), tl.int32)  # keys above T's prefix (none above the row's largest key)
+    need = k  # of the keys that share T's prefix (none lies above the row's largest key)
     if ut < utop:
         n = _count_above(s_ptr, row, S, stride_r, t, BLOCK, STAGES)
         if n < k:  # T is t: no digit to find
-            above = n
+            need = k - n
             utop = ut
         else:
             ut = ut + 1
@@ -185,14 +186,9 @@ def _whole_row_rule(s_ptr, out_ptr, row, S, k, t, top, stride_r, stride_o, BLOCK
             if tl.sum(shares.to(tl.int32), 0) > 0:
                 digit = tl.where(shares, ((u >> low) & (DIGITS - 1)).to(tl.int32), BINS - 1)
                 counts += tl.histogram(digit, BINS)
-        counts = tl.where(bins < DIGITS, counts, 0)
-        # keys of the prefix at or above each digit value, and above it
-        at_or_above = above + tl.sum(counts, 0) - tl.cumsum(counts, 0) + counts
-        d = tl.max(tl.where((bins < DIGITS) & (at_or_above >= k), bins, -1), 0)
-        above += tl.sum(tl.where(bins > d, counts, 0), 0)
+        d, need = _kth_digit(tl.where(bins < DIGITS, counts, 0), need, BINS)
         prefix = prefix * DIGITS + d
     T = (prefix - 2147483648).to(tl.int32)
-    need = k - above
     written = tl.zeros((), tl.int32)
     ties = tl.zeros((), tl.int32)
     for s0 in tl.range(0, S, BLOCK, num_stages=STAGES):

@@ -64,6 +64,18 @@ def _digit(key, LEVEL: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def _kth_digit(counts, need, BINS: tl.constexpr):
+    """One level's counts per digit value (of the keys that share the digits above it), of which the selection takes
+    `need` -> (the digit of the need-th best, how many of the keys at that digit it takes)."""
+    bins = tl.arange(0, BINS)
+    # keys at this digit or above, non-increasing in the digit: the need-th best is at the last digit where they
+    # still reach `need`
+    at_or_above = tl.sum(counts, 0) - tl.cumsum(counts, 0) + counts
+    digit = tl.sum((at_or_above >= need).to(tl.int32), 0) - 1
+    return digit, need - tl.sum(tl.where(bins > digit, counts, 0), 0)
+
+
+@triton.jit
 def _descend(hist_ptr, row, k, LEVELS: tl.constexpr, BITS: tl.constexpr):
     """From the row's first LEVELS histograms (finished by earlier launches): the top bits of the k-th best key
     that those levels decide (the bits below them 0), and how many keys sharing them the selection still takes
@@ -74,12 +86,7 @@ def _descend(hist_ptr, row, k, LEVELS: tl.constexpr, BITS: tl.constexpr):
     need = k
     prefix = 0
     for level in tl.static_range(LEVELS):
-        h = tl.load(hist_ptr + (row * ALL + level).to(tl.int64) * BINS + bins)
-        # keys at this digit or above, non-increasing in the digit: the k-th best is at the last digit where they
-        # still reach `need`
-        at_or_above = tl.sum(h, 0) - tl.cumsum(h, 0) + h
-        digit = tl.sum((at_or_above >= need).to(tl.int32), 0) - 1
-        need -= tl.sum(tl.where(bins > digit, h, 0), 0)
+        digit, need = _kth_digit(tl.load(hist_ptr + (row * ALL + level).to(tl.int64) * BINS + bins), need, BINS)
         # (constexprs of the unrolled loop cannot be reassigned: plain names)
         top = 32 - BITS * level
         width = BITS if BITS < top else top
