@@ -1,6 +1,7 @@
 """Shipped autotuning choices (longstraw_kernels/autotuned.py): what `record` reads from an autotuner, `seed` gives
-back to a fresh one, which then runs the recorded config without timing any (Triton's interpreter on CPU); stale
-versions, configs that are not candidates and keys already chosen are left alone."""
+back to a fresh one, which then runs the recorded config without timing any (on the GPU where there is one, else in
+Triton's interpreter on CPU: tests/conftest.py turns it on only without CUDA); stale versions, configs that are not
+candidates and keys already chosen are left alone."""
 
 import json
 
@@ -11,6 +12,7 @@ import triton.language as tl
 
 from longstraw_kernels import autotuned, use_kernels
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CONFIGS = [triton.Config({"BLOCK": 16}, num_warps=1), triton.Config({"BLOCK": 32}, num_warps=2)]
 
 
@@ -49,7 +51,7 @@ def _chosen(key, config) -> dict:
 
 
 def test_record_then_seed_runs_the_recorded_config_without_timing(fresh):
-    x = torch.arange(40, dtype=torch.float32)
+    x = torch.arange(40, dtype=torch.float32, device=DEVICE)
     key = (40, "torch.float32", "torch.float32")  # Triton's key: N, then each tensor argument's dtype
     data = _chosen(key, CONFIGS[1])
     assert data["gpu"] == "Toy_GPU_1" and data["versions"]["triton"] == triton.__version__
@@ -63,7 +65,7 @@ def test_record_then_seed_runs_the_recorded_config_without_timing(fresh):
     assert fresh.best_config is CONFIGS[1]
     # another length is not in the file: the autotuner would time its configs
     with pytest.raises(AssertionError, match="timed a config"):
-        _double(torch.arange(41, dtype=torch.float32))
+        _double(torch.arange(41, dtype=torch.float32, device=DEVICE))
 
 
 def test_seed_leaves_stale_files_foreign_configs_and_chosen_keys_alone(fresh):
