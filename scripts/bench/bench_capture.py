@@ -74,7 +74,8 @@ def warm_select(model, longest: int) -> None:
     """glm52's threshold select (longstraw_kernels/dsa/triton_threshold.py) compiles once per chunk size, a
     compile-time constant that doubles with each doubling of a row's keys: the warm-up's eight blocks leave the
     larger sizes to the first timed capture (on one H100, 2026-12-07: 13.79 s for a capture that took 6.69 s next,
-    at 256K). One row of each size up to the longest prompt, through the dispatch the capture takes, compiles them."""
+    under the profiler, at 256K). One row of each size up to the longest prompt, through the dispatch the capture
+    takes, compiles them."""
     k = getattr(model.config, "index_topk", None)
     if k is None:
         return
