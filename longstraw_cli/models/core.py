@@ -307,6 +307,7 @@ class CausalLM(nn.Module):
         if offload is not None and boundaries:
             raise ValueError(f"exact gradients (boundaries=True) need the resident state on the device; got "
                              f"offload={offload!r}")
+        self.prepare_capture(num_tokens)
         resident = self.empty_resident(num_tokens, page_dtype, offload)
         resident.last_token = int(prompt_ids[-1])
         resident.boundaries = [] if boundaries else None
@@ -317,6 +318,10 @@ class CausalLM(nn.Module):
                 resident.tail, resident.tail_start = snapshot(resident), start
             self.capture_prompt_block(prompt_ids, resident, start, end)
         return resident
+
+    def prepare_capture(self, num_tokens: int) -> None:
+        """Before a capture of a prompt of `num_tokens` tokens: what a family compiles ahead for its longer blocks
+        (glm52: the DSA selection's kernels); nothing by default."""
 
     @torch.no_grad()
     def capture_prompt_block(self, prompt_ids: torch.Tensor, resident: Resident, start: int, end: int) -> None:
@@ -343,6 +348,7 @@ class CausalLM(nn.Module):
         if span_ids.dim() != 1 or block_size < 1:
             raise ValueError(f"capture_span takes a 1-D span and block_size >= 1, got shape "
                              f"{tuple(span_ids.shape)}, block_size {block_size}")
+        self.prepare_capture(num_tokens)
         resident = self.empty_resident(span_ids.numel(), page_dtype, offload)
         resident.num_tokens, resident.last_token = num_tokens, last_token
         device = self.lm_head.weight.device

@@ -13,9 +13,9 @@ import torch
 
 from longstraw_kernels import compute_dtype, kernel_choice, optional_module
 from longstraw_kernels.dsa.reference import indexer_scores_reference
-from longstraw_kernels.dsa.topk import topk_lowest_position
+from longstraw_kernels.dsa.topk import prepare_topk, topk_lowest_position
 
-__all__ = ["compute_dtype", "indexer_scores", "indexer_scores_reference", "topk_lowest_position"]
+__all__ = ["compute_dtype", "indexer_scores", "indexer_scores_reference", "prepare_topk", "topk_lowest_position"]
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -21,7 +21,7 @@ from longstraw_kernels import kernel_choice, optional_module, say_once
 
 log = logging.getLogger(__name__)
 
-__all__ = ["topk_lowest_position", "topk_lowest_position_static"]
+__all__ = ["prepare_topk", "topk_lowest_position", "topk_lowest_position_static"]
 
 
 def _check(scores__S: torch.Tensor, k: int) -> int:
@@ -67,6 +67,22 @@ def topk_lowest_position(scores__S: torch.Tensor, k: int) -> torch.Tensor:
     # the capture's long rows on CUDA: the rule over the keys at or above a bound from the chunk maxima, one Triton
     # program a row (triton_threshold.py; a row with more of those than it holds, over the whole row)
     return module.threshold_positions_triton(rows_RS, k)[0].view(scores__S.shape[:-1] + (k,))
+
+
+def prepare_topk(longest: int, k: int, device: torch.device) -> int:
+    """Before rows of up to `longest` keys on `device` (a capture): compile the threshold select for each size of
+    its chunks, in threads at once (`triton_threshold.precompile`), where it will serve them -> how many sizes."""
+    if torch.device(device).type != "cuda" or kernel_choice("dsa") != "auto":
+        return 0
+    module = optional_module("longstraw_kernels.dsa.triton_threshold")
+    if module is None:
+        return 0
+    try:
+        return module.precompile(longest, k)
+    except Exception as exc:  # a Triton whose warm-up differs: the select compiles at its first call instead
+        say_once(f"DSA top-k: compiling the threshold select ahead failed ({type(exc).__name__}: {exc}); it "
+                 "compiles at each chunk size's first call instead")
+        return 0
 
 
 def _threshold_module(rows_RS: torch.Tensor, k: int):

@@ -36,13 +36,16 @@ Legend: R rows, S keys per row, k selected.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
+
 import torch
 import triton
 import triton.language as tl
 
 from longstraw_kernels.dsa.triton_topk import _keys, _kth_digit
 
-__all__ = ["CAP", "MAXIMA", "serves", "threshold_positions_triton"]
+__all__ = ["CAP", "MAXIMA", "chunk_size", "precompile", "serves", "threshold_positions_triton"]
 
 # chunk maxima a row (in the registers of one program), candidates a row, keys a step of the row's reads, the reads'
 # stages. On one H100 (bench_topk.py --sweep, 2026-12-06; ms a call of 2^27 scores at 16K / 64K / 256K / 1M keys a
@@ -66,6 +69,33 @@ def serves(scores_RS: torch.Tensor, k: int) -> bool:
     """CUDA fp32 rows of at least MIN_KEYS keys, k at most min(CAP, MAXIMA) / 2."""
     return (scores_RS.is_cuda and scores_RS.dtype == torch.float32 and scores_RS.shape[-1] >= MIN_KEYS
             and 0 < k <= min(CAP, MAXIMA) // 2)
+
+
+def chunk_size(S: int, maxima: int = MAXIMA) -> int:
+    """The select's CHUNK for rows of S keys: the least power of two that leaves at most `maxima` chunks (and so
+    more than maxima / 2 >= k of them)."""
+    return triton.next_power_of_2(triton.cdiv(S, maxima))
+
+
+def precompile(longest: int, k: int) -> int:
+    """Compile the select, in threads at once, for each CHUNK that rows of MIN_KEYS to `longest` keys take ->
+    how many. CHUNK is a compile-time constant that doubles with a row's keys, so a capture would otherwise
+    compile one size after another as its blocks grow (five to 256K, seven to 1M; 1.6-1.9 s each for sm90 on two
+    CPU cores, 2026-12-07), and Triton's compiler leaves Python's lock while it works. For rows whose keys and k
+    are multiples of 16 (the capture's full blocks); other rows compile at their first call, as without this."""
+    if longest < MIN_KEYS or not 0 < k <= min(CAP, MAXIMA) // 2:
+        return 0
+    sizes = [chunk_size(MIN_KEYS) << i for i in range((chunk_size(longest) // chunk_size(MIN_KEYS)).bit_length())]
+    # Triton's asynchronous mode compiles each warm-up on the pool (where the running Triton has it); the
+    # kernel's per-device caches are set up by the first warm-up, on this thread
+    mode = getattr(triton, "AsyncCompileMode", None)
+    with ThreadPoolExecutor(len(sizes)) as pool, (mode(pool) if mode else nullcontext()):
+        for chunk in sizes:
+            S = MAXIMA * chunk // 2 + 16  # a row length of this chunk size, a multiple of 16 as the blocks' are
+            _select_kernel.warmup(torch.float32, torch.int32, torch.int32, torch.int32, torch.int32, torch.int64,
+                                  S, k, S, k, CHUNK=chunk, MAXIMA=MAXIMA, CAP=CAP, BLOCK=max(BLOCK, chunk),
+                                  STAGES=STAGES, DIGIT=DIGIT, num_warps=WARPS, grid=(1,))
+    return len(sizes)
 
 
 @triton.jit
@@ -215,8 +245,7 @@ def threshold_positions_triton(scores_RS: torch.Tensor, k: int, *, maxima: int |
                          f"got {k}")
     if scores_RS.stride(-1) != 1:
         scores_RS = scores_RS.contiguous()
-    # the least power-of-two chunk that leaves at most `maxima` chunks (and so more than maxima / 2 >= k of them)
-    chunk = triton.next_power_of_2(triton.cdiv(S, maxima))
+    chunk = chunk_size(S, maxima)
     device = scores_RS.device
     scratch_max = torch.empty(R, maxima, dtype=torch.int32, device=device)
     keys = torch.empty(R, cap, dtype=torch.int32, device=device)

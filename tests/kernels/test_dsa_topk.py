@@ -172,3 +172,49 @@ def test_long_rows_on_cuda_take_the_threshold_select_and_equal_the_rule(monkeypa
             assert topk._threshold_module(rows, 100) is None
     # the all -inf row keeps every key: the kernel's whole-row rule serves it
     assert torch.equal(topk_lowest_position(scores.to(DEVICE), 100).cpu(), want)
+
+
+def test_precompile_takes_the_chunk_sizes_of_the_capture_rows():
+    """One compile per chunk size from MIN_KEYS to the longest row (CHUNK doubles with the keys); nothing where
+    the select would not serve (short rows, k past its cap, a CPU device)."""
+    from longstraw_kernels.dsa import topk
+    from longstraw_kernels.dsa import triton_threshold as tt
+
+    assert [tt.chunk_size(S) for S in (tt.MIN_KEYS, tt.MIN_KEYS + 1, 1 << 18, (1 << 18) + 1)] == [2, 4, 32, 64]
+    assert tt.precompile(tt.MIN_KEYS - 1, 2048) == 0
+    assert tt.precompile(1 << 18, tt.CAP // 2 + 1) == 0
+    assert topk.prepare_topk(1 << 18, 2048, torch.device("cpu")) == 0
+
+
+def test_a_failed_precompile_is_said_and_leaves_the_select_to_its_calls(monkeypatch, caplog):
+    from longstraw_kernels.dsa import topk
+    from longstraw_kernels.dsa import triton_threshold as tt
+
+    def broken(longest, k):
+        raise TypeError("warmup() got an unexpected keyword argument 'grid'")
+
+    monkeypatch.setattr(tt, "precompile", broken)
+    with caplog.at_level("WARNING", logger="longstraw_kernels"):
+        assert topk.prepare_topk(1 << 18, 2048, torch.device("cuda")) == 0
+    assert any("compiling the threshold select ahead failed (TypeError" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_precompiled_select_compiles_nothing_more_in_the_capture_rows():
+    """After `prepare_topk` for rows to 2^17 keys (four chunk sizes), rows of each size run without a compile:
+    the warm-ups took the launches' specialisation (keys, strides and k multiples of 16)."""
+    from longstraw_kernels.dsa import topk
+    from longstraw_kernels.dsa import triton_threshold as tt
+
+    k, longest = 2048, 1 << 17
+    kernel = tt._select_kernel
+    compiled = lambda: sum(len(caches[0]) for caches in kernel.device_caches.values())  # noqa: E731
+    before = compiled()
+    assert topk.prepare_topk(longest, k, torch.device("cuda")) == 4
+    made = compiled() - before
+    assert made <= 4
+    for S in (tt.MIN_KEYS, 3 * tt.MIN_KEYS // 2, 4 * tt.MIN_KEYS, longest):  # chunk 2, 4, 8, 16
+        rows = torch.rand(3, S, device="cuda")
+        assert torch.equal(tt.threshold_positions_triton(rows, k)[0].cpu(), topk.tie_rule_positions(rows.cpu(), k))
+    assert compiled() - before == made

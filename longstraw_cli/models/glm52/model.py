@@ -74,7 +74,7 @@ from longstraw_cli.quantize import dense
 from longstraw_cli.resident import MLAPages, Resident
 from longstraw_cli.resident.offload import OFFLOAD_CHOICES, host_buffer
 from longstraw_kernels import at_least_fp32, compute_dtype
-from longstraw_kernels.dsa import indexer_scores, topk_lowest_position
+from longstraw_kernels.dsa import indexer_scores, prepare_topk, topk_lowest_position
 from longstraw_kernels.mla import dense_mla_attention, merge_lse, sparse_mla_attention
 
 # bound on index-score elements formed at once ([rows, keys] per chunk of queries, and the top-k's temporaries
@@ -669,6 +669,11 @@ class Glm52ForCausalLM(CausalLM):
             module.e_score_correction_bias.zero_()
         elif isinstance(module, Experts):
             module.reset_parameters(std)
+
+    def prepare_capture(self, num_tokens: int) -> None:
+        """The selection's kernels for the capture's rows, up to `num_tokens` keys, compiled at once (a fresh
+        machine would compile them one at a time as the blocks grow)."""
+        prepare_topk(num_tokens, self.config.index_topk, self.lm_head.weight.device)
 
     # -- resident state ---------------------------------------------------------------------------------------
     def empty_resident(self, num_tokens: int, page_dtype: torch.dtype | None = None,
