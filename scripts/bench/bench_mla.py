@@ -9,7 +9,7 @@ CUDA events), speedups, and the Triton path's TFLOP/s counting the matmuls only 
 dq 2 H K (2 A + L) on top). Indices are uniform random pages: no locality, the worst case for the gathers.
 
 --sweep also times the forward and dq kernels alone under a few tile configurations per size (best first), to
-choose `triton_sparse.default_config`.
+choose `triton_sparse.default_config` and `unsplit_forward_config`.
 
     python scripts/bench/bench_mla.py --out mla.jsonl
     python scripts/bench/bench_mla.py --heads 64 --tokens 8192 --sweep

@@ -231,11 +231,13 @@ def test_dispatch_takes_torch_off_cuda_and_when_asked():
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("H", [16, 64])
-def test_cuda_bf16_glm5_sizes(H):
-    case, cotangents = make_case(B=1, T=64, H=H, L=512, R=64, P=50000, K=2048, dtype=torch.bfloat16)
+@pytest.mark.parametrize("H, T", [(16, 64), (64, 64), (16, 512)])
+def test_cuda_bf16_glm5_sizes(H, T):
+    # 64 rows at 16 heads split over the keys on an H100 or H200 (`forward_splits`); 512 rows take the unsplit
+    # forward's own tiles (`unsplit_forward_config`)
+    case, cotangents = make_case(B=1, T=T, H=H, L=512, R=64, P=50000, K=2048, dtype=torch.bfloat16)
     out_err, lse_err, dq_err = compare(case, cotangents, scale=1.5 * 576**-0.5)
-    print(f"triton sparse MLA bf16 H={H}: out {out_err:.1e}, lse {lse_err:.1e}, dq {dq_err:.1e}")
+    print(f"triton sparse MLA bf16 H={H} T={T}: out {out_err:.1e}, lse {lse_err:.1e}, dq {dq_err:.1e}")
     assert out_err < 2e-2 and lse_err < 1e-3 and dq_err < 3e-2
 
 
