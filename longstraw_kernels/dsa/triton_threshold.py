@@ -78,24 +78,28 @@ def chunk_size(S: int, maxima: int = MAXIMA) -> int:
 
 
 def precompile(longest: int, k: int) -> int:
-    """Compile the select, in threads at once, for each CHUNK that rows of MIN_KEYS to `longest` keys take ->
-    how many. CHUNK is a compile-time constant that doubles with a row's keys, so a capture would otherwise
-    compile one size after another as its blocks grow (five to 256K, seven to 1M; 1.6-1.9 s each for sm90 on two
-    CPU cores, 2026-12-07), and Triton's compiler leaves Python's lock while it works. For rows whose keys and k
-    are multiples of 16 (the capture's full blocks); other rows compile at their first call, as without this."""
+    """Compile the select, in threads at once, for each CHUNK that rows of MIN_KEYS to `longest` keys take, and
+    for rows of exactly `longest` keys -> how many compiles. CHUNK is a compile-time constant that doubles with a
+    row's keys, so a capture would otherwise compile one size after another as its blocks grow (five to 256K, seven
+    to 1M), and Triton's compiler leaves Python's lock while it works: on one H100's host (Triton 3.6, 2026-12-07)
+    five took 2.76 s at once against 11.62 one after another. Triton also specialises an integer argument on its
+    divisibility by 16: the warm-ups take row lengths that are multiples of 16, as full blocks' are, and `longest`
+    itself, the last block's (a prompt of P tokens captures P - 1); other rows compile at their first call."""
     if longest < MIN_KEYS or not 0 < k <= min(CAP, MAXIMA) // 2:
         return 0
     sizes = [chunk_size(MIN_KEYS) << i for i in range((chunk_size(longest) // chunk_size(MIN_KEYS)).bit_length())]
+    # a row length of each chunk size, a multiple of 16; and the longest rows'
+    rows = [MAXIMA * chunk // 2 + 16 for chunk in sizes] + ([longest] if longest % 16 else [])
     # Triton's asynchronous mode compiles each warm-up on the pool (where the running Triton has it); the
     # kernel's per-device caches are set up by the first warm-up, on this thread
     mode = getattr(triton, "AsyncCompileMode", None)
-    with ThreadPoolExecutor(len(sizes)) as pool, (mode(pool) if mode else nullcontext()):
-        for chunk in sizes:
-            S = MAXIMA * chunk // 2 + 16  # a row length of this chunk size, a multiple of 16 as the blocks' are
+    with ThreadPoolExecutor(len(rows)) as pool, (mode(pool) if mode else nullcontext()):
+        for S in rows:
+            chunk = chunk_size(S)
             _select_kernel.warmup(torch.float32, torch.int32, torch.int32, torch.int32, torch.int32, torch.int64,
                                   S, k, S, k, CHUNK=chunk, MAXIMA=MAXIMA, CAP=CAP, BLOCK=max(BLOCK, chunk),
                                   STAGES=STAGES, DIGIT=DIGIT, num_warps=WARPS, grid=(1,))
-    return len(sizes)
+    return len(rows)
 
 
 @triton.jit
