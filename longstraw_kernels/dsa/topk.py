@@ -71,7 +71,8 @@ def topk_lowest_position(scores__S: torch.Tensor, k: int) -> torch.Tensor:
 
 def prepare_topk(longest: int, k: int, device: torch.device) -> int:
     """Before rows of up to `longest` keys on `device` (a capture): compile the threshold select for each size of
-    its chunks, in threads at once (`triton_threshold.precompile`), where it will serve them -> how many sizes."""
+    its chunks and for rows of `longest` keys, in threads at once (`triton_threshold.precompile`), where it will
+    serve them -> how many compiles."""
     if torch.device(device).type != "cuda" or kernel_choice("dsa") != "auto":
         return 0
     module = optional_module("longstraw_kernels.dsa.triton_threshold")
