@@ -70,26 +70,6 @@ def unchunked_forward(model, ids_T):
     return model.model.norm(x_BTC)
 
 
-def warm_select(model, longest: int) -> None:
-    """glm52's threshold select (longstraw_kernels/dsa/triton_threshold.py) compiles once per chunk size, a
-    compile-time constant that doubles with each doubling of a row's keys: the warm-up's eight blocks leave the
-    larger sizes to the first timed capture (on one H100, 2026-12-07: 13.79 s for a capture that took 6.69 s next,
-    under the profiler, at 256K). One row of each size up to the longest prompt, through the dispatch the capture
-    takes, compiles them."""
-    k = getattr(model.config, "index_topk", None)
-    if k is None:
-        return
-    from longstraw_kernels.dsa import triton_threshold
-    from longstraw_kernels.dsa.topk import topk_lowest_position
-
-    keys = triton_threshold.MIN_KEYS
-    while True:
-        topk_lowest_position(torch.rand(1, keys, device="cuda"), k)
-        if keys >= longest:
-            return
-        keys *= 2
-
-
 def profiled_capture(run, top: int) -> dict:
     prof = profile(activities=[ProfilerActivity.CUDA])
     with prof:
@@ -176,14 +156,16 @@ def main(argv=None):
     # compile and autotune every kernel (fla's Triton kernels among them) before anything is timed: the captures
     # over eight blocks (or the shortest prompt), not 8,192 tokens, as some kernels take only long rows (glm52's
     # threshold select, rows of >= 16,384 keys; the first capture to reach them paid their compiles: 9.55 s for a
-    # 1.17 s capture at 64K on an H100, 2026-12-06), then the select at each longer row's chunk size (warm_select);
-    # the unchunked forward over 8,192 (its scores are whole)
+    # 1.17 s capture at 64K on an H100, 2026-12-06), then what each prompt's capture compiles ahead
+    # (`prepare_capture`: glm52's select at each chunk size, 13.79 s for a first timed capture at 256K against 6.69
+    # for the next, profiled one, without it, on an H100, 2026-12-07); the unchunked forward over 8,192 (its scores are whole)
     prompts = [int(x) for x in args.prompts.split(",")]
     warm = torch.randint(0, model.config.vocab_size, (min(min(prompts), 8 * args.block_size) + 1,), device="cuda")
     methods = args.methods.split(",")
     if "capture" in methods or args.top:
         model.capture(warm, block_size=args.block_size)
-        warm_select(model, max(prompts))
+    for P in prompts:
+        model.prepare_capture(P)
     if "capture_span" in methods:
         model.capture_span(warm[:-1], start=0, num_tokens=warm.numel() - 1, last_token=0, block_size=args.block_size)
     if "forward" in methods:
