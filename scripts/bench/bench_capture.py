@@ -157,8 +157,9 @@ def main(argv=None):
     # over eight blocks (or the shortest prompt), not 8,192 tokens, as some kernels take only long rows (glm52's
     # threshold select, rows of >= 16,384 keys; the first capture to reach them paid their compiles: 9.55 s for a
     # 1.17 s capture at 64K on an H100, 2026-12-06), then what each prompt's capture compiles ahead
-    # (`prepare_capture`: glm52's select at each chunk size, 13.79 s for a first timed capture at 256K against 6.69
-    # for the next, profiled one, without it, on an H100, 2026-12-07); the unchunked forward over 8,192 (its scores are whole)
+    # (`prepare_capture`: glm52's select at each chunk size; without it, on an H100, 2026-12-07, 13.79 s for a
+    # first timed capture at 256K against 6.69 for the next, profiled one); the unchunked forward over 8,192 (its
+    # scores are whole)
     prompts = [int(x) for x in args.prompts.split(",")]
     warm = torch.randint(0, model.config.vocab_size, (min(min(prompts), 8 * args.block_size) + 1,), device="cuda")
     methods = args.methods.split(",")
