@@ -14,6 +14,8 @@ run to --out.
 `model.override_config`, over prompt_tokens - 1 captured tokens) over the steady capture seconds, for the whole job;
 `capture_utilisation` divides it by the ranks' measured bf16 matmul ceiling (rows.H200_BF16_CEILING each).
 `--annotate FILE` adds both to the rows of an earlier run's jsonl and prints them (nothing is run).
+`--trace-compiles FILE` runs the trainer under compile_trace.py: each Triton compile of the run timed, one line
+each, and their summary in the row (`compiles`: count, seconds summed, by kernel).
 
     python scripts/bench/bench_train.py --prompt 65536 262144 -- model=qwen36_mini model.dtype=bfloat16 \\
         device=cuda task=passkey group_size=8 response_tokens=1024
@@ -35,6 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import compile_trace
 from rows import H200_BF16_CEILING, emit
 
 PHASES = ("rollout", "drift", "reward", "capture", "score", "replay", "prompt", "finalize", "step")
@@ -137,6 +140,9 @@ def main() -> None:
     parser.add_argument("--cp", type=int, nargs="+", default=None,
                         help="strong scaling: run each prompt at each of these cp sizes (on that many ranks; "
                              "replaces --nproc), then a `scaling` row of efficiency against linear")
+    parser.add_argument("--trace-compiles", metavar="FILE", default=None,
+                        help="time every Triton compile of each run (compile_trace.py), one JSON line each to FILE "
+                             "with the prompt length before its suffix; the row gets their summary (one rank)")
     parser.add_argument("overrides", nargs="*", help="longstraw train overrides (after --)")
     args = parser.parse_args()
     if args.annotate:
@@ -145,6 +151,8 @@ def main() -> None:
         parser.error("--prompt is required (or --annotate FILE)")
     if args.cp and args.nproc != 1:
         parser.error("--cp sets the ranks of each run (cp=N on N ranks); leave out --nproc")
+    if args.trace_compiles and (args.nproc != 1 or args.cp):
+        parser.error("--trace-compiles times one process's compiles: leave out --nproc and --cp")
     for prompt in args.prompt:
         runs = {}
         for cp in args.cp or [None]:
@@ -158,6 +166,12 @@ def run(prompt: int, nproc: int, overrides: list[str], args) -> dict:
     """One `longstraw train` run on nproc ranks; its row, emitted."""
     launcher = [sys.executable] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    trace = None
+    if args.trace_compiles:
+        trace = Path(args.trace_compiles)
+        trace = trace.with_name(f"{trace.stem}-{prompt}{trace.suffix}")
+        trace.unlink(missing_ok=True)
+        launcher = [sys.executable, str(Path(__file__).with_name("compile_trace.py")), "--out", str(trace)]
     if args.run_root:
         Path(args.run_root).mkdir(parents=True, exist_ok=True)
     run_dir = Path(tempfile.mkdtemp(prefix="bench_train_", dir=args.run_root))
@@ -171,6 +185,8 @@ def run(prompt: int, nproc: int, overrides: list[str], args) -> dict:
     if done.returncode == 0 and metrics.exists():
         row.update(summarize([json.loads(line) for line in metrics.read_text().splitlines()]))
         row.update(capture_rate(row["command"], prompt, row["steady"]["capture"], nproc))
+    if trace is not None and trace.exists():
+        row["compiles"] = {"trace": str(trace), **compile_trace.summary(str(trace))}
     emit(row, args.out)
     return row
 
