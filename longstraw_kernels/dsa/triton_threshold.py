@@ -67,8 +67,18 @@ MIN_KEYS = 16384
 
 def serves(scores_RS: torch.Tensor, k: int) -> bool:
     """CUDA fp32 rows of at least MIN_KEYS keys, k at most min(CAP, MAXIMA) / 2."""
-    return (scores_RS.is_cuda and scores_RS.dtype == torch.float32 and scores_RS.shape[-1] >= MIN_KEYS
-            and 0 < k <= min(CAP, MAXIMA) // 2)
+    return scores_RS.is_cuda and scores_RS.dtype == torch.float32 and _serves_keys(scores_RS.shape[-1], k)
+
+
+def _serves_keys(S: int, k: int) -> bool:
+    """Rows of S keys, k of them selected: `serves`' bounds."""
+    return S >= MIN_KEYS and 0 < k <= min(CAP, MAXIMA) // 2
+
+
+def _meta(chunk: int, maxima: int, cap: int, block: int, stages: int, warps: int) -> dict:
+    """`_select_kernel`'s compile-time arguments and warps: what a launch and the warm-up of its rows share."""
+    return dict(CHUNK=chunk, MAXIMA=maxima, CAP=cap, BLOCK=max(block, chunk), STAGES=stages, DIGIT=DIGIT,
+                num_warps=warps)
 
 
 def chunk_size(S: int, maxima: int = MAXIMA) -> int:
@@ -85,7 +95,7 @@ def precompile(longest: int, k: int) -> int:
     five took 2.76 s at once against 11.62 one after another. Triton also specialises an integer argument on its
     divisibility by 16: the warm-ups take row lengths that are multiples of 16, as full blocks' are, and `longest`
     itself, the last block's (a prompt of P tokens captures P - 1); other rows compile at their first call."""
-    if longest < MIN_KEYS or not 0 < k <= min(CAP, MAXIMA) // 2:
+    if not _serves_keys(longest, k):
         return 0
     sizes = [chunk_size(MIN_KEYS) << i for i in range((chunk_size(longest) // chunk_size(MIN_KEYS)).bit_length())]
     # a row length of each chunk size, a multiple of 16; and the longest rows'
@@ -95,10 +105,8 @@ def precompile(longest: int, k: int) -> int:
     mode = getattr(triton, "AsyncCompileMode", None)
     with ThreadPoolExecutor(len(rows)) as pool, (mode(pool) if mode else nullcontext()):
         for S in rows:
-            chunk = chunk_size(S)
             _select_kernel.warmup(torch.float32, torch.int32, torch.int32, torch.int32, torch.int32, torch.int64,
-                                  S, k, S, k, CHUNK=chunk, MAXIMA=MAXIMA, CAP=CAP, BLOCK=max(BLOCK, chunk),
-                                  STAGES=STAGES, DIGIT=DIGIT, num_warps=WARPS, grid=(1,))
+                                  S, k, S, k, grid=(1,), **_meta(chunk_size(S), MAXIMA, CAP, BLOCK, STAGES, WARPS))
     return len(rows)
 
 
@@ -258,6 +266,5 @@ def threshold_positions_triton(scores_RS: torch.Tensor, k: int, *, maxima: int |
     out = torch.empty(R, k, dtype=torch.long, device=device)
     with torch.cuda.device_of(scores_RS):
         _select_kernel[(R,)](scores_RS, scratch_max, keys, positions, count, out, S, k, scores_RS.stride(0),
-                             out.stride(0), CHUNK=chunk, MAXIMA=maxima, CAP=cap, BLOCK=max(block, chunk),
-                             STAGES=stages, DIGIT=DIGIT, num_warps=warps)
+                             out.stride(0), **_meta(chunk, maxima, cap, block, stages, warps))
     return out, count
