@@ -13,12 +13,6 @@ BENCH = Path(__file__).parents[2] / "scripts" / "bench"
 pytest.importorskip("triton")
 
 
-def fake_source(name: str, arg_names: list[str], constants: dict):
-    """What a kernel hands `triton.compiler.compile`: its function (name, argument names) and its constants, keyed
-    by argument path."""
-    return SimpleNamespace(fn=SimpleNamespace(__name__=name, arg_names=arg_names), constants=constants)
-
-
 def test_each_compile_is_a_line_and_the_module_runs_as_main(monkeypatch, tmp_path, capsys):
     import triton
     import triton.compiler
@@ -34,9 +28,13 @@ def test_each_compile_is_a_line_and_the_module_runs_as_main(monkeypatch, tmp_pat
     monkeypatch.setattr(triton, "compile", triton.compiler.compiler.compile)
     exits = []
     monkeypatch.setattr(compile_trace.atexit, "register", exits.append)
+    # a job whose kernels hand the compiler what a kernel does: its function (name, argument names) and constants
+    # keyed by argument path
     (tmp_path / "fake_job.py").write_text(
         "import sys, triton.compiler\n"
-        "from test_compile_trace import fake_source\n"
+        "from types import SimpleNamespace\n"
+        "def fake_source(name, arg_names, constants):\n"
+        "    return SimpleNamespace(fn=SimpleNamespace(__name__=name, arg_names=arg_names), constants=constants)\n"
         "ARGV = list(sys.argv)\n"
         "assert __name__ == '__main__'\n"
         "for chunk in (2, 4):\n"
@@ -45,7 +43,6 @@ def test_each_compile_is_a_line_and_the_module_runs_as_main(monkeypatch, tmp_pat
         "triton.compiler.compile(fake_source('_fwd', ['q'], {(0, 1): 'tf32'}))\n"
         "open(sys.argv[1], 'w').write(' '.join(ARGV))\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.syspath_prepend(str(Path(__file__).parent))
     out = tmp_path / "trace.jsonl"
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     compile_trace.main(["--out", str(out), "-m", "fake_job", str(tmp_path / "argv.txt"), "x"])
