@@ -5,8 +5,9 @@ wall-clock time it ended), then a summary by kernel on stderr at exit.
     python scripts/bench/compile_trace.py --out compiles.jsonl -m longstraw_cli train model=glm52_mini ...
 
 `bench_train.py --trace-compiles FILE` launches the trainer so and adds the summary to its row. A compile that hits
-Triton's on-disk cache is counted too (it loads in milliseconds). Inductor compiles its graphs' kernels in its own
-worker processes: those are not here.
+Triton's on-disk cache is counted too (it loads in milliseconds). Inductor's kernels are here where Inductor compiles
+them in this process (glm52_mini's first launch on an H100, 2026-12-07: 27 of the 63, 5.3 of 48.0 s), not where its
+worker processes do.
 """
 
 from __future__ import annotations
