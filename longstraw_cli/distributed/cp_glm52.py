@@ -162,10 +162,10 @@ def cp_capture_glm52(model, prompt_ids: torch.Tensor, block_size: int = 4096, pa
         raise ValueError(f"exact gradients (boundaries=True) need the resident state on the device; got "
                          f"offload={offload!r}")
     num_tokens = prompt_ids.numel() - 1
-    model.prepare_capture(num_tokens)  # rows of a shard's keys, or of the ranks' candidates: fewer keys than this
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     bounds = [shard_bounds(num_tokens, world, r) for r in range(world)]
     start, end = bounds[rank]
+    model.prepare_capture(end)  # this span's last queries see every key up to its end (`cp_span_pages`)
     sizes = [e - s for s, e in bounds]
     resident = model.empty_resident(end - start, page_dtype, offload)
     resident.num_tokens, resident.last_token = num_tokens, int(prompt_ids[-1])

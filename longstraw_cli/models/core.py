@@ -319,9 +319,10 @@ class CausalLM(nn.Module):
             self.capture_prompt_block(prompt_ids, resident, start, end)
         return resident
 
-    def prepare_capture(self, num_tokens: int) -> None:
-        """Before a capture of a prompt of `num_tokens` tokens: what a family compiles ahead for its longer blocks
-        (glm52: the DSA selection's kernels); nothing by default."""
+    def prepare_capture(self, longest: int) -> None:
+        """Before a capture whose last queries see `longest` keys (a prompt's captured tokens, or the end of a
+        context-parallel span): what a family compiles ahead for its longer blocks (glm52: the DSA selection's
+        kernels); nothing by default."""
 
     @torch.no_grad()
     def capture_prompt_block(self, prompt_ids: torch.Tensor, resident: Resident, start: int, end: int) -> None:
@@ -348,7 +349,7 @@ class CausalLM(nn.Module):
         if span_ids.dim() != 1 or block_size < 1:
             raise ValueError(f"capture_span takes a 1-D span and block_size >= 1, got shape "
                              f"{tuple(span_ids.shape)}, block_size {block_size}")
-        self.prepare_capture(num_tokens)
+        self.prepare_capture(start + span_ids.numel())
         resident = self.empty_resident(span_ids.numel(), page_dtype, offload)
         resident.num_tokens, resident.last_token = num_tokens, last_token
         device = self.lm_head.weight.device

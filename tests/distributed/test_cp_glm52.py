@@ -45,9 +45,12 @@ def problem(prompt_len=PROMPT):
 def record(model):
     """Logs every layer's DSA selection: capture (capture_span) and replay / scoring (replay). Decode is compared
     by its sampled tokens: one rank decodes by the static-shaped step, context parallel by `decode_step`."""
-    log = {"capture": [], "replay": []}
+    log = {"capture": [], "replay": [], "prepared": [], "rows": []}
+    # what the capture compiles ahead for (`prepare_capture`) and the keys its selection's rows see
+    model.prepare_capture = lambda longest, fn=model.prepare_capture: (log["prepared"].append(longest), fn(longest))[1]
     for layer in model.model.layers:
         attn = layer.self_attn
+        attn.topk_fn = lambda scores, k, fn=attn.topk_fn: (log["rows"].append(scores.shape[-1]), fn(scores, k))[1]
 
         def logged(fn, key):
             def call(*args, **kwargs):
@@ -65,13 +68,15 @@ def run(model, capture, prompt_len=PROMPT):
     prompt, responses, weights = problem(prompt_len)
     log = record(model)
     resident = capture(prompt)
+    capture_rows = list(log["rows"])
     scores = model.logprobs(resident, responses)
     model.zero_grad(set_to_none=True)
     (weights * model.logprobs(resident, responses[0], grad=True)).sum().backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     rollout = generate(model, resident, 3, SamplingConfig(max_new_tokens=6), torch.Generator().manual_seed(5))
     return {"tensors": [t.clone() for t in resident.tensors()], "bytes": resident.nbytes(), "scores": scores,
-            "grads": grads, "responses": rollout.responses, "rollout_logp": rollout.logprobs, **log}
+            "grads": grads, "responses": rollout.responses, "rollout_logp": rollout.logprobs,
+            "capture_rows": capture_rows, **log}
 
 
 def reference(dtype, prompt_len):
@@ -141,6 +146,9 @@ def test_glm52_context_and_expert_parallel_equal_one_rank(tmp_path, world):
             assert len(got["capture"]) == len(ref["capture"])
             for mine, full in zip(got["capture"], ref["capture"]):
                 assert torch.equal(mine, full[:, start:end])
+            # the capture compiled ahead for its longest rows, this span's end (one rank: the captured tokens)
+            assert ref["prepared"] == [num_tokens] and max(ref["capture_rows"]) == num_tokens
+            assert got["prepared"] == [end] and max(got["capture_rows"], default=end) == end
             assert len(got["replay"]) == len(ref["replay"])
             assert all(torch.equal(a, b) for a, b in zip(got["replay"], ref["replay"]))
             assert rel_err(got["scores"], ref["scores"]) <= tol

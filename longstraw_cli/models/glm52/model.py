@@ -670,10 +670,10 @@ class Glm52ForCausalLM(CausalLM):
         elif isinstance(module, Experts):
             module.reset_parameters(std)
 
-    def prepare_capture(self, num_tokens: int) -> None:
-        """The selection's kernels for the capture's rows, up to `num_tokens` keys, compiled at once (a fresh
-        machine would compile them one at a time as the blocks grow)."""
-        prepare_topk(num_tokens, self.config.index_topk, self.lm_head.weight.device)
+    def prepare_capture(self, longest: int) -> None:
+        """The selection's kernels for the capture's rows, up to `longest` keys, compiled at once (a fresh machine
+        would compile them one at a time as the blocks grow)."""
+        prepare_topk(longest, self.config.index_topk, self.lm_head.weight.device)
 
     # -- resident state ---------------------------------------------------------------------------------------
     def empty_resident(self, num_tokens: int, page_dtype: torch.dtype | None = None,
