@@ -73,9 +73,7 @@ def prepare_topk(longest: int, k: int, device: torch.device) -> int:
     """Before rows of up to `longest` keys on `device` (a capture): compile the threshold select for each size of
     its chunks and for rows of `longest` keys, in threads at once (`triton_threshold.precompile`), where it will
     serve them -> how many compiles."""
-    if torch.device(device).type != "cuda" or kernel_choice("dsa") != "auto":
-        return 0
-    module = optional_module("longstraw_kernels.dsa.triton_threshold")
+    module = _auto_threshold_module(torch.device(device).type == "cuda")
     if module is None:
         return 0
     try:
@@ -86,12 +84,18 @@ def prepare_topk(longest: int, k: int, device: torch.device) -> int:
         return 0
 
 
+def _auto_threshold_module(on_cuda: bool):
+    """triton_threshold where `kernels.dsa=auto` would take it for rows on this device (CUDA, and it imports),
+    else None."""
+    if not on_cuda or kernel_choice("dsa") != "auto":
+        return None
+    return optional_module("longstraw_kernels.dsa.triton_threshold")
+
+
 def _threshold_module(rows_RS: torch.Tensor, k: int):
     """triton_threshold where it serves these rows (CUDA fp32 long rows, kernels.dsa=auto), else None (said once
     where only k keeps the kernel from rows it would take)."""
-    if not rows_RS.is_cuda or kernel_choice("dsa") != "auto":
-        return None
-    module = optional_module("longstraw_kernels.dsa.triton_threshold")
+    module = _auto_threshold_module(rows_RS.is_cuda)
     if module is None or module.serves(rows_RS, k):
         return module
     if module.serves(rows_RS, 1):

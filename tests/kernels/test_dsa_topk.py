@@ -2,6 +2,8 @@
 against the rule's reference (`topk_lowest_position`): the same positions, ascending, on exact ties across chunk
 boundaries, -0.0 beside +0.0, negatives, infinities and masked (-inf) keys."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -174,13 +176,22 @@ def test_long_rows_on_cuda_take_the_threshold_select_and_equal_the_rule(monkeypa
     assert torch.equal(topk_lowest_position(scores.to(DEVICE), 100).cpu(), want)
 
 
-def test_precompile_takes_the_chunk_sizes_of_the_capture_rows():
-    """One compile per chunk size from MIN_KEYS to the longest row (CHUNK doubles with the keys); nothing where
-    the select would not serve (short rows, k past its cap, a CPU device)."""
+def test_precompile_takes_the_chunk_sizes_of_the_capture_rows(monkeypatch):
+    """One compile per chunk size from MIN_KEYS to the longest row (CHUNK doubles with the keys), each at a row
+    length of that size, and the longest row's own length where it is not a multiple of 16; nothing where the
+    select would not serve (short rows, k past its cap, a CPU device)."""
     from longstraw_kernels.dsa import topk
     from longstraw_kernels.dsa import triton_threshold as tt
 
     assert [tt.chunk_size(S) for S in (tt.MIN_KEYS, tt.MIN_KEYS + 1, 1 << 18, (1 << 18) + 1)] == [2, 4, 32, 64]
+    warmed = []
+    monkeypatch.setattr(tt, "_select_kernel", SimpleNamespace(
+        warmup=lambda *args, grid, **meta: warmed.append((args[6], meta["CHUNK"], meta["BLOCK"]))))
+    for longest, odd in ((1 << 18, []), ((1 << 18) - 1, [((1 << 18) - 1, 32, tt.BLOCK)])):
+        warmed.clear()
+        assert tt.precompile(longest, 2048) == 5 + len(odd)
+        assert warmed[:5] == [(tt.MAXIMA * c // 2 + 16, c, tt.BLOCK) for c in (2, 4, 8, 16, 32)] and warmed[5:] == odd
+        assert all(tt.chunk_size(S) == c for S, c, _ in warmed)
     assert tt.precompile(tt.MIN_KEYS - 1, 2048) == 0
     assert tt.precompile(1 << 18, tt.CAP // 2 + 1) == 0
     assert topk.prepare_topk(1 << 18, 2048, torch.device("cpu")) == 0
