@@ -148,7 +148,9 @@ def test_glm52_context_and_expert_parallel_equal_one_rank(tmp_path, world):
                 assert torch.equal(mine, full[:, start:end])
             # the capture compiled ahead for its longest rows, this span's end (one rank: the captured tokens)
             assert ref["prepared"] == [num_tokens] and max(ref["capture_rows"]) == num_tokens
-            assert got["prepared"] == [end] and max(got["capture_rows"], default=end) == end
+            # (a rank that owns no page, the "short" case, selects nothing in the capture)
+            assert got["prepared"] == [end]
+            assert max(got["capture_rows"]) == end if end > start else got["capture_rows"] == []
             assert len(got["replay"]) == len(ref["replay"])
             assert all(torch.equal(a, b) for a, b in zip(got["replay"], ref["replay"]))
             assert rel_err(got["scores"], ref["scores"]) <= tol
