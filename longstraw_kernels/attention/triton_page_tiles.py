@@ -1,0 +1,104 @@
+"""The prompt pages' whole attention backward (all five products) where the pages need gradients (exact mode's
+walk), for CUDA: three products in one Triton launch a chunk of pages, two as cuBLAS GEMMs.
+
+The walk's largest part is this backward at head dim 256 (cuDNN's, 437 TFLOP/s on an H200, docs/BENCHMARKS.md).
+triton_page_dq.py computes three of its five products (S = q k^T, dP = dO v^T, dq = dS k) at 460 TFLOP/s on an H200
+at that head dim; the other two, dV = P^T dO and dK = dS^T q, reduce over the query rows, which a kernel that owns
+rows cannot do without atomics. Here, per chunk of `chunk` pages (the identity of README.md, "Backward"):
+
+    launch   P = exp(scale q k^T - L) and dS = P (dO v^T - delta), stored as [K, M, chunk] tiles in the operand
+             dtype (flash attention's backward rounds them so for the same products), and dq += scale dS k in fp32
+             (page_dq's loop, the tiles written on the way)
+    GEMMs    dV = P^T dO, dK = scale dS^T q (cuBLAS, batched over the kv heads)
+
+with L and delta = rowsum(dO * O) of the GLOBAL out and lse. The tiles are the only temporaries: 2 K M chunk
+elements, never page-sized. Rows are a kv head's folded query rows ([K, M, D], as the forward folds them).
+
+Exactness: tests/kernels/test_page_tiles.py (Triton's interpreter on CPU, fp32, against the fp64 products).
+Speed: not yet measured on a GPU (scripts/bench/bench_pages_backward.py times it beside cuDNN's backward).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from longstraw_kernels.attention.triton_page_dq import LOG2E, DqConfig
+
+__all__ = ["DEFAULT_CHUNK", "DEFAULT_CONFIG", "page_backward"]
+
+# page_dq's tiles (128 rows, 64 pages, 8 warps, one stage: its best on an H200 at head dim 256)
+DEFAULT_CONFIG = DqConfig(128, 64, 8, 1)
+# pages a chunk: the tiles are 2 K M chunk elements (qwen36_mini's walk, M = 32,768 folded rows, K = 2: 1 GiB in bf16)
+DEFAULT_CHUNK = 4096
+
+
+@triton.jit
+def _tiles_kernel(q_ptr, do_ptr, lse_ptr, delta_ptr, k_ptr, v_ptr, dq_ptr, p_ptr, ds_ptr, M, N, page0,
+                  stride_qk, stride_qm, stride_kp, stride_kk, stride_tk, stride_tm, scale, scale_log2e,
+                  D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_m, head = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    cols = tl.arange(0, D)
+    q_off = head.to(tl.int64) * stride_qk + rows[:, None].to(tl.int64) * stride_qm + cols[None, :]
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None], other=0.0)
+    do = tl.load(do_ptr + q_off, mask=row_ok[:, None], other=0.0)
+    lse_log2 = tl.load(lse_ptr + head * M + rows, mask=row_ok, other=0.0) * 1.4426950408889634
+    delta = tl.load(delta_ptr + head * M + rows, mask=row_ok, other=0.0)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    t_rows = head.to(tl.int64) * stride_tk + rows[:, None].to(tl.int64) * stride_tm
+    for n0 in range(0, N, BLOCK_N):
+        local = n0 + tl.arange(0, BLOCK_N)
+        page_ok = local < N
+        kv_off = (page0 + local)[:, None].to(tl.int64) * stride_kp + head.to(tl.int64) * stride_kk + cols[None, :]
+        k = tl.load(k_ptr + kv_off, mask=page_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + kv_off, mask=page_ok[:, None], other=0.0)
+        p = tl.exp2(tl.dot(q, tl.trans(k)) * scale_log2e - lse_log2[:, None])
+        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+        p_t = p.to(p_ptr.dtype.element_ty)
+        ds_t = ds.to(ds_ptr.dtype.element_ty)
+        t_mask = row_ok[:, None] & page_ok[None, :]
+        tl.store(p_ptr + t_rows + local[None, :], p_t, mask=t_mask)
+        tl.store(ds_ptr + t_rows + local[None, :], ds_t, mask=t_mask)
+        acc = tl.dot(ds_t.to(k.dtype), k, acc)
+    dq_off = head.to(tl.int64) * M * D + rows[:, None].to(tl.int64) * D + cols[None, :]
+    dq = tl.load(dq_ptr + dq_off, mask=row_ok[:, None], other=0.0)
+    tl.store(dq_ptr + dq_off, dq + acc * scale, mask=row_ok[:, None])
+
+
+def _scaled_bmm(a, b, scale: float):
+    """scale * a @ b, rounded once to a's dtype (cuBLAS's alpha on CUDA)."""
+    return torch.baddbmm(a.new_empty(a.shape[0], a.shape[1], b.shape[2]), a, b, beta=0.0, alpha=scale)
+
+
+def page_backward(q_KMD: torch.Tensor, do_KMD: torch.Tensor, lse_KM: torch.Tensor, delta_KM: torch.Tensor,
+                  k_pages_PKD: torch.Tensor, v_pages_PKD: torch.Tensor, scale: float, chunk: int = DEFAULT_CHUNK,
+                  config: DqConfig = DEFAULT_CONFIG):
+    """-> (dq_KMD fp32, dk_pages_PKD, dv_pages_PKD in the pages' dtype) of folded query rows against every page, given
+    each row's dO, global lse and delta."""
+    K, M, D = q_KMD.shape
+    P = k_pages_PKD.shape[0]
+    assert k_pages_PKD.shape == v_pages_PKD.shape == (P, K, D) and do_KMD.shape == q_KMD.shape
+    assert k_pages_PKD.stride() == v_pages_PKD.stride() and k_pages_PKD.stride(2) == 1
+    q_KMD, do_KMD = q_KMD.contiguous(), do_KMD.contiguous()
+    lse_KM, delta_KM = lse_KM.float().contiguous(), delta_KM.float().contiguous()
+    dq_KMD = torch.zeros(K, M, D, dtype=torch.float32, device=q_KMD.device)
+    dk_PKD, dv_PKD = torch.empty_like(k_pages_PKD), torch.empty_like(v_pages_PKD)
+    size = min(chunk, P)
+    p_KMN = q_KMD.new_empty(K, M, size)
+    ds_KMN = q_KMD.new_empty(K, M, size)
+    with torch.cuda.device_of(q_KMD):
+        for p0 in range(0, P, size):
+            n = min(size, P - p0)
+            p_tiles, ds_tiles = p_KMN[..., :n], ds_KMN[..., :n]
+            _tiles_kernel[(triton.cdiv(M, config.block_m), K)](
+                q_KMD, do_KMD, lse_KM, delta_KM, k_pages_PKD, v_pages_PKD, dq_KMD, p_tiles, ds_tiles, M, n, p0,
+                q_KMD.stride(0), q_KMD.stride(1), k_pages_PKD.stride(0), k_pages_PKD.stride(1), p_tiles.stride(0),
+                p_tiles.stride(1), scale, scale * LOG2E, D=D, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                num_warps=config.num_warps, num_stages=config.num_stages)
+            # [K, n, M] @ [K, M, D]: the reductions over the rows
+            dv_PKD[p0 : p0 + n] = torch.bmm(p_tiles.transpose(1, 2), do_KMD).transpose(0, 1)
+            dk_PKD[p0 : p0 + n] = _scaled_bmm(ds_tiles.transpose(1, 2), q_KMD, scale).transpose(0, 1)
+    return dq_KMD, dk_PKD, dv_PKD

@@ -1,0 +1,60 @@
+"""The pages' whole attention backward in tiles (`triton_page_tiles.py`, Triton's interpreter on CPU, fp32): dq, dk
+and dv of folded query rows against pages equal autograd's through softmax attention over those pages in fp64, for
+page counts that are and are not a multiple of the chunk and of the tile, and rows that are not a multiple of the
+row tile; and, given another part's keys in the global lse (the ring identity), the products of that lse. On CUDA
+(bf16, head dim 256) scripts/bench/bench_pages_backward.py checks it beside cuDNN's backward."""
+
+import pytest
+import torch
+
+from conftest import rel_err
+from longstraw_kernels.attention.triton_page_dq import DqConfig
+from longstraw_kernels.attention.triton_page_tiles import page_backward
+
+CONFIG = DqConfig(16, 16, 4, 1)
+
+
+def inputs(K, M, P, D, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(K, M, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(P, K, D, generator=g, dtype=torch.float64) for _ in range(2))
+    do = torch.randn(K, M, D, generator=g, dtype=torch.float64)
+    return q, k, v, do
+
+
+def autograd_backward(q, k, v, do, scale):
+    """fp64 autograd through softmax(scale q k^T) v over the pages alone -> (out, lse, dq, dk, dv)."""
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    s = scale * q @ k.transpose(0, 1).transpose(-1, -2)  # [K, M, P]
+    lse = torch.logsumexp(s, -1)
+    out = torch.exp(s - lse[..., None]) @ v.transpose(0, 1)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
+    return out.detach(), lse.detach(), dq, dk, dv
+
+
+@pytest.mark.parametrize("K, M, P, D, chunk", [(2, 40, 70, 32, 32), (1, 16, 48, 16, 16), (2, 33, 20, 64, 64)])
+def test_tiles_equal_autograd_in_fp64(K, M, P, D, chunk):
+    q, k, v, do = inputs(K, M, P, D)
+    scale = D**-0.5
+    out, lse, dq, dk, dv = autograd_backward(q, k, v, do, scale)
+    delta = (do * out).sum(-1)
+    got = page_backward(q.float(), do.float(), lse, delta, k.float(), v.float(), scale, chunk=chunk, config=CONFIG)
+    assert got[0].dtype == torch.float32 and got[1].dtype == got[2].dtype == torch.float32
+    for name, g, want in zip(("dq", "dk", "dv"), got, (dq, dk, dv)):
+        assert rel_err(g, want) < 1e-5, name
+
+
+def test_a_global_lse_gives_this_parts_share():
+    """With keys elsewhere too (the replay's new keys, another rank's pages), the lse and out are the whole
+    attention's: the pages' dk and dv are those of the whole, and dq is the pages' share of it."""
+    K, M, P, E, D = 2, 24, 40, 30, 32
+    q, k, v, do = inputs(K, M, P + E, D, seed=1)
+    scale = D**-0.5
+    out, lse, dq_all, dk, dv = autograd_backward(q, k, v, do, scale)
+    delta = (do * out).sum(-1)
+    got = page_backward(q.float(), do.float(), lse, delta, k[:P].float(), v[:P].float(), scale, chunk=16,
+                        config=CONFIG)
+    other = page_backward(q.float(), do.float(), lse, delta, k[P:].float(), v[P:].float(), scale, chunk=16,
+                          config=CONFIG)
+    assert rel_err(got[1], dk[:P]) < 1e-5 and rel_err(got[2], dv[:P]) < 1e-5
+    assert rel_err(got[0] + other[0], dq_all) < 1e-5
