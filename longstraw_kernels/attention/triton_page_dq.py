@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["DEFAULT_CONFIG", "DqConfig", "page_dq"]
+__all__ = ["DEFAULT_CONFIG", "DqConfig", "page_dq", "row_block", "rows_against_pages"]
 
 LOG2E = 1.4426950408889634
 
@@ -46,20 +46,29 @@ DEFAULT_CONFIG = DqConfig(128, 64, 8, 1)
 
 
 @triton.jit
-def _page_dq_kernel(q_ptr, do_ptr, lse_ptr, delta_ptr, k_ptr, v_ptr, dq_ptr, M, P, pages_per_split,
-                    stride_qk, stride_qm, stride_kp, stride_kk, stride_dqs, stride_dqk, stride_dqm,
-                    scale, scale_log2e,
-                    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    pid_m, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+def row_block(q_ptr, do_ptr, lse_ptr, delta_ptr, M, stride_qk, stride_qm, D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """A program's block of folded query rows (axis 0) of kv head `head` (axis 1): (head, rows, row_ok, cols, q, dO,
+    lse in log2 units, delta). Masked rows: lse = delta = 0 and dO = 0, so their dS is 0."""
+    pid_m, head = tl.program_id(0), tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     cols = tl.arange(0, D)
     q_off = head.to(tl.int64) * stride_qk + rows[:, None].to(tl.int64) * stride_qm + cols[None, :]
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None], other=0.0)
     do = tl.load(do_ptr + q_off, mask=row_ok[:, None], other=0.0)
-    # masked rows: lse = delta = 0 and dO = 0, so their dS is 0
     lse_log2 = tl.load(lse_ptr + head * M + rows, mask=row_ok, other=0.0) * 1.4426950408889634
     delta = tl.load(delta_ptr + head * M + rows, mask=row_ok, other=0.0)
+    return head, rows, row_ok, cols, q, do, lse_log2, delta
+
+
+@triton.jit
+def _page_dq_kernel(q_ptr, do_ptr, lse_ptr, delta_ptr, k_ptr, v_ptr, dq_ptr, M, P, pages_per_split,
+                    stride_qk, stride_qm, stride_kp, stride_kk, stride_dqs, stride_dqk, stride_dqm,
+                    scale, scale_log2e,
+                    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    split = tl.program_id(2)
+    head, rows, row_ok, cols, q, do, lse_log2, delta = row_block(q_ptr, do_ptr, lse_ptr, delta_ptr, M, stride_qk,
+                                                                  stride_qm, D, BLOCK_M)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     p_begin = split * pages_per_split
     p_end = tl.minimum(P, p_begin + pages_per_split)
@@ -87,16 +96,23 @@ def _splits(programs: int, pages: int, block_n: int, device: torch.device) -> in
     return max(1, min(want, pages // (16 * block_n)))
 
 
-def page_dq(q_KMD: torch.Tensor, do_KMD: torch.Tensor, lse_KM: torch.Tensor, delta_KM: torch.Tensor,
-            k_pages_PKD: torch.Tensor, v_pages_PKD: torch.Tensor, scale: float,
-            config: DqConfig = DEFAULT_CONFIG) -> torch.Tensor:
-    """dq_KMD (fp32) of folded query rows q_KMD against the pages, given each row's dO, global lse and delta."""
+def rows_against_pages(q_KMD, do_KMD, lse_KM, delta_KM, k_pages_PKD, v_pages_PKD):
+    """The kernels' row operands as they read them (q, dO contiguous; lse, delta fp32 contiguous), after checking
+    them against the pages [P, K, D] (k and v laid out alike, contiguous in D)."""
     K, M, D = q_KMD.shape
     P = k_pages_PKD.shape[0]
     assert k_pages_PKD.shape == v_pages_PKD.shape == (P, K, D) and do_KMD.shape == q_KMD.shape
     assert k_pages_PKD.stride() == v_pages_PKD.stride() and k_pages_PKD.stride(2) == 1
-    q_KMD, do_KMD = q_KMD.contiguous(), do_KMD.contiguous()
-    lse_KM, delta_KM = lse_KM.float().contiguous(), delta_KM.float().contiguous()
+    return q_KMD.contiguous(), do_KMD.contiguous(), lse_KM.float().contiguous(), delta_KM.float().contiguous()
+
+
+def page_dq(q_KMD: torch.Tensor, do_KMD: torch.Tensor, lse_KM: torch.Tensor, delta_KM: torch.Tensor,
+            k_pages_PKD: torch.Tensor, v_pages_PKD: torch.Tensor, scale: float,
+            config: DqConfig = DEFAULT_CONFIG) -> torch.Tensor:
+    """dq_KMD (fp32) of folded query rows q_KMD against the pages, given each row's dO, global lse and delta."""
+    q_KMD, do_KMD, lse_KM, delta_KM = rows_against_pages(q_KMD, do_KMD, lse_KM, delta_KM, k_pages_PKD, v_pages_PKD)
+    K, M, D = q_KMD.shape
+    P = k_pages_PKD.shape[0]
     row_blocks = triton.cdiv(M, config.block_m)
     splits = _splits(row_blocks * K, P, config.block_n, q_KMD.device)
     pages_per_split = triton.cdiv(triton.cdiv(P, splits), config.block_n) * config.block_n

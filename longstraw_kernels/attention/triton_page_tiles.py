@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from longstraw_kernels.attention.triton_page_dq import LOG2E, DqConfig
+from longstraw_kernels.attention.triton_page_dq import LOG2E, DqConfig, row_block, rows_against_pages
 
 __all__ = ["DEFAULT_CHUNK", "DEFAULT_CONFIG", "page_backward"]
 
@@ -38,15 +38,8 @@ DEFAULT_CHUNK = 4096
 def _tiles_kernel(q_ptr, do_ptr, lse_ptr, delta_ptr, k_ptr, v_ptr, dq_ptr, p_ptr, ds_ptr, M, N, page0,
                   stride_qk, stride_qm, stride_kp, stride_kk, stride_tk, stride_tm, scale, scale_log2e,
                   D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    pid_m, head = tl.program_id(0), tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < M
-    cols = tl.arange(0, D)
-    q_off = head.to(tl.int64) * stride_qk + rows[:, None].to(tl.int64) * stride_qm + cols[None, :]
-    q = tl.load(q_ptr + q_off, mask=row_ok[:, None], other=0.0)
-    do = tl.load(do_ptr + q_off, mask=row_ok[:, None], other=0.0)
-    lse_log2 = tl.load(lse_ptr + head * M + rows, mask=row_ok, other=0.0) * 1.4426950408889634
-    delta = tl.load(delta_ptr + head * M + rows, mask=row_ok, other=0.0)
+    head, rows, row_ok, cols, q, do, lse_log2, delta = row_block(q_ptr, do_ptr, lse_ptr, delta_ptr, M, stride_qk,
+                                                                  stride_qm, D, BLOCK_M)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     t_rows = head.to(tl.int64) * stride_tk + rows[:, None].to(tl.int64) * stride_tm
     for n0 in range(0, N, BLOCK_N):
@@ -78,12 +71,9 @@ def page_backward(q_KMD: torch.Tensor, do_KMD: torch.Tensor, lse_KM: torch.Tenso
                   config: DqConfig = DEFAULT_CONFIG):
     """-> (dq_KMD fp32, dk_pages_PKD, dv_pages_PKD in the pages' dtype) of folded query rows against every page, given
     each row's dO, global lse and delta."""
+    q_KMD, do_KMD, lse_KM, delta_KM = rows_against_pages(q_KMD, do_KMD, lse_KM, delta_KM, k_pages_PKD, v_pages_PKD)
     K, M, D = q_KMD.shape
     P = k_pages_PKD.shape[0]
-    assert k_pages_PKD.shape == v_pages_PKD.shape == (P, K, D) and do_KMD.shape == q_KMD.shape
-    assert k_pages_PKD.stride() == v_pages_PKD.stride() and k_pages_PKD.stride(2) == 1
-    q_KMD, do_KMD = q_KMD.contiguous(), do_KMD.contiguous()
-    lse_KM, delta_KM = lse_KM.float().contiguous(), delta_KM.float().contiguous()
     dq_KMD = torch.zeros(K, M, D, dtype=torch.float32, device=q_KMD.device)
     dk_PKD, dv_PKD = torch.empty_like(k_pages_PKD), torch.empty_like(v_pages_PKD)
     size = min(chunk, P)

@@ -19,7 +19,7 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-from rows import emit
+from rows import emit, peak_gib
 from triton.testing import do_bench
 
 from longstraw_cli.models.qwen36.config import named_config
@@ -56,16 +56,6 @@ def fwd_bwd(op, x, cot):
     o, final = op(*leaves)
     grads = torch.autograd.grad([o, final], leaves, [c.to(t.dtype) for c, t in zip(cot, (o, final))])
     return o, final, grads
-
-
-def peak_gib(fn) -> float:
-    """GiB that fn adds to the allocated memory at its peak."""
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
 def errors(x, cot) -> dict:

@@ -18,7 +18,7 @@ import argparse
 import datetime
 
 import torch
-from rows import emit, time_ms
+from rows import emit, peak_gib, time_ms
 
 from longstraw_cli.models.qwen36.config import named_config
 from longstraw_kernels.attention import flash
@@ -44,15 +44,6 @@ def rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-def extra_peak_gib(fn) -> float:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return round((torch.cuda.max_memory_allocated() - before) / 2**30, 3)
-
-
 def one(base, P, M, K, D, chunks, repeats):
     g = torch.Generator(device="cuda").manual_seed(0)
     q_1KMD = torch.randn(1, K, M, D, generator=g, device="cuda").bfloat16()
@@ -70,7 +61,7 @@ def one(base, P, M, K, D, chunks, repeats):
 
     ms = time_ms(run_current, repeats)
     row.update(current_ms=round(ms, 2), current_tflops=round(tflop / ms * 1e3, 1),
-               current_extra_peak_gib=extra_peak_gib(run_current))
+               current_extra_peak_gib=round(peak_gib(run_current), 3))
     want = run_current()
     for chunk in chunks:
         def run_tiles(chunk=chunk):
@@ -80,7 +71,7 @@ def one(base, P, M, K, D, chunks, repeats):
         got = run_tiles()
         row[f"tiles{chunk}_ms"] = round(ms, 2)
         row[f"tiles{chunk}_tflops"] = round(tflop / ms * 1e3, 1)
-        row[f"tiles{chunk}_extra_peak_gib"] = extra_peak_gib(run_tiles)
+        row[f"tiles{chunk}_extra_peak_gib"] = round(peak_gib(run_tiles), 3)
         row[f"tiles{chunk}_rel"] = [round(rel(a, b), 5) for a, b in zip(got, want)]
     return row
 

@@ -82,3 +82,15 @@ def graph_ms(fn, repeats: int = 100):
     graph.replay()
     torch.cuda.synchronize()
     return out, time_ms(lambda: [graph.replay() for _ in range(repeats)], 1, warmup=0) / repeats
+
+
+def peak_gib(fn) -> float:
+    """GiB that fn adds to the allocated CUDA memory at its peak."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
