@@ -76,6 +76,8 @@ def page_backward(q_KMD: torch.Tensor, do_KMD: torch.Tensor, lse_KM: torch.Tenso
     P = k_pages_PKD.shape[0]
     dq_KMD = torch.zeros(K, M, D, dtype=torch.float32, device=q_KMD.device)
     dk_PKD, dv_PKD = torch.empty_like(k_pages_PKD), torch.empty_like(v_pages_PKD)
+    if P == 0:
+        return dq_KMD, dk_PKD, dv_PKD
     size = min(chunk, P)
     p_KMN = q_KMD.new_empty(K, M, size)
     ds_KMN = q_KMD.new_empty(K, M, size)

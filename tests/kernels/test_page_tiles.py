@@ -58,3 +58,10 @@ def test_a_global_lse_gives_this_parts_share():
                           config=CONFIG)
     assert rel_err(got[1], dk[:P]) < 1e-5 and rel_err(got[2], dv[:P]) < 1e-5
     assert rel_err(got[0] + other[0], dq_all) < 1e-5
+
+
+def test_no_pages_give_no_gradient():
+    q, k, v, do = inputs(2, 8, 0, 16)
+    dq, dk, dv = page_backward(q.float(), do.float(), torch.zeros(2, 8), torch.zeros(2, 8), k.float(), v.float(),
+                               0.25, config=CONFIG)
+    assert dq.shape == (2, 8, 16) and not dq.any() and dk.shape == dv.shape == (0, 2, 16)
