@@ -1,13 +1,14 @@
-"""The prompt pages' whole attention backward (dq, dk and dv: exact mode's walk), on one GPU: the replay backward's
-path (`attend_backward`, cuDNN's or aten flash's, over chunks of BACKWARD_PAGE_CHUNK pages) against
-triton_page_tiles.py's (three products in one Triton launch a chunk of pages, dV and dK as cuBLAS GEMMs), at a
-model's attention shape.
+"""The prompt pages' whole attention backward (dq, dk and dv: exact mode's walk), on one GPU: the replay backward
+itself (`flash_replay_attention_backward` with page gradients asked: cuDNN's or aten flash's backward over chunks of
+BACKWARD_PAGE_CHUNK pages) against triton_page_tiles.py's `page_backward` (three products in one Triton launch a
+chunk of pages, dV and dK as cuBLAS GEMMs; timed with the folding of its rows and their delta), at a model's
+attention shape.
 
-Per page count: the folded query rows of one capture block (`--block` queries x the G query heads of a kv group,
-[1, K, M, D]) against P pages, bf16, their out and lse from the forward (`attend_pages`). Times (median ms, CUDA
-events) of each path and its TFLOP/s of the five products (10 K M P D); the extra peak each needs; dq, dk and dv of
-each tile chunk against the current path's. --configs times page_backward's launch under other tiles too (rows,
-pages, warps, stages; at the first chunk size).
+Per page count: one capture block's queries (`--block` of them, the model's query heads) against P pages, bf16, no
+new keys, their out and lse from the replay attention's own forward. Times (median ms, CUDA events) of each path and
+its TFLOP/s of the five products (10 Q R P D); the extra peak each needs; dq, dk and dv of each tile chunk against
+the replay backward's. --configs times page_backward's launch under other tiles too (rows, pages, warps, stages; at
+the first chunk size).
 
     python scripts/bench/bench_pages_backward.py --model qwen36_mini --block 4096 --pages 65536,131072,262144 \
         --chunks 2048,4096,8192 --configs 128,64,8,1/128,32,8,2/64,64,4,2 --out pages_backward.jsonl
@@ -27,65 +28,57 @@ from longstraw_kernels.attention.triton_page_dq import DqConfig
 from longstraw_kernels.attention.triton_page_tiles import page_backward
 
 
-def current(do_1KMD, q_1KMD, k_PKD, v_PKD, out_1KMD, lse_1KM, scale, backend):
-    """flash_replay_attention_backward's pages branch: attend_backward over page chunks."""
-    P = k_PKD.shape[0]
-    dq = torch.zeros(q_1KMD.shape, dtype=torch.float32, device=q_1KMD.device)
-    dk, dv = torch.empty_like(k_PKD), torch.empty_like(v_PKD)
-    for p0 in range(0, P, flash.BACKWARD_PAGE_CHUNK):
-        p1 = min(P, p0 + flash.BACKWARD_PAGE_CHUNK)
-        dq_c, dk_c, dv_c = flash.attend_backward(do_1KMD, q_1KMD, k_PKD[p0:p1].transpose(0, 1)[None],
-                                                 v_PKD[p0:p1].transpose(0, 1)[None], out_1KMD, lse_1KM, False,
-                                                 scale, backend)
-        dq += dq_c.float()
-        dk[p0:p1], dv[p0:p1] = dk_c[0].transpose(0, 1), dv_c[0].transpose(0, 1)
-    return dq[0], dk, dv
-
-
 def rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-def one(base, P, M, K, D, chunks, configs, repeats):
+def tiles(q_BRQD, k_PKD, v_PKD, out_BRQD, lse_BQR, dout_BRQD, scale, **kw):
+    """page_backward on the replay's layout: its rows folded as the replay backward folds them -> (dq_BRQD in q's
+    dtype, dk, dv)."""
+    K = k_PKD.shape[1]
+    B, R = q_BRQD.shape[:2]
+    q_KMD, do_KMD = flash._fold_pages_query(q_BRQD, K)[0], flash._fold_pages_query(dout_BRQD, K)[0]
+    delta_KM = (do_KMD.float() * flash._fold_pages_query(out_BRQD, K)[0].float()).sum(-1)
+    dq_KMD, dk, dv = page_backward(q_KMD, do_KMD, flash._fold_pages_lse(lse_BQR, K)[0], delta_KM, k_PKD, v_PKD, scale,
+                                   **kw)
+    return flash._unfold_pages_query(dq_KMD[None], B, R).transpose(1, 2).to(q_BRQD.dtype), dk, dv
+
+
+def one(base, P, R, Q, K, D, chunks, configs, repeats):
     g = torch.Generator(device="cuda").manual_seed(0)
-    q_1KMD = torch.randn(1, K, M, D, generator=g, device="cuda").bfloat16()
+    q_BRQD = torch.randn(1, R, Q, D, generator=g, device="cuda").bfloat16()
     k_PKD, v_PKD = (torch.randn(P, K, D, generator=g, device="cuda").bfloat16() for _ in range(2))
-    do_1KMD = torch.randn(1, K, M, D, generator=g, device="cuda").bfloat16()
-    scale, backend = D**-0.5, flash.forward_backend()
-    out_1KMD, lse_1KM = flash.attend_pages(q_1KMD, k_PKD, v_PKD, scale, backend)
-    out_1KMD = out_1KMD.bfloat16()
-    delta_KM = (do_1KMD.float() * out_1KMD.float()).sum(-1)[0]
-    tflop = 10 * K * M * P * D / 1e12
-    row = dict(base, P=P, M=M, backend=backend)
+    dout_BRQD = torch.randn(1, R, Q, D, generator=g, device="cuda").bfloat16()
+    none_BSKD = k_PKD.new_empty(1, 0, K, D)
+    scale = D**-0.5
+    out_BRQD, lse_BQR = flash._FlashReplayAttention.apply(q_BRQD, k_PKD, v_PKD, none_BSKD, none_BSKD, scale, R)
+    saved = (q_BRQD, k_PKD, v_PKD, none_BSKD, none_BSKD, out_BRQD, lse_BQR)
+    tflop = 10 * Q * R * P * D / 1e12
+    row = dict(base, P=P, R=R, backend=flash.forward_backend())
 
-    def run_current():
-        return current(do_1KMD, q_1KMD, k_PKD, v_PKD, out_1KMD, lse_1KM, scale, backend)
+    def run_replay():
+        return flash.flash_replay_attention_backward(saved, (True, True, True, False, False), dout_BRQD, None,
+                                                     scale=scale, block_size=R)[:3]
 
-    ms = time_ms(run_current, repeats)
-    row.update(current_ms=round(ms, 2), current_tflops=round(tflop / ms * 1e3, 1),
-               current_extra_peak_gib=round(peak_gib(run_current), 3))
-    want = run_current()
-    for chunk in chunks:
-        def run_tiles(chunk=chunk):
-            return page_backward(q_1KMD[0], do_1KMD[0], lse_1KM[0], delta_KM, k_PKD, v_PKD, scale, chunk=chunk)
+    ms = time_ms(run_replay, repeats)
+    row.update(replay_ms=round(ms, 2), replay_tflops=round(tflop / ms * 1e3, 1),
+               replay_extra_peak_gib=round(peak_gib(run_replay), 3))
+    want = run_replay()
+    runs = [(f"tiles{chunk}", dict(chunk=chunk)) for chunk in chunks]
+    runs += [("tiles_" + "_".join(str(x) for x in config.__dict__.values()), dict(chunk=chunks[0], config=config))
+             for config in configs]
+    for tag, kw in runs:
+        def run_tiles(kw=kw):
+            return tiles(q_BRQD, k_PKD, v_PKD, out_BRQD, lse_BQR, dout_BRQD, scale, **kw)
 
-        ms = time_ms(run_tiles, repeats)
-        got = run_tiles()
-        row[f"tiles{chunk}_ms"] = round(ms, 2)
-        row[f"tiles{chunk}_tflops"] = round(tflop / ms * 1e3, 1)
-        row[f"tiles{chunk}_extra_peak_gib"] = round(peak_gib(run_tiles), 3)
-        row[f"tiles{chunk}_rel"] = [round(rel(a, b), 5) for a, b in zip(got, want)]
-    for config in configs:
-        def run_config(config=config):
-            return page_backward(q_1KMD[0], do_1KMD[0], lse_1KM[0], delta_KM, k_PKD, v_PKD, scale, chunk=chunks[0],
-                                 config=config)
-
-        tag = "tiles_" + "_".join(str(x) for x in config.__dict__.values())
         try:
-            ms = time_ms(run_config, repeats)
-            row[f"{tag}_ms"], row[f"{tag}_tflops"] = round(ms, 2), round(tflop / ms * 1e3, 1)
+            ms = time_ms(run_tiles, repeats)
         except Exception as exc:  # tiles that do not fit the GPU's shared memory or registers
             row[f"{tag}_error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+            continue
+        row[f"{tag}_ms"], row[f"{tag}_tflops"] = round(ms, 2), round(tflop / ms * 1e3, 1)
+        row[f"{tag}_extra_peak_gib"] = round(peak_gib(run_tiles), 3)
+        row[f"{tag}_rel"] = [round(rel(a, b), 5) for a, b in zip(run_tiles(), want)]
     return row
 
 
@@ -107,7 +100,7 @@ def main():
     chunks = [int(c) for c in args.chunks.split(",")]
     configs = [DqConfig(*(int(x) for x in c.split(","))) for c in args.configs.split("/") if c]
     for P in (int(p) for p in args.pages.split(",")):
-        emit(one(base, P, args.block * (Q // K), K, D, chunks, configs, args.repeats), args.out)
+        emit(one(base, P, args.block, Q, K, D, chunks, configs, args.repeats), args.out)
 
 
 if __name__ == "__main__":
