@@ -8,13 +8,14 @@ instead; they are one response long. Causal masks differ between kernels in alig
 bottom-right in flash-attn >= 2.1); both agree when R == S, and R == 1 needs no mask: other shapes take the
 reference.
 
-Backward: cuDNN's attention backward where the forward is cuDNN's (aten's flash backward otherwise, or for a shape
-cuDNN refuses), called per part with the GLOBAL out and lse (the ring-attention identity, see README.md): it
-recomputes each part's probabilities exactly and gives dq, and dk/dv of that part. Pages are taken in chunks of
-`BACKWARD_PAGE_CHUNK` so the kernel's page-gradient buffers stay bounded. Frozen pages (no page gradient asked, as
-in every response-only replay) skip it: their share of dq comes from triton_page_dq.py, three of the five
-products, with no page-sized buffers. The kernels take no cotangent for the lse, so when the lse itself is used
-(context-parallel merges) the backward is the reference's.
+Backward: the new keys through cuDNN's attention backward where the forward is cuDNN's (aten's flash backward
+otherwise, or for a shape cuDNN refuses), called with the GLOBAL out and lse (the ring-attention identity, see
+README.md): it recomputes its part's probabilities exactly and gives dq, and dk/dv of that part. The pages, where
+the head dim is a power of two: triton_page_tiles.py when they need gradients (exact mode's walk: all five products,
+in tiles a chunk of pages at a time), triton_page_dq.py when they are frozen (every response-only replay: their share
+of dq alone, three of the five products); neither keeps a page-sized temporary. Other head dims take the kernel's
+own backward over chunks of `BACKWARD_PAGE_CHUNK` pages (`attend_pages_backward`). The kernels take no cotangent
+for the lse, so when the lse itself is used (context-parallel merges) the backward is the reference's.
 
 Forward kernels (`kernels.attention` = auto | flash_attn | cudnn | flash):
 - flash_attn: the flash-attn package, when installed (source-only: it is imported lazily and never required);
@@ -50,8 +51,8 @@ PAGE_DQ_TRITON = True
 
 
 def page_dq_supported(q_BRQD, k_pages_PKD, v_pages_PKD) -> bool:
-    """Whether triton_page_dq serves these pages: a power-of-two head dim (its tiles), k and v pages laid out
-    alike and contiguous in D."""
+    """Whether the Triton page kernels (triton_page_dq, triton_page_tiles) serve these pages: a power-of-two head
+    dim (their tiles), k and v pages laid out alike and contiguous in D."""
     D = q_BRQD.shape[3]
     return (D >= 16 and D & (D - 1) == 0 and k_pages_PKD.stride(2) == 1
             and k_pages_PKD.stride() == v_pages_PKD.stride())
@@ -137,8 +138,8 @@ def attend_backward(dout_BHLD, q_BHLD, k_BHMD, v_BHMD, out_BHLD, lse_BHL, causal
                     backend: str = "flash"):
     """(dq, dk, dv) of one part of the keys, given the GLOBAL out and lse of the rows (the ring-attention identity:
     torch's own context-parallel attention calls both backwards this way). backend "cudnn": cuDNN's backward (on
-    an H200 at head dim 256, exact mode's walk: 437 TFLOP/s against aten flash's 315), falling back to aten flash
-    for a shape cuDNN refuses (logged once); otherwise aten flash's backward."""
+    an H200 at head dim 256, over the pages of exact mode's walk: 437 TFLOP/s against aten flash's 315), falling
+    back to aten flash for a shape cuDNN refuses (logged once); otherwise aten flash's backward."""
     dout_BHLD, out_BHLD = dout_BHLD.contiguous(), out_BHLD.contiguous()
     if backend == "cudnn":
         cum_q, cum_k, philox_seed, philox_offset = _dense_aux(q_BHLD.device, "cudnn")
@@ -155,6 +156,30 @@ def attend_backward(dout_BHLD, q_BHLD, k_BHMD, v_BHMD, out_BHLD, lse_BHL, causal
         cum_q, cum_k, q_BHLD.shape[2], k_BHMD.shape[2], 0.0, causal, philox_seed, philox_offset, scale=scale,
     )
     return dq, dk, dv
+
+
+def attend_pages_backward(do_KMD, q_KMD, out_KMD, lse_KM, k_pages_PKD, v_pages_PKD, scale: float, backend: str,
+                          need_kp: bool = True, need_vp: bool = True):
+    """-> (dq_KMD fp32, dk_pages_PKD, dv_pages_PKD or None where not needed): folded query rows' backward against
+    every page through the forward kernel's own backward (`attend_backward`), chunks of BACKWARD_PAGE_CHUNK pages
+    so its page-gradient buffers stay bounded. The pages' path where triton_page_tiles cannot serve the head dim."""
+    P = k_pages_PKD.shape[0]
+    q_1KMD, do_1KMD, out_1KMD, lse_1KM = q_KMD[None], do_KMD[None], out_KMD[None], lse_KM[None]
+    dq_KMD = torch.zeros(q_KMD.shape, dtype=torch.float32, device=q_KMD.device)
+    dk_pages_PKD = torch.empty_like(k_pages_PKD) if need_kp else None
+    dv_pages_PKD = torch.empty_like(v_pages_PKD) if need_vp else None
+    for p0 in range(0, P, BACKWARD_PAGE_CHUNK):
+        p1 = min(P, p0 + BACKWARD_PAGE_CHUNK)
+        dq, dk_1KND, dv_1KND = attend_backward(
+            do_1KMD, q_1KMD, k_pages_PKD[p0:p1].transpose(0, 1)[None], v_pages_PKD[p0:p1].transpose(0, 1)[None],
+            out_1KMD, lse_1KM, False, scale, backend)
+        dq_KMD += dq[0].float()
+        if need_kp:
+            dk_pages_PKD[p0:p1] = dk_1KND[0].transpose(0, 1)
+        if need_vp:
+            dv_pages_PKD[p0:p1] = dv_1KND[0].transpose(0, 1)
+        del dq, dk_1KND, dv_1KND
+    return dq_KMD, dk_pages_PKD, dv_pages_PKD
 
 
 # the pages' forward as a batch of page ranges when kv heads x row tiles give the GPU fewer programs than SMs
@@ -282,31 +307,24 @@ def flash_replay_attention_backward(saved, needs_grad, dout_BRQD, dlse_BQR, *, s
             dk_new_BSKD = dk_BQSD.float().reshape(B, K, G, S, D).sum(2).transpose(1, 2).to(k_new_BSKD.dtype)
         if need_vn:
             dv_new_BSKD = dv_BQSD.float().reshape(B, K, G, S, D).sum(2).transpose(1, 2).to(v_new_BSKD.dtype)
-    frozen_pages = not (need_kp or need_vp) and PAGE_DQ_TRITON
-    if P > 0 and need_q and frozen_pages and page_dq_supported(q_BRQD, k_pages_PKD, v_pages_PKD):
-        from longstraw_kernels.attention.triton_page_dq import page_dq
-
+    if P > 0 and (need_q or need_kp or need_vp):
         q_KMD, do_KMD = _fold_pages_query(q_BRQD, K)[0], _fold_pages_query(dout_BRQD, K)[0]
-        delta_KM = (do_KMD.float() * _fold_pages_query(out_BRQD, K)[0].float()).sum(-1)
-        dq_KMD = page_dq(q_KMD, do_KMD, _fold_pages_lse(lse_BQR, K)[0], delta_KM, k_pages_PKD, v_pages_PKD, scale)
+        out_KMD, lse_KM = _fold_pages_query(out_BRQD, K)[0], _fold_pages_lse(lse_BQR, K)[0]
+        if page_dq_supported(q_BRQD, k_pages_PKD, v_pages_PKD) and (need_kp or need_vp or PAGE_DQ_TRITON):
+            delta_KM = (do_KMD.float() * out_KMD.float()).sum(-1)
+            if need_kp or need_vp:
+                from longstraw_kernels.attention.triton_page_tiles import page_backward
+
+                dq_KMD, dk_pages_PKD, dv_pages_PKD = page_backward(q_KMD, do_KMD, lse_KM, delta_KM, k_pages_PKD,
+                                                                   v_pages_PKD, scale)
+                dk_pages_PKD, dv_pages_PKD = (dk_pages_PKD if need_kp else None), (dv_pages_PKD if need_vp else None)
+            else:
+                from longstraw_kernels.attention.triton_page_dq import page_dq
+
+                dq_KMD = page_dq(q_KMD, do_KMD, lse_KM, delta_KM, k_pages_PKD, v_pages_PKD, scale)
+        else:
+            dq_KMD, dk_pages_PKD, dv_pages_PKD = attend_pages_backward(do_KMD, q_KMD, out_KMD, lse_KM, k_pages_PKD,
+                                                                       v_pages_PKD, scale, backend, need_kp, need_vp)
         dq_BQRD += _unfold_pages_query(dq_KMD[None], B, R)
-    elif P > 0 and (need_q or need_kp or need_vp):
-        q_1KMD, do_1KMD = _fold_pages_query(q_BRQD, K), _fold_pages_query(dout_BRQD, K)
-        out_1KMD, lse_1KM = _fold_pages_query(out_BRQD, K), _fold_pages_lse(lse_BQR, K)
-        dq_1KMD = torch.zeros(q_1KMD.shape, dtype=torch.float32, device=q_BRQD.device)
-        dk_pages_PKD = torch.empty_like(k_pages_PKD) if need_kp else None
-        dv_pages_PKD = torch.empty_like(v_pages_PKD) if need_vp else None
-        for p0 in range(0, P, BACKWARD_PAGE_CHUNK):
-            p1 = min(P, p0 + BACKWARD_PAGE_CHUNK)
-            dq, dk_1KND, dv_1KND = attend_backward(
-                do_1KMD, q_1KMD, k_pages_PKD[p0:p1].transpose(0, 1)[None],
-                v_pages_PKD[p0:p1].transpose(0, 1)[None], out_1KMD, lse_1KM, False, scale, backend)
-            dq_1KMD += dq.float()
-            if need_kp:
-                dk_pages_PKD[p0:p1] = dk_1KND[0].transpose(0, 1)
-            if need_vp:
-                dv_pages_PKD[p0:p1] = dv_1KND[0].transpose(0, 1)
-            del dq, dk_1KND, dv_1KND
-        dq_BQRD += _unfold_pages_query(dq_1KMD, B, R)
     dq_BRQD = dq_BQRD.transpose(1, 2).to(q_BRQD.dtype) if need_q else None
     return dq_BRQD, dk_pages_PKD, dv_pages_PKD, dk_new_BSKD, dv_new_BSKD

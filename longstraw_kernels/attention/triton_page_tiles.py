@@ -1,9 +1,9 @@
 """The prompt pages' whole attention backward (all five products) where the pages need gradients (exact mode's
-walk), for CUDA: three products in one Triton launch a chunk of pages, two as cuBLAS GEMMs.
+walk), for CUDA: three products in one Triton launch a chunk of pages, two as cuBLAS GEMMs. The replay backward's
+path for such pages (flash.py) wherever the head dim is a power of two.
 
-The walk's largest part is this backward at head dim 256 (cuDNN's, 437 TFLOP/s on an H200, docs/BENCHMARKS.md).
-triton_page_dq.py computes three of its five products (S = q k^T, dP = dO v^T, dq = dS k) at 460 TFLOP/s on an H200
-at that head dim; the other two, dV = P^T dO and dK = dS^T q, reduce over the query rows, which a kernel that owns
+triton_page_dq.py computes three of the five products (S = q k^T, dP = dO v^T, dq = dS k) at 460 TFLOP/s on an H200
+at head dim 256; the other two, dV = P^T dO and dK = dS^T q, reduce over the query rows, which a kernel that owns
 rows cannot do without atomics. Here, per chunk of `chunk` pages (the identity of README.md, "Backward"):
 
     launch   P = exp(scale q k^T - L) and dS = P (dO v^T - delta), stored as [K, M, chunk] tiles in the operand
@@ -14,8 +14,10 @@ rows cannot do without atomics. Here, per chunk of `chunk` pages (the identity o
 with L and delta = rowsum(dO * O) of the GLOBAL out and lse. The tiles are the only temporaries: 2 K M chunk
 elements, never page-sized. Rows are a kv head's folded query rows ([K, M, D], as the forward folds them).
 
-Exactness: tests/kernels/test_page_tiles.py (Triton's interpreter on CPU, fp32, against the fp64 products).
-Speed: not yet measured on a GPU (scripts/bench/bench_pages_backward.py times it beside cuDNN's backward).
+Exactness: tests/kernels/test_page_tiles.py (Triton's interpreter on CPU, fp32, against the fp64 products) and
+tests/kernels/test_gpu.py (bf16 on CUDA against the fp64 reference, through the replay attention and alone).
+Speed (docs/BENCHMARKS.md, one H100): qwen36_mini's exact walk at 256K 35.47 / 35.67 s against 37.34 / 36.96 s with
+cuDNN's backward over page chunks, in `longstraw train`.
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ from longstraw_kernels.attention.triton_page_dq import LOG2E, DqConfig, row_bloc
 
 __all__ = ["DEFAULT_CHUNK", "DEFAULT_CONFIG", "page_backward"]
 
-# page_dq's tiles (128 rows, 64 pages, 8 warps, one stage: its best on an H200 at head dim 256)
+# page_dq's tiles (128 rows, 64 pages, 8 warps, one stage: its best on an H200 at head dim 256); here too the best of
+# three on an H100 at 2,048 pages a chunk (341 TFLOP/s; 128, 32, 8, 2: 286; 64, 64, 4, 2: 248)
 DEFAULT_CONFIG = DqConfig(128, 64, 8, 1)
-# pages a chunk: the tiles are 2 K M chunk elements (qwen36_mini's walk, M = 32,768 folded rows, K = 2: 1 GiB in bf16)
-DEFAULT_CHUNK = 4096
+# pages a chunk: the tiles are 2 K M chunk elements (qwen36_mini's walk, M = 32,768 folded rows, K = 2: 2 GiB in
+# bf16). On one H100 at 262,144 pages: 2,048 pages 341 TFLOP/s, 4,096 389, 8,192 406 (bench_pages_backward.py)
+DEFAULT_CHUNK = 8192
 
 
 @triton.jit

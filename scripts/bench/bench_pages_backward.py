@@ -1,14 +1,14 @@
-"""The prompt pages' whole attention backward (dq, dk and dv: exact mode's walk), on one GPU: the replay backward
-itself (`flash_replay_attention_backward` with page gradients asked: cuDNN's or aten flash's backward over chunks of
-BACKWARD_PAGE_CHUNK pages) against triton_page_tiles.py's `page_backward` (three products in one Triton launch a
-chunk of pages, dV and dK as cuBLAS GEMMs; timed with the folding of its rows and their delta), at a model's
-attention shape.
+"""The prompt pages' whole attention backward (dq, dk and dv: exact mode's walk), on one GPU: triton_page_tiles.py's
+`page_backward` (three products in one Triton launch a chunk of pages, dV and dK as cuBLAS GEMMs; the replay
+backward's path where the head dim is a power of two) against the forward kernel's own backward over chunks of
+BACKWARD_PAGE_CHUNK pages (`flash.attend_pages_backward`: cuDNN's, or aten flash's; the path before it), at a
+model's attention shape.
 
 Per page count: one capture block's queries (`--block` of them, the model's query heads) against P pages, bf16, no
-new keys, their out and lse from the replay attention's own forward. Times (median ms, CUDA events) of each path and
-its TFLOP/s of the five products (10 Q R P D); the extra peak each needs; dq, dk and dv of each tile chunk against
-the replay backward's. --configs times page_backward's launch under other tiles too (rows, pages, warps, stages; at
-the first chunk size).
+new keys, their out and lse from the replay attention's own forward. Each path is timed from the replay's layout
+(the folding of its rows and their delta included). Times (median ms, CUDA events) of each path and its TFLOP/s of
+the five products (10 Q R P D); the extra peak each needs; dq, dk and dv of each tile chunk against the kernel's.
+--configs times page_backward's launch under other tiles too (rows, pages, warps, stages; at the first chunk size).
 
     python scripts/bench/bench_pages_backward.py --model qwen36_mini --block 4096 --pages 65536,131072,262144 \
         --chunks 2048,4096,8192 --configs 128,64,8,1/128,32,8,2/64,64,4,2 --out pages_backward.jsonl
@@ -32,16 +32,23 @@ def rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
+def folded(q_BRQD, out_BRQD, lse_BQR, dout_BRQD, K):
+    """The replay backward's folded rows: (q_KMD, do_KMD, out_KMD, lse_KM)."""
+    return (flash._fold_pages_query(q_BRQD, K)[0], flash._fold_pages_query(dout_BRQD, K)[0],
+            flash._fold_pages_query(out_BRQD, K)[0], flash._fold_pages_lse(lse_BQR, K)[0])
+
+
 def tiles(q_BRQD, k_PKD, v_PKD, out_BRQD, lse_BQR, dout_BRQD, scale, **kw):
-    """page_backward on the replay's layout: its rows folded as the replay backward folds them -> (dq_BRQD in q's
-    dtype, dk, dv)."""
-    K = k_PKD.shape[1]
-    B, R = q_BRQD.shape[:2]
-    q_KMD, do_KMD = flash._fold_pages_query(q_BRQD, K)[0], flash._fold_pages_query(dout_BRQD, K)[0]
-    delta_KM = (do_KMD.float() * flash._fold_pages_query(out_BRQD, K)[0].float()).sum(-1)
-    dq_KMD, dk, dv = page_backward(q_KMD, do_KMD, flash._fold_pages_lse(lse_BQR, K)[0], delta_KM, k_PKD, v_PKD, scale,
-                                   **kw)
-    return flash._unfold_pages_query(dq_KMD[None], B, R).transpose(1, 2).to(q_BRQD.dtype), dk, dv
+    """page_backward from the replay's layout -> (dq_KMD fp32, dk, dv)."""
+    q_KMD, do_KMD, out_KMD, lse_KM = folded(q_BRQD, out_BRQD, lse_BQR, dout_BRQD, k_PKD.shape[1])
+    delta_KM = (do_KMD.float() * out_KMD.float()).sum(-1)
+    return page_backward(q_KMD, do_KMD, lse_KM, delta_KM, k_PKD, v_PKD, scale, **kw)
+
+
+def kernel_chunks(q_BRQD, k_PKD, v_PKD, out_BRQD, lse_BQR, dout_BRQD, scale):
+    """The forward kernel's own backward over page chunks, from the replay's layout -> (dq_KMD fp32, dk, dv)."""
+    q_KMD, do_KMD, out_KMD, lse_KM = folded(q_BRQD, out_BRQD, lse_BQR, dout_BRQD, k_PKD.shape[1])
+    return flash.attend_pages_backward(do_KMD, q_KMD, out_KMD, lse_KM, k_PKD, v_PKD, scale, flash.forward_backend())
 
 
 def one(base, P, R, Q, K, D, chunks, configs, repeats):
@@ -52,18 +59,16 @@ def one(base, P, R, Q, K, D, chunks, configs, repeats):
     none_BSKD = k_PKD.new_empty(1, 0, K, D)
     scale = D**-0.5
     out_BRQD, lse_BQR = flash._FlashReplayAttention.apply(q_BRQD, k_PKD, v_PKD, none_BSKD, none_BSKD, scale, R)
-    saved = (q_BRQD, k_PKD, v_PKD, none_BSKD, none_BSKD, out_BRQD, lse_BQR)
     tflop = 10 * Q * R * P * D / 1e12
     row = dict(base, P=P, R=R, backend=flash.forward_backend())
 
-    def run_replay():
-        return flash.flash_replay_attention_backward(saved, (True, True, True, False, False), dout_BRQD, None,
-                                                     scale=scale, block_size=R)[:3]
+    def run_kernel():
+        return kernel_chunks(q_BRQD, k_PKD, v_PKD, out_BRQD, lse_BQR, dout_BRQD, scale)
 
-    ms = time_ms(run_replay, repeats)
-    row.update(replay_ms=round(ms, 2), replay_tflops=round(tflop / ms * 1e3, 1),
-               replay_extra_peak_gib=round(peak_gib(run_replay), 3))
-    want = run_replay()
+    ms = time_ms(run_kernel, repeats)
+    row.update(kernel_ms=round(ms, 2), kernel_tflops=round(tflop / ms * 1e3, 1),
+               kernel_extra_peak_gib=round(peak_gib(run_kernel), 3))
+    want = run_kernel()
     runs = [(f"tiles{chunk}", dict(chunk=chunk)) for chunk in chunks]
     runs += [("tiles_" + "_".join(str(x) for x in config.__dict__.values()), dict(chunk=chunks[0], config=config))
              for config in configs]

@@ -20,28 +20,24 @@ def attention_inputs(B, R, S, P, Q, K, D, dtype, seed=0):
     return randn(B, R, Q, D), randn(P, K, D), randn(P, K, D), randn(B, S, K, D), randn(B, S, K, D)
 
 
-@pytest.mark.parametrize("page_ranges", [False, True])
-@pytest.mark.parametrize("backend", ["flash", "cudnn"])
-@pytest.mark.parametrize("B, R, S, P, Q, K, D", [
-    (1, 64, 64, 5000, 16, 2, 256),   # replay: one response against the prompt, GQA 8:1, head dim 256
-    (3, 33, 33, 777, 4, 2, 128),     # a batch of responses
-    (1, 1, 17, 999, 24, 4, 256),     # decode: one query, 17 response keys
-    (1, 128, 0, 4096, 16, 2, 256),   # pages only (a context-parallel shard)
-    (1, 200, 200, 0, 16, 2, 256),    # first capture block: no pages yet
-])
-def test_flash_replay_attention_matches_reference(backend, page_ranges, B, R, S, P, Q, K, D, monkeypatch):
-    """Forward through each aten kernel, backward through the same kernel's backward (cuDNN's, or aten flash's)
-    with the global out and lse;
-    all gradients (queries, new keys and pages) against the fp64 reference on the same bf16 inputs.
-    page_ranges: ranges of at least 1,000 pages, so that the pages' forward runs as a batch of ranges
-    (`flash.attend_pages`) wherever the rows give few programs (5,000 pages: 5 ranges; 4,096: 4 and a rest)."""
+def check_replay_attention(backend, page_ranges, B, R, S, P, Q, K, D, monkeypatch):
+    """Forward through an aten kernel, backward with the global out and lse; all gradients (queries, new keys and
+    pages) against the fp64 reference on the same bf16 inputs. -> the pages' backward calls of triton_page_tiles."""
     from longstraw_kernels.attention import flash, replay_attention
+    from longstraw_kernels.attention import triton_page_tiles as tpt
     from longstraw_kernels.attention.reference import replay_attention as reference
 
+    original, calls = tpt.page_backward, []
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(tpt, "page_backward", spy)
     if page_ranges:
         monkeypatch.setattr(flash, "PAGE_SPLIT_MIN_PAGES", 1000)
     use_kernels(attention=backend)
-    monkeypatch.setattr(flash, "BACKWARD_PAGE_CHUNK", 1000)  # several page chunks in the backward
+    monkeypatch.setattr(flash, "BACKWARD_PAGE_CHUNK", 1000)  # several page chunks in the kernel's own backward
     flash._warn_cudnn_fallback.cache_clear()
     q, kp, vp, kn, vn = attention_inputs(B, R, S, P, Q, K, D, torch.bfloat16)
     assert flash.flash_supported(q, kp, kn)
@@ -61,6 +57,35 @@ def test_flash_replay_attention_matches_reference(backend, page_ranges, B, R, S,
                       (vn.grad, vn64.grad)):
         if want is not None and want.norm() > 0:
             assert rel_err(got, want) < 3e-2
+    return calls
+
+
+@pytest.mark.parametrize("page_ranges", [False, True])
+@pytest.mark.parametrize("backend", ["flash", "cudnn"])
+@pytest.mark.parametrize("B, R, S, P, Q, K, D", [
+    (1, 64, 64, 5000, 16, 2, 256),   # replay: one response against the prompt, GQA 8:1, head dim 256
+    (3, 33, 33, 777, 4, 2, 128),     # a batch of responses
+    (1, 1, 17, 999, 24, 4, 256),     # decode: one query, 17 response keys
+    (1, 128, 0, 4096, 16, 2, 256),   # pages only (a context-parallel shard)
+    (1, 200, 200, 0, 16, 2, 256),    # first capture block: no pages yet
+])
+def test_flash_replay_attention_matches_reference(backend, page_ranges, B, R, S, P, Q, K, D, monkeypatch):
+    """Each aten kernel's forward; the new keys' backward through the same kernel's backward (cuDNN's, or aten
+    flash's) and the pages' through triton_page_tiles (exact mode's walk), against the fp64 reference.
+    page_ranges: ranges of at least 1,000 pages, so that the pages' forward runs as a batch of ranges
+    (`flash.attend_pages`) wherever the rows give few programs (5,000 pages: 5 ranges; 4,096: 4 and a rest)."""
+    calls = check_replay_attention(backend, page_ranges, B, R, S, P, Q, K, D, monkeypatch)
+    assert calls == ([(K, B * (Q // K) * R, D)] if P else [])
+
+
+@pytest.mark.parametrize("backend", ["flash", "cudnn"])
+def test_pages_backward_through_the_kernels_own_backward_matches_reference(backend, monkeypatch):
+    """Pages of a head dim the Triton page kernels do not take: their backward is the forward kernel's own, over
+    chunks of pages (`flash.attend_pages_backward`, here 5 chunks), and matches the fp64 reference as well."""
+    from longstraw_kernels.attention import flash
+
+    monkeypatch.setattr(flash, "page_dq_supported", lambda *pages: False)
+    assert check_replay_attention(backend, False, 1, 64, 64, 5000, 16, 2, 256, monkeypatch) == []
 
 
 @pytest.mark.parametrize("B, R, S, P, Q, K, D", [

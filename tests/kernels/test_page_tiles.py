@@ -1,8 +1,9 @@
 """The pages' whole attention backward in tiles (`triton_page_tiles.py`, Triton's interpreter on CPU, fp32): dq, dk
 and dv of folded query rows against pages equal autograd's through softmax attention over those pages in fp64, for
 page counts that are and are not a multiple of the chunk and of the tile, and rows that are not a multiple of the
-row tile; and, given another part's keys in the global lse (the ring identity), the products of that lse. On CUDA
-(bf16, head dim 256) scripts/bench/bench_pages_backward.py checks it beside cuDNN's backward."""
+row tile; and, given another part's keys in the global lse (the ring identity), the products of that lse. Then the
+replay backward's routes for the pages (flash.py) against the reference backward. On CUDA (bf16) tests/kernels/
+test_gpu.py checks it through the replay attention against the fp64 reference."""
 
 import pytest
 import torch
@@ -65,3 +66,48 @@ def test_no_pages_give_no_gradient():
     dq, dk, dv = page_backward(q.float(), do.float(), torch.zeros(2, 8), torch.zeros(2, 8), k.float(), v.float(),
                                0.25, config=CONFIG)
     assert dq.shape == (2, 8, 16) and not dq.any() and dk.shape == dv.shape == (0, 2, 16)
+
+
+def identity_backward(dout, q, k, v, out, lse, causal, scale, backend):
+    """aten's attention backward as the replay calls it (one part of the keys, the global out and lse), in torch:
+    aten's kernels are CUDA's."""
+    p = torch.exp(scale * q @ k.transpose(-1, -2) - lse[..., None])
+    ds = p * (dout @ v.transpose(-1, -2) - (dout * out).sum(-1, keepdim=True))
+    return scale * ds @ k, scale * ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ dout
+
+
+@pytest.mark.parametrize("route, needs", [
+    ("tiles", (True, True, True)),     # exact mode's walk
+    ("tiles", (False, True, True)),    # pages alone
+    ("kernel", (True, True, True)),    # a head dim the Triton page kernels do not take
+])
+def test_replay_backward_routes_the_pages_and_equals_the_reference(route, needs, monkeypatch):
+    """flash.py's replay backward with no new keys (a context-parallel shard's pages), in the interpreter: pages that
+    need gradients through page_backward, other head dims through the forward kernel's own backward over page chunks;
+    each equal to the reference backward, with None where no gradient is asked. (Frozen pages' route, page_dq, sizes
+    its launch from the GPU's SMs: tests/kernels/test_gpu.py covers it.)"""
+    from longstraw_kernels.attention import flash, triton_page_dq, triton_page_tiles
+    from longstraw_kernels.attention.reference import replay_attention, replay_attention_backward
+
+    calls = []
+    for module, name in ((triton_page_tiles, "page_backward"), (triton_page_dq, "page_dq"), (flash, "attend_backward")):
+        original = identity_backward if name == "attend_backward" else getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
+    if route == "kernel":
+        monkeypatch.setattr(flash, "page_dq_supported", lambda *pages: False)
+        monkeypatch.setattr(flash, "BACKWARD_PAGE_CHUNK", 32)
+    B, R, Q, K, P, D = 2, 5, 4, 2, 70, 32
+    g = torch.Generator().manual_seed(2)
+    q, do = (torch.randn(B, R, Q, D, generator=g) for _ in range(2))
+    kp, vp = (torch.randn(P, K, D, generator=g) for _ in range(2))
+    none = kp.new_empty(B, 0, K, D)
+    out, lse = replay_attention(q, kp, vp, none, none, scale=D**-0.5, return_lse=True)
+    saved = (q, kp, vp, none, none, out, lse)
+    needs = needs + (False, False)
+    got = flash.flash_replay_attention_backward(saved, needs, do, None, scale=D**-0.5, block_size=R)
+    want = replay_attention_backward(saved, needs, do, None, scale=D**-0.5, block_size=R)
+    assert calls == {"tiles": ["page_backward"], "kernel": ["attend_backward"] * 3}[route]
+    for need, g_, w in zip(needs, got, want):
+        assert (g_ is None) == (w is None) == (not need)
+        if need:
+            assert rel_err(g_, w) < 1e-5
