@@ -46,8 +46,6 @@ log = logging.getLogger(__name__)
 FLASH_DTYPES = (torch.bfloat16, torch.float16)
 FORWARD_BACKENDS = ("flash_attn", "cudnn", "flash")
 BACKWARD_PAGE_CHUNK = 1 << 17
-# frozen pages (no page gradient): their dq through triton_page_dq, three of the flash backward's five products
-PAGE_DQ_TRITON = True
 
 
 def page_dq_supported(q_BRQD, k_pages_PKD, v_pages_PKD) -> bool:
@@ -310,7 +308,7 @@ def flash_replay_attention_backward(saved, needs_grad, dout_BRQD, dlse_BQR, *, s
     if P > 0 and (need_q or need_kp or need_vp):
         q_KMD, do_KMD = _fold_pages_query(q_BRQD, K)[0], _fold_pages_query(dout_BRQD, K)[0]
         out_KMD, lse_KM = _fold_pages_query(out_BRQD, K)[0], _fold_pages_lse(lse_BQR, K)[0]
-        if page_dq_supported(q_BRQD, k_pages_PKD, v_pages_PKD) and (need_kp or need_vp or PAGE_DQ_TRITON):
+        if page_dq_supported(q_BRQD, k_pages_PKD, v_pages_PKD):
             delta_KM = (do_KMD.float() * out_KMD.float()).sum(-1)
             if need_kp or need_vp:
                 from longstraw_kernels.attention.triton_page_tiles import page_backward

@@ -1,5 +1,6 @@
 """Replay attention's backward against frozen prompt pages, on one GPU: the pages' dq through triton_page_dq.py
-against aten's flash backward (all five products, page chunks of BACKWARD_PAGE_CHUNK), at a model's attention shape.
+against the forward kernel's own backward (cuDNN's or aten flash's: all five products, page chunks of
+BACKWARD_PAGE_CHUNK, `flash.attend_pages_backward`; the "aten" columns), at a model's attention shape.
 
 Per prompt length: one response of R tokens (q [1, R, Q, D]) against P frozen pages and its own R causal keys, bf16,
 as one replay's attention layer sees them. Times (median ms, CUDA events): the forward alone, and forward + backward
@@ -41,10 +42,18 @@ def inputs(R, P, Q, K, D, seed=0):
 
 
 def dq_of(q, kp, vp, kn, vn, dout, scale, triton_dq: bool):
-    flash.PAGE_DQ_TRITON = triton_dq
-    leaf = q.detach().requires_grad_(True)
-    out = replay_attention(leaf, kp, vp, kn, vn, scale=scale)
-    (dq,) = torch.autograd.grad(out, leaf, dout)
+    """dq through the replay attention; with triton_dq False the frozen pages' share through the forward kernel's
+    own backward over page chunks (`flash.attend_pages_backward`: the route of head dims the Triton page kernels do
+    not take, and every head dim's before triton_page_dq)."""
+    supported = flash.page_dq_supported
+    if not triton_dq:
+        flash.page_dq_supported = lambda *pages: False
+    try:
+        leaf = q.detach().requires_grad_(True)
+        out = replay_attention(leaf, kp, vp, kn, vn, scale=scale)
+        (dq,) = torch.autograd.grad(out, leaf, dout)
+    finally:
+        flash.page_dq_supported = supported
     return dq
 
 
@@ -109,7 +118,6 @@ def one_prompt(base, P, R, Q, K, D, repeats, with_fp64):
         before = torch.cuda.memory_allocated()
         dqs[name] = dq_of(q, kp, vp, kn, vn, dout, scale, use)
         row[f"{name}_extra_peak_gib"] = round((torch.cuda.max_memory_allocated() - before) / 2**30, 3)
-    flash.PAGE_DQ_TRITON = True
     row["dq_rel_triton_vs_aten"] = rel(dqs["triton"], dqs["aten"])
     if with_fp64:
         q64 = q.double().requires_grad_(True)

@@ -96,7 +96,7 @@ def test_pages_backward_through_the_kernels_own_backward_matches_reference(backe
 def test_frozen_pages_dq_through_triton_matches_reference(B, R, S, P, Q, K, D, monkeypatch):
     """Pages without a gradient (response-only replay): their share of dq comes from triton_page_dq, and q's and
     the new keys' gradients match the fp64 reference as they do through aten's flash backward."""
-    from longstraw_kernels.attention import flash, replay_attention
+    from longstraw_kernels.attention import replay_attention
     from longstraw_kernels.attention import triton_page_dq as tpd
     from longstraw_kernels.attention.reference import replay_attention as reference
 
@@ -115,7 +115,7 @@ def test_frozen_pages_dq_through_triton_matches_reference(B, R, S, P, Q, K, D, m
     dout = torch.randn_like(ref)
     got = torch.autograd.grad(out.float(), leaves, dout.float())
     want = torch.autograd.grad(ref, (q64, kn64, vn64), dout)
-    assert flash.PAGE_DQ_TRITON and calls == [(K, B * (Q // K) * R, D)]
+    assert calls == [(K, B * (Q // K) * R, D)]
     for g, w in zip(got, want):
         assert rel_err(g, w) < 2e-2
 
