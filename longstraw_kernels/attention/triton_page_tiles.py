@@ -15,7 +15,7 @@ with L and delta = rowsum(dO * O) of the GLOBAL out and lse. The tiles are the o
 elements, never page-sized. Rows are a kv head's folded query rows ([K, M, D], as the forward folds them).
 
 Exactness: tests/kernels/test_page_tiles.py (Triton's interpreter on CPU, fp32, against the fp64 products) and
-tests/kernels/test_gpu.py (bf16 on CUDA against the fp64 reference, through the replay attention and alone).
+tests/kernels/test_gpu.py (bf16 on CUDA against the fp64 reference, through the replay attention).
 Speed (docs/BENCHMARKS.md, one H100): qwen36_mini's exact walk at 256K 35.47 / 35.67 s against 37.34 / 36.96 s with
 cuDNN's backward over page chunks, in `longstraw train`.
 """
