@@ -16,9 +16,11 @@ Exact mode (`capture.gradient=exact`, resident/gradient.py) adds to the resident
 GDN conv + recurrent state at each capture block's start, kept from capture on), and from the first replay to
 the end of the walk the state gradient (the pages' and GDN states' size in the compute dtype) plus, transiently,
 one attention layer's page gradient in the page dtype (what a backward produces for one layer's pages before it
-is added into the buffer). The walk's graph is one capture block's through every layer: `response_graph_bytes`
-of block_size tokens (a prompt block saves per token what a response token saves); with `walk_checkpoint` every
-layer's block input plus the largest single layer's graph (the layers are recomputed inside the backward).
+is added into the buffer) and, on CUDA at one rank, that backward's P and dS tiles for one chunk of pages
+(triton_page_tiles: 2 x query heads x the block's, or the response's, tokens x chunk, in `dtype`). The walk's
+graph is one capture block's through every layer: `response_graph_bytes` of block_size tokens (a prompt block
+saves per token what a response token saves); with `walk_checkpoint` every layer's block input plus the largest
+single layer's graph (the layers are recomputed inside the backward).
 
 Blockwise replay (`capture.replay_block` = b > 0, models/blockwise.py): the replay's graph is one block's,
 `response_graph_bytes` of b tokens, plus what the last block's attention saves of the response's earlier keys (its
@@ -96,6 +98,7 @@ from longstraw_cli.plan.common import (
     score_logits_bytes,
 )
 from longstraw_cli.quantize import nf4_bytes
+from longstraw_kernels.attention.triton_page_tiles import DEFAULT_CHUNK as PAGE_TILES_CHUNK
 
 # the chunk length of longstraw_kernels/gdn's chunked form
 GDN_CHUNK = 64
@@ -356,6 +359,15 @@ def plan(cfg: Qwen36Config, run: Run) -> dict:
     state_grad = (resident["kv_pages"] * f // s + resident["recurrent_state"] + resident["conv_state"] * f // s
                   if exact else 0)
     page_grad_transient = layer_pages if exact else 0
+
+    def page_tiles(rows: int) -> int:
+        """Exact mode on CUDA, one rank, a power-of-two head dim: the pages' backward (triton_page_tiles) holds P and
+        dS of one chunk of pages, 2 K M chunk elements in `dtype` for M = rows x the kv group's query heads."""
+        D = cfg.head_dim
+        if not (exact and kernels == "gpu" and run.cp == 1 and D & (D - 1) == 0):
+            return 0
+        return 2 * cfg.num_attention_heads * rows * min(PAGE_TILES_CHUNK, captured) * s
+
     if exact and run.walk_checkpoint:
         # every layer's input, then one layer's graph at a time (the largest), recomputed inside the backward
         one_layer = max(block * _attention_graph_per_token(cfg, s, f), _gdn_graph(cfg, block, s, f, kernels)
@@ -369,12 +381,13 @@ def plan(cfg: Qwen36Config, run: Run) -> dict:
     phases = {
         "capture": base + capture_act,
         "score": base + score_act,
-        "replay": base + grads + state_grad + response_state + graph + replay_transient + page_grad_transient,
+        "replay": base + grads + state_grad + response_state + graph + replay_transient + page_grad_transient
+        + page_tiles(run.response_block if run.replays_in_blocks else R),
         # the prompt's pages and boundary states are released before the optimizer step unless reuse keeps them
         "step": base - (0 if run.reuse else on_device + boundaries) + grads + step_transient,
     }
     if exact:
-        phases["prompt"] = base + grads + state_grad + block_graph + page_grad_transient
+        phases["prompt"] = base + grads + state_grad + block_graph + page_grad_transient + page_tiles(block)
     if run.reuse:
         # the probe scores one response at a time
         probed = min(block, run.probe_tokens, captured)
@@ -401,7 +414,8 @@ def plan(cfg: Qwen36Config, run: Run) -> dict:
              f"{projections / GIB:.2f} GiB"] if run.decode else []
     if exact:
         notes.append(f"exact: boundary states {boundaries / GIB:.2f}, state gradient {state_grad / GIB:.2f}, block "
-                     f"graph {block_graph / GIB:.2f}, page gradient {page_grad_transient / GIB:.2f}")
+                     f"graph {block_graph / GIB:.2f}, page gradient {page_grad_transient / GIB:.2f}, its tiles "
+                     f"{page_tiles(block) / GIB:.2f}")
     if run.replay_block:
         notes.append(f"replay_block={run.replay_block}: block graph {graph / GIB:.2f} (of it the response's K/V "
                      f"{R * response_kv * s / GIB:.2f}), response state {response_state / GIB:.2f} (K/V, their "
@@ -423,7 +437,7 @@ def plan(cfg: Qwen36Config, run: Run) -> dict:
         "capture_activations": capture_act, "score_activations": score_act,
         "response_graph": graph, "replay_transient": replay_transient, "step_transient": step_transient,
         "boundary_states": boundaries, "tail_states": tail, "state_grad": state_grad, "block_graph": block_graph,
-        "page_grad_transient": page_grad_transient, "response_state": response_state,
+        "page_grad_transient": page_grad_transient, "page_tiles": page_tiles(block), "response_state": response_state,
         "decode_buffers": decode, "decode_growth": decode_growth, "decode_step": decode_step,
         "decode_projections": projections,
         "phases": phases, "rollout_copies": copies, "rollout": rollout_base + copies,

@@ -154,6 +154,23 @@ def test_walk_checkpoint_trades_the_block_graph_for_layer_inputs():
     assert not full["fits"] and layered["fits"]
 
 
+def test_exact_walk_counts_the_pages_backward_tiles_where_they_run():
+    """On CUDA at one rank the walk's pages backward (triton_page_tiles) holds P and dS of one chunk of pages for the
+    block's folded rows: 2 x query heads x block x chunk elements, in the prompt phase; not under cp > 1 (the
+    reference backward) nor with the reference kernels."""
+    from longstraw_kernels.attention.triton_page_tiles import DEFAULT_CHUNK
+
+    common = dict(prompt_tokens=262144, group_size=8, response_tokens=1024, block_size=4096, gradient="exact")
+    cfg = named_config("qwen36_mini")
+    gpu = plan("qwen36_mini", kernels="gpu", **common)
+    assert gpu["page_tiles"] == 2 * cfg.num_attention_heads * 4096 * DEFAULT_CHUNK * 2  # 2 GiB in bf16
+    assert gpu["phases"]["prompt"] == (gpu["weights"] + gpu["grads"] + gpu["optimizer"] + gpu["resident"]
+                                       + gpu["boundary_states"] + gpu["state_grad"] + gpu["block_graph"]
+                                       + gpu["page_grad_transient"] + gpu["page_tiles"])
+    assert plan("qwen36_mini", kernels="reference", **common)["page_tiles"] == 0
+    assert plan("qwen36_mini", kernels="gpu", cp=2, **common)["page_tiles"] == 0
+
+
 def test_bound_and_phases_add_up():
     p = plan("qwen36_mini", prompt_tokens=262144, **MINI)
     assert p["bound"] == p["weights"] + p["grads"] + p["optimizer"] + p["resident"] + p["response_graph"]
