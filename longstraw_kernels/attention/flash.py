@@ -48,7 +48,7 @@ FORWARD_BACKENDS = ("flash_attn", "cudnn", "flash")
 BACKWARD_PAGE_CHUNK = 1 << 17
 
 
-def page_dq_supported(q_BRQD, k_pages_PKD, v_pages_PKD) -> bool:
+def triton_pages_supported(q_BRQD, k_pages_PKD, v_pages_PKD) -> bool:
     """Whether the Triton page kernels (triton_page_dq, triton_page_tiles) serve these pages: a power-of-two head
     dim (their tiles), k and v pages laid out alike and contiguous in D."""
     D = q_BRQD.shape[3]
@@ -238,6 +238,12 @@ def _fold_pages_lse(lse_BQR, K):
     return lse_BQR.reshape(B, K, Q // K, R).permute(1, 0, 2, 3).reshape(1, K, B * (Q // K) * R)
 
 
+def _fold_pages_rows(q_BRQD, dout_BRQD, out_BRQD, lse_BQR, K):
+    """The pages' backward operands as folded rows: (q_KMD, do_KMD, out_KMD, lse_KM)."""
+    return (_fold_pages_query(q_BRQD, K)[0], _fold_pages_query(dout_BRQD, K)[0], _fold_pages_query(out_BRQD, K)[0],
+            _fold_pages_lse(lse_BQR, K)[0])
+
+
 def _unfold_pages_query(x_1KMD, B, R):
     """Inverse of _fold_pages_query, to [B, Q, R, D]."""
     _, K, M, D = x_1KMD.shape
@@ -306,9 +312,8 @@ def flash_replay_attention_backward(saved, needs_grad, dout_BRQD, dlse_BQR, *, s
         if need_vn:
             dv_new_BSKD = dv_BQSD.float().reshape(B, K, G, S, D).sum(2).transpose(1, 2).to(v_new_BSKD.dtype)
     if P > 0 and (need_q or need_kp or need_vp):
-        q_KMD, do_KMD = _fold_pages_query(q_BRQD, K)[0], _fold_pages_query(dout_BRQD, K)[0]
-        out_KMD, lse_KM = _fold_pages_query(out_BRQD, K)[0], _fold_pages_lse(lse_BQR, K)[0]
-        if page_dq_supported(q_BRQD, k_pages_PKD, v_pages_PKD):
+        q_KMD, do_KMD, out_KMD, lse_KM = _fold_pages_rows(q_BRQD, dout_BRQD, out_BRQD, lse_BQR, K)
+        if triton_pages_supported(q_BRQD, k_pages_PKD, v_pages_PKD):
             delta_KM = (do_KMD.float() * out_KMD.float()).sum(-1)
             if need_kp or need_vp:
                 from longstraw_kernels.attention.triton_page_tiles import page_backward

@@ -71,10 +71,10 @@ def _scaled_bmm(a, b, scale: float):
 
 
 def page_backward(q_KMD: torch.Tensor, do_KMD: torch.Tensor, lse_KM: torch.Tensor, delta_KM: torch.Tensor,
-                  k_pages_PKD: torch.Tensor, v_pages_PKD: torch.Tensor, scale: float, chunk: int = DEFAULT_CHUNK,
+                  k_pages_PKD: torch.Tensor, v_pages_PKD: torch.Tensor, scale: float, chunk: int | None = None,
                   config: DqConfig = DEFAULT_CONFIG):
     """-> (dq_KMD fp32, dk_pages_PKD, dv_pages_PKD in the pages' dtype) of folded query rows against every page, given
-    each row's dO, global lse and delta."""
+    each row's dO, global lse and delta; `chunk` pages at a time (None: DEFAULT_CHUNK)."""
     q_KMD, do_KMD, lse_KM, delta_KM = rows_against_pages(q_KMD, do_KMD, lse_KM, delta_KM, k_pages_PKD, v_pages_PKD)
     K, M, D = q_KMD.shape
     P = k_pages_PKD.shape[0]
@@ -82,7 +82,7 @@ def page_backward(q_KMD: torch.Tensor, do_KMD: torch.Tensor, lse_KM: torch.Tenso
     dk_PKD, dv_PKD = torch.empty_like(k_pages_PKD), torch.empty_like(v_pages_PKD)
     if P == 0:
         return dq_KMD, dk_PKD, dv_PKD
-    size = min(chunk, P)
+    size = min(DEFAULT_CHUNK if chunk is None else chunk, P)
     p_KMN = q_KMD.new_empty(K, M, size)
     ds_KMN = q_KMD.new_empty(K, M, size)
     with torch.cuda.device_of(q_KMD):

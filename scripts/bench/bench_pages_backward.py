@@ -20,7 +20,7 @@ import argparse
 import datetime
 
 import torch
-from rows import emit, peak_gib, time_ms
+from rows import emit, peak_gib, rel, time_ms
 
 from longstraw_cli.models.qwen36.config import named_config
 from longstraw_kernels.attention import flash
@@ -28,26 +28,16 @@ from longstraw_kernels.attention.triton_page_dq import DqConfig
 from longstraw_kernels.attention.triton_page_tiles import page_backward
 
 
-def rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
-
-def folded(q_BRQD, out_BRQD, lse_BQR, dout_BRQD, K):
-    """The replay backward's folded rows: (q_KMD, do_KMD, out_KMD, lse_KM)."""
-    return (flash._fold_pages_query(q_BRQD, K)[0], flash._fold_pages_query(dout_BRQD, K)[0],
-            flash._fold_pages_query(out_BRQD, K)[0], flash._fold_pages_lse(lse_BQR, K)[0])
-
-
 def tiles(q_BRQD, k_PKD, v_PKD, out_BRQD, lse_BQR, dout_BRQD, scale, **kw):
     """page_backward from the replay's layout -> (dq_KMD fp32, dk, dv)."""
-    q_KMD, do_KMD, out_KMD, lse_KM = folded(q_BRQD, out_BRQD, lse_BQR, dout_BRQD, k_PKD.shape[1])
+    q_KMD, do_KMD, out_KMD, lse_KM = flash._fold_pages_rows(q_BRQD, dout_BRQD, out_BRQD, lse_BQR, k_PKD.shape[1])
     delta_KM = (do_KMD.float() * out_KMD.float()).sum(-1)
     return page_backward(q_KMD, do_KMD, lse_KM, delta_KM, k_PKD, v_PKD, scale, **kw)
 
 
 def kernel_chunks(q_BRQD, k_PKD, v_PKD, out_BRQD, lse_BQR, dout_BRQD, scale):
     """The forward kernel's own backward over page chunks, from the replay's layout -> (dq_KMD fp32, dk, dv)."""
-    q_KMD, do_KMD, out_KMD, lse_KM = folded(q_BRQD, out_BRQD, lse_BQR, dout_BRQD, k_PKD.shape[1])
+    q_KMD, do_KMD, out_KMD, lse_KM = flash._fold_pages_rows(q_BRQD, dout_BRQD, out_BRQD, lse_BQR, k_PKD.shape[1])
     return flash.attend_pages_backward(do_KMD, q_KMD, out_KMD, lse_KM, k_PKD, v_PKD, scale, flash.forward_backend())
 
 

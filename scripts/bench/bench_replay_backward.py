@@ -19,7 +19,7 @@ import datetime
 import math
 
 import torch
-from rows import emit, time_ms
+from rows import emit, rel, time_ms
 
 from longstraw_cli.models.qwen36.config import named_config
 from longstraw_kernels.attention import flash, replay_attention
@@ -45,20 +45,16 @@ def dq_of(q, kp, vp, kn, vn, dout, scale, triton_dq: bool):
     """dq through the replay attention; with triton_dq False the frozen pages' share through the forward kernel's
     own backward over page chunks (`flash.attend_pages_backward`: the route of head dims the Triton page kernels do
     not take, and every head dim's before triton_page_dq)."""
-    supported = flash.page_dq_supported
+    supported = flash.triton_pages_supported
     if not triton_dq:
-        flash.page_dq_supported = lambda *pages: False
+        flash.triton_pages_supported = lambda *pages: False
     try:
         leaf = q.detach().requires_grad_(True)
         out = replay_attention(leaf, kp, vp, kn, vn, scale=scale)
         (dq,) = torch.autograd.grad(out, leaf, dout)
     finally:
-        flash.page_dq_supported = supported
+        flash.triton_pages_supported = supported
     return dq
-
-
-def rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def main():

@@ -94,3 +94,8 @@ def peak_gib(fn) -> float:
     fn()
     torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def rel(a, b) -> float:
+    """|a - b| / |b| in fp64 (Frobenius norms)."""
+    return float((a.double() - b.double()).norm() / b.double().norm())

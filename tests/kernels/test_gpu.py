@@ -34,6 +34,7 @@ def check_replay_attention(backend, page_ranges, B, R, S, P, Q, K, D, monkeypatc
         return original(*args, **kwargs)
 
     monkeypatch.setattr(tpt, "page_backward", spy)
+    monkeypatch.setattr(tpt, "DEFAULT_CHUNK", 1024)  # several chunks of tiles (5,000 pages: 4 and a rest)
     if page_ranges:
         monkeypatch.setattr(flash, "PAGE_SPLIT_MIN_PAGES", 1000)
     use_kernels(attention=backend)
@@ -84,7 +85,7 @@ def test_pages_backward_through_the_kernels_own_backward_matches_reference(backe
     chunks of pages (`flash.attend_pages_backward`, here 5 chunks), and matches the fp64 reference as well."""
     from longstraw_kernels.attention import flash
 
-    monkeypatch.setattr(flash, "page_dq_supported", lambda *pages: False)
+    monkeypatch.setattr(flash, "triton_pages_supported", lambda *pages: False)
     assert check_replay_attention(backend, False, 1, 64, 64, 5000, 16, 2, 256, monkeypatch) == []
 
 

@@ -93,8 +93,9 @@ def test_replay_backward_routes_the_pages_and_equals_the_reference(route, needs,
     for module, name in ((triton_page_tiles, "page_backward"), (triton_page_dq, "page_dq"), (flash, "attend_backward")):
         original = identity_backward if name == "attend_backward" else getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
+    monkeypatch.setattr(triton_page_tiles, "DEFAULT_CHUNK", 32)  # 70 pages: tiles of 32, 32 and 6
     if route == "kernel":
-        monkeypatch.setattr(flash, "page_dq_supported", lambda *pages: False)
+        monkeypatch.setattr(flash, "triton_pages_supported", lambda *pages: False)
         monkeypatch.setattr(flash, "BACKWARD_PAGE_CHUNK", 32)
     B, R, Q, K, P, D = 2, 5, 4, 2, 70, 32
     g = torch.Generator().manual_seed(2)
