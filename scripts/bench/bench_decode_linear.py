@@ -3,8 +3,8 @@ qwen36's layers: the torch form (the model's modules as the compiled step runs t
 kernels around cuBLAS) against the fused Triton kernel (longstraw_kernels/linear), one CUDA graph over every
 layer, each layer its own random weights (no weight is read from L2 twice). First the kernel's error at each shape
 against fp64 beside the torch form's; then, per kind of linear, each launch config of --sweep over every layer;
-then the whole sequence, torch against the kernel at its default configs. `bound_ms`: the weights' bytes at
---rate TB/s (the lm_head's read rate on an H200).
+then the whole sequence, torch against the kernel at its default configs and at each kind's fastest config of
+the sweep. `bound_ms`: the weights' bytes at --rate TB/s (the lm_head's read rate on an H200).
 
     python scripts/bench/bench_decode_linear.py --shape qwen36_mini --tokens 8 --out linear.jsonl
 """
@@ -120,6 +120,7 @@ def main(argv=None):
 
     # per kind, every config over every layer that has it
     kinds = sorted({name for layer in layers for name in layer})
+    best = {}  # kind -> (ms, config) of the fastest config of --sweep
     for name in kinds:
         weights = sum(w.nbytes + (0 if up is None else up.nbytes) for layer in layers if name in layer
                       for w, up, *_ in [layer[name]])
@@ -137,6 +138,8 @@ def main(argv=None):
                     lambda n=name, c=config: run_all(layers, inputs, norm_K, "kernel", {n: c}, only=n), 50)
             except Exception as exc:  # noqa: BLE001 - a config the compiler refuses (shared memory): noted
                 row[f"kernel_{spec}_ms"] = f"{type(exc).__name__}: {str(exc)[:80]}"
+                continue
+            best[name] = min(best.get(name, (float("inf"), None)), (row[f"kernel_{spec}_ms"], config))
         _, row["kernel_default_ms"] = graph_ms(lambda n=name: run_all(layers, inputs, norm_K, "kernel", only=n), 50)
         emit(row, args.out)
 
@@ -146,9 +149,13 @@ def main(argv=None):
     _, torch_ms = graph_ms(lambda: run_all(layers, inputs, norm_K, "torch"), 50)
     _, compiled_ms = graph_ms(compiled, 50)
     _, kernel_ms = graph_ms(lambda: run_all(layers, inputs, norm_K, "kernel"), 50)
+    # and each kind at its fastest config of the sweep, beside the defaults in the same process
+    configs = {name: config for name, (_, config) in best.items()}
+    _, best_ms = graph_ms(lambda: run_all(layers, inputs, norm_K, "kernel", configs), 50) if configs else (0, None)
     emit({**base, "kind": "all", "layers": len(layers), "linears": sum(len(layer) for layer in layers),
           "weights_mb": weights / 1e6, "bound_ms": weights / (args.rate * 1e9), "torch_eager_ms": torch_ms,
-          "torch_compiled_ms": compiled_ms, "kernel_ms": kernel_ms}, args.out)
+          "torch_compiled_ms": compiled_ms, "kernel_ms": kernel_ms, "kernel_best_ms": best_ms,
+          "best_configs": configs}, args.out)
 
 
 if __name__ == "__main__":
