@@ -19,7 +19,7 @@ from rows import emit, graph_ms
 
 from longstraw_cli.models.qwen36.config import NAMED_CONFIGS
 from longstraw_kernels.linear import decode_linear_reference, rms_norm_one_plus
-from longstraw_kernels.linear.triton_skinny import decode_linear_triton, launch_config, programmatic_launch
+from longstraw_kernels.linear.triton_skinny import PREFETCH, decode_linear_triton, launch_config, programmatic_launch
 
 EPS = 1e-6
 
@@ -83,11 +83,13 @@ def main(argv=None):
     p.add_argument("--shape", default="qwen36_mini")
     p.add_argument("--tokens", type=int, default=8)
     p.add_argument("--rate", type=float, default=4.09, help="TB/s for bound_ms")
-    p.add_argument("--sweep", default="64x256x4x3,32x256x4x4,32x256x4x4x2,32x256x4x4x3,32x256x4x4x4,32x256x4x4x6,"
-                                       "64x256x4x3x2,64x256x4x3x3,64x256x4x3x4,16x256x4x4x4,32x128x4x4x4,"
-                                       "64x128x4x4x4,32x256x4x3x8,128x256x4x3x4",
+    # launch_config's two (64x256x4x3 for wide N, 64x128x4x4x4 for narrow) among the others
+    p.add_argument("--sweep", default="64x256x4x3,64x128x4x4x4,64x256x4x3x2,64x128x4x4x2,64x64x4x6x3,128x128x8x3,"
+                                       "64x128x4x4x8,32x128x4x4x8,64x256x4x3x4,32x256x4x4x4,128x128x8x4x4,"
+                                       "64x128x8x4x4",
                    help="BLOCK_N x BLOCK_K x warps x stages [x SPLIT: parts of K, 1 when left out [x PREFETCH: "
-                        "elements of each weight row asked of L2 before the wait (sm90), 0 when left out]]")
+                        "elements of each weight row asked of L2 before the wait (sm90), the default's PREFETCH "
+                        "when left out]]")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     torch.manual_seed(0)
@@ -132,7 +134,7 @@ def main(argv=None):
         _, row["cublas_ms"] = graph_ms(lambda g=gemms: [F.linear(x, w) for w, x in g], 50)
         for spec in args.sweep.split(","):
             values = [int(v) for v in spec.split("x")]
-            config = tuple(values + [1, 0][len(values) - 4:])
+            config = tuple(values + [1, PREFETCH][len(values) - 4:])
             try:
                 _, row[f"kernel_{spec}_ms"] = graph_ms(
                     lambda n=name, c=config: run_all(layers, inputs, norm_K, "kernel", {n: c}, only=n), 50)
