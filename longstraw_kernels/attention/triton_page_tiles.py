@@ -17,7 +17,8 @@ elements, never page-sized. Rows are a kv head's folded query rows ([K, M, D], a
 Exactness: tests/kernels/test_page_tiles.py (Triton's interpreter on CPU, fp32, against the fp64 products) and
 tests/kernels/test_gpu.py (bf16 on CUDA against the fp64 reference, through the replay attention).
 Speed (docs/BENCHMARKS.md, one H100): qwen36_mini's exact walk at 256K 35.47 / 35.67 s against 37.34 / 36.96 s with
-cuDNN's backward over page chunks, in `longstraw train`.
+cuDNN's backward over page chunks, in `longstraw train`; alone at 4,096 queries x 262,144 pages 107.27 ms (410 TFLOP/s)
+against cuDNN's 119.12 ms (369), with 2.67 GiB of extra peak against its 1.00.
 """
 
 from __future__ import annotations
