@@ -156,14 +156,19 @@ def test_walk_checkpoint_trades_the_block_graph_for_layer_inputs():
 
 def test_exact_walk_counts_the_pages_backward_tiles_where_they_run():
     """On CUDA at one rank the walk's pages backward (triton_page_tiles) holds P and dS of one chunk of pages for the
-    block's folded rows: 2 x query heads x block x chunk elements, in the prompt phase; not under cp > 1 (the
-    reference backward) nor with the reference kernels."""
+    block's rows as the replay backward folds them ([kv heads, rows, chunk] each), in the prompt phase; not under
+    cp > 1 (the reference backward) nor with the reference kernels."""
+    from longstraw_kernels.attention import flash
     from longstraw_kernels.attention.triton_page_tiles import DEFAULT_CHUNK
 
     common = dict(prompt_tokens=262144, group_size=8, response_tokens=1024, block_size=4096, gradient="exact")
     cfg = named_config("qwen36_mini")
     gpu = plan("qwen36_mini", kernels="gpu", **common)
-    assert gpu["page_tiles"] == 2 * cfg.num_attention_heads * 4096 * DEFAULT_CHUNK * 2  # 2 GiB in bf16
+    # the shapes the walk's backward folds a block's queries into (meta tensors: shapes only)
+    q = torch.empty(1, 4096, cfg.num_attention_heads, cfg.head_dim, device="meta", dtype=torch.bfloat16)
+    lse = torch.empty(1, cfg.num_attention_heads, 4096, device="meta")
+    K, M, _ = flash._fold_pages_rows(q, q, q, lse, cfg.num_key_value_heads)[0].shape
+    assert gpu["page_tiles"] == 2 * K * M * DEFAULT_CHUNK * 2 == 2 << 30  # 2 GiB in bf16
     assert gpu["phases"]["prompt"] == (gpu["weights"] + gpu["grads"] + gpu["optimizer"] + gpu["resident"]
                                        + gpu["boundary_states"] + gpu["state_grad"] + gpu["block_graph"]
                                        + gpu["page_grad_transient"] + gpu["page_tiles"])
