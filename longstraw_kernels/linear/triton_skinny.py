@@ -93,13 +93,43 @@ def _prefetch_l2(w_cols, k_begin, k_end, LINES: tl.constexpr, LINE: tl.constexpr
 
 
 @triton.jit
-def _walk(x_ptr, w_ptr, u_ptr, g_ptr, z_ptr, rows, cols, row_ok, col_ok, k_begin, k_end, stride_xm, stride_wn,
-          stride_un, stride_zm, eps, NORM: tl.constexpr, GATED: tl.constexpr, GLU: tl.constexpr,
-          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
-    """A column tile's product over [k_begin, k_end) of K in BLOCK_K steps, with the prologue: (acc, acc_up,
-    sumsq) in fp32, transposed, [columns, rows]: the weight's tile is the product's left operand (the MMA's wide
-    side), the few rows its right one. The rounding is in the weights' dtype, the rows' and the outputs' too."""
-    dtype = w_ptr.dtype.element_ty
+def _skinny_kernel(x_ptr, w_ptr, u_ptr, g_ptr, z_ptr, r_ptr, out_ptr, part_ptr, count_ptr, active_ptr, M, N, K,
+                   K_PART, stride_xm, stride_wn, stride_un, stride_zm, stride_rm, stride_om, stride_xe, stride_we,
+                   stride_ue, stride_oe, eps,
+                   NORM: tl.constexpr, GATED: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                   PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, INTERPRETED: tl.constexpr,
+                   EXPERTS: tl.constexpr):
+    pid = tl.program_id(0)
+    part = tl.program_id(1)  # which of the SPLIT parts of K: [part K_PART, (part + 1) K_PART)
+    e = tl.program_id(2).to(tl.int64)  # the expert (EXPERTS; else 0)
+    if EXPERTS:  # one expert's linear a program row (axis 2): its rows, weights and outputs (SPLIT is 1)
+        x_ptr += e * stride_xe
+        w_ptr += e * stride_we
+        u_ptr += e * stride_ue
+        out_ptr += e * stride_oe
+    rows = tl.arange(0, BLOCK_M)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < N
+    k_begin = part * K_PART
+    k_end = tl.minimum(K, k_begin + K_PART)
+    if PDL:
+        # the next kernel may start once every program of this one has (it waits for this one's end before it
+        # reads what this one writes); the weights are read by no kernel of the step that writes them, so their
+        # first lines are asked for before the wait for the previous kernel, whose outputs (x, the residual, the
+        # counts and the workspace it may have used) are touched only after it
+        tl.extra.cuda.gdc_launch_dependents()
+        if PREFETCH_LINES > 0:  # (glu's launches are plain: its second weight is not asked for)
+            last = tl.minimum(cols, N - 1)[:, None].to(tl.int64)
+            _prefetch_l2(w_ptr + last * stride_wn, k_begin, k_end, PREFETCH_LINES, LINE)
+        tl.extra.cuda.gdc_wait()
+    if EXPERTS:
+        # an expert no row chose: no step of K (its weights are not read), so its outputs are zeros
+        k_end = tl.where(tl.load(active_ptr + e) != 0, k_end, k_begin)
+    dtype = out_ptr.dtype.element_ty
+    # transposed, [columns, rows]: the weight's tile is the product's left operand (the MMA's wide side), the few
+    # rows its right one
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -133,155 +163,41 @@ def _walk(x_ptr, w_ptr, u_ptr, g_ptr, z_ptr, rows, cols, row_ok, col_ok, k_begin
             if INTERPRETED:
                 u = u.to(tl.float32)
             acc_up += tl.dot(u, x_t)
-    return acc, acc_up, sumsq
-
-
-@triton.jit
-def _leave_part(acc, acc_up, sumsq, mine, count, rows, NORM: tl.constexpr, GLU: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, PART: tl.constexpr):
-    """A tile's partial sums over some of K into its workspace slot (PART floats: acc, acc_up under glu, then the
-    rows' sums of squares), then counted in: the count before this part's."""
-    tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + rows[None, :]
-    tl.store(mine + tile, acc)
-    if GLU:
-        tl.store(mine + BLOCK_N * BLOCK_M + tile, acc_up)
-    if NORM:
-        tl.store(mine + PART - BLOCK_M + rows, sumsq)
-    # every thread's stores issued before the (one-thread) release: CUTLASS's semaphore pattern
-    tl.debug_barrier()
-    return tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
-
-
-@triton.jit
-def _add_part(acc, acc_up, sumsq, theirs, rows, NORM: tl.constexpr, GLU: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, PART: tl.constexpr):
-    """The sums plus one slot's of the workspace, read from L2 (.cg), where the other programs' stores are, not
-    from a stale L1 line."""
-    tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + rows[None, :]
-    acc += tl.load(theirs + tile, cache_modifier=".cg")
-    if GLU:
-        acc_up += tl.load(theirs + BLOCK_N * BLOCK_M + tile, cache_modifier=".cg")
-    if NORM:
-        sumsq += tl.load(theirs + PART - BLOCK_M + rows, cache_modifier=".cg")
-    return acc, acc_up, sumsq
-
-
-@triton.jit
-def _skinny_kernel(x_ptr, w_ptr, u_ptr, g_ptr, z_ptr, r_ptr, out_ptr, part_ptr, count_ptr, active_ptr, M, N, K,
-                   K_PART, stride_xm, stride_wn, stride_un, stride_zm, stride_rm, stride_om, stride_xe, stride_we,
-                   stride_ue, stride_oe, eps,
-                   NORM: tl.constexpr, GATED: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                   PART: tl.constexpr, PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr,
-                   INTERPRETED: tl.constexpr, EXPERTS: tl.constexpr):
-    pid = tl.program_id(0)
-    part = tl.program_id(1)  # which of the SPLIT parts of K: [part K_PART, (part + 1) K_PART)
-    e = tl.program_id(2).to(tl.int64)  # the expert (EXPERTS; else 0)
-    if EXPERTS:  # one expert's linear a program row (axis 2): its rows, weights and outputs (SPLIT is 1)
-        x_ptr += e * stride_xe
-        w_ptr += e * stride_we
-        u_ptr += e * stride_ue
-        out_ptr += e * stride_oe
-    rows = tl.arange(0, BLOCK_M)
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < M
-    col_ok = cols < N
-    k_begin = part * K_PART
-    k_end = tl.minimum(K, k_begin + K_PART)
-    if PDL:
-        # the next kernel may start once every program of this one has (it waits for this one's end before it
-        # reads what this one writes); the weights are read by no kernel of the step that writes them, so their
-        # first lines are asked for before the wait for the previous kernel, whose outputs (x, the residual, the
-        # counts and the workspace it may have used) are touched only after it
-        tl.extra.cuda.gdc_launch_dependents()
-        if PREFETCH_LINES > 0:  # (glu's launches are plain: its second weight is not asked for)
-            last = tl.minimum(cols, N - 1)[:, None].to(tl.int64)
-            _prefetch_l2(w_ptr + last * stride_wn, k_begin, k_end, PREFETCH_LINES, LINE)
-        tl.extra.cuda.gdc_wait()
-    if EXPERTS:
-        # an expert no row chose: no step of K (its weights are not read), so its outputs are zeros
-        k_end = tl.where(tl.load(active_ptr + e) != 0, k_end, k_begin)
-    acc, acc_up, sumsq = _walk(x_ptr, w_ptr, u_ptr, g_ptr, z_ptr, rows, cols, row_ok, col_ok, k_begin, k_end,
-                               stride_xm, stride_wn, stride_un, stride_zm, eps, NORM, GATED, GLU, BLOCK_M, BLOCK_N,
-                               BLOCK_K, INTERPRETED)
     if SPLIT == 1:
         _finish(acc, acc_up, sumsq, r_ptr, out_ptr, rows, cols, row_ok, col_ok, K, stride_rm, stride_om, eps,
                 NORM, GLU, RESIDUAL)
     else:
-        # each part leaves its fp32 sums in the workspace, [parts, tiles, PART]; the tile's last part to arrive (its
-        # counter) adds all of them in part order (the same sum whichever arrives last), writes the outputs and sets
-        # the counter back to 0 for the next launch
+        # each part leaves its fp32 sums in the workspace, [parts, tiles, (acc, acc_up, sumsq)]; the tile's last
+        # part to arrive (its counter) adds all of them in part order (the same sum whichever arrives last), writes
+        # the outputs and sets the counter back to 0 for the next launch
+        TILE: tl.constexpr = BLOCK_N * BLOCK_M
+        STRIDE: tl.constexpr = (2 * TILE if GLU else TILE) + BLOCK_M
+        tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + rows[None, :]
         tiles = tl.num_programs(0)
-        arrived = _leave_part(acc, acc_up, sumsq, part_ptr + (part * tiles + pid).to(tl.int64) * PART,
-                              count_ptr + pid, rows, NORM, GLU, BLOCK_M, BLOCK_N, PART)
+        mine = part_ptr + (part * tiles + pid).to(tl.int64) * STRIDE
+        tl.store(mine + tile, acc)
+        if GLU:
+            tl.store(mine + TILE + tile, acc_up)
+        if NORM:
+            tl.store(mine + STRIDE - BLOCK_M + rows, sumsq)
+        # every thread's stores issued before the (one-thread) release: CUTLASS's semaphore pattern
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT - 1:
             acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
             acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
             sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
             for p in tl.static_range(SPLIT):
-                acc, acc_up, sumsq = _add_part(acc, acc_up, sumsq, part_ptr + (p * tiles + pid).to(tl.int64) * PART,
-                                               rows, NORM, GLU, BLOCK_M, BLOCK_N, PART)
+                theirs = part_ptr + (p * tiles + pid).to(tl.int64) * STRIDE
+                # .cg: from L2, where the other parts' stores are, not a stale L1 line
+                acc += tl.load(theirs + tile, cache_modifier=".cg")
+                if GLU:
+                    acc_up += tl.load(theirs + TILE + tile, cache_modifier=".cg")
+                if NORM:
+                    sumsq += tl.load(theirs + STRIDE - BLOCK_M + rows, cache_modifier=".cg")
             tl.atomic_xchg(count_ptr + pid, 0, sem="relaxed", scope="gpu")
             _finish(acc, acc_up, sumsq, r_ptr, out_ptr, rows, cols, row_ok, col_ok, K, stride_rm, stride_om, eps,
                     NORM, GLU, RESIDUAL)
-
-
-@triton.jit
-def _stream_kernel(x_ptr, w_ptr, u_ptr, g_ptr, z_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M, N, K, STEPS, UNITS,
-                   stride_xm, stride_wn, stride_un, stride_zm, stride_rm, stride_om, eps,
-                   NORM: tl.constexpr, GATED: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PART: tl.constexpr,
-                   PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, INTERPRETED: tl.constexpr):
-    """The same product over a fixed number of programs (stream-K): the UNITS = tiles x STEPS steps of K, tile by
-    tile, in equal runs, program p the units [p UNITS / P, (p + 1) UNITS / P) (P <= UNITS, so none is empty). A tile
-    a program walks whole it finishes; the few parts of a tile that several programs share go to the workspace,
-    [P, 2, PART] (a program's first tile, then its last), and the last part to arrive adds them in program order."""
-    p = tl.program_id(0)
-    P = tl.num_programs(0)
-    u = p * UNITS // P
-    u_end = (p + 1) * UNITS // P
-    first = u // STEPS
-    rows = tl.arange(0, BLOCK_M)
-    row_ok = rows < M
-    if PDL:  # as _skinny_kernel: the first tile's weights asked of L2 before the wait for the previous kernel
-        tl.extra.cuda.gdc_launch_dependents()
-        if PREFETCH_LINES > 0:
-            last = tl.minimum(first * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)[:, None].to(tl.int64)
-            _prefetch_l2(w_ptr + last * stride_wn, (u - first * STEPS) * BLOCK_K,
-                         tl.minimum(K, (u_end - first * STEPS) * BLOCK_K), PREFETCH_LINES, LINE)
-        tl.extra.cuda.gdc_wait()
-    while u < u_end:
-        t = u // STEPS
-        lo = u - t * STEPS
-        hi = tl.minimum(u_end - t * STEPS, STEPS)
-        cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
-        acc, acc_up, sumsq = _walk(x_ptr, w_ptr, u_ptr, g_ptr, z_ptr, rows, cols, row_ok, col_ok, lo * BLOCK_K,
-                                   tl.minimum(K, hi * BLOCK_K), stride_xm, stride_wn, stride_un, stride_zm, eps, NORM,
-                                   GATED, GLU, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETED)
-        if lo == 0 and hi == STEPS:
-            _finish(acc, acc_up, sumsq, r_ptr, out_ptr, rows, cols, row_ok, col_ok, K, stride_rm, stride_om, eps,
-                    NORM, GLU, RESIDUAL)
-        else:
-            slot = 2 * p + (t != first).to(tl.int32)
-            arrived = _leave_part(acc, acc_up, sumsq, part_ptr + slot.to(tl.int64) * PART, count_ptr + t, rows,
-                                  NORM, GLU, BLOCK_M, BLOCK_N, PART)
-            # the programs that share tile t: the owners of its first and last units (the owner of unit v is the
-            # last program that starts at or before it, ((v + 1) P - 1) // UNITS)
-            q_first = ((t * STEPS + 1) * P - 1) // UNITS
-            q_last = ((t + 1) * STEPS * P - 1) // UNITS
-            if arrived == q_last - q_first:
-                acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-                acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-                sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
-                for q in range(q_first, q_last + 1):
-                    theirs = 2 * q + ((q * UNITS // P) // STEPS != t).to(tl.int32)
-                    acc, acc_up, sumsq = _add_part(acc, acc_up, sumsq, part_ptr + theirs.to(tl.int64) * PART, rows,
-                                                   NORM, GLU, BLOCK_M, BLOCK_N, PART)
-                tl.atomic_xchg(count_ptr + t, 0, sem="relaxed", scope="gpu")
-                _finish(acc, acc_up, sumsq, r_ptr, out_ptr, rows, cols, row_ok, col_ok, K, stride_rm, stride_om,
-                        eps, NORM, GLU, RESIDUAL)
-        u = t * STEPS + hi
 
 
 def launch_config(M: int, N: int, K: int, glu: bool) -> tuple[int, int, int, int, int, int]:
@@ -290,8 +206,10 @@ def launch_config(M: int, N: int, K: int, glu: bool) -> tuple[int, int, int, int
     in long steps with several in flight, as a weight read at the bandwidth needs; K split into 4 parts where the
     columns' tiles alone would leave most SMs idle (qwen36_mini's N = 2,048: 32 tiles; 128 programs with the parts,
     1.2-1.5x faster). At N of 6,144-9,216 (96-144 tiles) parts were slower in every config tried but one, unadopted
-    (the attention's input linears, 0.116 -> 0.085 ms at 64 x 64 and 3 parts). PREFETCH: the elements of each
-    weight row asked of L2 before waiting for the previous kernel (sm90+, see the module's note)."""
+    (the attention's input linears, 0.116 -> 0.085 ms at 64 x 64 and 3 parts). Stream-K (a program per SM or two,
+    each an equal run of all tiles' K steps; 8a9de25) was slower on an H100 for every kind but that one, the GDN
+    input linear's 97 tiles on 132 SMs too. PREFETCH: the elements of each weight row asked of L2 before waiting for
+    the previous kernel (sm90+, see the module's note)."""
     return (64, 256, 4, 3, 1, PREFETCH) if N > 3072 else (64, 128, 4, 4, 4, PREFETCH)
 
 
@@ -321,8 +239,7 @@ def decode_linear_triton(x: torch.Tensor, weight_NK: torch.Tensor, *, up_NK: tor
     x_MK = x.reshape(-1, K)
     x_MK = x_MK if x_MK.stride(-1) == 1 else x_MK.contiguous()
     M = x_MK.shape[0]
-    block_n, block_k, warps, stages, split, prefetch, programs = (
-        *(config or launch_config(M, N, K, up_NK is not None)), 0, 0)[:7]
+    block_n, block_k, warps, stages, split, prefetch = (*(config or launch_config(M, N, K, up_NK is not None)), 0)[:6]
     gate_MK = None
     if gate is not None or gate_norm_V is not None:
         if gate is None or gate_norm_V is None or norm_K is not None or not gate_supported(K, gate_norm_V, x.dtype):
@@ -337,7 +254,7 @@ def decode_linear_triton(x: torch.Tensor, weight_NK: torch.Tensor, *, up_NK: tor
         residual_MN = residual_MN.contiguous()
     with contextlib.nullcontext() if torch.compiler.is_compiling() else torch.cuda.device_of(x):
         out = _linear_op(x_MK, weight_NK, up_NK, norm_K if gate_MK is None else gate_norm_V, gate_MK, residual_MN,
-                         eps, block_n, block_k, warps, stages, split, prefetch, programs)
+                         eps, block_n, block_k, warps, stages, split, prefetch)
     return out.view(*x.shape[:-1], N)
 
 
@@ -371,71 +288,59 @@ def _counts(device: torch.device, tiles: int) -> torch.Tensor:
 @torch.library.custom_op("longstraw::decode_linear", mutates_args=())
 def _linear_op(x_MK: torch.Tensor, weight_NK: torch.Tensor, up_NK: torch.Tensor | None, norm_K: torch.Tensor | None,
                gate_MK: torch.Tensor | None, residual_MN: torch.Tensor | None, eps: float, block_n: int,
-               block_k: int, warps: int, stages: int, split: int, prefetch: int, programs: int) -> torch.Tensor:
-    """norm_K: the input norm's weight, or with gate_MK the gated norm's [V]; prefetch, programs: launch_config's
-    PREFETCH and PROGRAMS."""
+               block_k: int, warps: int, stages: int, split: int, prefetch: int) -> torch.Tensor:
+    """norm_K: the input norm's weight, or with gate_MK the gated norm's [V]; prefetch: launch_config's PREFETCH."""
     out = x_MK.new_empty(x_MK.shape[0], weight_NK.shape[0])
     _launch(x_MK, weight_NK, up_NK, norm_K, gate_MK, residual_MN, out, eps, block_n, block_k, warps, stages, split,
-            prefetch, programs=programs)
+            prefetch)
     return out
 
 
 def _launch(x, weight, up_w, norm_K, gate_MK, residual_MN, out, eps: float, block_n: int, block_k: int, warps: int,
-            stages: int, split: int, prefetch: int, active_E: torch.Tensor | None = None, programs: int = 0) -> None:
+            stages: int, split: int, prefetch: int, active_E: torch.Tensor | None = None) -> None:
     """One launch of the kernel into `out`. Without active_E: x [M, K], weight [N, K], out [M, N]. With it (int32
     [E], nonzero where an expert computes): weight [E, N, K], up_w likewise, x [M, K] shared by the experts or
-    [E, M, K] one block of rows each, out [E, M, N]; no norm, gate, residual or parts of K. programs > 0: the
-    stream-K kernel over that many programs (at most one a step of K of a tile; `split` unused)."""
+    [E, M, K] one block of rows each, out [E, M, N]; no norm, gate, residual or parts of K."""
     experts = active_E is not None
     M, K = x.shape[-2:]
     N = weight.shape[-2]
     # an absent operand's pointer: any tensor (its loads are compiled out)
     up = weight if up_w is None else up_w
     tiles, block_m = triton.cdiv(N, block_n), max(16, triton.next_power_of_2(M))
-    gated = gate_MK is not None
-    part_floats = (2 if up_w is not None else 1) * block_n * block_m + block_m
-    # not the gate/up linear (glu): launched programmatically it ran slower (module note); experts' weights are
-    # not asked for before the wait (the experts chosen are known after it)
-    pdl = programmatic_launch(x.device) and up_w is None
-    line = 128 // x.element_size()  # elements in an L2 line
-    lines = triton.next_power_of_2(triton.cdiv(prefetch, line)) if pdl and prefetch > 0 and not experts else 0
-    operands = (x, weight, up, x if norm_K is None else norm_K, gate_MK if gated else x,
-                out if residual_MN is None else residual_MN, out)
-    strides = (x.stride(-2), weight.stride(-2), up.stride(-2), gate_MK.stride(0) if gated else 0,
-               0 if residual_MN is None else residual_MN.stride(0), out.stride(-2))
-    constants = dict(NORM=norm_K is not None and not gated, GATED=gated, GLU=up_w is not None,
-                     RESIDUAL=residual_MN is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                     PART=part_floats, PDL=pdl, PREFETCH_LINES=lines, LINE=line,
-                     INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps, num_stages=stages,
-                     launch_pdl=pdl)
-    if programs > 0 and not experts:
-        steps = triton.cdiv(K, block_k)
-        grid = min(programs, tiles * steps)  # none without a step of K
-        parts = torch.empty(grid * 2 * part_floats, dtype=torch.float32, device=x.device)
-        _stream_kernel[(grid,)](*operands, parts, _counts(x.device, tiles), M, N, K, steps, tiles * steps, *strides,
-                                eps, **constants)
-        return
     # K in `split` parts of whole BLOCK_K steps; fewer parts where K has fewer steps
     k_part = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
     split = triton.cdiv(K, k_part)
     assert not experts or split == 1
     if split > 1:
+        part_floats = (2 if up_w is not None else 1) * block_n * block_m + block_m
         parts = torch.empty(split * tiles * part_floats, dtype=torch.float32, device=x.device)
         counts = _counts(x.device, tiles)
     else:
         parts = counts = out  # not read
+    gated = gate_MK is not None
+    # not the gate/up linear (glu): launched programmatically it ran slower (module note); experts' weights are
+    # not asked for before the wait (the experts chosen are known after it)
+    pdl = programmatic_launch(x.device) and up_w is None
+    line = 128 // x.element_size()  # elements in an L2 line
+    lines = triton.next_power_of_2(triton.cdiv(prefetch, line)) if pdl and prefetch > 0 and not experts else 0
 
     def stride_e(t):
         return t.stride(0) if experts and t.dim() == 3 else 0
 
     _skinny_kernel[(tiles, split, active_E.shape[0] if experts else 1)](
-        *operands, parts, counts, out if active_E is None else active_E, M, N, K, k_part, *strides, stride_e(x),
-        stride_e(weight), stride_e(up), stride_e(out), eps, SPLIT=split, EXPERTS=experts, **constants)
+        x, weight, up, x if norm_K is None else norm_K, gate_MK if gated else x,
+        out if residual_MN is None else residual_MN, out, parts, counts, out if active_E is None else active_E, M, N,
+        K, k_part, x.stride(-2), weight.stride(-2), up.stride(-2), gate_MK.stride(0) if gated else 0,
+        0 if residual_MN is None else residual_MN.stride(0), out.stride(-2), stride_e(x), stride_e(weight),
+        stride_e(up), stride_e(out), eps,
+        NORM=norm_K is not None and not gated, GATED=gated, GLU=up_w is not None, RESIDUAL=residual_MN is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, PDL=pdl, PREFETCH_LINES=lines, LINE=line,
+        INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", EXPERTS=experts, num_warps=warps, num_stages=stages,
+        launch_pdl=pdl)
 
 
 @_linear_op.register_fake
-def _(x_MK, weight_NK, up_NK, norm_K, gate_MK, residual_MN, eps, block_n, block_k, warps, stages, split, prefetch,
-      programs):
+def _(x_MK, weight_NK, up_NK, norm_K, gate_MK, residual_MN, eps, block_n, block_k, warps, stages, split, prefetch):
     return x_MK.new_empty(x_MK.shape[0], weight_NK.shape[0])
 
 

@@ -89,8 +89,7 @@ def main(argv=None):
                                        "64x128x8x4x4",
                    help="BLOCK_N x BLOCK_K x warps x stages [x SPLIT: parts of K, 1 when left out [x PREFETCH: "
                         "elements of each weight row asked of L2 before the wait (sm90), the default's PREFETCH "
-                        "when left out [x PROGRAMS: stream-K over that many programs, 0 (the tiles' grid) when "
-                        "left out]]]")
+                        "when left out]]")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     torch.manual_seed(0)

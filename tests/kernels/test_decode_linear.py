@@ -16,14 +16,6 @@ from longstraw_kernels.linear.triton_skinny import decode_linear_triton, launch_
 # split into two and three parts (the counted, last-part reduction), the last of them ragged or empty of steps
 SMALL = (16, 32, 4, 1, 1)
 SPLITS = [SMALL, (16, 32, 4, 1, 2), (16, 32, 4, 1, 3)]
-# stream-K (a 7th value: the programs): K's steps of every tile dealt out evenly to 2 programs (each tile's parts
-# shared by at most two) or 7 (more programs than the 2-3 tiles: a tile's parts among several, some programs over
-# two tiles' parts)
-STREAMS = [(16, 32, 4, 1, 1, 0, 2), (16, 32, 4, 1, 1, 0, 7)]
-
-
-def launch_id(config):
-    return f"stream{config[6]}" if len(config) > 6 else f"split{config[4]}"
 
 
 def operands(M, N, K, dtype, glu=False, seed=0):
@@ -43,7 +35,7 @@ def operands(M, N, K, dtype, glu=False, seed=0):
 @pytest.mark.parametrize("M, N, K", [(1, 16, 80), (3, 40, 80), (8, 33, 64), (17, 20, 96)])
 @pytest.mark.parametrize("norm, glu, residual", [(False, False, False), (True, False, False), (True, True, False),
                                                  (False, False, True), (True, True, True)])
-@pytest.mark.parametrize("config", SPLITS + STREAMS, ids=launch_id)
+@pytest.mark.parametrize("config", SPLITS, ids=lambda c: f"split{c[-1]}")
 def test_kernel_equals_the_reference(dtype, bound, M, N, K, norm, glu, residual, config):
     x, (weight, up), norm_K, residual_MN = operands(M, N, K, dtype, glu)
     if up is not None and M % 2:  # odd M: the up's weight a tensor of its own, not a view beside the gate's
@@ -121,14 +113,13 @@ def test_a_cuda_input_the_kernel_refuses_is_said_once(monkeypatch, caplog):
     assert linear.kernel_entry(x, weight) is None and not caplog.records
 
 
-@pytest.mark.parametrize("config", [SPLITS[-1], STREAMS[-1]], ids=launch_id)
-def test_split_launches_leave_their_counts_at_zero(config):
-    """The K parts' counters are shared by every launch on a device: each split (or stream-K) launch sets its tiles'
-    back to 0, so the next launch (or a CUDA graph's next replay) reduces as the first did, bit for bit."""
+def test_split_launches_leave_their_counts_at_zero():
+    """The K parts' counters are shared by every launch on a device: each split launch sets its tiles' back to 0, so
+    the next launch (or a CUDA graph's next replay) reduces as the first did, bit for bit."""
     from longstraw_kernels.linear import triton_skinny
 
     x, (weight, up), norm_K, residual = operands(5, 40, 96, torch.float32, glu=True)
-    kwargs = dict(up_NK=up, norm_K=norm_K, residual=residual, config=config)
+    kwargs = dict(up_NK=up, norm_K=norm_K, residual=residual, config=SPLITS[-1])
     first = decode_linear_triton(x, weight, **kwargs)
     assert not triton_skinny._COUNTS[x.device].any()
     assert torch.equal(decode_linear_triton(x, weight, **kwargs), first)
@@ -138,7 +129,7 @@ def test_split_launches_leave_their_counts_at_zero(config):
 @pytest.mark.parametrize("dtype, bound", [(torch.float32, 2e-6), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("M, N, K", [(1, 16, 64), (3, 40, 80), (8, 33, 96)])
 @pytest.mark.parametrize("residual", [False, True])
-@pytest.mark.parametrize("config", SPLITS + STREAMS, ids=launch_id)
+@pytest.mark.parametrize("config", SPLITS, ids=lambda c: f"split{c[-1]}")
 def test_gated_norm_prologue_equals_the_reference(dtype, bound, M, N, K, residual, config):
     """GDN's output norm (each head of 16 features normalised, scaled by w, times silu(z)) in the prologue of its
     output linear, one head a K step; z's rows strided, as a split of the input linears' product leaves them."""
