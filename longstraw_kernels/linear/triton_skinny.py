@@ -233,13 +233,15 @@ def decode_linear_triton(x: torch.Tensor, weight_NK: torch.Tensor, *, up_NK: tor
                          gate: torch.Tensor | None = None, gate_norm_V: torch.Tensor | None = None,
                          config: tuple[int, ...] | None = None) -> torch.Tensor:
     """reference.decode_linear_reference's contract (gate: its gate_MK), one launch. config: launch_config's tuple
-    (benchmarks; PREFETCH may be left out: none); under a gated norm its BLOCK_K is the head's size."""
+    (benchmarks; SPLIT and PREFETCH may be left out: 1 and PREFETCH); under a gated norm its BLOCK_K is the head's
+    size."""
     K, N = x.shape[-1], weight_NK.shape[0]
     # the kernel walks K with unit stride (a view may not: the decoder checked an example, not every input)
     x_MK = x.reshape(-1, K)
     x_MK = x_MK if x_MK.stride(-1) == 1 else x_MK.contiguous()
     M = x_MK.shape[0]
-    block_n, block_k, warps, stages, split, prefetch = (*(config or launch_config(M, N, K, up_NK is not None)), 0)[:6]
+    config = config or launch_config(M, N, K, up_NK is not None)
+    block_n, block_k, warps, stages, split, prefetch = (*config, *(1, PREFETCH)[len(config) - 4:])
     gate_MK = None
     if gate is not None or gate_norm_V is not None:
         if gate is None or gate_norm_V is None or norm_K is not None or not gate_supported(K, gate_norm_V, x.dtype):

@@ -19,7 +19,7 @@ from rows import emit, graph_ms
 
 from longstraw_cli.models.qwen36.config import NAMED_CONFIGS
 from longstraw_kernels.linear import decode_linear_reference, rms_norm_one_plus
-from longstraw_kernels.linear.triton_skinny import PREFETCH, decode_linear_triton, launch_config, programmatic_launch
+from longstraw_kernels.linear.triton_skinny import decode_linear_triton, launch_config, programmatic_launch
 
 EPS = 1e-6
 
@@ -133,8 +133,7 @@ def main(argv=None):
         gemms = [(layer[name][-1], xs[name][0]) for layer, xs in zip(layers, inputs) if name in layer]
         _, row["cublas_ms"] = graph_ms(lambda g=gemms: [F.linear(x, w) for w, x in g], 50)
         for spec in args.sweep.split(","):
-            values = [int(v) for v in spec.split("x")]
-            config = tuple(values + [1, PREFETCH][len(values) - 4:])
+            config = tuple(int(v) for v in spec.split("x"))  # decode_linear_triton fills SPLIT and PREFETCH
             try:
                 _, row[f"kernel_{spec}_ms"] = graph_ms(
                     lambda n=name, c=config: run_all(layers, inputs, norm_K, "kernel", {n: c}, only=n), 50)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from conftest import rel_err
 from longstraw_cli.models.qwen36.model import RMSNorm
 from longstraw_kernels.linear import decode_linear, decode_linear_reference
-from longstraw_kernels.linear.triton_skinny import decode_linear_triton, launch_config
+from longstraw_kernels.linear.triton_skinny import PREFETCH, decode_linear_triton, launch_config
 
 # small blocks, so that a few columns and 80 inputs take several programs and three K steps; K in one part, or
 # split into two and three parts (the counted, last-part reduction), the last of them ragged or empty of steps
@@ -58,6 +58,28 @@ def test_the_default_launch_and_a_row_batch_shape():
     want = decode_linear_reference(x_B1K, weight, up_NK=up, norm_K=norm_K, residual_MN=residual[:, None])
     assert got.shape == (8, 1, 50) and rel_err(got, want) < 2e-6
     assert 300 % launch_config(8, 50, 300, glu=True)[1]
+
+
+def test_a_config_may_leave_out_split_and_prefetch(monkeypatch):
+    """A launch config of four values (blocks, warps, stages) launches one part of K and the default prefetch, as
+    launch_config's own tuples have them; one of five values, the default prefetch."""
+    from longstraw_kernels.linear import triton_skinny
+
+    launched = []
+    launch = triton_skinny._launch
+
+    def spy(*args, **kwargs):
+        launched.append(args[-2:])  # (split, prefetch)
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(triton_skinny, "_launch", spy)
+    x, (weight, _), norm_K, residual = operands(3, 40, 80, torch.float32)
+    kwargs = dict(norm_K=norm_K, residual=residual)
+    whole = decode_linear_triton(x, weight, **kwargs, config=(*SMALL, PREFETCH))
+    assert torch.equal(decode_linear_triton(x, weight, **kwargs, config=SMALL[:4]), whole)
+    assert torch.equal(decode_linear_triton(x, weight, **kwargs, config=(*SMALL[:4], 3)), decode_linear_triton(
+        x, weight, **kwargs, config=(*SMALL[:4], 3, 0)))
+    assert launched == [(1, PREFETCH), (1, PREFETCH), (3, PREFETCH), (3, 0)]
 
 
 def test_the_reference_is_the_modules_one_after_another():
