@@ -166,8 +166,7 @@ def test_exact_walk_counts_the_pages_backward_tiles_where_they_run():
     gpu = plan("qwen36_mini", kernels="gpu", **common)
     # the shapes the walk's backward folds a block's queries into (meta tensors: shapes only)
     q = torch.empty(1, 4096, cfg.num_attention_heads, cfg.head_dim, device="meta", dtype=torch.bfloat16)
-    lse = torch.empty(1, cfg.num_attention_heads, 4096, device="meta")
-    K, M, _ = flash._fold_pages_rows(q, q, q, lse, cfg.num_key_value_heads)[0].shape
+    K, M, _ = flash._fold_pages_query(q, cfg.num_key_value_heads)[0].shape
     assert gpu["page_tiles"] == 2 * K * M * DEFAULT_CHUNK * 2 == 2 << 30  # 2 GiB in bf16
     assert gpu["phases"]["prompt"] == (gpu["weights"] + gpu["grads"] + gpu["optimizer"] + gpu["resident"]
                                        + gpu["boundary_states"] + gpu["state_grad"] + gpu["block_graph"]
